@@ -1,0 +1,3 @@
+from forge_lightning.cli import main
+
+main()

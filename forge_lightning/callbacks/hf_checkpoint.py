@@ -1,0 +1,58 @@
+"""HuggingFace-format checkpoints (``save_pretrained``) of the policy and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from forge_lightning.callbacks._paths import output_dir
+from forge_lightning.io import write_folder_atomically
+
+
+class HFCheckpoint(Callback):
+    """Writes ``{output_dir}/{global_step}/`` every ``save_steps`` optimizer steps and
+    ``{output_dir}/final/`` when training ends, each loadable with ``from_pretrained``.
+
+    Each folder is written to a temporary sibling and renamed, so a crash never leaves a
+    half-written checkpoint. Only global rank 0 writes.
+
+    Args:
+        output_dir: run folder; ``trainer.default_root_dir`` when None.
+        save_steps: optimizer steps between checkpoints; 0 saves only ``final/``.
+        save_final: write ``final/`` at the end of training.
+    """
+
+    def __init__(self, output_dir: str | None = None, save_steps: int = 100, save_final: bool = True) -> None:
+        if save_steps < 0:
+            raise ValueError(f"save_steps must be >= 0, got {save_steps}")
+        self.output_dir = output_dir
+        self.save_steps = save_steps
+        self.save_final = save_final
+        self._last_saved_step = -1
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        step = trainer.global_step
+        if self.save_steps and step > 0 and step % self.save_steps == 0 and step != self._last_saved_step:
+            self._last_saved_step = step
+            self.save(trainer, pl_module, str(step))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_final:
+            self.save(trainer, pl_module, "final")
+
+    def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path:
+        folder = output_dir(trainer, self.output_dir) / name
+        if trainer.is_global_zero:
+
+            def write(tmp: Path) -> None:
+                pl_module.model.save_pretrained(tmp)
+                pl_module.tokenizer.save_pretrained(tmp)
+
+            write_folder_atomically(folder, write)
+        trainer.strategy.barrier("hf_checkpoint")
+        return folder

@@ -1,0 +1,76 @@
+"""The frozen reference policy that the KL term pulls toward."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from typing_extensions import override
+
+from forge_lightning.callbacks._paths import output_dir
+from forge_lightning.io import write_folder_atomically
+
+log = logging.getLogger(__name__)
+
+
+class ReferenceModel(Callback):
+    """Keeps a frozen copy of the policy as it was when training first started.
+
+    On a first fit the initial policy is written once, in HF format, to ``{output_dir}/reference/``
+    and a frozen in-memory copy is kept (eval mode, no gradients, same device and dtype as the
+    policy). On a resumed fit (``ckpt_path`` given) that folder is loaded instead, so the reference
+    is always the original policy, never the resumed one. Its weights never enter Lightning
+    checkpoints: they live in the folder.
+
+    Args:
+        output_dir: run folder; ``trainer.default_root_dir`` when None.
+    """
+
+    def __init__(self, output_dir: str | None = None) -> None:
+        self.output_dir = output_dir
+        self.model: PreTrainedModel | None = None
+
+    def folder(self, trainer: pl.Trainer) -> Path:
+        return output_dir(trainer, self.output_dir) / "reference"
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        policy: PreTrainedModel = pl_module.model
+        folder = self.folder(trainer)
+        if trainer.ckpt_path is not None:
+            self.model = self._load(folder, policy)
+        else:
+            self.model = copy.deepcopy(policy)
+            if trainer.is_global_zero:
+                write_folder_atomically(folder, self.model.save_pretrained)
+            trainer.strategy.barrier("reference_written")
+        self.model.eval()
+        self.model.requires_grad_(False)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.model = None  # free the memory; the folder stays for later resumes
+
+    @staticmethod
+    def _load(folder: Path, policy: PreTrainedModel) -> PreTrainedModel:
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"resuming needs the original reference policy in {folder}, written by the first fit; "
+                "it is missing. Resume in the run's own output folder."
+            )
+        param = next(policy.parameters())
+        log.info("Loading the reference policy from %s", folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=param.dtype)
+        return model.to(param.device)
+
+    def require(self) -> PreTrainedModel:
+        """The reference model; a clear error when fit has not set it up."""
+        if self.model is None:
+            raise RuntimeError(
+                "the reference model is only available during fit (ReferenceModel.on_fit_start)"
+            )
+        return self.model

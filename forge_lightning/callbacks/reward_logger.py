@@ -1,0 +1,114 @@
+"""Console, JSONL and Lightning-logger reporting of the training metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from typing_extensions import override
+
+from forge_lightning.callbacks._paths import output_dir
+from forge_lightning.io import append_jsonl
+
+# The JSONL line carries these (plus one ``rewards/<name>`` per reward component); the Lightning
+# logger gets every metric the module tracks.
+JSONL_KEYS = ("loss", "reward", "reward_std", "kl", "clip_fraction", "completion_length", "lr", "grad_norm")
+
+
+class RewardLogger(Callback):
+    """Every ``logging_steps`` optimizer steps: a console line, a JSONL record and logger scalars.
+
+    Each value is the mean since the previous report (the module's torchmetrics, so ranks are
+    reduced together). The JSONL file is ``{output_dir}/training_log.jsonl``; on a resumed fit,
+    records past the restored step are dropped first so the log never repeats or goes backwards.
+
+    Args:
+        output_dir: run folder; ``trainer.default_root_dir`` when None.
+        logging_steps: optimizer steps between reports.
+        num_text_samples: prompt/completion/reward rows sent to TensorBoard as text each report.
+    """
+
+    def __init__(
+        self, output_dir: str | None = None, logging_steps: int = 10, num_text_samples: int = 4
+    ) -> None:
+        if logging_steps < 1:
+            raise ValueError(f"logging_steps must be >= 1, got {logging_steps}")
+        self.output_dir = output_dir
+        self.logging_steps = logging_steps
+        self.num_text_samples = num_text_samples
+        self._last_step = -1
+
+    def log_path(self, trainer: pl.Trainer) -> Path:
+        return output_dir(trainer, self.output_dir) / "training_log.jsonl"
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+        path = self.log_path(trainer)
+        if trainer.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if trainer.ckpt_path is not None and path.exists():
+                _truncate_after(path, trainer.global_step)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        step = trainer.global_step
+        if step == self._last_step or step % self.logging_steps:
+            return
+        self._last_step = step
+        metrics = pl_module.pop_train_metrics()
+        if not trainer.is_global_zero or not metrics:
+            return
+        record: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch}
+        record.update({k: v for k, v in metrics.items() if k in JSONL_KEYS or k.startswith("rewards/")})
+        append_jsonl(self.log_path(trainer), record)
+        print(_console_line(record), flush=True)
+        for logger in trainer.loggers:
+            logger.log_metrics({f"{_group(k)}/{k}": v for k, v in metrics.items()}, step=step)
+            if isinstance(logger, TensorBoardLogger) and self.num_text_samples:
+                samples = pl_module.last_samples[: self.num_text_samples]
+                if samples:
+                    logger.experiment.add_text("samples", _markdown_table(samples), global_step=step)
+
+
+def _group(key: str) -> str:
+    return "perf" if key == "tokens_per_s" else "train"
+
+
+def _console_line(record: dict[str, Any]) -> str:
+    def fmt(key: str) -> str:
+        value = record.get(key)
+        return "n/a" if value is None else f"{value:.4f}"
+
+    return (
+        f"step {record['step']} | epoch {record['epoch']} | loss {fmt('loss')} | "
+        f"reward {fmt('reward')} | kl {fmt('kl')}"
+    )
+
+
+def _markdown_table(samples: list[tuple[str, str, float]]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    rows = ["| prompt | completion | reward |", "|---|---|---|"]
+    rows += [f"| {cell(p[-300:])} | {cell(c)} | {r:.3f} |" for p, c, r in samples]
+    return "\n".join(rows)
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Drop records whose step is past ``step`` (written after the checkpoint we resume from)."""
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash mid-write carries nothing to keep
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)

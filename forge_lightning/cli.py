@@ -1,0 +1,35 @@
+"""``forge-lightning`` / ``python -m forge_lightning``: LightningCLI over the module and datamodule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+
+from forge_lightning.data.datamodule import GSM8KDataModule
+from forge_lightning.module import GRPOLightningModule
+
+
+class ForgeCLI(LightningCLI):
+    """LightningCLI with the defaults a GRPO run wants."""
+
+
+def main(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
+    """Entry point; ``args`` as on the command line (None reads ``sys.argv``)."""
+    trainer_defaults: dict[str, Any] = {"num_sanity_val_steps": 0}
+    return ForgeCLI(
+        GRPOLightningModule,
+        GSM8KDataModule,
+        trainer_defaults=trainer_defaults,
+        # The saved config.yaml is the record of what ran; a resumed run in the same folder
+        # writes the same file again instead of refusing to start.
+        save_config_kwargs={"overwrite": True},
+        # The module owns its optimizer and warmup-cosine schedule (configure_optimizers).
+        auto_configure_optimizers=False,
+        args=args,
+        run=run,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Range checks for the algorithm's settings, shared by the module and the Forge-style GRPOConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from forge_lightning.grpo import ADVANTAGE_SCALES, LOSS_TYPES
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+# field -> (predicate, the allowed range in words)
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "group_size": (lambda v: isinstance(v, int) and v >= 2, "an integer >= 2"),
+    "clip_epsilon": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "clip_epsilon_high": (_optional(lambda v: v > 0), "None or > 0"),
+    "kl_beta": (lambda v: v >= 0, ">= 0"),
+    "temperature": (lambda v: v > 0, "> 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "max_new_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "learning_rate": (lambda v: v > 0, "> 0"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "gradient_accumulation_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "max_grad_norm": (_optional(lambda v: v > 0), "None or > 0"),
+    "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "loss_type": (lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}"),
+    "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES}"),
+    "num_iterations": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "train_micro_batch_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "max_prompt_length": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "prompt_truncation": (lambda v: v in ("left", "error"), "'left' or 'error'"),
+    "on_reward_error": (lambda v: v in ("raise", "zero"), "'raise' or 'zero'"),
+    "max_consecutive_bad_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "logprob_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "num_train_epochs": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "save_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "logging_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+}
+
+
+def validate_hparams(values: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first field outside its allowed range."""
+    for field, (allowed, words) in RULES.items():
+        if field not in values:
+            continue
+        value = values[field]
+        try:
+            ok = bool(allowed(value))
+        except TypeError:
+            ok = False
+        if isinstance(value, bool) or not ok:
+            raise ValueError(f"{field} must be {words}, got {value!r}")
+    if values.get("num_iterations", 1) > 1 and values.get("gradient_accumulation_steps", 1) != 1:
+        raise ValueError(
+            "num_iterations > 1 takes one optimizer step per pass over a rollout: set "
+            f"gradient_accumulation_steps to 1 (got {values['gradient_accumulation_steps']})"
+        )

@@ -1,0 +1,406 @@
+"""GRPOLightningModule: group rollouts, rewards and the clipped policy-gradient step in Lightning."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from typing_extensions import override
+
+from forge_lightning.callbacks.reference import ReferenceModel
+from forge_lightning.config import validate_hparams
+from forge_lightning.grpo import group_advantages
+from forge_lightning.hf_compat import is_checkpointing, set_checkpointing
+from forge_lightning.logprobs import supports_shared_prefix
+from forge_lightning.metrics import TrainMetrics
+from forge_lightning.models import ensure_pad_token, load_model
+from forge_lightning.policy_update import PolicyUpdate
+from forge_lightning.rewards import GSM8KAnswerReward, component_names, score
+from forge_lightning.rollout import (
+    GenerationBackend,
+    HFGenerate,
+    Rollout,
+    SamplingParams,
+    completion_mask,
+    decode_completions,
+    encode_prompts,
+    eos_token_ids,
+)
+
+
+class GRPOLightningModule(pl.LightningModule):
+    """GRPO fine-tuning of a HuggingFace causal LM.
+
+    Each ``training_step`` takes a batch of prompts, samples ``group_size`` completions per prompt,
+    scores them, turns the scores into group-relative advantages and backpropagates the clipped
+    surrogate loss with a KL pull toward the frozen reference. Optimization is manual: an
+    optimizer step every ``gradient_accumulation_steps`` batches (and at the end of an epoch), so
+    ``trainer.global_step`` counts optimizer steps.
+
+    Args:
+        model: a model spec (``embedded``, a hub id, a local folder, a ``.gguf`` file,
+            ``random:<spec>``; see :mod:`forge_lightning.models`) loaded in ``configure_model``,
+            or an already-built HF causal LM (then ``tokenizer`` is required).
+        reward: a reward object or any callable ``(prompts, responses, **kwargs) -> list[float]``;
+            defaults to :class:`~forge_lightning.rewards.GSM8KAnswerReward`.
+        tokenizer: the tokenizer when ``model`` is an object; loaded with the spec otherwise.
+        group_size: completions sampled per prompt (G), at least 2.
+        clip_epsilon: PPO clip range below 1 (and above, unless ``clip_epsilon_high`` is set).
+        clip_epsilon_high: upper clip range (DAPO's clip-higher); None means ``clip_epsilon``.
+        kl_beta: weight of the KL penalty toward the reference; 0 drops the reference entirely.
+        temperature: sampling temperature; the log-probs of grpo/dapo/dr_grpo use the same one.
+        top_p: nucleus sampling mass (1.0 samples from the whole distribution).
+        top_k: sample among the k most likely tokens (0 disables).
+        max_new_tokens: longest completion, in tokens.
+        learning_rate: AdamW learning rate (peak of the cosine schedule).
+        weight_decay: AdamW weight decay.
+        gradient_accumulation_steps: batches per optimizer step.
+        max_grad_norm: clip the total gradient norm to this before each step; None disables.
+        warmup_steps: optimizer steps of linear warmup before the cosine decay.
+        loss_type: ``grpo`` (per-sequence token mean), ``dapo`` (token mean over the rollout),
+            ``dr_grpo`` (constant normaliser) or ``forge`` (the Forge reference's sequence-level
+            loss against the reference; reproduces its numbers).
+        advantage_scale: divide group-centred rewards by the group std (``group``), the batch
+            std (``batch``) or nothing (``none``).
+        num_iterations: optimizer passes over each rollout (mu); >1 needs accumulation 1.
+        train_micro_batch_size: completions per training forward/backward; None does the whole
+            rollout at once. Bounds memory without changing the loss or its gradient.
+        max_prompt_length: prompts longer than this many tokens are cut from the left.
+        prompt_truncation: ``left`` truncates with a warning, ``error`` refuses long prompts.
+        use_chat_template: put prompts through the tokenizer's chat template; None turns it on
+            when the tokenizer has one.
+        system_prompt: system message for the chat template.
+        on_reward_error: ``raise`` names the reward and sample that failed; ``zero`` scores that
+            sample 0, warns and counts it.
+        max_consecutive_bad_steps: non-finite gradients skip the optimizer step; this many in a
+            row stop training with an error.
+        prefix_sharing: run each prompt's forward once per group and share its keys/values with
+            the G completions (falls back to the full forward where the model has no cache).
+        logprob_chunk_size: rows per chunk of the float32 log-softmax work; None for no chunks.
+        gradient_checkpointing: trade compute for activation memory in the training forward.
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel = "embedded",
+        reward: Callable[..., Any] | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        group_size: int = 8,
+        clip_epsilon: float = 0.2,
+        clip_epsilon_high: float | None = None,
+        kl_beta: float = 0.01,
+        temperature: float = 0.9,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 512,
+        learning_rate: float = 5e-6,
+        weight_decay: float = 0.0,
+        gradient_accumulation_steps: int = 4,
+        max_grad_norm: float | None = 1.0,
+        warmup_steps: int = 0,
+        loss_type: Literal["grpo", "dapo", "dr_grpo", "forge"] = "grpo",
+        advantage_scale: Literal["group", "batch", "none"] = "group",
+        num_iterations: int = 1,
+        train_micro_batch_size: int | None = None,
+        max_prompt_length: int | None = None,
+        prompt_truncation: Literal["left", "error"] = "left",
+        use_chat_template: bool | None = None,
+        system_prompt: str | None = None,
+        on_reward_error: Literal["raise", "zero"] = "raise",
+        max_consecutive_bad_steps: int = 3,
+        prefix_sharing: bool = True,
+        logprob_chunk_size: int | None = 8,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        objects = [
+            name for name, value in (("model", model), ("reward", reward)) if not isinstance(value, str)
+        ]
+        self.save_hyperparameters(ignore=["tokenizer", *objects])
+        validate_hparams(self.hparams)
+        if not isinstance(model, str) and tokenizer is None:
+            raise ValueError("tokenizer is required when model is an already-built model object")
+        self.automatic_optimization = False
+        self.model_spec = model if isinstance(model, str) else None
+        self.model: PreTrainedModel | None = None if isinstance(model, str) else model
+        self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
+        self.reward = reward if reward is not None else GSM8KAnswerReward()
+        self.generator: GenerationBackend | None = None
+        self.train_metrics = TrainMetrics(component_names(self.reward))
+        self.val_metrics = TrainMetrics([], keys=("accuracy", "reward", "completion_length"))
+        self.last_samples: list[tuple[str, str, float]] = []
+        self._bad_steps = 0
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is None:
+            model, tokenizer = load_model(self.model_spec)
+            self.model = model
+            self.tokenizer = self.tokenizer or tokenizer
+        if self.hparams.gradient_checkpointing and not is_checkpointing(self.model):
+            set_checkpointing(self.model, True)
+        if self.generator is None:
+            self.generator = HFGenerate(
+                self.tokenizer.pad_token_id, eos_token_ids(self.tokenizer, self.model)
+            )
+
+    @override
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits of the policy, ``(B, T, V)``."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        start = time.perf_counter()
+        prompts, reward_kwargs = _split_batch(batch)
+        rollout = self.rollout(prompts, self._sampling())
+        rewards, components = self.score(prompts, rollout, reward_kwargs)
+        advantages = group_advantages(rewards, self.hparams.group_size, scale=self.hparams.advantage_scale)
+        stats = self.policy_update().run(rollout, advantages, self._step_optimizer)
+        if self.hparams.num_iterations == 1 and self._accumulation_boundary(batch_idx):
+            self._step_optimizer()
+        self._track(prompts, rollout, rewards, components, stats, time.perf_counter() - start)
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        prompts, reward_kwargs = _split_batch(batch)
+        rollout = self.rollout(
+            prompts, SamplingParams(self.hparams.max_new_tokens, greedy=True), group_size=1
+        )
+        rewards, _ = self.score(prompts, rollout, reward_kwargs, group_size=1)
+        self.val_metrics.update("reward", rewards)
+        self.val_metrics.update("completion_length", rollout.completion_lengths.float())
+        if "references" in reward_kwargs:
+            correct = GSM8KAnswerReward()(
+                prompts, rollout.completions, references=reward_kwargs["references"]
+            )
+            self.val_metrics.update("accuracy", torch.tensor(correct.scores, device=self.device))
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        values = self.val_metrics.pop()
+        if values:
+            self.log_dict({f"val/{k}": v for k, v in values.items()}, sync_dist=False)
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay
+        )
+        scheduler = get_cosine_schedule_with_warmup(
+            optimizer, self.hparams.warmup_steps, max(self.total_optimizer_steps(), 1)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [ReferenceModel()] if self.needs_reference else []
+
+    # -- the pieces of a step -------------------------------------------------------------------
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.hparams.kl_beta > 0 or self.hparams.loss_type == "forge"
+
+    def reference_model(self) -> PreTrainedModel | None:
+        """The frozen reference from the trainer's ReferenceModel callback; None when not needed."""
+        if not self.needs_reference:
+            return None
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, ReferenceModel):
+                return callback.require()
+        raise RuntimeError(
+            f"kl_beta={self.hparams.kl_beta} with loss_type={self.hparams.loss_type!r} needs a reference "
+            "model, but the trainer has no ReferenceModel callback; add forge_lightning.callbacks."
+            "ReferenceModel() or set kl_beta=0"
+        )
+
+    def rollout(self, prompts: list[str], params: SamplingParams, group_size: int | None = None) -> Rollout:
+        """Sample ``group_size`` completions for each prompt."""
+        group_size = group_size or self.hparams.group_size
+        prompt_ids, prompt_mask = encode_prompts(
+            self.tokenizer,
+            prompts,
+            use_chat_template=self.use_chat_template,
+            system_prompt=self.hparams.system_prompt,
+            max_prompt_length=self.hparams.max_prompt_length,
+            truncation=self.hparams.prompt_truncation,
+        )
+        prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        completion_ids = self.generator.generate(self.model, prompt_ids, prompt_mask, group_size, params)
+        mask = completion_mask(completion_ids, self.generator_eos_ids)
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            group_size=group_size,
+            completions=decode_completions(self.tokenizer, completion_ids, mask),
+        )
+
+    def score(
+        self,
+        prompts: list[str],
+        rollout: Rollout,
+        reward_kwargs: dict[str, list[Any]],
+        group_size: int | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Rewards ``(P*G,)`` and per-component scores for the rollout's completions."""
+        group_size = group_size or self.hparams.group_size
+        repeated = {
+            key: [v for v in values for _ in range(group_size)] for key, values in reward_kwargs.items()
+        }
+        scored = score(
+            self.reward,
+            [p for p in prompts for _ in range(group_size)],
+            rollout.completions,
+            on_error=self.hparams.on_reward_error,
+            **repeated,
+        )
+        # Updated every step, zero included, so every rank holds the same counters.
+        self.train_metrics.update("reward_errors", torch.tensor([float(scored.num_errors)]))
+
+        def as_tensor(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+        return as_tensor(scored.total), {name: as_tensor(v) for name, v in scored.components.items()}
+
+    def policy_update(self) -> PolicyUpdate:
+        """The loss/backward machinery for one rollout, configured from the hyperparameters."""
+        prefix = self.hparams.prefix_sharing and supports_shared_prefix(self.model)
+        if self.hparams.prefix_sharing and not prefix and not getattr(self, "_warned_prefix", False):
+            self._warned_prefix = True
+            warnings.warn(
+                "prefix sharing is off for this model (no KV cache in training); using the full forward"
+            )
+        return PolicyUpdate(
+            policy=self.model,
+            reference=self.reference_model(),
+            hparams=self.hparams,
+            shared_prefix=prefix,
+            backward=self.manual_backward,
+        )
+
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps of the whole fit, for the learning-rate schedule."""
+        trainer = self.trainer
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return trainer.max_steps
+        batches = trainer.estimated_stepping_batches
+        if not math.isfinite(batches):
+            raise ValueError("the dataset has no length: set trainer.max_steps so the schedule has an end")
+        epochs = max(trainer.max_epochs or 1, 1)
+        per_epoch = math.ceil(batches / epochs)
+        if self.hparams.num_iterations > 1:
+            return per_epoch * epochs * self.hparams.num_iterations
+        return math.ceil(per_epoch / self.hparams.gradient_accumulation_steps) * epochs
+
+    def pop_train_metrics(self) -> dict[str, float]:
+        """Means of the training metrics since the last call (reduced across ranks), then reset."""
+        return self.train_metrics.pop()
+
+    @property
+    def use_chat_template(self) -> bool:
+        if self.hparams.use_chat_template is not None:
+            return self.hparams.use_chat_template
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def generator_eos_ids(self) -> list[int]:
+        return eos_token_ids(self.tokenizer, self.model)
+
+    def _sampling(self) -> SamplingParams:
+        hp = self.hparams
+        return SamplingParams(hp.max_new_tokens, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k)
+
+    def _accumulation_boundary(self, batch_idx: int) -> bool:
+        last = batch_idx + 1 == self.trainer.num_training_batches
+        return (batch_idx + 1) % self.hparams.gradient_accumulation_steps == 0 or last
+
+    def _step_optimizer(self) -> None:
+        """Clip, step, zero, schedule; skip the step when the gradient is not finite."""
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        if not torch.isfinite(grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            self._bad_steps += 1
+            self.train_metrics.update("skipped_steps", torch.ones(1))
+            warnings.warn(f"non-finite gradient norm ({grad_norm.item()}); optimizer step skipped")
+            if self._bad_steps >= self.hparams.max_consecutive_bad_steps:
+                raise RuntimeError(
+                    f"{self._bad_steps} optimizer steps in a row had non-finite gradients; stopping. Lower "
+                    "learning_rate, check the reward for NaN/inf, or try a different precision"
+                )
+            return
+        self._bad_steps = 0
+        self.train_metrics.update("skipped_steps", torch.zeros(1))
+        self.train_metrics.update("lr", torch.tensor([scheduler.get_last_lr()[0]]))
+        self.train_metrics.update("grad_norm", grad_norm.detach().float().reshape(1))
+        if self.hparams.max_grad_norm is not None:
+            self.clip_gradients(
+                optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm"
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        self.generator.sync_weights(self.model)
+
+    def _track(
+        self,
+        prompts: list[str],
+        rollout: Rollout,
+        rewards: Tensor,
+        components: dict[str, Tensor],
+        stats: dict[str, Tensor],
+        seconds: float,
+    ) -> None:
+        group_std = rewards.view(-1, rollout.group_size).std(dim=1)
+        lengths = rollout.completion_lengths.float()
+        values = {
+            "reward": rewards.mean(),
+            "reward_std": rewards.std() if rewards.numel() > 1 else torch.zeros(()),
+            "completion_length": lengths.mean(),
+            "frac_zero_std_groups": (group_std == 0).float().mean(),
+            "tokens_per_s": torch.tensor(lengths.sum().item() / max(seconds, 1e-9)),
+            **{f"rewards/{name}": v.mean() for name, v in components.items()},
+            **stats,
+        }
+        for key, value in values.items():
+            self.train_metrics.update(key, value.detach().float().reshape(1))
+        self.log_dict(
+            {"reward": values["reward"], "kl": stats["kl"]},
+            prog_bar=True,
+            logger=False,
+            batch_size=len(prompts),
+        )
+        self.last_samples = [
+            (prompts[i // rollout.group_size], rollout.completions[i], float(rewards[i]))
+            for i in range(min(len(rollout.completions), 8))
+        ]
+
+
+def _split_batch(batch: dict[str, Any]) -> tuple[list[str], dict[str, list[Any]]]:
+    """Prompts, and the keyword arguments each reward may take (``reference`` -> ``references``)."""
+    if "prompt" not in batch:
+        raise KeyError(f"a batch needs a 'prompt' key (list of str); got keys {sorted(batch)}")
+    prompts = list(batch["prompt"])
+    kwargs: dict[str, list[Any]] = {}
+    for key, values in batch.items():
+        if key == "prompt":
+            continue
+        values = values.tolist() if isinstance(values, Tensor) else list(values)
+        if len(values) != len(prompts):
+            raise ValueError(f"batch key {key!r} has {len(values)} values for {len(prompts)} prompts")
+        kwargs["references" if key == "reference" else key] = values
+    return prompts, kwargs

@@ -1,0 +1,334 @@
+"""Reward functions and :func:`score`, the one place a batch of responses is turned into checked scores.
+
+A reward is a :class:`BaseReward` or any plain callable ``(prompts, responses, **kwargs)`` returning a
+:class:`RewardOutput` or a list of floats. Only the keyword arguments a reward's signature accepts are
+passed to it, so rewards that need ``references`` and rewards that do not can be mixed freely.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+from forge_lightning.data.gsm8k import extract_answer, normalize_number
+
+
+@dataclass
+class RewardOutput:
+    """One score per response, plus anything a reward wants to expose for inspection."""
+
+    scores: list[float]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class BaseReward(ABC):
+    """Base class for rewards. Subclasses may declare a narrower ``__call__`` (no ``**kwargs``)."""
+
+    @abstractmethod
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput: ...
+
+
+RewardFn: TypeAlias = BaseReward | Callable[..., RewardOutput | Sequence[float]]
+
+
+@dataclass
+class ScoredRewards:
+    """Validated scores of one batch: the total, each named component, and how many samples failed."""
+
+    total: list[float]
+    components: dict[str, list[float]]
+    num_errors: int = 0
+
+
+def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn`` can take by name (all of them if it has ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        # Some builtins have no signature; passing everything lets a mismatch fail loudly at the call.
+        return dict(kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(kwargs)
+    by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {key: value for key, value in kwargs.items() if key in by_name}
+
+
+def reward_name(reward: RewardFn) -> str:
+    """A readable name: a function's ``__name__`` (``<lambda>`` becomes ``lambda``), else the class name."""
+    name = getattr(reward, "__name__", None) or type(reward).__name__
+    return name.strip("<>")
+
+
+def component_names(reward: RewardFn) -> list[str]:
+    """Unique component names of a :class:`CompositeReward`, else the reward's own name."""
+    if isinstance(reward, CompositeReward):
+        return list(reward.names)
+    return [reward_name(reward)]
+
+
+def checked_scores(output: Any, num_samples: int, name: str) -> list[float]:
+    """Turn a reward's output into ``num_samples`` finite floats; ValueError naming the reward otherwise."""
+    if isinstance(output, RewardOutput):
+        output = output.scores
+    elif hasattr(output, "tolist"):  # numpy arrays and tensors, without importing either
+        output = output.tolist()
+    if not isinstance(output, (list, tuple)):
+        raise ValueError(
+            f"reward {name!r} must return a RewardOutput or a list of floats, got {type(output)}"
+        )
+    if len(output) != num_samples:
+        raise ValueError(f"reward {name!r} returned {len(output)} scores for {num_samples} responses")
+    for i, value in enumerate(output):
+        if not isinstance(value, numbers.Real):
+            raise ValueError(f"reward {name!r} returned a non-number at index {i}: {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"reward {name!r} returned a non-finite score at index {i}: {value!r}")
+    return [float(value) for value in output]
+
+
+def _call(reward: RewardFn, prompts: list[str], responses: list[str], kwargs: dict[str, Any]) -> Any:
+    return reward(prompts, responses, **accepted_kwargs(reward, kwargs))
+
+
+def _require_references(
+    owner: BaseReward, references: Sequence[Any] | None, responses: list[str]
+) -> Sequence[Any]:
+    name = type(owner).__name__
+    if references is None:
+        raise ValueError(f"{name} needs references (one per response), e.g. as the references= argument")
+    if len(references) != len(responses):
+        raise ValueError(f"{name} got {len(references)} references for {len(responses)} responses")
+    return references
+
+
+class ExactMatchReward(BaseReward):
+    """1.0 when the reference appears in the response (case-insensitive), else 0.0.
+
+    Args:
+        references: one reference per response; may instead be passed at call time, which wins.
+    """
+
+    def __init__(self, references: list[str] | None = None) -> None:
+        self.references = references
+
+    def __call__(
+        self, prompts: list[str], responses: list[str], references: list[str] | None = None, **kwargs: Any
+    ) -> RewardOutput:
+        refs = _require_references(self, references if references is not None else self.references, responses)
+        hits = [str(ref).strip().lower() in response.lower() for ref, response in zip(refs, responses)]
+        return RewardOutput(scores=[float(hit) for hit in hits])
+
+
+class FormatReward(BaseReward):
+    """1.0 when ``format_fn(response)`` is truthy, else 0.0.
+
+    Args:
+        format_fn: any ``str -> bool``-like check of one response.
+    """
+
+    def __init__(self, format_fn: Callable[[str], object]) -> None:
+        self.format_fn = format_fn
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        return RewardOutput(scores=[1.0 if self.format_fn(response) else 0.0 for response in responses])
+
+
+class LengthPenaltyReward(BaseReward):
+    """Word-count shaping: 1.0 at ``optimal_length`` words, falling linearly to 0.0 at ``min_length``
+    (below optimal) and at ``max_length`` (above optimal); 0.0 outside ``[min_length, max_length]``.
+
+    Args:
+        optimal_length: word count that scores 1.0.
+        min_length: shortest word count that can score above 0 (scores 0.0 itself unless optimal).
+        max_length: longest word count that can score above 0 (scores 0.0 itself unless optimal).
+    """
+
+    def __init__(self, optimal_length: int = 200, min_length: int = 50, max_length: int = 500) -> None:
+        if not 0 <= min_length <= optimal_length <= max_length:
+            raise ValueError(
+                "LengthPenaltyReward needs 0 <= min_length <= optimal_length <= max_length, got "
+                f"min_length={min_length}, optimal_length={optimal_length}, max_length={max_length}"
+            )
+        self.optimal_length, self.min_length, self.max_length = optimal_length, min_length, max_length
+
+    def score_length(self, words: int) -> float:
+        if words == self.optimal_length:
+            return 1.0
+        if words < self.min_length or words > self.max_length:
+            return 0.0
+        # Strictly between a bound and optimal here, so neither denominator can be zero.
+        if words < self.optimal_length:
+            return (words - self.min_length) / (self.optimal_length - self.min_length)
+        return (self.max_length - words) / (self.max_length - self.optimal_length)
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        return RewardOutput(scores=[self.score_length(len(response.split())) for response in responses])
+
+
+class GSM8KAnswerReward(BaseReward):
+    """1.0 when the number extracted from the response equals the reference as a value
+    ("$1,800.00" matches "1800"), else 0.0. Needs ``references=`` at call time."""
+
+    def __call__(
+        self, prompts: list[str], responses: list[str], references: list[str] | None = None, **kwargs: Any
+    ) -> RewardOutput:
+        scores = []
+        for ref, response in zip(_require_references(self, references, responses), responses):
+            expected = normalize_number(str(ref))
+            if expected is None:
+                raise ValueError(f"GSM8KAnswerReward reference is not a number: {ref!r}")
+            scores.append(1.0 if extract_answer(response) == expected else 0.0)
+        return RewardOutput(scores=scores)
+
+
+class CompositeReward(BaseReward):
+    """Weighted sum of rewards, weights normalised to sum to 1.
+
+    Each component gets only the keyword arguments its signature accepts. The output's
+    ``metadata["components"]`` maps each component's unique name to its scores.
+
+    Args:
+        rewards_and_weights: ``(reward, weight)`` or ``(reward, weight, name)`` tuples; weights must be
+            non-negative with a positive sum. Unnamed components take :func:`reward_name`; repeated
+            names get ``_2``, ``_3``... suffixes.
+    """
+
+    def __init__(
+        self, rewards_and_weights: Sequence[tuple[RewardFn, float] | tuple[RewardFn, float, str]]
+    ) -> None:
+        if not rewards_and_weights:
+            raise ValueError("CompositeReward needs at least one (reward, weight) pair")
+        for entry in rewards_and_weights:
+            if not isinstance(entry, tuple) or len(entry) not in (2, 3) or not callable(entry[0]):
+                raise ValueError(
+                    f"CompositeReward entries are (reward, weight[, name]) tuples, got {entry!r}"
+                )
+        weights = [float(entry[1]) for entry in rewards_and_weights]
+        if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"CompositeReward weights must be finite, >= 0 and sum to > 0, got {weights}")
+        self.rewards: list[RewardFn] = [entry[0] for entry in rewards_and_weights]
+        self.weights = [w / sum(weights) for w in weights]
+        self.names = _unique_names(
+            [entry[2] if len(entry) == 3 else reward_name(entry[0]) for entry in rewards_and_weights]
+        )
+
+    def combine(self, components: dict[str, list[float]]) -> list[float]:
+        """Weighted sum of per-component scores keyed by :attr:`names`."""
+        columns = [components[name] for name in self.names]
+        return [sum(w * s for w, s in zip(self.weights, row)) for row in zip(*columns)]
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        components = {
+            name: checked_scores(_call(reward, prompts, responses, kwargs), len(responses), name)
+            for name, reward in zip(self.names, self.rewards)
+        }
+        return RewardOutput(scores=self.combine(components), metadata={"components": components})
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    unique: list[str] = []
+    for base in names:
+        candidate, suffix = base, 1
+        while candidate in unique:
+            suffix += 1
+            candidate = f"{base}_{suffix}"
+        unique.append(candidate)
+    return unique
+
+
+def _sample_kwargs(kwargs: dict[str, Any], index: int, batch_size: int) -> dict[str, Any]:
+    """Per-sample view of the kwargs: batch-length lists/tuples are sliced, anything else is shared."""
+    return {
+        key: value[index : index + 1]
+        if isinstance(value, (list, tuple)) and len(value) == batch_size
+        else value
+        for key, value in kwargs.items()
+    }
+
+
+def score(
+    reward: RewardFn,
+    prompts: list[str],
+    responses: list[str],
+    on_error: Literal["raise", "zero"] = "raise",
+    **kwargs: Any,
+) -> ScoredRewards:
+    """Score a batch with ``reward`` and check the result; the entry point the training loop uses.
+
+    A :class:`CompositeReward` is scored component by component so that errors name the component
+    and ``components`` holds each one's scores. When a reward raises, it is re-called one sample at a
+    time (batch-length list/tuple kwargs sliced alongside) to find the culprit: ``on_error="raise"``
+    raises a RuntimeError naming the first failing sample, ``on_error="zero"`` scores failing samples
+    0.0 (per component), warns, and counts the failing samples in ``num_errors``.
+
+    Raises:
+        ValueError: bad ``on_error``, mismatched lengths, or a reward output that is not one finite
+            number per response.
+    """
+    if on_error not in ("raise", "zero"):
+        raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
+    if len(prompts) != len(responses):
+        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
+    if isinstance(reward, CompositeReward):
+        parts = {
+            name: _score_one(part, name, prompts, responses, kwargs, on_error)
+            for name, part in zip(reward.names, reward.rewards)
+        }
+        components = {name: scores for name, (scores, _) in parts.items()}
+        failed = set().union(*(failures for _, failures in parts.values()))
+        return ScoredRewards(reward.combine(components), components, len(failed))
+    name = reward_name(reward)
+    scores, failures = _score_one(reward, name, prompts, responses, kwargs, on_error)
+    return ScoredRewards(scores, {name: list(scores)}, len(failures))
+
+
+def _score_one(
+    reward: RewardFn,
+    name: str,
+    prompts: list[str],
+    responses: list[str],
+    kwargs: dict[str, Any],
+    on_error: str,
+) -> tuple[list[float], list[int]]:
+    """Checked scores of one reward and the indices of the samples that raised (only with "zero")."""
+    try:
+        output = _call(reward, prompts, responses, kwargs)
+    except Exception as err:
+        batch_error = err
+    else:
+        return checked_scores(output, len(responses), name), []
+    size = len(responses)
+    scores: list[float] = []
+    failures: list[tuple[int, Exception]] = []
+    for i in range(size):
+        try:
+            output = _call(reward, prompts[i : i + 1], responses[i : i + 1], _sample_kwargs(kwargs, i, size))
+        except Exception as err:
+            if on_error == "raise":
+                raise RuntimeError(f"reward {name!r} failed on sample {i}: {err!r}") from batch_error
+            failures.append((i, err))
+            scores.append(0.0)
+            continue
+        scores.extend(checked_scores(output, 1, name))
+    if failures:
+        warnings.warn(
+            f"reward {name!r} raised on {len(failures)} of {size} samples, which score 0.0 "
+            f"(first: sample {failures[0][0]}: {failures[0][1]!r})",
+            stacklevel=3,
+        )
+    elif on_error == "raise":
+        # A failure that no single sample reproduces (e.g. out of memory) has no sample to blame.
+        raise RuntimeError(
+            f"reward {name!r} failed on the batch but on no single sample: {batch_error!r}"
+        ) from batch_error
+    else:
+        warnings.warn(
+            f"reward {name!r} failed on the batch but on no single sample: {batch_error!r}", stacklevel=3
+        )
+    return scores, [i for i, _ in failures]

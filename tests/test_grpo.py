@@ -1,0 +1,346 @@
+"""Checks of the GRPO math against numbers worked out by hand, torch references and gradcheck."""
+
+import math
+import statistics
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from forge_lightning.grpo import (
+    ADVANTAGE_SCALES,
+    LOSS_TYPES,
+    group_advantages,
+    grpo_loss,
+    masked_mean,
+    token_log_probs,
+)
+
+TOKEN_LEVEL_TYPES = ("grpo", "dapo", "dr_grpo")
+EPS = 1e-8
+
+
+def k3(x: float) -> float:
+    return math.exp(x) - x - 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# masked_mean
+
+
+def test_masked_mean_ignores_masked_positions_even_when_they_hold_inf():
+    values = torch.tensor([[1.0, 3.0, float("inf")], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert_close(masked_mean(values, mask), torch.tensor(2.0))  # (1 + 3 + 2) / 3
+    assert_close(masked_mean(values, mask, dim=1), torch.tensor([2.0, 2.0]))
+
+
+def test_masked_mean_of_empty_mask_is_zero_not_nan():
+    values = torch.randn(2, 3)
+    assert_close(masked_mean(values, torch.zeros(2, 3, dtype=torch.bool)), torch.tensor(0.0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# group_advantages
+
+
+def test_forge_example_group_gives_plus_minus_0_9354():
+    rewards = torch.tensor([1.0, 1, 0, 0, 1, 0, 0, 1])
+    # mean 0.5, Bessel variance 8 * 0.25 / 7 = 2/7
+    magnitude = 0.5 / (math.sqrt(2 / 7) + EPS)  # about 0.9354
+    expected = torch.tensor([1.0, 1, -1, -1, 1, -1, -1, 1]) * magnitude
+    assert_close(group_advantages(rewards, group_size=8), expected)
+
+
+@pytest.mark.parametrize(
+    "scale, magnitude",
+    [
+        ("group", 1 / (math.sqrt(2) + EPS)),  # group [0, 2]: mean 1, Bessel std sqrt(2)
+        ("batch", 1 / (statistics.stdev([0, 2, 1, 1, 5, 5]) + EPS)),  # std of all raw rewards
+        ("none", 1.0),
+    ],
+)
+def test_each_scale_divides_centred_rewards_by_its_std(scale, magnitude):
+    rewards = torch.tensor([0.0, 2, 1, 1, 5, 5])
+    expected = torch.tensor([-magnitude, magnitude, 0, 0, 0, 0])
+    assert_close(group_advantages(rewards, group_size=2, scale=scale), expected)
+
+
+@pytest.mark.parametrize("scale", ADVANTAGE_SCALES)
+def test_equal_rewards_give_zero_advantages(scale):
+    # In float32 the mean of seven 0.1s is not 0.1; the naive (r - mean) / (std + eps) of this batch
+    # is about -0.41 for every reward, so exact zeros show the equal group is special-cased.
+    rewards = torch.tensor([0.1] * 7 + [0.7] * 7)
+    advantages = group_advantages(rewards, group_size=7, scale=scale)
+    assert torch.equal(advantages, torch.zeros(14))
+
+
+def test_advantages_keep_float64_and_upcast_integers():
+    assert group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), 2).dtype == torch.float64
+    assert group_advantages(torch.tensor([1, 0]), 2).dtype == torch.float32
+
+
+@pytest.mark.parametrize("length, group_size", [(4, 1), (4, 0), (5, 2)])
+def test_bad_group_sizes_raise(length, group_size):
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(torch.zeros(length), group_size)
+
+
+def test_unknown_scale_raises_naming_the_allowed_ones():
+    with pytest.raises(ValueError, match="batch"):
+        group_advantages(torch.zeros(4), 2, scale="rank")
+
+
+# ---------------------------------------------------------------------------------------------------
+# token_log_probs
+
+
+def reference_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [None, 1, 4, 100])
+def test_token_log_probs_match_log_softmax_gather(temperature, chunk_size):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11) * 3
+    targets = torch.randint(0, 11, (3, 5))
+    result = token_log_probs(logits, targets, temperature=temperature, chunk_size=chunk_size)
+    assert_close(result, reference_log_probs(logits, targets, temperature))
+
+
+def test_chunked_gradient_equals_unchunked_gradient():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 7, 13, requires_grad=True)
+    targets = torch.randint(0, 13, (2, 7))
+    weights = torch.randn(2, 7)
+    (token_log_probs(logits, targets, temperature=0.8, chunk_size=3) * weights).sum().backward()
+    chunked_grad = logits.grad.clone()
+    logits.grad = None
+    (reference_log_probs(logits, targets, 0.8) * weights).sum().backward()
+    assert_close(chunked_grad, logits.grad)
+
+
+def test_bf16_logits_give_float32_log_probs():
+    torch.manual_seed(2)
+    logits = torch.randn(4, 9).to(torch.bfloat16)
+    targets = torch.randint(0, 9, (4,))
+    result = token_log_probs(logits, targets, chunk_size=2)
+    assert result.dtype == torch.float32
+    assert_close(result, reference_log_probs(logits, targets, 1.0))
+
+
+def test_token_log_probs_pass_gradcheck():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 5, (2, 3))
+    assert torch.autograd.gradcheck(lambda x: token_log_probs(x, targets, 0.7, chunk_size=4), (logits,))
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0])
+def test_non_positive_temperature_raises(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        token_log_probs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), temperature=temperature)
+
+
+# ---------------------------------------------------------------------------------------------------
+# grpo_loss: one worked example, B=2 completions, T=2 tokens, the second completion one token long.
+# Log-ratios logp - old: (0,0) 0.1, (0,1) -0.3, (1,0) 0.0; ref - logp: -0.1, 0.2, 0.3; A = [1, -1].
+# No token is clipped: (0,1) has ratio 0.74 < 0.8 but a positive advantage, so the min keeps it.
+
+LOGP = [[-0.9, -2.3], [-1.5, -9.0]]  # -9.0 sits on padding and must not matter
+OLD = [[-1.0, -2.0], [-1.5, -0.5]]
+REF = [[-1.0, -2.1], [-1.2, -0.7]]
+MASK = [[1, 1], [1, 0]]
+ADVANTAGES = [1.0, -1.0]
+BETA = 0.1
+
+POLICY = [-math.exp(0.1), -math.exp(-0.3), 1.0]  # -min(r*A, clip(r)*A) per real token
+KL = [k3(-0.1), k3(0.2), k3(0.3)]
+TOKEN_LOSS = [p + BETA * k for p, k in zip(POLICY, KL)]
+
+
+def per_sequence_mean(values: list[float]) -> float:
+    return ((values[0] + values[1]) / 2 + values[2]) / 2
+
+
+# forge: x = mean(logp) - mean(ref) per sequence = [-1.6 + 1.55, -1.5 + 1.2] = [-0.05, -0.3].
+# Sequence 1 has ratio 0.74 with A = -1, so its clip is active: -min(-0.74, -0.8) = 0.8.
+FORGE_POLICY = (-math.exp(-0.05) + 0.8) / 2
+FORGE_KL = (k3(-0.05) + k3(-0.3)) / 2
+
+WORKED_EXAMPLE = {
+    "grpo": (per_sequence_mean(TOKEN_LOSS), per_sequence_mean(POLICY), 0.0),
+    "dapo": (sum(TOKEN_LOSS) / 3, sum(POLICY) / 3, 0.0),
+    "dr_grpo": (sum(TOKEN_LOSS) / 4, sum(POLICY) / 4, 0.0),
+    "forge": (FORGE_POLICY + BETA * FORGE_KL, FORGE_POLICY, 0.5),
+}
+
+
+def worked_inputs(**overrides):
+    inputs = {
+        "logp": torch.tensor(LOGP, dtype=torch.float64, requires_grad=True),
+        "old_logp": torch.tensor(OLD, dtype=torch.float64),
+        "ref_logp": torch.tensor(REF, dtype=torch.float64),
+        "advantages": torch.tensor(ADVANTAGES, dtype=torch.float64),
+        "mask": torch.tensor(MASK),
+    }
+    return inputs | overrides
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_worked_example_matches_hand_computation(loss_type):
+    expected_loss, expected_policy, expected_clip_low = WORKED_EXAMPLE[loss_type]
+    expected_kl = FORGE_KL if loss_type == "forge" else sum(KL) / 3
+    loss, metrics = grpo_loss(**worked_inputs(), loss_type=loss_type, kl_beta=BETA)
+    assert_close(loss.item(), expected_loss)
+    assert set(metrics) == {"policy_loss", "kl", "clip_fraction_low", "clip_fraction_high"}
+    assert not any(value.requires_grad for value in metrics.values())
+    assert_close(metrics["policy_loss"].item(), expected_policy)
+    assert_close(metrics["kl"].item(), expected_kl)
+    assert_close(metrics["clip_fraction_low"].item(), expected_clip_low)
+    assert_close(metrics["clip_fraction_high"].item(), 0.0)
+
+
+def test_dr_grpo_divides_by_max_completion_length():
+    loss, _ = grpo_loss(**worked_inputs(), loss_type="dr_grpo", kl_beta=BETA, max_completion_length=5)
+    assert_close(loss.item(), sum(TOKEN_LOSS) / (2 * 5))
+
+
+def test_loss_leaves_caller_tensors_untouched():
+    inputs = worked_inputs()
+    before = {name: tensor.clone() for name, tensor in inputs.items()}
+    for loss_type in LOSS_TYPES:
+        grpo_loss(**inputs, loss_type=loss_type, kl_beta=BETA)[0].backward()
+    for name, tensor in before.items():
+        assert torch.equal(inputs[name].detach(), tensor.detach())
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_grpo_loss_passes_gradcheck(loss_type):
+    torch.manual_seed(4)
+    logp = (-torch.rand(3, 4, dtype=torch.float64) * 3).requires_grad_()
+    # Log-ratios well away from log(0.8) and log(1.2), where min and clamp have kinks.
+    log_ratio = torch.tensor([[0.5, -0.05, 0.05, -0.5]], dtype=torch.float64).expand(3, 4)
+    old = logp.detach() - log_ratio
+    ref = logp.detach() - torch.tensor([[0.5], [0.05], [-0.5]], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+
+    def loss_of(x):
+        return grpo_loss(x, old, ref, advantages, mask, loss_type=loss_type, kl_beta=0.1)[0]
+
+    assert torch.autograd.gradcheck(loss_of, (logp,))
+
+
+# ---------------------------------------------------------------------------------------------------
+# grpo_loss: edge cases
+
+
+@pytest.mark.parametrize("loss_type", TOKEN_LEVEL_TYPES)
+def test_all_zero_mask_gives_zero_loss_that_still_backpropagates(loss_type):
+    inputs = worked_inputs(mask=torch.zeros(2, 2))
+    loss, metrics = grpo_loss(**inputs, loss_type=loss_type)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert torch.equal(inputs["logp"].grad, torch.zeros(2, 2, dtype=torch.float64))
+    assert all(torch.isfinite(value) for value in metrics.values())
+
+
+def test_forge_with_all_zero_mask_stays_finite():
+    inputs = worked_inputs(mask=torch.zeros(2, 2))
+    loss, _ = grpo_loss(**inputs, loss_type="forge")
+    assert torch.isfinite(loss)
+    loss.backward()
+
+
+def test_sequence_without_tokens_is_not_counted_in_grpo_mean():
+    inputs = worked_inputs(mask=torch.tensor([[1, 1], [0, 0]]))
+    loss, _ = grpo_loss(**inputs, kl_beta=BETA)
+    first_row = {name: tensor[:1] for name, tensor in worked_inputs().items()}
+    alone, _ = grpo_loss(**first_row, kl_beta=BETA)
+    assert_close(loss, alone)
+    assert_close(loss.item(), (TOKEN_LOSS[0] + TOKEN_LOSS[1]) / 2)
+
+
+def test_zero_kl_beta_accepts_missing_reference():
+    loss, metrics = grpo_loss(**worked_inputs(ref_logp=None), kl_beta=0.0)
+    assert_close(loss.item(), per_sequence_mean(POLICY))
+    assert metrics["kl"].item() == 0.0
+
+
+def test_missing_reference_with_kl_penalty_raises_naming_ref_logp():
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_loss(**worked_inputs(ref_logp=None), kl_beta=0.1)
+
+
+def test_forge_without_reference_raises_even_at_zero_beta():
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_loss(**worked_inputs(ref_logp=None), loss_type="forge", kl_beta=0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"loss_type": "ppo"}, "dr_grpo"),
+        ({"clip_epsilon": 0.0}, "clip_epsilon"),
+        ({"clip_epsilon_high": -0.1}, "clip_epsilon_high"),
+        ({"kl_beta": -0.01}, "kl_beta"),
+    ],
+)
+def test_invalid_settings_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        grpo_loss(**worked_inputs(), **kwargs)
+
+
+def test_advantages_of_wrong_shape_raise():
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(**worked_inputs(advantages=torch.ones(2, 1, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("loss_type", TOKEN_LEVEL_TYPES)
+@pytest.mark.parametrize("old_from_caller", [True, False])
+def test_ratio_one_gives_zero_clip_fractions(loss_type, old_from_caller):
+    inputs = worked_inputs()
+    inputs["old_logp"] = inputs["logp"].detach().clone() if old_from_caller else None
+    _, metrics = grpo_loss(**inputs, loss_type=loss_type)
+    assert metrics["clip_fraction_low"].item() == 0.0
+    assert metrics["clip_fraction_high"].item() == 0.0
+
+
+@pytest.mark.parametrize("clip_epsilon_high, expected_high", [(None, 0.25), (0.7, 0.0)])
+def test_clip_fractions_count_only_active_clips(clip_epsilon_high, expected_high):
+    # Ratios e^0.5 = 1.65 and e^-0.5 = 0.61. Active: (0,0) high side (A > 0) and (1,1) low side
+    # (A < 0). (1,0) exceeds 1.2 but has A < 0, so the min ignores the clip; (0,1) has ratio 1.
+    logp = torch.zeros(2, 2, requires_grad=True)
+    old = -torch.tensor([[0.5, 0.0], [0.5, -0.5]])
+    advantages = torch.tensor([1.0, -1.0])
+    loss, metrics = grpo_loss(
+        logp, old, None, advantages, torch.ones(2, 2), kl_beta=0.0, clip_epsilon_high=clip_epsilon_high
+    )
+    assert_close(metrics["clip_fraction_low"].item(), 0.25)
+    assert_close(metrics["clip_fraction_high"].item(), expected_high)
+    loss.backward()
+    # A clipped token must not push the policy any further.
+    assert logp.grad[1, 1].item() == 0.0
+    assert (logp.grad[0, 0].item() == 0.0) == (expected_high > 0)
+
+
+def test_dapo_halves_with_shared_token_normalizer_sum_to_whole_batch():
+    torch.manual_seed(5)
+    logp = -torch.rand(4, 6)
+    old = logp - 0.3 * torch.randn(4, 6)
+    ref = logp - 0.3 * torch.randn(4, 6)
+    advantages = torch.randn(4)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]])
+    whole, _ = grpo_loss(logp, old, ref, advantages, mask, loss_type="dapo")
+    total_tokens = int(mask.sum())
+    halves = [
+        grpo_loss(
+            logp[rows], old[rows], ref[rows], advantages[rows], mask[rows],
+            loss_type="dapo", token_normalizer=total_tokens,
+        )[0]
+        for rows in (slice(0, 2), slice(2, 4))
+    ]  # fmt: skip
+    assert_close(halves[0] + halves[1], whole)
