@@ -14,8 +14,8 @@ class ForgeCLI(LightningCLI):
     """LightningCLI with the defaults a GRPO run wants."""
 
 
-def main(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
-    """Entry point; ``args`` as on the command line (None reads ``sys.argv``)."""
+def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
+    """Build (and by default run) the CLI; ``args`` as on the command line (None reads ``sys.argv``)."""
     trainer_defaults: dict[str, Any] = {"num_sanity_val_steps": 0}
     return ForgeCLI(
         GRPOLightningModule,
@@ -29,6 +29,11 @@ def main(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
         args=args,
         run=run,
     )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    build_cli()
 
 
 if __name__ == "__main__":

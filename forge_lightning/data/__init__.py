@@ -1,0 +1,23 @@
+"""forge_lightning data: GSM8K loading, prompt formatting and the datamodule."""
+
+from forge_lightning.data.datamodule import EpochShuffleSampler, GSM8KDataModule, collate_records
+from forge_lightning.data.gsm8k import (
+    extract_answer,
+    format_prompt,
+    load_gsm8k,
+    load_gsm8k_mock,
+    normalize_number,
+    parse_reference,
+)
+
+__all__ = [
+    "EpochShuffleSampler",
+    "GSM8KDataModule",
+    "collate_records",
+    "extract_answer",
+    "format_prompt",
+    "load_gsm8k",
+    "load_gsm8k_mock",
+    "normalize_number",
+    "parse_reference",
+]

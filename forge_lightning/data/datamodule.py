@@ -1,0 +1,169 @@
+"""GSM8K as a LightningDataModule: batches of formatted prompts with their reference answers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal, get_args
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Sampler
+from typing_extensions import override
+
+from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock
+
+Source = Literal["hub", "local", "mock"]
+# The 20 mock problems split at a fixed point so train and validation never share a problem.
+MOCK_VAL_SIZE = 4
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """Indices ``0..num_samples-1``, reshuffled each epoch from ``seed + epoch`` so any epoch's order
+    can be reproduced on its own (Lightning calls :meth:`set_epoch` at the start of every epoch)."""
+
+    def __init__(self, num_samples: int, seed: int = 42, shuffle: bool = True) -> None:
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        self.num_samples = num_samples
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def collate_records(records: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """``[{"prompt": p, "reference": r, ...}, ...]`` -> ``{"prompt": [p, ...], "reference": [r, ...], ...}``.
+
+    Values stay Python objects (no tensors): prompts are tokenized later, per rollout.
+    """
+    keys = list(records[0]) if records else []
+    for record in records:
+        if list(record) != keys:
+            raise ValueError(f"records in one batch must share keys; got {sorted(record)} and {sorted(keys)}")
+    return {key: [record[key] for record in records] for key in keys}
+
+
+class GSM8KDataModule(L.LightningDataModule):
+    """GSM8K prompts for GRPO: train from the train split, validation from the test split.
+
+    Args:
+        source: "hub" downloads ``openai/gsm8k``; "local" reads ``path``; "mock" uses the 20
+            built-in problems (last 4 for validation) and needs no network or files.
+        path: folder with ``train``/``test`` ``.jsonl`` or ``.parquet`` files; only for source="local".
+        max_samples: training prompts to keep (the first ones in file order); None keeps all.
+        val_max_samples: validation prompts to keep (the first ones); None keeps all.
+        prompts_per_step: prompts per training batch, i.e. per ``training_step``.
+        val_batch_size: prompts per validation batch.
+        shuffle: reshuffle the training prompts every epoch.
+        seed: seed of the shuffle; epoch ``e`` uses ``seed + e``.
+        skip_malformed: skip malformed rows with a warning instead of failing.
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(
+        self,
+        source: Source = "hub",
+        path: str | None = None,
+        max_samples: int | None = 500,
+        val_max_samples: int | None = 100,
+        prompts_per_step: int = 1,
+        val_batch_size: int = 8,
+        shuffle: bool = True,
+        seed: int = 42,
+        skip_malformed: bool = False,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        _validate(source, path, max_samples, val_max_samples, prompts_per_step, val_batch_size, num_workers)
+        self.source = source
+        self.path = path
+        self.max_samples = max_samples
+        self.val_max_samples = val_max_samples
+        self.prompts_per_step = prompts_per_step
+        self.val_batch_size = val_batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.skip_malformed = skip_malformed
+        self.num_workers = num_workers
+        self._train: list[dict[str, str]] | None = None
+        self._val: list[dict[str, str]] | None = None
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        if self._train is not None:
+            return  # Lightning calls setup once per stage; the data only needs loading once.
+        if self.source == "mock":
+            problems = load_gsm8k_mock()
+            self._train = problems[:-MOCK_VAL_SIZE][: self.max_samples]
+            self._val = problems[-MOCK_VAL_SIZE:][: self.val_max_samples]
+            return
+        self._train = load_gsm8k("train", self.max_samples, self.path, self.skip_malformed)
+        self._val = load_gsm8k("test", self.val_max_samples, self.path, self.skip_malformed)
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        train = self._loaded(self._train)
+        sampler = EpochShuffleSampler(len(train), seed=self.seed, shuffle=self.shuffle)
+        return self._loader(train, self.prompts_per_step, sampler)
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._loaded(self._val), self.val_batch_size, None)
+
+    @property
+    def train_size(self) -> int:
+        """Number of training prompts (after ``setup``)."""
+        return len(self._loaded(self._train))
+
+    def _loaded(self, split: list[dict[str, str]] | None) -> list[dict[str, str]]:
+        if split is None:
+            raise RuntimeError("GSM8KDataModule.setup() must run before its data is used")
+        return split
+
+    def _loader(
+        self, data: list[dict[str, str]], batch_size: int, sampler: Sampler[int] | None
+    ) -> DataLoader:
+        return DataLoader(
+            data,  # a list is already a map-style dataset
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=False,
+            collate_fn=collate_records,
+            num_workers=self.num_workers,
+        )
+
+
+def _validate(
+    source: str,
+    path: str | None,
+    max_samples: int | None,
+    val_max_samples: int | None,
+    prompts_per_step: int,
+    val_batch_size: int,
+    num_workers: int,
+) -> None:
+    if source not in get_args(Source):
+        raise ValueError(f"source must be one of {get_args(Source)}, got {source!r}")
+    if source == "local" and path is None:
+        raise ValueError("path is required when source='local'")
+    if source != "local" and path is not None:
+        raise ValueError(f"path is only used with source='local', but source={source!r}")
+    for field, value in (("max_samples", max_samples), ("val_max_samples", val_max_samples)):
+        if value is not None and value < 1:
+            raise ValueError(f"{field} must be >= 1 or None, got {value}")
+    for field, value in (("prompts_per_step", prompts_per_step), ("val_batch_size", val_batch_size)):
+        if value < 1:
+            raise ValueError(f"{field} must be >= 1, got {value}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")

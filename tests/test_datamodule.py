@@ -1,0 +1,160 @@
+"""GSM8KDataModule batches, its seeded per-epoch shuffle, the mock split, and argument checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from forge_lightning.data import EpochShuffleSampler, GSM8KDataModule, collate_records, load_gsm8k_mock
+
+
+def mock_module(**kwargs: Any) -> GSM8KDataModule:
+    dm = GSM8KDataModule(source="mock", **kwargs)
+    dm.setup("fit")
+    return dm
+
+
+def epoch_order(dm: GSM8KDataModule, epoch: int) -> list[str]:
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(epoch)
+    return [prompt for batch in loader for prompt in batch["prompt"]]
+
+
+def test_train_batches_are_dicts_of_lists_with_last_batch_kept() -> None:
+    dm = mock_module(prompts_per_step=5)
+    batches = list(dm.train_dataloader())
+    assert [len(b["prompt"]) for b in batches] == [5, 5, 5, 1]
+    assert all(set(b) == {"prompt", "reference"} and len(b["reference"]) == len(b["prompt"]) for b in batches)
+    assert isinstance(batches[0]["prompt"][0], str)
+
+
+def test_val_batches_are_in_file_order() -> None:
+    dm = mock_module(val_batch_size=3)
+    batches = list(dm.val_dataloader())
+    assert [len(b["prompt"]) for b in batches] == [3, 1]
+    assert [r for b in batches for r in b["reference"]] == [s["reference"] for s in load_gsm8k_mock()[-4:]]
+
+
+def test_mock_split_is_16_train_4_validation_without_overlap() -> None:
+    dm = mock_module()
+    train = {p for b in dm.train_dataloader() for p in b["prompt"]}
+    val = {p for b in dm.val_dataloader() for p in b["prompt"]}
+    assert (dm.train_size, len(train), len(val)) == (16, 16, 4)
+    assert not train & val
+
+
+def test_mock_split_honours_sample_caps() -> None:
+    dm = mock_module(max_samples=5, val_max_samples=2)
+    assert dm.train_size == 5
+    assert sum(len(b["prompt"]) for b in dm.val_dataloader()) == 2
+
+
+def test_same_seed_and_epoch_give_same_order_other_epoch_differs() -> None:
+    first, second = mock_module(seed=7), mock_module(seed=7)
+    assert epoch_order(first, 0) == epoch_order(second, 0)
+    assert epoch_order(first, 1) == epoch_order(second, 1)
+    assert epoch_order(first, 0) != epoch_order(first, 1)
+    assert sorted(epoch_order(first, 0)) == sorted(epoch_order(first, 1))
+    assert epoch_order(first, 0) != epoch_order(mock_module(seed=8), 0)
+
+
+def test_shuffle_off_keeps_file_order() -> None:
+    dm = mock_module(shuffle=False)
+    expected = [s["prompt"] for s in load_gsm8k_mock()[:16]]
+    assert epoch_order(dm, 0) == epoch_order(dm, 3) == expected
+
+
+def test_sampler_order_is_randperm_seeded_by_seed_plus_epoch() -> None:
+    sampler = EpochShuffleSampler(10, seed=3)
+    sampler.set_epoch(2)
+    assert list(sampler) == torch.randperm(10, generator=torch.Generator().manual_seed(5)).tolist()
+    assert len(sampler) == 10
+
+
+def test_collate_keeps_extra_keys_and_rejects_mixed_keys() -> None:
+    batch = collate_records(
+        [{"prompt": "a", "reference": "1", "id": 0}, {"prompt": "b", "reference": "2", "id": 1}]
+    )
+    assert batch == {"prompt": ["a", "b"], "reference": ["1", "2"], "id": [0, 1]}
+    with pytest.raises(ValueError, match="share keys"):
+        collate_records([{"prompt": "a"}, {"prompt": "b", "id": 1}])
+
+
+def test_local_source_reads_train_and_test_files(tmp_path: Path) -> None:
+    for split, count in (("train", 6), ("test", 3)):
+        rows = [{"question": f"{split} {i}?", "answer": f"#### {i}"} for i in range(count)]
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = GSM8KDataModule(source="local", path=str(tmp_path), max_samples=4, val_max_samples=None)
+    dm.setup("fit")
+    assert dm.train_size == 4
+    assert [r for b in dm.val_dataloader() for r in b["reference"]] == ["0", "1", "2"]
+
+
+def test_local_source_on_real_gsm8k(gsm8k_dir: Path) -> None:
+    dm = GSM8KDataModule(source="local", path=str(gsm8k_dir), max_samples=None, val_max_samples=10)
+    dm.setup("fit")
+    assert dm.train_size == 7473
+    assert sum(len(b["prompt"]) for b in dm.val_dataloader()) == 10
+
+
+def test_data_is_needed_before_use() -> None:
+    with pytest.raises(RuntimeError, match="setup"):
+        _ = GSM8KDataModule(source="mock").train_size
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"source": "web"}, "source"),
+        ({"source": "local"}, "path"),
+        ({"source": "mock", "path": "/x"}, "path"),
+        ({"max_samples": 0}, "max_samples"),
+        ({"val_max_samples": -1}, "val_max_samples"),
+        ({"prompts_per_step": 0}, "prompts_per_step"),
+        ({"val_batch_size": 0}, "val_batch_size"),
+        ({"num_workers": -1}, "num_workers"),
+    ],
+)
+def test_constructor_errors_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        GSM8KDataModule(**kwargs)
+
+
+class RecordPrompts(L.LightningModule):
+    """Records the prompts each epoch sees; a single parameter keeps the optimizer happy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: dict[int, list[str]] = {}
+
+    def training_step(self, batch: dict[str, list[str]], batch_idx: int) -> torch.Tensor:
+        self.seen.setdefault(self.current_epoch, []).extend(batch["prompt"])
+        return self.weight * 0.0
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_lightning_sets_the_epoch_on_the_sampler(tmp_path: Path) -> None:
+    dm = GSM8KDataModule(source="mock", prompts_per_step=4, seed=11)
+    model = RecordPrompts()
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, datamodule=dm)
+    reference = mock_module(seed=11)
+    assert model.seen[0] == epoch_order(reference, 0)
+    assert model.seen[1] == epoch_order(reference, 1)

@@ -1,0 +1,291 @@
+"""Behaviour of the reward classes, the kwarg filtering and the checked entry point ``score``."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+
+from forge_lightning.rewards import (
+    BaseReward,
+    CompositeReward,
+    ExactMatchReward,
+    FormatReward,
+    GSM8KAnswerReward,
+    LengthPenaltyReward,
+    RewardOutput,
+    ScoredRewards,
+    accepted_kwargs,
+    component_names,
+    reward_name,
+    score,
+)
+
+
+class SeedStyleReward(BaseReward):
+    """A custom reward written like the seed's template: no ``**kwargs`` in its signature."""
+
+    def __call__(self, prompts, responses) -> RewardOutput:
+        return RewardOutput(scores=[0.5 for _ in responses])
+
+
+def has_digit(prompts: list[str], responses: list[str]) -> list[float]:
+    return [float(any(c.isdigit() for c in r)) for r in responses]
+
+
+def words(n: int) -> str:
+    return " ".join(["w"] * n)
+
+
+# ExactMatchReward
+
+
+def test_exact_match_is_case_insensitive_substring() -> None:
+    out = ExactMatchReward()(["p", "p"], ["The answer is PARIS.", "london"], references=["paris", "Rome"])
+    assert out.scores == [1.0, 0.0]
+
+
+def test_exact_match_call_time_references_override_init() -> None:
+    reward = ExactMatchReward(references=["cat"])
+    assert reward(["p"], ["a cat"]).scores == [1.0]
+    assert reward(["p"], ["a cat"], references=["dog"]).scores == [0.0]
+
+
+def test_exact_match_without_references_raises() -> None:
+    with pytest.raises(ValueError, match="references"):
+        ExactMatchReward()(["p"], ["r"])
+
+
+# FormatReward
+
+
+def test_format_reward_scores_truthiness_of_format_fn() -> None:
+    reward = FormatReward(lambda r: "answer:" in r.lower())
+    assert reward(["p", "p"], ["x\nAnswer: 3", "3"]).scores == [1.0, 0.0]
+
+
+# LengthPenaltyReward
+
+
+@pytest.mark.parametrize(
+    ("word_count", "expected"),
+    [
+        (200, 1.0),  # optimal
+        (50, 0.0),  # min_length
+        (500, 0.0),  # max_length
+        (125, 0.5),  # halfway between min and optimal
+        (350, 0.5),  # halfway between optimal and max
+        (49, 0.0),  # below min
+        (501, 0.0),  # above max
+        (0, 0.0),
+    ],
+)
+def test_length_penalty_pinned_points(word_count: int, expected: float) -> None:
+    assert LengthPenaltyReward()(["p"], [words(word_count)]).scores == [pytest.approx(expected)]
+
+
+def test_length_penalty_counts_whitespace_separated_words() -> None:
+    reward = LengthPenaltyReward(optimal_length=3, min_length=1, max_length=5)
+    assert reward(["p"], ["  one\ttwo\n\nthree  "]).scores == [1.0]
+
+
+def test_length_penalty_optimal_at_a_bound_does_not_divide_by_zero() -> None:
+    reward = LengthPenaltyReward(optimal_length=10, min_length=10, max_length=10)
+    assert reward(["p"] * 3, [words(9), words(10), words(11)]).scores == [0.0, 1.0, 0.0]
+
+
+def test_length_penalty_rejects_unordered_lengths() -> None:
+    with pytest.raises(ValueError, match="min_length <= optimal_length <= max_length"):
+        LengthPenaltyReward(optimal_length=40, min_length=50)
+
+
+# GSM8KAnswerReward
+
+
+@pytest.mark.parametrize(
+    ("response", "reference"),
+    [
+        ("Answer: $18", "18"),
+        ("Answer: 18.00", "18"),
+        ("so 1,800 in all.\nAnswer: 1,800", "1800"),
+        ("It falls to -7 degrees.\nAnswer: -7", "-7"),
+        ("Answer: 13.50", "13.5"),
+        ("the result is \\boxed{42}, not 41", "42"),
+        ("Answer: 18", 18),
+    ],
+)
+def test_gsm8k_answer_reward_compares_values(response: str, reference: Any) -> None:
+    assert GSM8KAnswerReward()(["p"], [response], references=[reference]).scores == [1.0]
+
+
+@pytest.mark.parametrize("response", ["Answer: 19", "Answer: -18", "no number here", "Answer: 180"])
+def test_gsm8k_answer_reward_rejects_other_values(response: str) -> None:
+    assert GSM8KAnswerReward()(["p"], [response], references=["18"]).scores == [0.0]
+
+
+def test_gsm8k_answer_reward_needs_references() -> None:
+    with pytest.raises(ValueError, match="references"):
+        GSM8KAnswerReward()(["p"], ["Answer: 1"])
+
+
+# CompositeReward
+
+
+def test_composite_normalises_weights_to_a_weighted_mean() -> None:
+    composite = CompositeReward([(ExactMatchReward(), 3.0), (FormatReward(lambda r: False), 1.0)])
+    assert composite.weights == [0.75, 0.25]
+    out = composite(["p", "p"], ["42", "7"], references=["42", "42"])
+    assert out.scores == [0.75, 0.0]
+    assert out.metadata["components"] == {"ExactMatchReward": [1.0, 0.0], "FormatReward": [0.0, 0.0]}
+
+
+def test_composite_forwards_kwargs_only_to_rewards_that_accept_them() -> None:
+    composite = CompositeReward([(SeedStyleReward(), 1.0), (ExactMatchReward(), 1.0), (has_digit, 2.0)])
+    out = composite(["p"], ["7"], references=["7"], unrelated="ignored")
+    assert out.scores == [pytest.approx(0.25 * 0.5 + 0.25 * 1.0 + 0.5 * 1.0)]
+
+
+def test_composite_names_are_unique_and_respect_given_names() -> None:
+    composite = CompositeReward(
+        [
+            (FormatReward(bool), 1.0),
+            (FormatReward(bool), 1.0),
+            (has_digit, 1.0),
+            (lambda p, r: [0.0], 1.0, "mine"),
+        ]
+    )
+    assert composite.names == ["FormatReward", "FormatReward_2", "has_digit", "mine"]
+    assert component_names(composite) == composite.names
+
+
+@pytest.mark.parametrize("weights", [(1.0, -1.0), (0.0, 0.0), (math.nan, 1.0)])
+def test_composite_rejects_bad_weights(weights: tuple[float, float]) -> None:
+    with pytest.raises(ValueError, match="weights"):
+        CompositeReward([(has_digit, weights[0]), (FormatReward(bool), weights[1])])
+
+
+# Names and kwarg filtering
+
+
+def test_reward_name_uses_function_name_or_class_name() -> None:
+    assert reward_name(has_digit) == "has_digit"
+    assert reward_name(ExactMatchReward()) == "ExactMatchReward"
+    assert reward_name(lambda p, r: []) == "lambda"
+    assert component_names(has_digit) == ["has_digit"]
+
+
+def test_accepted_kwargs_filters_by_signature() -> None:
+    kwargs = {"references": ["1"], "other": 2}
+    assert accepted_kwargs(has_digit, kwargs) == {}
+    assert accepted_kwargs(SeedStyleReward(), kwargs) == {}
+    assert accepted_kwargs(lambda p, r, references: [], kwargs) == {"references": ["1"]}
+    assert accepted_kwargs(ExactMatchReward(), kwargs) == kwargs
+
+
+# score()
+
+
+def test_score_accepts_plain_callable_and_reports_it_as_the_component() -> None:
+    scored = score(has_digit, ["p", "p"], ["a1", "b"], references=["1", "2"])
+    assert scored == ScoredRewards(total=[1.0, 0.0], components={"has_digit": [1.0, 0.0]}, num_errors=0)
+
+
+def test_score_splits_composite_into_components() -> None:
+    composite = CompositeReward([(GSM8KAnswerReward(), 1.0), (SeedStyleReward(), 1.0, "style")])
+    scored = score(composite, ["p", "p"], ["Answer: 3", "Answer: 4"], references=["3", "3"])
+    assert scored.components == {"GSM8KAnswerReward": [1.0, 0.0], "style": [0.5, 0.5]}
+    assert scored.total == [0.75, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("bad_scores", "message"),
+    [
+        ([1.0], "returned 1 scores for 2"),
+        ([1.0, None], "non-number"),
+        ([1.0, math.nan], "non-finite"),
+        ([math.inf, 0.0], "non-finite"),
+        ([1.0, "1"], "non-number"),
+    ],
+)
+def test_score_rejects_bad_output_naming_the_reward(bad_scores: list[Any], message: str) -> None:
+    def broken(prompts: list[str], responses: list[str]) -> list[Any]:
+        return bad_scores
+
+    with pytest.raises(ValueError, match=message) as info:
+        score(broken, ["p", "p"], ["a", "b"])
+    assert "'broken'" in str(info.value)
+
+
+def test_score_names_the_failing_component_of_a_composite() -> None:
+    composite = CompositeReward([(has_digit, 1.0), (lambda p, r: [math.nan] * len(r), 1.0, "nanny")])
+    with pytest.raises(ValueError, match="'nanny'"):
+        score(composite, ["p"], ["1"])
+
+
+def fails_on_bad(prompts: list[str], responses: list[str], references: list[str]) -> list[float]:
+    if any(r == "bad" for r in responses):
+        raise KeyError("boom")
+    return [1.0 if r == ref else 0.5 for r, ref in zip(responses, references)]
+
+
+def test_score_on_error_raise_names_the_first_failing_sample() -> None:
+    with pytest.raises(RuntimeError, match="'fails_on_bad' failed on sample 1") as info:
+        score(fails_on_bad, ["p"] * 4, ["ok", "bad", "ok", "bad"], references=["ok", "x", "no", "x"])
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_score_on_error_zero_zeroes_and_counts_failing_samples() -> None:
+    with pytest.warns(UserWarning, match="raised on 2 of 4 samples"):
+        scored = score(
+            fails_on_bad,
+            ["p"] * 4,
+            ["ok", "bad", "ok", "bad"],
+            on_error="zero",
+            references=["ok", "x", "no", "x"],
+        )
+    # Per-sample kwargs were sliced: sample 2 saw its own reference "no", so it keeps 0.5.
+    assert scored.total == [1.0, 0.0, 0.5, 0.0]
+    assert scored.num_errors == 2
+
+
+def test_score_on_error_zero_counts_a_sample_once_across_components() -> None:
+    composite = CompositeReward([(fails_on_bad, 1.0), (fails_on_bad, 1.0), (SeedStyleReward(), 2.0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scored = score(composite, ["p", "p"], ["ok", "bad"], on_error="zero", references=["ok", "x"])
+    assert scored.num_errors == 1
+    assert scored.components["fails_on_bad_2"] == [1.0, 0.0]
+    assert scored.total == [0.75, 0.25]
+
+
+def test_score_batch_only_failure_raises_or_falls_back_to_per_sample_scores() -> None:
+    def batch_of_one_only(prompts: list[str], responses: list[str]) -> list[float]:
+        if len(responses) > 1:
+            raise MemoryError("batch too large")
+        return [2.0]
+
+    with pytest.raises(RuntimeError, match="no single sample"):
+        score(batch_of_one_only, ["p", "p"], ["a", "b"])
+    with pytest.warns(UserWarning, match="no single sample"):
+        scored = score(batch_of_one_only, ["p", "p"], ["a", "b"], on_error="zero")
+    assert (scored.total, scored.num_errors) == ([2.0, 2.0], 0)
+
+
+def test_score_accepts_array_like_output() -> None:
+    class ArrayLike:
+        def tolist(self) -> list[float]:
+            return [0.25]
+
+    assert score(lambda p, r: ArrayLike(), ["p"], ["r"]).total == [0.25]
+
+
+def test_score_rejects_unknown_on_error() -> None:
+    with pytest.raises(ValueError, match="on_error"):
+        score(has_digit, ["p"], ["1"], on_error="ignore")  # type: ignore[arg-type]
+
+
+def test_score_rejects_mismatched_prompts_and_responses() -> None:
+    with pytest.raises(ValueError, match="prompts"):
+        score(has_digit, ["p"], ["1", "2"])
