@@ -2,23 +2,73 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
 from forge_lightning.data.datamodule import GSM8KDataModule
 from forge_lightning.module import GRPOLightningModule
 
 
 class ForgeCLI(LightningCLI):
-    """LightningCLI with the defaults a GRPO run wants."""
+    """LightningCLI with the defaults a GRPO run wants, and a strict ``--ckpt_path last``."""
+
+    @override
+    def before_fit(self) -> None:
+        if self._get(self.config, "ckpt_path") == "last":
+            _require_last_checkpoint(self.trainer.checkpoint_callbacks)
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        # Added here rather than in trainer_defaults: a default progress-bar callback would clash
+        # with --trainer.enable_progress_bar=false and with a bar the config brings itself.
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        wanted = config.get("enable_progress_bar") is not False
+        if wanted and "callbacks" not in kwargs and not any(isinstance(c, ProgressBar) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, default_progress_bar()]
+        return super().instantiate_trainer(**kwargs)
+
+
+def default_progress_bar() -> ProgressBar:
+    """Rich's progress bar (reward and kl beside it) when ``rich`` imports, else Lightning's TQDM one."""
+    try:
+        return RichProgressBar()
+    except ModuleNotFoundError:
+        return TQDMProgressBar()
+
+
+def _require_last_checkpoint(callbacks: list[Any]) -> None:
+    """Stock Lightning starts from scratch, with only a warning, when ``last`` finds nothing;
+    a resume that silently restarts would throw the run away, so it is an error here."""
+    folders = [Path(cb.dirpath) for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+    if not folders:
+        raise SystemExit(
+            "--ckpt_path last needs a ModelCheckpoint callback with an explicit dirpath in the config "
+            "(trainer.callbacks), so the checkpoint can be found again"
+        )
+    if not any((folder / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt").is_file() for folder in folders):
+        raise SystemExit(
+            f"--ckpt_path last: no last.ckpt in {', '.join(map(str, folders))}. Nothing to resume; "
+            "run without --ckpt_path to start a new run"
+        )
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
     """Build (and by default run) the CLI; ``args`` as on the command line (None reads ``sys.argv``)."""
     # Metrics reach the loggers through RewardLogger at its own cadence; the sanity check would
-    # spend a full greedy generation before the first step.
-    trainer_defaults: dict[str, Any] = {"num_sanity_val_steps": 0, "log_every_n_steps": 1}
+    # spend a full greedy generation before the first step. Checkpoints are written atomically.
+    trainer_defaults: dict[str, Any] = {
+        "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,
+        "plugins": [{"class_path": "forge_lightning.checkpoint_io.AtomicCheckpointIO"}],
+    }
     return ForgeCLI(
         GRPOLightningModule,
         GSM8KDataModule,
@@ -33,9 +83,15 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
     )
 
 
-def main() -> None:
-    """Console-script entry point."""
-    build_cli()
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: ``plot`` draws a run's curves, anything else goes to LightningCLI."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["plot"]:
+        from forge_lightning.plot import main as plot_main  # matplotlib only when plotting
+
+        plot_main(args[1:])
+    else:
+        build_cli(argv)
 
 
 if __name__ == "__main__":

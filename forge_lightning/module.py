@@ -16,6 +16,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from forge_lightning.callbacks.reference import ReferenceModel
+from forge_lightning.checkpoint_io import rng_states, set_rng_states
 from forge_lightning.config import validate_hparams
 from forge_lightning.grpo import group_advantages
 from forge_lightning.hf_compat import is_checkpointing, set_checkpointing
@@ -27,6 +28,7 @@ from forge_lightning.rewards import GSM8KAnswerReward, component_names, score
 from forge_lightning.rollout import (
     GenerationBackend,
     HFGenerate,
+    LogProbGenerationBackend,
     Rollout,
     SamplingParams,
     completion_mask,
@@ -34,6 +36,8 @@ from forge_lightning.rollout import (
     encode_prompts,
     eos_token_ids,
 )
+from forge_lightning.sharding import is_sharded, shard_policy
+from forge_lightning.vllm_backend import VLLMGenerate
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -86,6 +90,15 @@ class GRPOLightningModule(pl.LightningModule):
             the G completions (falls back to the full forward where the model has no cache).
         logprob_chunk_size: rows per chunk of the float32 log-softmax work; None for no chunks.
         gradient_checkpointing: trade compute for activation memory in the training forward.
+        generation_backend: ``hf`` samples with the policy's own ``generate`` (any device, the
+            default); ``vllm`` with a vLLM engine on the same GPU that receives the weights after
+            every optimizer step (GPU only: ``pip install "forge-lightning[vllm]"``).
+        vllm_gpu_memory_utilization: share of the GPU's memory the vLLM engine may take for its
+            weights and KV cache; training has the rest.
+        use_engine_logprobs: take the old-policy log-probs of the loss from the engine that
+            sampled (vLLM only; needs ``top_p`` 1 and ``top_k`` 0, so that both sides score the
+            same temperature-scaled distribution). The ratio then also corrects for the engine's
+            numerical drift from the training forward.
     """
 
     def __init__(
@@ -119,6 +132,9 @@ class GRPOLightningModule(pl.LightningModule):
         prefix_sharing: bool = True,
         logprob_chunk_size: int | None = 8,
         gradient_checkpointing: bool = False,
+        generation_backend: Literal["hf", "vllm"] = "hf",
+        vllm_gpu_memory_utilization: float = 0.3,
+        use_engine_logprobs: bool = False,
     ) -> None:
         super().__init__()
         objects = [
@@ -126,6 +142,7 @@ class GRPOLightningModule(pl.LightningModule):
         ]
         self.save_hyperparameters(ignore=["tokenizer", *objects])
         validate_hparams(self.hparams)
+        _check_generation_settings(self.hparams)
         if not isinstance(model, str) and tokenizer is None:
             raise ValueError("tokenizer is required when model is an already-built model object")
         self.automatic_optimization = False
@@ -137,6 +154,8 @@ class GRPOLightningModule(pl.LightningModule):
         self.train_metrics = TrainMetrics(component_names(self.reward))
         self.val_metrics = TrainMetrics([], keys=("accuracy", "reward", "completion_length"))
         self.last_samples: list[tuple[str, str, float]] = []
+        # The latest rollout's rewards (P*G,): RewardLogger's reward histogram.
+        self.last_rewards: Tensor = torch.zeros(0)
         self._bad_steps = 0
 
     @override
@@ -147,10 +166,10 @@ class GRPOLightningModule(pl.LightningModule):
             self.tokenizer = self.tokenizer or tokenizer
         if self.hparams.gradient_checkpointing and not is_checkpointing(self.model):
             set_checkpointing(self.model, True)
+        if self.device_mesh is not None and not is_sharded(self.model):
+            self._shard()
         if self.generator is None:
-            self.generator = HFGenerate(
-                self.tokenizer.pad_token_id, eos_token_ids(self.tokenizer, self.model)
-            )
+            self.generator = _generation_backend(self.hparams, self.tokenizer, self.model)
 
     @override
     def on_train_start(self) -> None:
@@ -166,7 +185,7 @@ class GRPOLightningModule(pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
         prompts, reward_kwargs = _split_batch(batch)
-        rollout = self.rollout(prompts, self._sampling())
+        rollout = self.rollout(prompts, self._sampling(), engine_logprobs=self.hparams.use_engine_logprobs)
         rewards, components = self.score(prompts, rollout, reward_kwargs)
         advantages = group_advantages(rewards, self.hparams.group_size, scale=self.hparams.advantage_scale)
         stats = self.policy_update().run(rollout, advantages, self._step_optimizer)
@@ -207,6 +226,17 @@ class GRPOLightningModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning does not keep the RNG states; without them a resumed run would sample other
+        # completions than the uninterrupted one from the same step on.
+        checkpoint["forge_rng_states"] = rng_states()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "forge_rng_states" in checkpoint:
+            set_rng_states(checkpoint["forge_rng_states"])
+
+    @override
     def configure_callbacks(self) -> list[pl.Callback]:
         return [ReferenceModel()] if self.needs_reference else []
 
@@ -229,8 +259,14 @@ class GRPOLightningModule(pl.LightningModule):
             "ReferenceModel() or set kl_beta=0"
         )
 
-    def rollout(self, prompts: list[str], params: SamplingParams, group_size: int | None = None) -> Rollout:
-        """Sample ``group_size`` completions for each prompt."""
+    def rollout(
+        self,
+        prompts: list[str],
+        params: SamplingParams,
+        group_size: int | None = None,
+        engine_logprobs: bool = False,
+    ) -> Rollout:
+        """Sample ``group_size`` completions for each prompt (with the engine's log-probs if asked)."""
         group_size = group_size or self.hparams.group_size
         prompt_ids, prompt_mask = encode_prompts(
             self.tokenizer,
@@ -241,7 +277,14 @@ class GRPOLightningModule(pl.LightningModule):
             truncation=self.hparams.prompt_truncation,
         )
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
-        completion_ids = self.generator.generate(self.model, prompt_ids, prompt_mask, group_size, params)
+        old_logp = None
+        if engine_logprobs:
+            generator: LogProbGenerationBackend = self.generator  # type: ignore[assignment]
+            completion_ids, old_logp = generator.generate_with_logprobs(
+                self.model, prompt_ids, prompt_mask, group_size, params
+            )
+        else:
+            completion_ids = self.generator.generate(self.model, prompt_ids, prompt_mask, group_size, params)
         mask = completion_mask(completion_ids, self.generator_eos_ids)
         return Rollout(
             prompt_ids=prompt_ids,
@@ -250,6 +293,7 @@ class GRPOLightningModule(pl.LightningModule):
             completion_mask=mask,
             group_size=group_size,
             completions=decode_completions(self.tokenizer, completion_ids, mask),
+            old_logp=old_logp,
         )
 
     def score(
@@ -323,6 +367,18 @@ class GRPOLightningModule(pl.LightningModule):
     def generator_eos_ids(self) -> list[int]:
         return eos_token_ids(self.tokenizer, self.model)
 
+    def _shard(self) -> None:
+        """FSDP2 over the data-parallel dimension of the mesh that ModelParallelStrategy hands over."""
+        if self.device_mesh["tensor_parallel"].size() > 1:
+            raise ValueError("tensor parallelism is not supported: set tensor_parallel_size=1")
+        if self.needs_reference:
+            raise ValueError(
+                f"kl_beta={self.hparams.kl_beta} with loss_type={self.hparams.loss_type!r} needs a frozen "
+                "copy of the policy, and the ReferenceModel callback cannot copy a sharded one: set "
+                "kl_beta=0 (and a loss_type other than forge) to train with ModelParallelStrategy"
+            )
+        shard_policy(self.model, self.device_mesh["data_parallel"])
+
     def _sampling(self) -> SamplingParams:
         hp = self.hparams
         return SamplingParams(hp.max_new_tokens, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k)
@@ -337,6 +393,8 @@ class GRPOLightningModule(pl.LightningModule):
         scheduler = self.lr_schedulers()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        if hasattr(grad_norm, "full_tensor"):  # sharded gradients give a DTensor norm
+            grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             self._bad_steps += 1
@@ -389,10 +447,38 @@ class GRPOLightningModule(pl.LightningModule):
             logger=False,
             batch_size=len(prompts),
         )
+        self.last_rewards = rewards.detach().float()
         self.last_samples = [
             (prompts[i // rollout.group_size], rollout.completions[i], float(rewards[i]))
             for i in range(min(len(rollout.completions), 8))
         ]
+
+
+def _check_generation_settings(hp: Any) -> None:
+    """Range and cross-field checks of the generation backend's settings, naming the field."""
+    if hp.generation_backend not in ("hf", "vllm"):
+        raise ValueError(f"generation_backend must be 'hf' or 'vllm', got {hp.generation_backend!r}")
+    if not 0 < hp.vllm_gpu_memory_utilization < 1:
+        raise ValueError(
+            f"vllm_gpu_memory_utilization must be in (0, 1), got {hp.vllm_gpu_memory_utilization}"
+        )
+    if hp.use_engine_logprobs and hp.generation_backend != "vllm":
+        raise ValueError("use_engine_logprobs needs generation_backend='vllm' (HF generate reports none)")
+    if hp.use_engine_logprobs and (hp.top_p != 1.0 or hp.top_k != 0):
+        raise ValueError(
+            "use_engine_logprobs needs top_p=1 and top_k=0: the engine reports log-probs of the "
+            "truncated distribution it sampled from, the loss computes them over the whole one"
+        )
+
+
+def _generation_backend(
+    hp: Any, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel
+) -> GenerationBackend:
+    """The sampling engine that ``generation_backend`` names."""
+    eos = eos_token_ids(tokenizer, model)
+    if hp.generation_backend == "vllm":
+        return VLLMGenerate(tokenizer, eos, gpu_memory_utilization=hp.vllm_gpu_memory_utilization)
+    return HFGenerate(tokenizer.pad_token_id, eos)
 
 
 def _split_batch(batch: dict[str, Any]) -> tuple[list[str], dict[str, list[Any]]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
@@ -26,6 +27,8 @@ class RewardLogger(Callback):
     Each value is the mean since the previous report (the module's torchmetrics, so ranks are
     reduced together). The JSONL file is ``{output_dir}/training_log.jsonl``; on a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
+    A TensorBoard logger also gets ``train/reward_hist``, a histogram of every reward scored since
+    the previous report (rank zero's), and a table of sample completions.
 
     Args:
         output_dir: run folder; ``trainer.default_root_dir`` when None.
@@ -42,13 +45,16 @@ class RewardLogger(Callback):
         self.logging_steps = logging_steps
         self.num_text_samples = num_text_samples
         self._last_step = -1
+        self._rewards: list[torch.Tensor] = []
 
     def log_path(self, trainer: pl.Trainer) -> Path:
         return output_dir(trainer, self.output_dir) / "training_log.jsonl"
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not on_fit_start: the restored global_step is only known once training state is loaded.
         self._last_step = trainer.global_step
+        self._rewards = []
         path = self.log_path(trainer)
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,11 +63,15 @@ class RewardLogger(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
+        rewards = getattr(pl_module, "last_rewards", None)
+        if isinstance(rewards, torch.Tensor) and rewards.numel():
+            self._rewards.append(rewards)
         step = trainer.global_step
         if step == self._last_step or step % self.logging_steps:
             return
         self._last_step = step
         metrics = pl_module.pop_train_metrics()
+        rewards, self._rewards = self._rewards, []
         if not trainer.is_global_zero or not metrics:
             return
         record: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch}
@@ -70,10 +80,18 @@ class RewardLogger(Callback):
         print(_console_line(record), flush=True)
         for logger in trainer.loggers:
             logger.log_metrics({f"{_group(k)}/{k}": v for k, v in metrics.items()}, step=step)
-            if isinstance(logger, TensorBoardLogger) and self.num_text_samples:
-                samples = pl_module.last_samples[: self.num_text_samples]
-                if samples:
-                    logger.experiment.add_text("samples", _markdown_table(samples), global_step=step)
+            if isinstance(logger, TensorBoardLogger):
+                self._tensorboard_views(logger, pl_module, rewards, step)
+
+    def _tensorboard_views(
+        self, logger: TensorBoardLogger, pl_module: pl.LightningModule, rewards: list[torch.Tensor], step: int
+    ) -> None:
+        """What a scalar cannot show: the spread of the rewards and what the completions look like."""
+        if rewards:
+            logger.experiment.add_histogram("train/reward_hist", torch.cat(rewards).cpu(), global_step=step)
+        samples = pl_module.last_samples[: self.num_text_samples]
+        if samples:
+            logger.experiment.add_text("samples", _markdown_table(samples), global_step=step)
 
 
 def _group(key: str) -> str:

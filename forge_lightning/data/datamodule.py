@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import lightning as L
@@ -11,35 +10,11 @@ from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
 from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock
+from forge_lightning.data.sampler import EpochShuffleSampler
 
 Source = Literal["hub", "local", "mock"]
 # The 20 mock problems split at a fixed point so train and validation never share a problem.
 MOCK_VAL_SIZE = 4
-
-
-class EpochShuffleSampler(Sampler[int]):
-    """Indices ``0..num_samples-1``, reshuffled each epoch from ``seed + epoch`` so any epoch's order
-    can be reproduced on its own (Lightning calls :meth:`set_epoch` at the start of every epoch)."""
-
-    def __init__(self, num_samples: int, seed: int = 42, shuffle: bool = True) -> None:
-        if num_samples < 0:
-            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
-        self.num_samples = num_samples
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        if not self.shuffle:
-            return iter(range(self.num_samples))
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
-
-    def __len__(self) -> int:
-        return self.num_samples
 
 
 def collate_records(records: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -98,6 +73,7 @@ class GSM8KDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self._train: list[dict[str, str]] | None = None
         self._val: list[dict[str, str]] | None = None
+        self._resume: dict[str, int] | None = None
 
     @override
     def setup(self, stage: str | None = None) -> None:
@@ -114,8 +90,26 @@ class GSM8KDataModule(L.LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         train = self._loaded(self._train)
-        sampler = EpochShuffleSampler(len(train), seed=self.seed, shuffle=self.shuffle)
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+        sampler = EpochShuffleSampler(len(train), self.seed, self.shuffle, num_replicas=world, rank=rank)
+        if self._resume is not None:
+            sampler.resume_at(self._resume["epoch"], self._resume["batches_done"] * self.prompts_per_step)
+            self._resume = None
         return self._loader(train, self.prompts_per_step, sampler)
+
+    @override
+    def state_dict(self) -> dict[str, int]:
+        """The data position, saved in Lightning checkpoints: epoch and batches already trained."""
+        if self.trainer is None:
+            return {}
+        # ``ready`` counts the batch being finished when a checkpoint is written at batch end.
+        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return {"epoch": self.trainer.current_epoch, "batches_done": done}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        if state_dict:
+            self._resume = dict(state_dict)
 
     @override
     def val_dataloader(self) -> DataLoader:
@@ -141,6 +135,9 @@ class GSM8KDataModule(L.LightningDataModule):
             drop_last=False,
             collate_fn=collate_records,
             num_workers=self.num_workers,
+            # Its own generator: otherwise every new iterator draws from the global RNG, and a
+            # resumed run would sample different completions from an uninterrupted one.
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
 

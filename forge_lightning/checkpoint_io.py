@@ -1,0 +1,63 @@
+"""Lightning checkpoints written whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint to a temporary sibling, syncs it, then renames it into place.
+
+    A process killed mid-save leaves the previous file at that path untouched (and at worst a
+    stray ``.tmp`` file), so ``last.ckpt`` is always loadable.
+    """
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
+    ) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+
+def rng_states() -> dict[str, Any]:
+    """Python, NumPy, torch (and CUDA) RNG states, as types ``torch.load(weights_only=True)`` accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`rng_states` captured."""
+    random.setstate(_as_tuples(states["python"]))
+    kind, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _as_tuples(value: Any) -> Any:
+    # random.setstate needs tuples; a round trip through a checkpoint may hand back lists.
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

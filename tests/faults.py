@@ -1,0 +1,20 @@
+"""Fault injection for the resume tests, imported by the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def kill_on_call(prompts: list[str], responses: list[str]) -> list[float]:
+    """Distinct characters per response; SIGKILLs its own process on call ``$FORGE_KILL_AT``.
+
+    The call count lives in ``$FORGE_CALLS`` (a file), so it survives across calls in one process.
+    """
+    counter = Path(os.environ["FORGE_CALLS"])
+    calls = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(calls))
+    if calls == int(os.environ.get("FORGE_KILL_AT", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [len(set(r)) / 8 for r in responses]

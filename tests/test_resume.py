@@ -1,0 +1,119 @@
+"""Resume after SIGKILL: same steps, same learning rate, same next prompts, same reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from forge_lightning.checkpoint_io import AtomicCheckpointIO
+from forge_lightning.cli import build_cli
+
+TESTS = Path(__file__).resolve().parent
+
+CONFIG = """
+seed_everything: 7
+trainer:
+  accelerator: cpu
+  max_steps: 5
+  default_root_dir: {out}
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger:
+    class_path: lightning.pytorch.loggers.TensorBoardLogger
+    init_args: {{save_dir: {out}, name: tensorboard}}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{dirpath: {out}/checkpoints, every_n_train_steps: 1, save_last: true}}
+    - class_path: forge_lightning.callbacks.RewardLogger
+      init_args: {{logging_steps: 1}}
+model:
+  model: {model}
+  reward: faults.kill_on_call
+  group_size: 4
+  max_new_tokens: 6
+  learning_rate: 0.01
+  warmup_steps: 2
+  gradient_accumulation_steps: 1
+  kl_beta: 0.05
+data:
+  source: mock
+  prompts_per_step: 2
+"""
+
+
+def fit(config: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "forge_lightning", "fit", "--config", str(config), *extra],
+        env={**os.environ, "PYTHONPATH": str(TESTS), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
+
+
+def run_dir(tmp_path: Path, name: str, model: Path) -> tuple[Path, Path]:
+    out = tmp_path / name
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(CONFIG.format(out=out, model=model))
+    return out, config
+
+
+def test_resume_after_sigkill_continues_exactly_where_it_stopped(tiny_model_dir, tmp_path):
+    straight, straight_cfg = run_dir(tmp_path, "straight", tiny_model_dir)
+    done = fit(straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    killed, killed_cfg = run_dir(tmp_path, "killed", tiny_model_dir)
+    env = {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4"}
+    crash = fit(killed_cfg, env)
+    assert crash.returncode == -9  # SIGKILL inside step 4's reward
+    assert [r["step"] for r in records(killed)] == [1, 2, 3]
+
+    resumed = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_c")}, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    after, expected = records(killed), records(straight)
+    assert [r["step"] for r in after] == [1, 2, 3, 4, 5]  # no duplicates, never backwards
+    for got, want in zip(after, expected):
+        for key in ("loss", "reward", "kl", "lr", "grad_norm", "completion_length"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+    # The reference the resumed run used is the original policy, not the step-3 one.
+    original = load_file(tiny_model_dir / "model.safetensors")
+    reference = load_file(killed / "reference" / "model.safetensors")
+    for key, value in original.items():
+        torch.testing.assert_close(reference[key], value)
+
+
+def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(tiny_model_dir, tmp_path):
+    out, config = run_dir(tmp_path, "empty", tiny_model_dir)
+    with pytest.raises(SystemExit, match="no last.ckpt"):
+        build_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
+    assert not (out / "training_log.jsonl").exists()
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    target = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1, "w": torch.ones(3)}, target)
+
+    def torn_save(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError, match="mid-write"):
+        io.save_checkpoint({"step": 2, "w": torch.zeros(3)}, target)
+    monkeypatch.undo()
+    assert io.load_checkpoint(target)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
