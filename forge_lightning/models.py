@@ -79,6 +79,8 @@ def load_model(
             model = model.to(_as_dtype(dtype))
     elif Path(spec).exists():
         model, tokenizer = _load_folder(Path(spec), dtype)
+    elif spec.startswith(("/", "./", "../", "~")):
+        raise ModelLoadError(f"model folder not found: {spec}")
     else:
         model, tokenizer = _load_hub(spec, dtype)
     return model, ensure_pad_token(tokenizer)
