@@ -135,7 +135,9 @@ def test_immediate_eos_completions_train_without_dividing_by_zero(tmp_path):
     eos = grpo.tokenizer.eos_token_id
 
     class AlwaysEOS:
-        def generate(self, model, prompt_ids, prompt_mask, group_size, params: SamplingParams) -> torch.Tensor:
+        def generate(
+            self, model, prompt_ids, prompt_mask, group_size, params: SamplingParams
+        ) -> torch.Tensor:
             return torch.full((prompt_ids.shape[0] * group_size, 3), eos)
 
         def sync_weights(self, model) -> None:
