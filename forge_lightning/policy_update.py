@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,6 +15,27 @@ from transformers import PreTrainedModel
 from forge_lightning.grpo import grpo_loss
 from forge_lightning.logprobs import completion_log_probs, supports_shared_prefix
 from forge_lightning.rollout import Rollout
+
+
+@contextmanager
+def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the wall time of the ``with`` block to ``timings[phase]``.
+
+    On a GPU the queued kernels are waited for at both ends, so the time lands in the phase that
+    launched the work rather than in whichever phase happens to synchronize next.
+    """
+    _synchronize()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _synchronize()
+        timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _valid_sequences(part: Tensor, whole: Tensor) -> Tensor:
@@ -43,6 +66,8 @@ class PolicyUpdate:
     """Backpropagates the GRPO loss of a rollout, micro-batch by micro-batch.
 
     ``backward`` is Lightning's ``manual_backward``; ``hparams`` the module's hyperparameters.
+    ``timings`` collects the seconds spent in each phase: ``logprob`` (every forward: reference,
+    old policy, policy, and the loss), ``backward``, and ``optimizer`` (steps taken inside ``run``).
     """
 
     policy: PreTrainedModel
@@ -50,6 +75,7 @@ class PolicyUpdate:
     hparams: Mapping[str, Any]
     shared_prefix: bool
     backward: Callable[[Tensor], None]
+    timings: dict[str, float] = field(default_factory=dict)
 
     def run(
         self, rollout: Rollout, advantages: Tensor, step_optimizer: Callable[[], None]
@@ -59,18 +85,28 @@ class PolicyUpdate:
         advantages: (P*G,). Returns the loss and its metrics as detached scalars.
         """
         hp = self.hparams
-        ref_logp = None
-        if self.reference is not None:
-            ref_logp = self.log_probs_no_grad(self.reference, rollout)
-        # With one pass the old policy IS the current one: its log-probs are the detached policy
-        # log-probs (grpo_loss's default), so the extra forward is skipped.
-        old_logp = self.log_probs_no_grad(self.policy, rollout) if hp["num_iterations"] > 1 else None
+        with timed(self.timings, "logprob"):
+            ref_logp, old_logp = self._fixed_log_probs(rollout)
         stats: dict[str, Tensor] = {}
         for _ in range(hp["num_iterations"]):
             stats = self._backward_rollout(rollout, advantages, old_logp, ref_logp)
             if hp["num_iterations"] > 1:
-                step_optimizer()
+                with timed(self.timings, "optimizer"):
+                    step_optimizer()
         return stats
+
+    def _fixed_log_probs(self, rollout: Rollout) -> tuple[Tensor | None, Tensor | None]:
+        """Reference and old-policy log-probs ``(P*G, Lc)``: computed once, before any update."""
+        ref_logp = None
+        if self.reference is not None:
+            ref_logp = self.log_probs_no_grad(self.reference, rollout)
+        # The sampling engine's own log-probs are the old policy's when it reported them. Otherwise,
+        # with one pass the old policy IS the current one: its log-probs are the detached policy
+        # log-probs (grpo_loss's default), so the extra forward is skipped.
+        old_logp = rollout.old_logp
+        if old_logp is None and self.hparams["num_iterations"] > 1:
+            old_logp = self.log_probs_no_grad(self.policy, rollout)
+        return ref_logp, old_logp
 
     @property
     def temperature(self) -> float:
@@ -118,21 +154,23 @@ class PolicyUpdate:
         totals: dict[str, Tensor] = {}
         for start, stop in self._micro_batches(rollout):
             part = mask[start:stop]
-            loss, metrics = grpo_loss(
-                self.log_probs(self.policy, rollout, start, stop),
-                None if old_logp is None else old_logp[start:stop],
-                None if ref_logp is None else ref_logp[start:stop],
-                advantages[start:stop],
-                part,
-                loss_type=hp["loss_type"],
-                clip_epsilon=hp["clip_epsilon"],
-                clip_epsilon_high=hp["clip_epsilon_high"],
-                kl_beta=hp["kl_beta"],
-                max_completion_length=hp["max_new_tokens"],
-                token_normalizer=total_tokens,
-            )
+            with timed(self.timings, "logprob"):
+                loss, metrics = grpo_loss(
+                    self.log_probs(self.policy, rollout, start, stop),
+                    None if old_logp is None else old_logp[start:stop],
+                    None if ref_logp is None else ref_logp[start:stop],
+                    advantages[start:stop],
+                    part,
+                    loss_type=hp["loss_type"],
+                    clip_epsilon=hp["clip_epsilon"],
+                    clip_epsilon_high=hp["clip_epsilon_high"],
+                    kl_beta=hp["kl_beta"],
+                    max_completion_length=hp["max_new_tokens"],
+                    token_normalizer=total_tokens,
+                )
             weight = weight_of(part, mask).to(loss.device)
-            self.backward(loss * weight / hp["gradient_accumulation_steps"])
+            with timed(self.timings, "backward"):
+                self.backward(loss * weight / hp["gradient_accumulation_steps"])
             token_share = part.sum() / total_tokens
             parts = {"loss": loss.detach() * weight, "policy_loss": metrics["policy_loss"] * weight}
             parts.update(

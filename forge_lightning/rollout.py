@@ -17,6 +17,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.hf_compat import is_checkpointing, set_checkpointing
+from forge_lightning.sharding import is_sharded
 
 
 @dataclass
@@ -44,6 +45,9 @@ class Rollout:
     completion_mask: Tensor  # (P*G, Lc) 1 up to and including the first EOS
     group_size: int
     completions: list[str]  # decoded completions, special tokens removed, P*G of them
+    # (P*G, Lc) the sampling engine's log-prob of each completion token, when it reported them;
+    # the loss then measures its ratio against these instead of recomputing them.
+    old_logp: Tensor | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -70,6 +74,21 @@ class GenerationBackend(Protocol):
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         """Called after every optimizer step; engines holding their own weights copy them here."""
+        ...
+
+
+class LogProbGenerationBackend(GenerationBackend, Protocol):
+    """A backend that can also report the log-prob it sampled each completion token with."""
+
+    def generate_with_logprobs(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+    ) -> tuple[Tensor, Tensor]:
+        """Completion ids as ``generate`` returns them and their log-probs, both ``(P*G, Lc)``."""
         ...
 
 
@@ -109,7 +128,13 @@ class HFGenerate:
         try:
             with torch.no_grad():
                 out = model.generate(
-                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    generation_config=config,
+                    # A sharded model gathers its weights from every rank in each forward: all
+                    # ranks must run the same number of decoding steps, so a rank whose
+                    # completions have all ended keeps stepping until every rank's have.
+                    synced_gpus=is_sharded(model) and torch.distributed.get_world_size() > 1,
                 )
         finally:
             if checkpointing:

@@ -1,0 +1,248 @@
+"""Generation with vLLM, colocated with training on the same GPU (``generation_backend: vllm``).
+
+The engine is built on the first rollout from the policy itself: its config and tokenizer go to a
+temporary folder, vLLM starts there with placeholder weights (``load_format="dummy"``) and takes
+``gpu_memory_utilization`` of the GPU for its weights and KV cache, and the policy's weights are
+then loaded into it. After every optimizer step :meth:`VLLMGenerate.sync_weights` loads them again,
+so the engine always samples from the current policy.
+
+vLLM is imported only here and only when an engine is built: the rest of the package, and every
+test, runs without it. GPU only: ``pip install "forge-lightning[vllm]"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from forge_lightning.rollout import SamplingParams
+
+# (policy, tokenizer, gpu_memory_utilization) -> an object shaped like ``vllm.LLM``: ``generate``,
+# ``apply_model`` and ``reset_prefix_cache``.
+EngineFactory = Callable[[PreTrainedModel, PreTrainedTokenizerBase, float], Any]
+
+_INSTALL_HINT = 'generation_backend="vllm" needs vLLM and a GPU: pip install "forge-lightning[vllm]"'
+
+
+def import_vllm() -> ModuleType:
+    """The ``vllm`` module, or an ImportError that says how to get it."""
+    try:
+        return importlib.import_module("vllm")
+    except ImportError as err:
+        raise ImportError(_INSTALL_HINT) from err
+
+
+class VLLMGenerate:
+    """A :class:`~forge_lightning.rollout.GenerationBackend` backed by a colocated ``vllm.LLM``.
+
+    Args:
+        tokenizer: the policy's tokenizer (saved beside the config for the engine).
+        eos_token_ids: every token that ends a completion; vLLM stops at each of them.
+        gpu_memory_utilization: share of the GPU's memory vLLM may take; training keeps the rest.
+        engine_factory: builds the engine; :func:`colocated_llm` unless given (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: Sequence[int],
+        gpu_memory_utilization: float = 0.3,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        self.eos_token_ids = list(eos_token_ids)
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.engine_factory = engine_factory or colocated_llm
+        self.engine: Any = None
+
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+    ) -> Tensor:
+        """Completion ids ``(P*G, Lc)``, groups contiguous, right-padded with the pad token."""
+        return self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs=False)[0]
+
+    def generate_with_logprobs(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+    ) -> tuple[Tensor, Tensor]:
+        """Completion ids ``(P*G, Lc)`` and the engine's log-prob of each sampled token ``(P*G, Lc)``.
+
+        The log-probs are of the temperature-scaled distribution (vLLM's ``processed_logprobs``),
+        the quantity the loss computes; padding positions hold 0.
+        """
+        ids, logp = self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs=True)
+        assert logp is not None
+        return ids, logp
+
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        """Load the policy's current weights into the engine (a no-op before it exists)."""
+        if self.engine is None:
+            return
+        weights = policy_weights(model)
+        self.engine.apply_model(lambda engine_model: engine_model.load_weights(weights))
+        # Cached prompt keys/values were computed with the old weights.
+        self.engine.reset_prefix_cache()
+
+    def _sample(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        logprobs: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        if self.engine is None:
+            self.engine = self.engine_factory(model, self.tokenizer, self.gpu_memory_utilization)
+            self.sync_weights(model)
+        # vLLM takes unpadded token lists; the left padding of the batch is not part of a prompt.
+        prompts = [
+            {"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)
+        ]
+        requests = vllm_sampling_params(
+            import_vllm(), params, len(prompts), group_size, self.eos_token_ids, logprobs
+        )
+        outputs = self.engine.generate(prompts, requests, use_tqdm=False)
+        # One request per prompt, n=G completions each: flattening keeps each group contiguous.
+        samples = [sample for output in outputs for sample in output.outputs]
+        ids = pad_sequence(
+            [torch.tensor(s.token_ids, dtype=torch.long) for s in samples],
+            batch_first=True,
+            padding_value=self.pad_token_id,
+        ).to(prompt_ids.device)  # (P*G, Lc)
+        if not logprobs:
+            return ids, None
+        logp = pad_sequence(
+            [torch.tensor(sampled_logprobs(s), dtype=torch.float32) for s in samples], batch_first=True
+        ).to(prompt_ids.device)  # (P*G, Lc)
+        return ids, logp
+
+
+def vllm_sampling_params(
+    vllm: ModuleType,
+    params: SamplingParams,
+    num_prompts: int,
+    group_size: int,
+    eos_token_ids: Sequence[int],
+    logprobs: bool,
+) -> list[Any]:
+    """One ``vllm.SamplingParams`` per prompt for G completions each, drawn as ``HFGenerate`` draws.
+
+    vLLM seeds the G completions of a request ``seed, seed+1, ...``; the prompts' seeds are G
+    apart so that no two completions of a rollout share a random stream. The base seed comes from
+    torch's generator, which ``seed_everything`` seeds: runs repeat, and every call differs.
+    """
+    greedy = params.greedy
+    shared = dict(
+        n=group_size,
+        max_tokens=params.max_new_tokens,
+        temperature=0.0 if greedy else params.temperature,
+        top_p=1.0 if greedy else params.top_p,
+        top_k=-1 if greedy or params.top_k == 0 else params.top_k,  # vLLM's "no top-k" is -1
+        stop_token_ids=list(eos_token_ids),
+        logprobs=0 if logprobs else None,  # 0: only the sampled token's log-prob
+        detokenize=False,  # completions are decoded from the ids, by the module
+    )
+    base = int(torch.randint(2**30, ()).item())
+    return [vllm.SamplingParams(**shared, seed=base + i * group_size) for i in range(num_prompts)]
+
+
+def sampled_logprobs(sample: Any) -> list[float]:
+    """The log-prob of each token a vLLM ``CompletionOutput`` sampled."""
+    if sample.logprobs is None:
+        raise RuntimeError("the vLLM engine returned no log-probs; it was not asked for them")
+    return [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)]
+
+
+_ADAPTER_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
+
+
+@torch.no_grad()
+def policy_weights(model: PreTrainedModel) -> Iterator[tuple[str, Tensor]]:
+    """``(name, tensor)`` pairs of the policy under the base model's checkpoint names.
+
+    A PEFT model's LoRA adapters are folded into their base weights (``W + scale * B @ A``, what
+    ``merge_and_unload`` computes) one layer at a time, without touching the model; the adapter
+    matrices themselves are not part of the result.
+    """
+    if not hasattr(model, "get_base_model"):
+        for name, param in model.named_parameters():
+            yield name, param.detach()
+        return
+    base = model.get_base_model()
+    lora_layers = {
+        name: module
+        for name, module in base.named_modules()
+        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+    }
+    for name, param in base.named_parameters():
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        name = _ADAPTER_COPY.sub(".", name.replace(".base_layer.", "."))
+        owner, _, leaf = name.rpartition(".")
+        layer = lora_layers.get(owner)
+        if layer is None or leaf != "weight":
+            yield name, param.detach()
+            continue
+        merged = param.detach().clone()
+        for adapter in layer.active_adapters:
+            if adapter not in layer.lora_A:
+                continue
+            if getattr(layer, "use_dora", {}).get(adapter, False):
+                raise NotImplementedError(f"{owner}: DoRA adapters cannot be folded into vLLM weights")
+            merged += layer.get_delta_weight(adapter).to(merged.dtype)
+        yield name, merged
+
+
+def colocated_llm(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gpu_memory_utilization: float
+) -> Any:
+    """A ``vllm.LLM`` on this process's GPU, with the policy's architecture and placeholder weights."""
+    vllm = import_vllm()
+    # An in-process engine: apply_model then reaches the engine's model directly, so loading
+    # weights hands over tensors instead of pickling them to a worker process.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    folder = tempfile.mkdtemp(prefix="forge-vllm-")
+    base.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    extra: dict[str, Any] = {}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # One engine per training process (tensor_parallel_size 1), in that process, the way
+        # torchrun-style launchers run vLLM; it reads its rank from the environment.
+        os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
+        extra["distributed_executor_backend"] = "external_launcher"
+    rank = int(os.environ.get("RANK", "0"))
+    return vllm.LLM(
+        model=folder,
+        tokenizer=folder,
+        load_format="dummy",  # the real weights arrive through sync_weights right after
+        dtype=str(next(base.parameters()).dtype).removeprefix("torch."),
+        gpu_memory_utilization=gpu_memory_utilization,
+        enable_prefix_caching=True,  # the G completions of a prompt share its prefill
+        logprobs_mode="processed_logprobs",  # log-probs after temperature, as the loss has them
+        seed=rank,
+        **extra,
+    )
