@@ -1,0 +1,1 @@
+"""Worked examples of extending forge_lightning; each module is meant to be read and copied."""
