@@ -377,6 +377,8 @@ class GRPOLightningModule(pl.LightningModule):
                 "copy of the policy, and the ReferenceModel callback cannot copy a sharded one: set "
                 "kl_beta=0 (and a loss_type other than forge) to train with ModelParallelStrategy"
             )
+        if self.hparams.generation_backend != "hf":
+            raise ValueError("a sharded policy samples with generation_backend='hf' only")
         shard_policy(self.model, self.device_mesh["data_parallel"])
 
     def _sampling(self) -> SamplingParams:

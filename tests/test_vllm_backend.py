@@ -8,6 +8,7 @@ that reaches its model through ``apply_model``.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import sys
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 from test_module import count_a, loader, trainer
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.policy_update import PolicyUpdate
@@ -293,3 +294,48 @@ def test_lora_adapters_are_merged_into_the_weights_sent_to_the_engine():
         torch.testing.assert_close(sent[name], weight.detach())
     for key, value in lora.state_dict().items():  # the policy itself is left as it was
         assert torch.equal(value, before[key])
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None, reason="needs 1 GPU and vLLM"
+)
+def test_real_engine_trains_and_follows_the_policy_on_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, "vllm")  # the real package, not this file's fake
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(  # head_dim 64: a size every vLLM attention backend takes
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=1,
+        tie_word_embeddings=True,
+    )
+    grpo = GRPOLightningModule(
+        model=LlamaForCausalLM(config),
+        tokenizer=tok,
+        reward=count_a,
+        group_size=4,
+        max_new_tokens=8,
+        learning_rate=1e-2,
+        kl_beta=0.0,
+        gradient_accumulation_steps=1,
+        generation_backend="vllm",
+        vllm_gpu_memory_utilization=0.2,
+        use_engine_logprobs=True,
+        temperature=1.0,
+    )
+    fit = trainer(tmp_path, accelerator="gpu", devices=1, max_steps=2)
+    fit.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(2)]))
+
+    assert fit.global_step == 2
+    engine_embed = grpo.generator.engine.apply_model(lambda m: m.model.embed_tokens.weight[: len(tok)].cpu())[
+        0
+    ]
+    policy_embed = grpo.model.model.embed_tokens.weight.detach().cpu()
+    torch.testing.assert_close(engine_embed.float(), policy_embed.float())

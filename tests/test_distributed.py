@@ -1,0 +1,107 @@
+"""The multi-GPU configs on two CPU processes (gloo): ``gsm8k_ddp.yaml`` launched by ``torchrun``,
+``gsm8k_fsdp.yaml`` (FSDP2) launched by Lightning, each through the CLI on a tiny model. The same
+on two GPUs where there are two; and the settings a sharded policy refuses.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+from safetensors.torch import load_file
+
+from forge_lightning.module import GRPOLightningModule
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def fit(launcher: list[str], config: str, model_dir: Path, out: Path, accelerator: str, *extra: str) -> None:
+    """Two processes of ``forge-lightning fit``, in ``out`` (the configs' output paths are relative)."""
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = [
+        f"--trainer.accelerator={accelerator}",
+        "--trainer.devices=2",
+        "--trainer.precision=32-true",
+        "--trainer.max_steps=2",
+        "--trainer.enable_progress_bar=false",
+        f"--model.model={model_dir}",
+        "--model.group_size=4",
+        "--model.max_new_tokens=6",
+        "--model.learning_rate=0.01",
+        "--data.source=mock",
+        *extra,
+    ]
+    command = [*launcher, "-m", "forge_lightning", "fit", "--config", str(CONFIGS / config), *overrides]
+    run = subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+
+def run_both(model_dir: Path, root: Path, accelerator: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Final weights of the DDP and the FSDP run, by HF parameter name."""
+    # kl_beta 0 in the DDP run too, so that both runs optimise the same loss.
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    fit(torchrun, "gsm8k_ddp.yaml", model_dir, root / "ddp", accelerator, "--model.kl_beta=0")
+    fit([sys.executable], "gsm8k_fsdp.yaml", model_dir, root / "fsdp", accelerator,
+        "--trainer.strategy.init_args.data_parallel_size=2")  # fmt: skip
+    ddp = load_file(root / "ddp" / "forge_output" / "final" / "model.safetensors")
+    checkpoint = torch.load(root / "fsdp" / "forge_output" / "checkpoints" / "last.ckpt", weights_only=False)
+    fsdp = {name.removeprefix("model."): weight for name, weight in checkpoint["state_dict"].items()}
+    return {"ddp": ddp, "fsdp": fsdp, "initial": load_file(model_dir / "model.safetensors")}
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tiny_model_dir, tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    return run_both(tiny_model_dir, tmp_path_factory.mktemp("distributed"), "cpu")
+
+
+def test_ddp_config_under_torchrun_trains_and_writes_the_final_policy(cpu_runs):
+    ddp, initial = cpu_runs["ddp"], cpu_runs["initial"]
+    assert ddp.keys() == initial.keys()
+    assert any(not torch.equal(ddp[name], initial[name]) for name in ddp)
+
+
+def test_fsdp_config_trains_the_sharded_policy_as_ddp_trains_the_whole_one(cpu_runs):
+    # Same seed, data and steps: sharding changes where the weights live, not the training. Had
+    # the policy not been sharded, nothing would sync the ranks' gradients and the runs would part.
+    ddp, fsdp = cpu_runs["ddp"], cpu_runs["fsdp"]
+    assert fsdp.keys() >= ddp.keys()  # the Lightning checkpoint also keeps the tied lm_head
+    # The tolerance only covers summation order (all-reduce vs reduce-scatter); one step of
+    # unsynced training moves weights by about the learning rate, 1e-2.
+    for name, weight in ddp.items():
+        torch.testing.assert_close(fsdp[name], weight, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_both_configs_on_two_gpus(tiny_model_dir, tmp_path):
+    runs = run_both(tiny_model_dir, tmp_path, "gpu")
+    for name, weight in runs["ddp"].items():
+        torch.testing.assert_close(runs["fsdp"][name], weight, rtol=1e-3, atol=1e-5)
+
+
+def mesh(tensor_parallel: int) -> dict[str, SimpleNamespace]:
+    return {
+        "data_parallel": SimpleNamespace(size=lambda: 2),
+        "tensor_parallel": SimpleNamespace(size=lambda: tensor_parallel),
+    }
+
+
+@pytest.mark.parametrize(
+    ("settings", "tensor_parallel", "message"),
+    [
+        ({"kl_beta": 0.01}, 1, "kl_beta"),
+        ({"kl_beta": 0.0, "loss_type": "forge"}, 1, "forge"),
+        ({"kl_beta": 0.0}, 2, "tensor_parallel_size"),
+        ({"kl_beta": 0.0, "generation_backend": "vllm"}, 1, "generation_backend"),
+    ],
+)
+def test_sharding_refuses_what_it_cannot_do(settings, tensor_parallel, message):
+    tok = make_tokenizer()
+    grpo = GRPOLightningModule(model=make_model(len(tok)), tokenizer=tok, **settings)
+    grpo._device_mesh = mesh(tensor_parallel)  # what ModelParallelStrategy sets before configure_model
+    with pytest.raises(ValueError, match=message):
+        grpo.configure_model()
