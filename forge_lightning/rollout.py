@@ -9,14 +9,15 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from forge_lightning.hf_compat import is_checkpointing, set_checkpointing
+from forge_lightning.hf_compat import cache_kwarg, is_checkpointing, output_cache, set_checkpointing
+from forge_lightning.logprobs import supports_shared_prefix
 from forge_lightning.sharding import is_sharded
 
 
@@ -107,17 +108,6 @@ class HFGenerate:
         group_size: int,
         params: SamplingParams,
     ) -> Tensor:
-        config = GenerationConfig(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=not params.greedy,
-            temperature=params.temperature if not params.greedy else None,
-            top_p=params.top_p if not params.greedy else None,
-            top_k=params.top_k if not params.greedy else None,
-            num_return_sequences=group_size,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_ids,
-            use_cache=True,
-        )
         was_training = model.training
         # Gradient checkpointing switches the KV cache off; generation without a cache is
         # quadratic, so checkpointing is paused while sampling and restored afterwards.
@@ -127,10 +117,11 @@ class HFGenerate:
         model.eval()
         try:
             with torch.no_grad():
+                inputs = self._prefilled_inputs(model, prompt_ids, prompt_mask, group_size)
+                repeats = group_size if inputs is None else 1
                 out = model.generate(
-                    input_ids=prompt_ids,
-                    attention_mask=prompt_mask,
-                    generation_config=config,
+                    **(inputs or {"input_ids": prompt_ids, "attention_mask": prompt_mask}),
+                    generation_config=self._config(params, repeats),
                     # A sharded model gathers its weights from every rank in each forward: all
                     # ranks must run the same number of decoding steps, so a rank whose
                     # completions have all ended keeps stepping until every rank's have.
@@ -141,6 +132,54 @@ class HFGenerate:
                 set_checkpointing(model, True)
             model.train(was_training)
         return out[:, prompt_ids.shape[1] :]
+
+    def _config(self, params: SamplingParams, num_return_sequences: int) -> GenerationConfig:
+        return GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not params.greedy,
+            temperature=params.temperature if not params.greedy else None,
+            top_p=params.top_p if not params.greedy else None,
+            top_k=params.top_k if not params.greedy else None,
+            num_return_sequences=num_return_sequences,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_ids,
+            use_cache=True,
+        )
+
+    @staticmethod
+    def _prefilled_inputs(
+        model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int
+    ) -> dict[str, Any] | None:
+        """``generate`` inputs for the G-fold batch whose prompts already went through the model.
+
+        ``num_return_sequences`` would run every prompt's forward G times, which on a CPU costs
+        more than all the decoding of a short completion. Instead all of each prompt but its last
+        token runs once, its cache is repeated for the group, and ``generate`` starts from the
+        last prompt token. None where that does not apply: a group of one, one-token prompts, a
+        sharded model (every rank must make the same calls), a model without a cache.
+        """
+        if (
+            group_size == 1
+            or prompt_ids.shape[1] < 2
+            or is_sharded(model)
+            or not supports_shared_prefix(model)
+        ):
+            return None
+        head_mask = prompt_mask[:, :-1]
+        out = model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=head_mask,
+            position_ids=(head_mask.cumsum(dim=-1) - 1).clamp(min=0),  # skip left padding, as generate does
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = output_cache(out)
+        cache.batch_repeat_interleave(group_size)
+        return {
+            "input_ids": prompt_ids.repeat_interleave(group_size, dim=0),  # (P*G, Lp)
+            "attention_mask": prompt_mask.repeat_interleave(group_size, dim=0),
+            cache_kwarg(model): cache,
+        }
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         # generate reads the live weights: nothing to copy.

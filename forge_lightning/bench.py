@@ -1,0 +1,375 @@
+"""Throughput of GRPO training steps: completion tokens per second, seconds per phase, memory.
+
+    python -m forge_lightning.bench --data ../shared/data/gsm8k [--prompts-per-step 4] [...]
+
+The real :class:`~forge_lightning.module.GRPOLightningModule` trains inside a real Lightning
+``Trainer`` on the first GSM8K train prompts: one warm-up step, then ``--steps`` timed ones. A
+callback takes each step's wall time; the split into generate, reward, logprob (every forward),
+backward and optimizer is the module's own ``last_timings``. Right after each timed step, two
+references are measured on the very sequences that step sampled:
+
+- ``generate``: plain ``model.generate`` of the step's batch, held to the same number of tokens;
+- ``straightforward``: that generate, plus one padded policy forward+backward (each prompt repeated
+  for each of its completions, ``logits_to_keep``, a float32 log-softmax) and one reference
+  forward: a GRPO step written the obvious way.
+
+Exactly one JSON line goes to stdout (medians over the timed steps, peak memory during the
+steps, the settings); every log goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+from transformers import GenerationConfig, PreTrainedModel
+
+from forge_lightning.data import collate_records, load_gsm8k
+from forge_lightning.models import load_model
+from forge_lightning.module import GRPOLightningModule
+from forge_lightning.rollout import Rollout
+
+log = logging.getLogger("forge_lightning.bench")
+
+# Generation engines the benchmark can drive, as the module's ``generation_backend`` names them.
+# A new engine (``vllm``) is one more entry here once the module supports it.
+BACKENDS = ("hf",)
+PHASES = ("generate", "reward", "logprob", "backward", "optimizer")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m forge_lightning.bench",
+        description="Time GRPO training steps of GRPOLightningModule; print one JSON line.",
+    )
+    add = parser.add_argument
+    add("--data", required=True, help="GSM8K folder (with train.jsonl or .parquet) or file")
+    add("--model", default="embedded", help="model spec (embedded, folder, hub id, .gguf, random:...)")
+    add("--prompts-per-step", type=int, default=1, help="prompts per training step (P)")
+    add("--group", type=int, default=8, help="completions per prompt (G)")
+    add("--max-new-tokens", type=int, default=64)
+    add("--steps", type=int, default=3, help="timed steps, after one warm-up step")
+    add("--device", default=None, help="cpu or cuda[:i]; the GPU when there is one")
+    add("--backend", choices=BACKENDS, default="hf", help="generation engine")
+    add("--fixed-length", action="store_true", help="every completion runs to --max-new-tokens")
+    add("--train-micro-batch-size", type=int, default=None, help="completions per forward/backward")
+    add("--no-prefix-sharing", action="store_true", help="full forward for every completion")
+    add("--temperature", type=float, default=0.9)
+    add("--kl-beta", type=float, default=0.01)
+    add("--no-references", action="store_true", help="skip the references (memory-only runs)")
+    add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not Path(args.data).exists():
+        parser.error(f"--data {args.data}: no such file or folder (give a GSM8K folder or .jsonl file)")
+    for name in ("prompts_per_step", "group", "max_new_tokens", "steps"):
+        if getattr(args, name) < 1 or (name == "group" and args.group < 2):
+            parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print its JSON line on stdout and return it as a dict."""
+    args = parse_args(argv)
+    stdout = sys.stdout
+    # Lightning and transformers print to stdout in places; the JSON line must stand alone there.
+    with contextlib.redirect_stdout(sys.stderr):
+        if not logging.getLogger().handlers:
+            logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+        result = run(args)
+    print(json.dumps(result), file=stdout, flush=True)
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train ``args.steps + 1`` steps under the timer; the summary of the timed ones."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    pl.seed_everything(args.seed, verbose=False)
+    records = _prompts(args.data, args.prompts_per_step * (args.steps + 1))
+    model, tokenizer = load_model(args.model, dtype=dtype)
+    if args.fixed_length:
+        # generate() takes unset settings from the model's generation config: no EOS before the end.
+        model.generation_config.min_new_tokens = args.max_new_tokens
+    module = _RecordingModule(
+        model=model,
+        tokenizer=tokenizer,
+        group_size=args.group,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        kl_beta=args.kl_beta,
+        gradient_accumulation_steps=1,
+        train_micro_batch_size=args.train_micro_batch_size,
+        prefix_sharing=not args.no_prefix_sharing,
+        generation_backend=args.backend,
+    )
+    module.rollouts = []
+    setup_rss = _current_rss_mb()
+    timer = StepTimer(args)
+    with tempfile.TemporaryDirectory(prefix="forge-bench-") as root:
+        trainer = pl.Trainer(
+            accelerator="gpu" if device.type == "cuda" else "cpu",
+            devices=[device.index or 0] if device.type == "cuda" else 1,
+            max_steps=args.steps + 1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=root,
+            callbacks=[timer],
+        )
+        loader = DataLoader(records, batch_size=args.prompts_per_step, collate_fn=collate_records)
+        trainer.fit(module, loader)
+    steps, rollouts = timer.steps[1:], module.rollouts[1:]  # the first is the warm-up
+    memory = {"setup_rss_mb": setup_rss, "peak_rss_mb": timer.peak_rss_mb, "peak_gpu_mb": timer.peak_gpu_mb}
+    return _summary(args, steps, rollouts, timer.references, memory, device, dtype)
+
+
+class _RecordingModule(GRPOLightningModule):
+    """The real module; it also keeps each step's rollout so the references can replay it."""
+
+    rollouts: list[Rollout]
+
+    def rollout(self, *args: Any, **kwargs: Any) -> Rollout:
+        out = super().rollout(*args, **kwargs)
+        self.rollouts.append(out)
+        return out
+
+
+class StepTimer(pl.Callback):
+    """Times every training step, takes its peak memory, and runs the references after it.
+
+    The references of a timed step are measured right after that step, so on a shared machine
+    both sides of each ratio see about the same load. Memory is sampled only inside the steps:
+    the references' own (larger) allocations never count toward ``peak_rss_mb``.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.steps: list[dict[str, float]] = []
+        self.references: list[dict[str, float]] = []
+        self.peak_rss_mb = 0.0
+        self.peak_gpu_mb: float | None = None
+        self._sampler: _RssSampler | None = None
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._sampler = _RssSampler()
+        self._sampler.start()
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        _synchronize()
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        _synchronize()
+        seconds = time.perf_counter() - self._start
+        self.peak_rss_mb = max(self.peak_rss_mb, self._sampler.stop())
+        if pl_module.device.type == "cuda":
+            gpu = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
+            self.peak_gpu_mb = max(self.peak_gpu_mb or 0.0, gpu)
+        phases = {phase: pl_module.last_timings.get(phase, 0.0) for phase in PHASES}
+        self.steps.append({"seconds": seconds, **phases})
+        tokens = int(pl_module.rollouts[-1].completion_mask.sum())
+        log.info(
+            "step %d: %.2f s, %d completion tokens, peak RSS %.0f MB, %s",
+            *(len(self.steps) - 1, seconds, tokens, self.peak_rss_mb, _rounded(phases)),
+        )
+        if len(self.steps) > 1 and not self.args.no_references:  # the first step is the warm-up
+            self.references.append(_references(pl_module, pl_module.rollouts[-1], self.args))
+
+
+def _references(module: _RecordingModule, rollout: Rollout, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds of plain generate, and of the straightforward training step, on one rollout."""
+    generate = _plain_generate(module.model, module.tokenizer, rollout, args.temperature)
+    train = _straightforward_update(module.model, module.reference_model(), rollout, args)
+    log.info("references: generate %.2f s, straightforward %.2f s", generate, generate + train)
+    return {"generate": generate, "straightforward": generate + train}
+
+
+def _plain_generate(model: PreTrainedModel, tokenizer: Any, rollout: Rollout, temperature: float) -> float:
+    """``model.generate`` of the rollout's prompts, as many new tokens as the rollout holds."""
+    width = rollout.completion_ids.shape[1]
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=width,
+        min_new_tokens=width,  # the same decoding steps as the timed step took
+        num_return_sequences=rollout.group_size,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=True,
+    )
+    model.eval()
+    _synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            input_ids=rollout.prompt_ids, attention_mask=rollout.prompt_mask, generation_config=config
+        )
+    _synchronize()
+    model.train()
+    return time.perf_counter() - start
+
+
+def _straightforward_update(
+    policy: PreTrainedModel, reference: PreTrainedModel | None, rollout: Rollout, args: argparse.Namespace
+) -> float:
+    """Seconds of a plain GRPO loss forward+backward and reference forward over the rollout."""
+    group = rollout.group_size
+    input_ids = torch.cat([rollout.prompt_ids.repeat_interleave(group, 0), rollout.completion_ids], 1)
+    attention = torch.cat([rollout.prompt_mask.repeat_interleave(group, 0), rollout.completion_mask], 1)
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    targets, mask = rollout.completion_ids, rollout.completion_mask.float()  # (N, Lc)
+    advantages = torch.randn(targets.shape[0], 1, device=targets.device)
+    rows = args.train_micro_batch_size or targets.shape[0]
+
+    def log_probs(model: PreTrainedModel, part: slice) -> torch.Tensor:
+        logits = model(
+            input_ids=input_ids[part],
+            attention_mask=attention[part],
+            position_ids=positions[part],
+            logits_to_keep=targets.shape[1] + 1,
+        ).logits[:, :-1]
+        logp = torch.log_softmax(logits.float() / args.temperature, dim=-1)
+        return logp.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1)  # (n, Lc)
+
+    policy.train()
+    _synchronize()
+    start = time.perf_counter()
+    for first in range(0, targets.shape[0], rows):
+        part = slice(first, first + rows)
+        logp = log_probs(policy, part)
+        per_token = -torch.exp(logp - logp.detach()) * advantages[part]
+        if reference is not None:
+            with torch.no_grad():
+                ref_logp = log_probs(reference, part)
+            per_token = per_token + args.kl_beta * (torch.exp(ref_logp - logp) - (ref_logp - logp) - 1)
+        loss = ((per_token * mask[part]).sum(1) / mask[part].sum(1).clamp(min=1)).mean()
+        loss.backward()
+    _synchronize()
+    seconds = time.perf_counter() - start
+    policy.zero_grad(set_to_none=True)
+    return seconds
+
+
+def _summary(
+    args: argparse.Namespace,
+    steps: list[dict[str, float]],
+    rollouts: list[Rollout],
+    references: list[dict[str, float]],
+    memory: dict[str, float | None],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
+    tokens = [int(r.completion_mask.sum()) for r in rollouts]
+    seconds = [s["seconds"] for s in steps]
+
+    result: dict[str, Any] = {
+        "completion_tokens_per_s": sum(tokens) / sum(seconds),
+        "seconds_per_step": statistics.median(seconds),
+        **{f"time_{p}_s": statistics.median(s[p] for s in steps) for p in PHASES},
+    }
+    for name in ("generate", "straightforward") if references else ():
+        result[f"{name}_seconds_per_step"] = statistics.median(r[name] for r in references)
+        # The median of each step's own ratio: the two sides of a ratio ran back to back.
+        result[f"vs_{name}"] = statistics.median(t / r[name] for t, r in zip(seconds, references))
+    result |= {
+        "completion_tokens_per_step": statistics.median(tokens),
+        "setup_rss_mb": memory["setup_rss_mb"],
+        "peak_rss_mb": memory["peak_rss_mb"],
+        "peak_rss_increase_mb": memory["peak_rss_mb"] - memory["setup_rss_mb"],
+    }
+    if memory["peak_gpu_mb"] is not None:
+        result["peak_gpu_mb"] = memory["peak_gpu_mb"]
+    result["settings"] = {
+        "model": args.model,
+        "data": str(args.data),
+        "prompts_per_step": args.prompts_per_step,
+        "group": args.group,
+        "max_new_tokens": args.max_new_tokens,
+        "steps": args.steps,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "backend": args.backend,
+        "fixed_length": args.fixed_length,
+        "train_micro_batch_size": args.train_micro_batch_size,
+        "prefix_sharing": not args.no_prefix_sharing,
+        "temperature": args.temperature,
+        "kl_beta": args.kl_beta,
+        "seed": args.seed,
+    }
+    return result
+
+
+def _prompts(path: str, count: int) -> list[dict[str, str]]:
+    """The first ``count`` GSM8K train records (cycled when the file holds fewer)."""
+    rows = load_gsm8k(split="train", max_samples=count, path=path)
+    return [rows[i % len(rows)] for i in range(count)]
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _current_rss_mb() -> float:
+    try:
+        import psutil
+    except ImportError:  # Linux without psutil: the kernel's resident page count
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return psutil.Process().memory_info().rss / 2**20
+
+
+class _RssSampler(threading.Thread):
+    """Highest resident set size seen between ``start()`` and ``stop()``, polled every few ms.
+
+    Polled rather than read from ``getrusage``'s high-water mark, which never goes down and so
+    would also count the references measured between steps.
+    """
+
+    def __init__(self, interval: float = 0.005) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.peak_mb = _current_rss_mb()
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.interval):
+            self.peak_mb = max(self.peak_mb, _current_rss_mb())
+
+    def stop(self) -> float:
+        self._done.set()
+        self.join()
+        return max(self.peak_mb, _current_rss_mb())
+
+
+def _rounded(values: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in values.items()}
+
+
+if __name__ == "__main__":
+    main()
