@@ -45,9 +45,9 @@ from forge_lightning.rollout import Rollout
 
 log = logging.getLogger("forge_lightning.bench")
 
-# Generation engines the benchmark can drive, as the module's ``generation_backend`` names them.
-# A new engine (``vllm``) is one more entry here once the module supports it.
-BACKENDS = ("hf",)
+# Generation engines the benchmark can drive, as the module's ``generation_backend`` names them
+# (``vllm`` needs a GPU and the vllm extra).
+BACKENDS = ("hf", "vllm")
 PHASES = ("generate", "reward", "logprob", "backward", "optimizer")
 
 

@@ -20,6 +20,7 @@ from conftest import make_model, make_tokenizer
 from test_module import count_a, loader, trainer
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from forge_lightning import bench
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.policy_update import PolicyUpdate
 from forge_lightning.rollout import SamplingParams, completion_mask
@@ -254,6 +255,22 @@ def test_hf_stays_the_default_backend():
     grpo = GRPOLightningModule(model=make_model(len(tok)), tokenizer=tok)
     grpo.configure_model()
     assert type(grpo.generator).__name__ == "HFGenerate"
+
+
+def test_benchmark_backend_flag_selects_the_vllm_engine(tiny_model_dir, tmp_path, monkeypatch):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"question": "{i}+1?", "answer": "#### {i + 1}"}}\n' for i in range(2)))
+    engines: list[FakeLLM] = []
+
+    def fake_colocated_llm(model: Any, tokenizer: Any, gpu_memory_utilization: float) -> FakeLLM:
+        engines.append(FakeLLM(tokenizer.convert_tokens_to_ids("a")))
+        return engines[-1]
+
+    monkeypatch.setattr("forge_lightning.vllm_backend.colocated_llm", fake_colocated_llm)
+    args = ["--data", str(data), "--model", str(tiny_model_dir), "--device", "cpu", "--backend", "vllm"]
+    result = bench.main([*args, "--steps", "1", "--group", "2", "--max-new-tokens", "4", "--no-references"])
+    assert result["settings"]["backend"] == "vllm"
+    assert len(engines) == 1 and len(engines[0].requests) == 2  # the warm-up step and the timed one
 
 
 def test_missing_vllm_names_the_extra_to_install(monkeypatch):
