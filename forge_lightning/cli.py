@@ -23,6 +23,15 @@ class ForgeCLI(LightningCLI):
         if self._get(self.config, "ckpt_path") == "last":
             _require_last_checkpoint(self.trainer.checkpoint_callbacks)
 
+    def before_validate(self) -> None:
+        # The shipped configs validate nothing during fit (limit_val_batches: 0); evaluating a
+        # checkpoint with them would otherwise end at once with no metric and no complaint.
+        if self.trainer.limit_val_batches == 0:
+            raise SystemExit(
+                "validate: trainer.limit_val_batches is 0 in this config, so nothing would be evaluated; "
+                "pass --trainer.limit_val_batches 1.0 for the whole validation split (or a batch count)"
+            )
+
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         # Added here rather than in trainer_defaults: a default progress-bar callback would clash

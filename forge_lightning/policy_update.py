@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,8 @@ class PolicyUpdate:
     """Backpropagates the GRPO loss of a rollout, micro-batch by micro-batch.
 
     ``backward`` is Lightning's ``manual_backward``; ``hparams`` the module's hyperparameters.
+    ``reference_scope`` gives the context the reference forward runs in: ``disable_adapter`` when
+    the reference is a LoRA policy's own base weights (``ReferenceModel.scope``).
     ``timings`` collects the seconds spent in each phase: ``logprob`` (every forward: reference,
     old policy, policy, and the loss), ``backward``, and ``optimizer`` (steps taken inside ``run``).
     """
@@ -76,6 +78,7 @@ class PolicyUpdate:
     shared_prefix: bool
     backward: Callable[[Tensor], None]
     timings: dict[str, float] = field(default_factory=dict)
+    reference_scope: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     def run(
         self, rollout: Rollout, advantages: Tensor, step_optimizer: Callable[[], None]
@@ -99,7 +102,8 @@ class PolicyUpdate:
         """Reference and old-policy log-probs ``(P*G, Lc)``: computed once, before any update."""
         ref_logp = None
         if self.reference is not None:
-            ref_logp = self.log_probs_no_grad(self.reference, rollout)
+            with self.reference_scope():
+                ref_logp = self.log_probs_no_grad(self.reference, rollout)
         # The sampling engine's own log-probs are the old policy's when it reported them. Otherwise,
         # with one pass the old policy IS the current one: its log-probs are the detached policy
         # log-probs (grpo_loss's default), so the extra forward is skipped.

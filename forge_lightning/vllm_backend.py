@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -26,6 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from forge_lightning.lora import merged_weights as policy_weights
 from forge_lightning.rollout import SamplingParams
 
 # (policy, tokenizer, gpu_memory_utilization) -> an object shaped like ``vllm.LLM``: ``generate``,
@@ -173,46 +173,6 @@ def sampled_logprobs(sample: Any) -> list[float]:
     if sample.logprobs is None:
         raise RuntimeError("the vLLM engine returned no log-probs; it was not asked for them")
     return [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)]
-
-
-_ADAPTER_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
-
-
-@torch.no_grad()
-def policy_weights(model: PreTrainedModel) -> Iterator[tuple[str, Tensor]]:
-    """``(name, tensor)`` pairs of the policy under the base model's checkpoint names.
-
-    A PEFT model's LoRA adapters are folded into their base weights (``W + scale * B @ A``, what
-    ``merge_and_unload`` computes) one layer at a time, without touching the model; the adapter
-    matrices themselves are not part of the result.
-    """
-    if not hasattr(model, "get_base_model"):
-        for name, param in model.named_parameters():
-            yield name, param.detach()
-        return
-    base = model.get_base_model()
-    lora_layers = {
-        name: module
-        for name, module in base.named_modules()
-        if hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
-    }
-    for name, param in base.named_parameters():
-        if ".lora_" in name or ".original_module." in name:
-            continue
-        name = _ADAPTER_COPY.sub(".", name.replace(".base_layer.", "."))
-        owner, _, leaf = name.rpartition(".")
-        layer = lora_layers.get(owner)
-        if layer is None or leaf != "weight":
-            yield name, param.detach()
-            continue
-        merged = param.detach().clone()
-        for adapter in layer.active_adapters:
-            if adapter not in layer.lora_A:
-                continue
-            if getattr(layer, "use_dora", {}).get(adapter, False):
-                raise NotImplementedError(f"{owner}: DoRA adapters cannot be folded into vLLM weights")
-            merged += layer.get_delta_weight(adapter).to(merged.dtype)
-        yield name, merged
 
 
 def colocated_llm(

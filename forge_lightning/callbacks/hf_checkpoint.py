@@ -10,11 +10,18 @@ from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.io import write_folder_atomically
+from forge_lightning.lora import has_adapter, lora_settings, save_merged
 
 
 class HFCheckpoint(Callback):
     """Writes ``{output_dir}/{global_step}/`` every ``save_steps`` optimizer steps and
     ``{output_dir}/final/`` when training ends, each loadable with ``from_pretrained``.
+
+    A LoRA (PEFT) policy saves its adapter (``adapter_model.safetensors``, ``adapter_config.json``,
+    loadable with peft on top of the base model the config names); with the module's
+    ``peft.merge_on_save`` the adapter folded into the base weights goes to ``merged/`` as a plain
+    model as well, built beside the training model without changing it. Every folder holds the
+    tokenizer too.
 
     Each folder is written to a temporary sibling and renamed, so a crash never leaves a
     half-written checkpoint. Only global rank 0 writes.
@@ -52,7 +59,15 @@ class HFCheckpoint(Callback):
             def write(tmp: Path) -> None:
                 pl_module.model.save_pretrained(tmp)
                 pl_module.tokenizer.save_pretrained(tmp)
+                if has_adapter(pl_module.model) and _merge_on_save(pl_module):
+                    save_merged(pl_module.model, tmp / "merged")
+                    pl_module.tokenizer.save_pretrained(tmp / "merged")
 
             write_folder_atomically(folder, write)
         trainer.strategy.barrier("hf_checkpoint")
         return folder
+
+
+def _merge_on_save(pl_module: pl.LightningModule) -> bool:
+    settings = lora_settings(getattr(pl_module, "hparams", {}).get("peft"))
+    return settings is not None and settings.merge_on_save

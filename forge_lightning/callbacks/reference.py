@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -13,6 +15,7 @@ from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.io import write_folder_atomically
+from forge_lightning.lora import adapter_disabled, has_adapter
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,13 @@ class ReferenceModel(Callback):
     is always the original policy, never the resumed one. Its weights never enter Lightning
     checkpoints: they live in the folder.
 
+    A PEFT (LoRA) policy needs neither the copy nor the folder: its base weights are frozen, so the
+    policy with its adapters switched off is the policy before training, on a first fit and on a
+    resumed one alike. The reference is then the policy itself, and the reference forward runs
+    inside :meth:`scope` (``disable_adapter``). This holds when the adapters started at zero, as a
+    fresh LoRA adapter does; a PEFT model built elsewhere with trained adapters gets its bare base
+    model as the reference.
+
     Args:
         output_dir: run folder; ``trainer.default_root_dir`` when None.
     """
@@ -33,6 +43,7 @@ class ReferenceModel(Callback):
     def __init__(self, output_dir: str | None = None) -> None:
         self.output_dir = output_dir
         self.model: PreTrainedModel | None = None
+        self.shares_policy = False
 
     def folder(self, trainer: pl.Trainer) -> Path:
         return output_dir(trainer, self.output_dir) / "reference"
@@ -40,6 +51,10 @@ class ReferenceModel(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         policy: PreTrainedModel = pl_module.model
+        self.shares_policy = has_adapter(policy)
+        if self.shares_policy:
+            self.model = policy
+            return
         folder = self.folder(trainer)
         if trainer.ckpt_path is not None:
             self.model = self._load(folder, policy)
@@ -66,6 +81,10 @@ class ReferenceModel(Callback):
         log.info("Loading the reference policy from %s", folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=param.dtype)
         return model.to(param.device)
+
+    def scope(self) -> AbstractContextManager[Any]:
+        """The context the reference forward runs in: the policy's adapters off when it is the reference."""
+        return adapter_disabled(self.model) if self.shares_policy else nullcontext()
 
     def require(self) -> PreTrainedModel:
         """The reference model; a clear error when fit has not set it up."""
