@@ -164,7 +164,9 @@ class GRPOLightningModule(pl.LightningModule):
         self.reward = reward if reward is not None else GSM8KAnswerReward()
         self.generator: GenerationBackend | None = None
         self.train_metrics = TrainMetrics(component_names(self.reward))
-        self.val_metrics = TrainMetrics([], keys=("accuracy", "reward", "completion_length"))
+        self.val_metrics = TrainMetrics(
+            component_names(self.reward), keys=("accuracy", "reward", "completion_length")
+        )
         self.last_samples: list[tuple[str, str, float]] = []
         # The latest rollout's rewards (P*G,): RewardLogger's reward histogram.
         self.last_rewards: Tensor = torch.zeros(0)
@@ -181,17 +183,15 @@ class GRPOLightningModule(pl.LightningModule):
             self.tokenizer = self.tokenizer or tokenizer
         if self.hparams.peft is not None:
             self.model = apply_lora(self.model, lora_settings(self.hparams.peft))  # no-op once wrapped
+        # from_pretrained leaves models in eval mode; dropout and friends must be live for training
+        # (generation switches to eval and back by itself).
+        self.model.train()
         if self.hparams.gradient_checkpointing and not is_checkpointing(self.model):
             set_checkpointing(self.model, True)
         if self.device_mesh is not None and not is_sharded(self.model):
             self._shard()
         if self.generator is None:
             self.generator = _generation_backend(self.hparams, self.tokenizer, self.model)
-
-    @override
-    def on_train_start(self) -> None:
-        # from_pretrained leaves models in eval mode; dropout and friends must be live for training.
-        self.model.train()
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -225,8 +225,10 @@ class GRPOLightningModule(pl.LightningModule):
         rollout = self.rollout(
             prompts, SamplingParams(self.hparams.max_new_tokens, greedy=True), group_size=1
         )
-        rewards, _ = self.score(prompts, rollout, reward_kwargs, group_size=1)
+        rewards, components = self.score(prompts, rollout, reward_kwargs, group_size=1)
         self.val_metrics.update("reward", rewards)
+        for name, values in components.items():
+            self.val_metrics.update(f"rewards/{name}", values)
         self.val_metrics.update("completion_length", rollout.completion_lengths.float())
         if "references" in reward_kwargs:
             correct = GSM8KAnswerReward()(
