@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
-from test_module import count_a, loader, trainer
+from test_module import count_a, loader, module, trainer
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from forge_lightning import bench
@@ -106,19 +106,14 @@ def backend(engines: list[FakeLLM] | None = None) -> VLLMGenerate:
 
 
 def vllm_module(engines: list[FakeLLM], **kwargs: Any) -> GRPOLightningModule:
-    tok = make_tokenizer()
     settings = dict(
-        model=make_model(len(tok)),
-        tokenizer=tok,
-        reward=count_a,
-        group_size=4,
         max_new_tokens=6,
         learning_rate=1e-2,
         kl_beta=0.0,
         gradient_accumulation_steps=1,
         generation_backend="vllm",
     )
-    grpo = GRPOLightningModule(**{**settings, **kwargs})
+    grpo = module(**{**settings, **kwargs})
     grpo.generator = backend(engines)  # the constructor hook: configure_model keeps a set generator
     return grpo
 
