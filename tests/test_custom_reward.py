@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from forge_lightning.cli import build_cli
-from forge_lightning.examples.rewards import WORD_BUDGET, concise_answer, has_answer_line, shows_working
+from forge_lightning.examples.rewards import WORD_BUDGET, concise_answer, has_answer_line, shows_working, states_answer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "custom_reward.yaml"
 COMPONENTS = ("correct", "concise", "answer_line", "working")
@@ -20,6 +20,9 @@ COMPONENTS = ("correct", "concise", "answer_line", "working")
         ("3 + 4 = 7\nAnswer: 7", True),
         ("Answer: $1,800\n\n", True),
         ("Answer: -2.5", True),
+        ("So 6 * 7 = 42. Answer: 42.", True),
+        ("Final answer: 42", True),
+        ("Answer: 42 apples", False),
         ("Answer: 7\nThat was easy.", False),
         ("Answer: seven", False),
         ("The answer is 7", False),
@@ -28,6 +31,24 @@ COMPONENTS = ("correct", "concise", "answer_line", "working")
 )
 def test_has_answer_line_wants_a_number_on_the_last_line(text, expected):
     assert has_answer_line(text) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Answer: 7", True),
+        ("The answer is 600.", True),
+        ("So the final result is: $1,200", True),
+        ("The answer is 40 minutes.", True),
+        ("The total is 15 apples.", False),
+        ("12 is the answer.", False),
+        ("The answer is 7\nThanks for asking.", False),
+        ("We add 3 and 4.", False),
+        ("", False),
+    ],
+)
+def test_states_answer_accepts_any_stated_result_on_the_last_line(text, expected):
+    assert states_answer(text) is expected
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,10 @@ from forge_lightning.data.gsm8k import extract_answer, normalize_number
 # Words a solution may use before the correct-answer reward starts shrinking.
 WORD_BUDGET = 60
 
-_ANSWER_LINE = re.compile(r"Answer:\s*(\S+)")
+# "Answer: 42" closing the last line ("... so 6 * 7 = 42. Answer: 42." and "Final answer: 42" count).
+_ANSWER_LINE = re.compile(r"(?:^|.*\W)answer:\s*(\S+?)\.?", re.IGNORECASE)
+# A last line that names the answer or result and gives a number after it: "The answer is 40 minutes."
+_STATED_ANSWER = re.compile(r".*\b(?:answer|result)\b.*\d.*", re.IGNORECASE)
 _NUM = r"-?\$?\d[\d,]*(?:\.\d+)?"
 _CALCULATION = re.compile(rf"({_NUM})\s*([-+*/x×÷])\s*({_NUM})\s*=\s*({_NUM})")
 
@@ -41,10 +44,26 @@ def concise_answer(prompts: list[str], responses: list[str], references: list[st
 
 
 def has_answer_line(text: str) -> bool:
-    """The last non-blank line is ``Answer: <number>`` (``Answer: $1,800`` counts), nothing after it."""
-    lines = [line.strip() for line in text.strip().splitlines()]
-    match = _ANSWER_LINE.fullmatch(lines[-1]) if lines else None
+    """The last non-blank line ends with ``Answer: <number>`` (``Answer: $1,800.`` and ``So the final
+    answer: 7`` count), nothing after the number but a full stop."""
+    match = _ANSWER_LINE.fullmatch(_last_line(text))
     return match is not None and normalize_number(match.group(1)) is not None
+
+
+def states_answer(text: str) -> bool:
+    """The last non-blank line names the answer or result and gives a number after the word
+    (``The answer is 7.``, ``So the final result is 40 minutes.``).
+
+    Looser than :func:`has_answer_line`: a small model phrases its conclusion this way far more
+    often than in the exact format, so rewarding it a little gives the format reward a place to
+    start from.
+    """
+    return has_answer_line(text) or _STATED_ANSWER.fullmatch(_last_line(text)) is not None
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1].strip() if lines else ""
 
 
 def shows_working(text: str) -> bool:
