@@ -409,14 +409,13 @@ class GRPOLightningModule(pl.LightningModule):
         """FSDP2 over the data-parallel dimension of the mesh that ModelParallelStrategy hands over."""
         if self.device_mesh["tensor_parallel"].size() > 1:
             raise ValueError("tensor parallelism is not supported: set tensor_parallel_size=1")
-        if self.needs_reference:
-            raise ValueError(
-                f"kl_beta={self.hparams.kl_beta} with loss_type={self.hparams.loss_type!r} needs a frozen "
-                "copy of the policy, and the ReferenceModel callback cannot copy a sharded one: set "
-                "kl_beta=0 (and a loss_type other than forge) to train with ModelParallelStrategy"
-            )
         if self.hparams.generation_backend != "hf":
             raise ValueError("a sharded policy samples with generation_backend='hf' only")
+        if self.hparams.peft is not None:
+            raise ValueError(
+                "LoRA is not supported with a sharded policy; train the adapter with DDP (its "
+                "gradients are small) or drop model.peft"
+            )
         shard_policy(self.model, self.device_mesh["data_parallel"])
 
     def _sampling(self) -> SamplingParams:

@@ -9,6 +9,7 @@ gathers its full weights for its own forward and frees them after.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PreTrainedModel
 
 
 def shard_policy(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -43,3 +45,79 @@ def is_sharded(model: nn.Module) -> bool:
     except ImportError:  # torch < 2.6: no public FSDP2, so nothing here was sharded with it
         return False
     return isinstance(model, FSDPModule)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state of a sharded ``model``, gathered on CPU on global rank 0 (``{}`` elsewhere).
+
+    Collective: every rank must call it, in the same order.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def sharded_copy(model: PreTrainedModel, state_dict: dict[str, torch.Tensor]) -> PreTrainedModel:
+    """A new model of ``model``'s class, sharded over the same mesh, holding ``state_dict``.
+
+    ``state_dict`` is the full state on global rank 0 (what :func:`full_state_dict` returns there)
+    and ignored elsewhere: rank 0 sends each tensor and every rank keeps only its shard, so no rank
+    ever holds two whole models. Collective.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    param = next(model.parameters())
+    copy = _empty_like(model, param.dtype)
+    shard_policy(copy, param.device_mesh)
+    copy.to_empty(device=param.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(copy, state_dict if torch.distributed.get_rank() == 0 else {}, options=options)
+    # Non-persistent buffers (rotary frequencies) are in no state dict; to_empty left them unset.
+    own = dict(model.named_buffers())
+    for name, buffer in copy.named_buffers():
+        buffer.copy_(own[name])
+    return copy
+
+
+def save_sharded_pretrained(
+    model: PreTrainedModel, folder: Path, state_dict: dict[str, torch.Tensor]
+) -> None:
+    """``save_pretrained`` of a sharded ``model`` from its gathered ``state_dict`` (global rank 0).
+
+    The tensors go through a plain, weightless model of the same class, so the folder's config
+    names the HF architecture, not FSDP's wrapper class.
+    """
+    plain = _empty_like(model, next(iter(state_dict.values())).dtype)
+    plain.load_state_dict(state_dict, strict=False, assign=True)
+    plain.tie_weights()  # assign=True broke the sharing of tied weights (embeddings and head)
+    plain.save_pretrained(folder)
+
+
+def _empty_like(model: nn.Module, dtype: torch.dtype) -> PreTrainedModel:
+    """A weightless (meta) model of the HF class under FSDP2's wrapper, with parameters of ``dtype``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not is_sharded(model):
+        raise ValueError(f"{type(model).__name__} is not sharded")
+    # fully_shard swaps in a class deriving from both FSDPModule and the model's own class.
+    cls = next(c for c in type(model).__mro__[1:] if not issubclass(c, FSDPModule))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            return cls(model.config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of an HF model folder (``model.safetensors`` or its shards), on CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    return weights

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from forge_lightning.cli import build_cli
-from forge_lightning.examples.rewards import WORD_BUDGET, concise_answer, has_answer_line, shows_working, states_answer
+from forge_lightning.examples.rewards import (
+    WORD_BUDGET,
+    concise_answer,
+    has_answer_line,
+    shows_working,
+    states_answer,
+)
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "custom_reward.yaml"
 COMPONENTS = ("correct", "concise", "answer_line", "working")

@@ -5,6 +5,7 @@ on two GPUs where there are two; and the settings a sharded policy refuses.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,16 +43,21 @@ def fit(launcher: list[str], config: str, model_dir: Path, out: Path, accelerato
 
 
 def run_both(model_dir: Path, root: Path, accelerator: str) -> dict[str, dict[str, torch.Tensor]]:
-    """Final weights of the DDP and the FSDP run, by HF parameter name."""
-    # kl_beta 0 in the DDP run too, so that both runs optimise the same loss.
+    """Weights of the DDP and the FSDP run (both with the KL term), by HF parameter name: final
+    and reference folders, and the FSDP run's Lightning checkpoint."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    fit(torchrun, "gsm8k_ddp.yaml", model_dir, root / "ddp", accelerator, "--model.kl_beta=0")
-    fit([sys.executable], "gsm8k_fsdp.yaml", model_dir, root / "fsdp", accelerator,
+    fit(torchrun, "gsm8k_ddp.yaml", model_dir, root / "ddp", accelerator, "--model.kl_beta=0.5")
+    fit([sys.executable], "gsm8k_fsdp.yaml", model_dir, root / "fsdp", accelerator, "--model.kl_beta=0.5",
         "--trainer.strategy.init_args.data_parallel_size=2")  # fmt: skip
-    ddp = load_file(root / "ddp" / "forge_output" / "final" / "model.safetensors")
     checkpoint = torch.load(root / "fsdp" / "forge_output" / "checkpoints" / "last.ckpt", weights_only=False)
-    fsdp = {name.removeprefix("model."): weight for name, weight in checkpoint["state_dict"].items()}
-    return {"ddp": ddp, "fsdp": fsdp, "initial": load_file(model_dir / "model.safetensors")}
+    return {
+        "initial": load_file(model_dir / "model.safetensors"),
+        "ddp": load_file(root / "ddp" / "forge_output" / "final" / "model.safetensors"),
+        "fsdp": load_file(root / "fsdp" / "forge_output" / "final" / "model.safetensors"),
+        "fsdp_reference": load_file(root / "fsdp" / "forge_output" / "reference" / "model.safetensors"),
+        "fsdp_checkpoint": {name.removeprefix("model."): w for name, w in checkpoint["state_dict"].items()},
+        "fsdp_config": json.loads((root / "fsdp" / "forge_output" / "final" / "config.json").read_text()),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +72,28 @@ def test_ddp_config_under_torchrun_trains_and_writes_the_final_policy(cpu_runs):
 
 
 def test_fsdp_config_trains_the_sharded_policy_as_ddp_trains_the_whole_one(cpu_runs):
-    # Same seed, data and steps: sharding changes where the weights live, not the training. Had
-    # the policy not been sharded, nothing would sync the ranks' gradients and the runs would part.
+    # Same seed, data, steps and KL term: sharding changes where the weights (the reference's
+    # too) live, not the training. Had the policy not been sharded, nothing would sync the ranks'
+    # gradients and the runs would part; had the reference been wrong, the KL gradient would differ.
     ddp, fsdp = cpu_runs["ddp"], cpu_runs["fsdp"]
-    assert fsdp.keys() >= ddp.keys()  # the Lightning checkpoint also keeps the tied lm_head
+    assert fsdp.keys() == ddp.keys()
+    assert any(not torch.equal(ddp[name], cpu_runs["initial"][name]) for name in ddp)
     # The tolerance only covers summation order (all-reduce vs reduce-scatter); one step of
     # unsynced training moves weights by about the learning rate, 1e-2.
     for name, weight in ddp.items():
         torch.testing.assert_close(fsdp[name], weight, rtol=1e-3, atol=1e-5)
+
+
+def test_fsdp_run_writes_whole_hf_folders_of_the_sharded_policy(cpu_runs):
+    # The final folder is the gathered policy (what the Lightning checkpoint holds), under the HF
+    # class name; the reference folder is the policy before training.
+    assert cpu_runs["fsdp_config"]["architectures"] == ["LlamaForCausalLM"]
+    for name, weight in cpu_runs["fsdp"].items():
+        torch.testing.assert_close(cpu_runs["fsdp_checkpoint"][name], weight, rtol=0, atol=0)
+    initial = cpu_runs["initial"]
+    assert cpu_runs["fsdp_reference"].keys() == initial.keys()
+    for name, weight in initial.items():
+        torch.testing.assert_close(cpu_runs["fsdp_reference"][name], weight, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -93,10 +113,9 @@ def mesh(tensor_parallel: int) -> dict[str, SimpleNamespace]:
 @pytest.mark.parametrize(
     ("settings", "tensor_parallel", "message"),
     [
-        ({"kl_beta": 0.01}, 1, "kl_beta"),
-        ({"kl_beta": 0.0, "loss_type": "forge"}, 1, "forge"),
-        ({"kl_beta": 0.0}, 2, "tensor_parallel_size"),
-        ({"kl_beta": 0.0, "generation_backend": "vllm"}, 1, "generation_backend"),
+        ({}, 2, "tensor_parallel_size"),
+        ({"generation_backend": "vllm"}, 1, "generation_backend"),
+        ({"peft": {"r": 4}}, 1, "LoRA"),
     ],
 )
 def test_sharding_refuses_what_it_cannot_do(settings, tensor_parallel, message):

@@ -11,6 +11,7 @@ from typing_extensions import override
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.io import write_folder_atomically
 from forge_lightning.lora import has_adapter, lora_settings, save_merged
+from forge_lightning.sharding import full_state_dict, is_sharded, save_sharded_pretrained
 
 
 class HFCheckpoint(Callback):
@@ -24,7 +25,8 @@ class HFCheckpoint(Callback):
     tokenizer too.
 
     Each folder is written to a temporary sibling and renamed, so a crash never leaves a
-    half-written checkpoint. Only global rank 0 writes.
+    half-written checkpoint. Only global rank 0 writes; a policy sharded with FSDP2 is gathered onto
+    it first (every rank takes part, so the callback must be configured on all of them).
 
     Args:
         output_dir: run folder; ``trainer.default_root_dir`` when None.
@@ -54,10 +56,16 @@ class HFCheckpoint(Callback):
 
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path:
         folder = output_dir(trainer, self.output_dir) / name
+        model = pl_module.model
+        # A sharded policy is gathered onto rank 0 first, and every rank must take part in that.
+        weights = full_state_dict(model) if is_sharded(model) else None
         if trainer.is_global_zero:
 
             def write(tmp: Path) -> None:
-                pl_module.model.save_pretrained(tmp)
+                if weights is not None:
+                    save_sharded_pretrained(model, tmp, weights)
+                else:
+                    model.save_pretrained(tmp)
                 pl_module.tokenizer.save_pretrained(tmp)
                 if has_adapter(pl_module.model) and _merge_on_save(pl_module):
                     save_merged(pl_module.model, tmp / "merged")

@@ -16,6 +16,13 @@ from typing_extensions import override
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.io import write_folder_atomically
 from forge_lightning.lora import adapter_disabled, has_adapter
+from forge_lightning.sharding import (
+    full_state_dict,
+    is_sharded,
+    load_weights,
+    save_sharded_pretrained,
+    sharded_copy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +42,10 @@ class ReferenceModel(Callback):
     inside :meth:`scope` (``disable_adapter``). This holds when the adapters started at zero, as a
     fresh LoRA adapter does; a PEFT model built elsewhere with trained adapters gets its bare base
     model as the reference.
+
+    A policy sharded with FSDP2 (ModelParallelStrategy) gets a reference sharded over the same mesh,
+    so each rank holds 1/N of it, as of the policy; rank 0 gathers the whole policy once, to write
+    the folder and send each rank its shard.
 
     Args:
         output_dir: run folder; ``trainer.default_root_dir`` when None.
@@ -56,7 +67,9 @@ class ReferenceModel(Callback):
             self.model = policy
             return
         folder = self.folder(trainer)
-        if trainer.ckpt_path is not None:
+        if is_sharded(policy):
+            self.model = self._sharded(trainer, folder, policy)
+        elif trainer.ckpt_path is not None:
             self.model = self._load(folder, policy)
         else:
             self.model = copy.deepcopy(policy)
@@ -71,12 +84,22 @@ class ReferenceModel(Callback):
         self.model = None  # free the memory; the folder stays for later resumes
 
     @staticmethod
+    def _sharded(trainer: pl.Trainer, folder: Path, policy: PreTrainedModel) -> PreTrainedModel:
+        """The reference of an FSDP2 policy, sharded the same way: rank 0 gathers the policy (first
+        fit) or reads the folder (resume), and each rank keeps its shard of the copy."""
+        if trainer.ckpt_path is not None:
+            _check_folder(folder)
+            weights = load_weights(folder) if trainer.is_global_zero else {}
+        else:
+            weights = full_state_dict(policy)
+            if trainer.is_global_zero:
+                write_folder_atomically(folder, lambda tmp: save_sharded_pretrained(policy, tmp, weights))
+            trainer.strategy.barrier("reference_written")
+        return sharded_copy(policy, weights)
+
+    @staticmethod
     def _load(folder: Path, policy: PreTrainedModel) -> PreTrainedModel:
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(
-                f"resuming needs the original reference policy in {folder}, written by the first fit; "
-                "it is missing. Resume in the run's own output folder."
-            )
+        _check_folder(folder)
         param = next(policy.parameters())
         log.info("Loading the reference policy from %s", folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=param.dtype)
@@ -93,3 +116,11 @@ class ReferenceModel(Callback):
                 "the reference model is only available during fit (ReferenceModel.on_fit_start)"
             )
         return self.model
+
+
+def _check_folder(folder: Path) -> None:
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"resuming needs the original reference policy in {folder}, written by the first fit; "
+            "it is missing. Resume in the run's own output folder."
+        )
