@@ -2,7 +2,7 @@
 
 One panel per quantity the log holds, against the optimizer step: the reward (with a band of one
 ``reward_std`` around it), the ``rewards/<component>`` curves of a composite reward together, the
-KL to the reference and the completion length. Drawn on matplotlib's Agg canvas: no display
+KL to the reference, the clip fraction and the completion length. Drawn on matplotlib's Agg canvas: no display
 needed, and pyplot's global state is left alone.
 """
 
@@ -21,7 +21,11 @@ from matplotlib.ticker import MaxNLocator
 
 # Panels in the order they are drawn: (title, keys plotted in it). The rewards/* keys are found in
 # the log itself, since they are named after whatever reward the run used.
-_FIXED_PANELS = (("KL to reference", ("kl",)), ("completion length (tokens)", ("completion_length",)))
+_FIXED_PANELS = (
+    ("KL to reference", ("kl",)),
+    ("clip fraction", ("clip_fraction",)),
+    ("completion length (tokens)", ("completion_length",)),
+)
 
 
 def load_log(path: str | Path) -> list[dict[str, Any]]:
@@ -60,7 +64,7 @@ def curves_figure(records: list[dict[str, Any]], title: str | None = None) -> Fi
     """A figure with one panel per plotted quantity found in ``records`` (see :func:`load_log`)."""
     panels = _panels(records)
     if not panels:
-        raise ValueError("the log has none of reward, rewards/*, kl, completion_length to plot")
+        raise ValueError("the log has none of reward, rewards/*, kl, clip_fraction, completion_length to plot")
     cols = min(len(panels), 2)
     rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(5.5 * cols, 3.2 * rows), layout="constrained")
@@ -99,7 +103,7 @@ def plot_log(log: str | Path, output: str | Path | None = None, title: str | Non
 def main(argv: list[str] | None = None) -> None:
     """``forge-lightning plot`` / ``python -m forge_lightning.plot``."""
     parser = argparse.ArgumentParser(
-        prog="forge-lightning plot", description="Plot reward, KL and completion-length curves of a run."
+        prog="forge-lightning plot", description="Plot reward, KL, clip-fraction and completion-length curves of a run."
     )
     parser.add_argument("log", help="the run's training_log.jsonl")
     parser.add_argument("-o", "--output", help="PNG to write (default: the log's path with .png)")

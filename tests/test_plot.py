@@ -19,7 +19,7 @@ def write_log(path, steps=5, components=("correct", "format")):
         for step in range(1, steps + 1):
             record = {"step": step, "epoch": 0, "loss": 0.1, "reward": step / steps, "reward_std": 0.1}
             record.update({f"rewards/{name}": step / (2 * steps) for name in components})
-            record.update({"kl": 0.001 * step, "completion_length": 40.0 - step, "lr": 5e-6})
+            record.update({"kl": 0.001 * step, "clip_fraction": 0.0, "completion_length": 40.0 - step})
             f.write(json.dumps(record) + "\n")
     return path
 
@@ -51,6 +51,7 @@ def test_one_panel_per_quantity_with_components_overlaid():
         "reward (mean, ±1 std)",
         "reward components",
         "KL to reference",
+        "clip fraction",
         "completion length (tokens)",
     ]
     component_axis = curves_figure(records).axes[1]
@@ -68,6 +69,7 @@ def load_log_records(components):
             "step": s,
             "reward": 0.5,
             "kl": 0.0,
+            "clip_fraction": 0.0,
             "completion_length": 3.0,
             **{f"rewards/{c}": 0.5 for c in components},
         }
