@@ -64,7 +64,9 @@ def curves_figure(records: list[dict[str, Any]], title: str | None = None) -> Fi
     """A figure with one panel per plotted quantity found in ``records`` (see :func:`load_log`)."""
     panels = _panels(records)
     if not panels:
-        raise ValueError("the log has none of reward, rewards/*, kl, clip_fraction, completion_length to plot")
+        raise ValueError(
+            "the log has none of reward, rewards/*, kl, clip_fraction, completion_length to plot"
+        )
     cols = min(len(panels), 2)
     rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(5.5 * cols, 3.2 * rows), layout="constrained")
@@ -103,7 +105,8 @@ def plot_log(log: str | Path, output: str | Path | None = None, title: str | Non
 def main(argv: list[str] | None = None) -> None:
     """``forge-lightning plot`` / ``python -m forge_lightning.plot``."""
     parser = argparse.ArgumentParser(
-        prog="forge-lightning plot", description="Plot reward, KL, clip-fraction and completion-length curves of a run."
+        prog="forge-lightning plot",
+        description="Plot reward, KL, clip-fraction and completion-length curves of a run.",
     )
     parser.add_argument("log", help="the run's training_log.jsonl")
     parser.add_argument("-o", "--output", help="PNG to write (default: the log's path with .png)")
