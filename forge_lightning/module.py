@@ -24,7 +24,6 @@ from forge_lightning.grpo import group_advantages
 from forge_lightning.hf_compat import is_checkpointing, set_checkpointing
 from forge_lightning.logprobs import supports_shared_prefix
 from forge_lightning.lora import LoraSettings, apply_lora, lora_settings
-from forge_lightning.memory import release_freed_memory
 from forge_lightning.metrics import TrainMetrics
 from forge_lightning.models import ensure_pad_token, load_model
 from forge_lightning.policy_update import PolicyUpdate, timed
@@ -209,8 +208,6 @@ class GRPOLightningModule(pl.LightningModule):
             rollout = self.rollout(
                 prompts, self._sampling(), engine_logprobs=self.hparams.use_engine_logprobs
             )
-        if self.device.type == "cpu":
-            release_freed_memory()  # the rollout's freed KV cache, before training allocates
         with timed(timings, "reward"):
             rewards, components = self.score(prompts, rollout, reward_kwargs)
         advantages = group_advantages(rewards, self.hparams.group_size, scale=self.hparams.advantage_scale)
