@@ -2,8 +2,8 @@
 
 One panel per quantity the log holds, against the optimizer step: the reward (with a band of one
 ``reward_std`` around it), the ``rewards/<component>`` curves of a composite reward together, the
-KL to the reference, the clip fraction and the completion length. Drawn on matplotlib's Agg canvas: no display
-needed, and pyplot's global state is left alone.
+KL to the reference, the clip fraction and the completion length. Drawn on matplotlib's Agg
+canvas: no display needed, and pyplot's global state is left alone.
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ def sharded_copy(model: PreTrainedModel, state_dict: dict[str, torch.Tensor]) ->
     copy = _empty_like(model, param.dtype)
     shard_policy(copy, param.device_mesh)
     copy.to_empty(device=param.device)
+    # Not strict: a folder written by save_pretrained leaves out weights tied to others (lm_head).
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_model_state_dict(copy, state_dict if torch.distributed.get_rank() == 0 else {}, options=options)
     # Non-persistent buffers (rotary frequencies) are in no state dict; to_empty left them unset.
