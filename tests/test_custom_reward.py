@@ -11,6 +11,7 @@ from forge_lightning.cli import build_cli
 from forge_lightning.examples.rewards import (
     WORD_BUDGET,
     concise_answer,
+    gives_answer,
     has_answer_line,
     shows_working,
     states_answer,
@@ -37,6 +38,21 @@ COMPONENTS = ("correct", "concise", "answer_line", "working")
 )
 def test_has_answer_line_wants_a_number_on_the_last_line(text, expected):
     assert has_answer_line(text) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Answer: 7", True),
+        ("3 + 4 = 7\nAnswer: 7\nThat was easy.", True),
+        ("So 6 * 7 = 42. Answer: 42.\n\nStep 2: check it", True),
+        ("The answer is: 7\nAnswer: seven", False),
+        ("Answer: 42 apples\nmore", False),
+        ("", False),
+    ],
+)
+def test_gives_answer_finds_the_answer_line_anywhere(text, expected):
+    assert gives_answer(text) is expected
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""A custom reward written the way a user would write one, and two format checks for configs.
+"""A custom reward written the way a user would write one, and format checks for configs.
 
 Any plain function ``(prompts, responses, **kwargs) -> list[float]`` is a reward: it names the
 batch keys it needs (``references`` here) and gets only those. Reference it from a config by its
@@ -59,6 +59,16 @@ def states_answer(text: str) -> bool:
     start from.
     """
     return has_answer_line(text) or _STATED_ANSWER.fullmatch(_last_line(text)) is not None
+
+
+def gives_answer(text: str) -> bool:
+    """Some line, not necessarily the last, ends with ``Answer: <number>``.
+
+    The stepping stone nearest the format: a small model that runs on after its answer line, or
+    is cut off at the token cap, still earns this, which points it at the exact words while the
+    format reward asks it to stop there.
+    """
+    return any(has_answer_line(line) for line in text.splitlines())
 
 
 def _last_line(text: str) -> str:
