@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from forge_lightning.grpo import ADVANTAGE_SCALES, LOSS_TYPES
+from forge_lightning.optim import LR_SCHEDULES
 
 
 def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -27,6 +28,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "gradient_accumulation_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "max_grad_norm": (_optional(lambda v: v > 0), "None or > 0"),
     "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "lr_schedule": (lambda v: v in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
     "loss_type": (lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}"),
     "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES}"),
     "num_iterations": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
@@ -35,6 +37,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt_truncation": (lambda v: v in ("left", "error"), "'left' or 'error'"),
     "on_reward_error": (lambda v: v in ("raise", "zero"), "'raise' or 'zero'"),
     "max_consecutive_bad_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "generation_backend": (lambda v: v in ("hf", "vllm"), "'hf' or 'vllm'"),
+    "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
     "logprob_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
     "num_train_epochs": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "save_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
@@ -58,4 +62,16 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
         raise ValueError(
             "num_iterations > 1 takes one optimizer step per pass over a rollout: set "
             f"gradient_accumulation_steps to 1 (got {values['gradient_accumulation_steps']})"
+        )
+    if values.get("use_engine_logprobs"):
+        _check_engine_logprobs(values)
+
+
+def _check_engine_logprobs(values: Mapping[str, Any]) -> None:
+    if values.get("generation_backend", "hf") != "vllm":
+        raise ValueError("use_engine_logprobs needs generation_backend='vllm' (HF generate reports none)")
+    if values.get("top_p", 1.0) != 1.0 or values.get("top_k", 0) != 0:
+        raise ValueError(
+            "use_engine_logprobs needs top_p=1 and top_k=0: the engine reports log-probs of the "
+            "truncated distribution it sampled from, the loss computes them over the whole one"
         )

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, SumMetric
+
+from forge_lightning.rollout import Rollout
 
 # Every rank must hold the same metrics in the same order, or the cross-rank reduction in
 # ``compute`` would wait forever: so the keys are fixed when the module is built.
@@ -55,3 +58,21 @@ class TrainMetrics(nn.Module):
                     out[key] = float(metric.compute())
                 metric.reset()
         return out
+
+
+def step_metrics(
+    rollout: Rollout, rewards: Tensor, components: dict[str, Tensor], stats: dict[str, Tensor], seconds: float
+) -> dict[str, Tensor]:
+    """One training step's values for :class:`TrainMetrics`: rewards ``(P*G,)`` and their
+    components, the rollout's lengths and throughput, and the loss statistics ``stats``."""
+    group_std = rewards.view(-1, rollout.group_size).std(dim=1)
+    lengths = rollout.completion_lengths.float()
+    return {
+        "reward": rewards.mean(),
+        "reward_std": rewards.std() if rewards.numel() > 1 else torch.zeros(()),
+        "completion_length": lengths.mean(),
+        "frac_zero_std_groups": (group_std == 0).float().mean(),
+        "tokens_per_s": torch.tensor(lengths.sum().item() / max(seconds, 1e-9)),
+        **{f"rewards/{name}": v.mean() for name, v in components.items()},
+        **stats,
+    }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable
@@ -13,19 +12,27 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, get_cosine_schedule_with_warmup
+from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from forge_lightning.callbacks.reference import ReferenceModel
 from forge_lightning.checkpoint_io import rng_states, set_rng_states
 from forge_lightning.config import validate_hparams
+from forge_lightning.data.datamodule import split_batch
 from forge_lightning.grpo import group_advantages
 from forge_lightning.hf_compat import is_checkpointing, set_checkpointing
 from forge_lightning.logprobs import supports_shared_prefix
 from forge_lightning.lora import LoraSettings, apply_lora, lora_settings
-from forge_lightning.metrics import TrainMetrics
+from forge_lightning.metrics import TrainMetrics, step_metrics
 from forge_lightning.models import ensure_pad_token, load_model
+from forge_lightning.optim import (
+    NonFiniteGuard,
+    adamw_with_schedule,
+    can_fuse_adamw,
+    gradient_norm,
+    total_optimizer_steps,
+)
 from forge_lightning.policy_update import PolicyUpdate, timed
 from forge_lightning.rewards import GSM8KAnswerReward, component_names, score
 from forge_lightning.rollout import (
@@ -71,7 +78,10 @@ class GRPOLightningModule(pl.LightningModule):
         weight_decay: AdamW weight decay.
         gradient_accumulation_steps: batches per optimizer step.
         max_grad_norm: clip the total gradient norm to this before each step; None disables.
-        warmup_steps: optimizer steps of linear warmup before the cosine decay.
+        warmup_steps: optimizer steps of linear warmup before the schedule.
+        lr_schedule: ``cosine`` decays to zero at the last optimizer step (Forge's schedule);
+            ``constant`` keeps the peak rate after the warmup, which a run of a few dozen steps
+            may want: under the cosine its last third trains at a quarter of the rate or less.
         loss_type: ``grpo`` (per-sequence token mean), ``dapo`` (token mean over the rollout),
             ``dr_grpo`` (constant normaliser) or ``forge`` (the Forge reference's sequence-level
             loss against the reference; reproduces its numbers).
@@ -126,6 +136,7 @@ class GRPOLightningModule(pl.LightningModule):
         gradient_accumulation_steps: int = 4,
         max_grad_norm: float | None = 1.0,
         warmup_steps: int = 0,
+        lr_schedule: Literal["cosine", "constant"] = "cosine",
         loss_type: Literal["grpo", "dapo", "dr_grpo", "forge"] = "grpo",
         advantage_scale: Literal["group", "batch", "none"] = "group",
         num_iterations: int = 1,
@@ -154,7 +165,6 @@ class GRPOLightningModule(pl.LightningModule):
         ]
         self.save_hyperparameters(ignore=["tokenizer", *objects])
         validate_hparams(self.hparams)
-        _check_generation_settings(self.hparams)
         if not isinstance(model, str) and tokenizer is None:
             raise ValueError("tokenizer is required when model is an already-built model object")
         self.automatic_optimization = False
@@ -173,7 +183,7 @@ class GRPOLightningModule(pl.LightningModule):
         # Seconds the latest training_step spent in each phase: generate, reward, logprob (every
         # forward), backward, optimizer. Read by the throughput benchmark.
         self.last_timings: dict[str, float] = {}
-        self._bad_steps = 0
+        self._nonfinite_guard = NonFiniteGuard(self.hparams.max_consecutive_bad_steps)
 
     @override
     def configure_model(self) -> None:
@@ -203,7 +213,7 @@ class GRPOLightningModule(pl.LightningModule):
         start = time.perf_counter()
         timings: dict[str, float] = {}
         self.last_timings = timings
-        prompts, reward_kwargs = _split_batch(batch)
+        prompts, reward_kwargs = split_batch(batch)
         with timed(timings, "generate"):
             rollout = self.rollout(
                 prompts, self._sampling(), engine_logprobs=self.hparams.use_engine_logprobs
@@ -221,7 +231,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        prompts, reward_kwargs = _split_batch(batch)
+        prompts, reward_kwargs = split_batch(batch)
         rollout = self.rollout(
             prompts, SamplingParams(self.hparams.max_new_tokens, greedy=True), group_size=1
         )
@@ -245,14 +255,17 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
+        hp = self.hparams
+        optimizer, scheduler = adamw_with_schedule(
             params,
-            lr=self.hparams.learning_rate,
-            weight_decay=self.hparams.weight_decay,
-            fused=self._fused_optimizer(params),
-        )
-        scheduler = get_cosine_schedule_with_warmup(
-            optimizer, self.hparams.warmup_steps, max(self.total_optimizer_steps(), 1)
+            learning_rate=hp.learning_rate,
+            weight_decay=hp.weight_decay,
+            warmup_steps=hp.warmup_steps,
+            total_steps=self.total_optimizer_steps(),
+            schedule=hp.lr_schedule,
+            fused=can_fuse_adamw(
+                params, precision=self.trainer.precision, sharded=self.device_mesh is not None
+            ),
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -379,17 +392,8 @@ class GRPOLightningModule(pl.LightningModule):
 
     def total_optimizer_steps(self) -> int:
         """Optimizer steps of the whole fit, for the learning-rate schedule."""
-        trainer = self.trainer
-        if trainer.max_steps is not None and trainer.max_steps > 0:
-            return trainer.max_steps
-        batches = trainer.estimated_stepping_batches
-        if not math.isfinite(batches):
-            raise ValueError("the dataset has no length: set trainer.max_steps so the schedule has an end")
-        epochs = max(trainer.max_epochs or 1, 1)
-        per_epoch = math.ceil(batches / epochs)
-        if self.hparams.num_iterations > 1:
-            return per_epoch * epochs * self.hparams.num_iterations
-        return math.ceil(per_epoch / self.hparams.gradient_accumulation_steps) * epochs
+        hp = self.hparams
+        return total_optimizer_steps(self.trainer, hp.gradient_accumulation_steps, hp.num_iterations)
 
     def pop_train_metrics(self) -> dict[str, float]:
         """Means of the training metrics since the last call (reduced across ranks), then reset."""
@@ -422,14 +426,6 @@ class GRPOLightningModule(pl.LightningModule):
         hp = self.hparams
         return SamplingParams(hp.max_new_tokens, temperature=hp.temperature, top_p=hp.top_p, top_k=hp.top_k)
 
-    def _fused_optimizer(self, params: list[Tensor]) -> bool:
-        """Whether AdamW may use its fused kernel: one pass per tensor, about 4x the default loop
-        on a CPU. Not under mixed precision (Lightning's MixedPrecision plugin refuses to clip
-        gradients for a fused optimizer, bf16 included) nor on sharded parameters."""
-        on_plain_devices = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-        mixed = str(self.trainer.precision).endswith("-mixed")
-        return on_plain_devices and self.device_mesh is None and not mixed
-
     def _accumulation_boundary(self, batch_idx: int) -> bool:
         last = batch_idx + 1 == self.trainer.num_training_batches
         return (batch_idx + 1) % self.hparams.gradient_accumulation_steps == 0 or last
@@ -438,23 +434,12 @@ class GRPOLightningModule(pl.LightningModule):
         """Clip, step, zero, schedule; skip the step when the gradient is not finite."""
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-        if hasattr(grad_norm, "full_tensor"):  # sharded gradients give a DTensor norm
-            grad_norm = grad_norm.full_tensor()
-        if not torch.isfinite(grad_norm):
+        grad_norm = gradient_norm(self.model.parameters())
+        finite = self._nonfinite_guard.allows(grad_norm)
+        self.train_metrics.update("skipped_steps", torch.tensor([0.0 if finite else 1.0]))
+        if not finite:
             optimizer.zero_grad(set_to_none=True)
-            self._bad_steps += 1
-            self.train_metrics.update("skipped_steps", torch.ones(1))
-            warnings.warn(f"non-finite gradient norm ({grad_norm.item()}); optimizer step skipped")
-            if self._bad_steps >= self.hparams.max_consecutive_bad_steps:
-                raise RuntimeError(
-                    f"{self._bad_steps} optimizer steps in a row had non-finite gradients; stopping. Lower "
-                    "learning_rate, check the reward for NaN/inf, or try a different precision"
-                )
             return
-        self._bad_steps = 0
-        self.train_metrics.update("skipped_steps", torch.zeros(1))
         self.train_metrics.update("lr", torch.tensor([scheduler.get_last_lr()[0]]))
         self.train_metrics.update("grad_norm", grad_norm.detach().float().reshape(1))
         if self.hparams.max_grad_norm is not None:
@@ -475,17 +460,7 @@ class GRPOLightningModule(pl.LightningModule):
         stats: dict[str, Tensor],
         seconds: float,
     ) -> None:
-        group_std = rewards.view(-1, rollout.group_size).std(dim=1)
-        lengths = rollout.completion_lengths.float()
-        values = {
-            "reward": rewards.mean(),
-            "reward_std": rewards.std() if rewards.numel() > 1 else torch.zeros(()),
-            "completion_length": lengths.mean(),
-            "frac_zero_std_groups": (group_std == 0).float().mean(),
-            "tokens_per_s": torch.tensor(lengths.sum().item() / max(seconds, 1e-9)),
-            **{f"rewards/{name}": v.mean() for name, v in components.items()},
-            **stats,
-        }
+        values = step_metrics(rollout, rewards, components, stats, seconds)
         for key, value in values.items():
             self.train_metrics.update(key, value.detach().float().reshape(1))
         self.log_dict(
@@ -501,23 +476,6 @@ class GRPOLightningModule(pl.LightningModule):
         ]
 
 
-def _check_generation_settings(hp: Any) -> None:
-    """Range and cross-field checks of the generation backend's settings, naming the field."""
-    if hp.generation_backend not in ("hf", "vllm"):
-        raise ValueError(f"generation_backend must be 'hf' or 'vllm', got {hp.generation_backend!r}")
-    if not 0 < hp.vllm_gpu_memory_utilization < 1:
-        raise ValueError(
-            f"vllm_gpu_memory_utilization must be in (0, 1), got {hp.vllm_gpu_memory_utilization}"
-        )
-    if hp.use_engine_logprobs and hp.generation_backend != "vllm":
-        raise ValueError("use_engine_logprobs needs generation_backend='vllm' (HF generate reports none)")
-    if hp.use_engine_logprobs and (hp.top_p != 1.0 or hp.top_k != 0):
-        raise ValueError(
-            "use_engine_logprobs needs top_p=1 and top_k=0: the engine reports log-probs of the "
-            "truncated distribution it sampled from, the loss computes them over the whole one"
-        )
-
-
 def _generation_backend(
     hp: Any, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel
 ) -> GenerationBackend:
@@ -526,19 +484,3 @@ def _generation_backend(
     if hp.generation_backend == "vllm":
         return VLLMGenerate(tokenizer, eos, gpu_memory_utilization=hp.vllm_gpu_memory_utilization)
     return HFGenerate(tokenizer.pad_token_id, eos)
-
-
-def _split_batch(batch: dict[str, Any]) -> tuple[list[str], dict[str, list[Any]]]:
-    """Prompts, and the keyword arguments each reward may take (``reference`` -> ``references``)."""
-    if "prompt" not in batch:
-        raise KeyError(f"a batch needs a 'prompt' key (list of str); got keys {sorted(batch)}")
-    prompts = list(batch["prompt"])
-    kwargs: dict[str, list[Any]] = {}
-    for key, values in batch.items():
-        if key == "prompt":
-            continue
-        values = values.tolist() if isinstance(values, Tensor) else list(values)
-        if len(values) != len(prompts):
-            raise ValueError(f"batch key {key!r} has {len(values)} values for {len(prompts)} prompts")
-        kwargs["references" if key == "reference" else key] = values
-    return prompts, kwargs

@@ -6,6 +6,7 @@ from typing import Any, Literal, get_args
 
 import lightning as L
 import torch
+from torch import Tensor
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
@@ -27,6 +28,22 @@ def collate_records(records: list[dict[str, Any]]) -> dict[str, list[Any]]:
         if list(record) != keys:
             raise ValueError(f"records in one batch must share keys; got {sorted(record)} and {sorted(keys)}")
     return {key: [record[key] for record in records] for key in keys}
+
+
+def split_batch(batch: dict[str, Any]) -> tuple[list[str], dict[str, list[Any]]]:
+    """Prompts, and the keyword arguments each reward may take (``reference`` -> ``references``)."""
+    if "prompt" not in batch:
+        raise KeyError(f"a batch needs a 'prompt' key (list of str); got keys {sorted(batch)}")
+    prompts = list(batch["prompt"])
+    kwargs: dict[str, list[Any]] = {}
+    for key, values in batch.items():
+        if key == "prompt":
+            continue
+        values = values.tolist() if isinstance(values, Tensor) else list(values)
+        if len(values) != len(prompts):
+            raise ValueError(f"batch key {key!r} has {len(values)} values for {len(prompts)} prompts")
+        kwargs["references" if key == "reference" else key] = values
+    return prompts, kwargs
 
 
 class GSM8KDataModule(L.LightningDataModule):
