@@ -17,7 +17,12 @@ from forge_lightning.optim import (
 def rates(schedule, warmup=2, total=10):
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer, scheduler = adamw_with_schedule(
-        [param], learning_rate=1e-3, weight_decay=0.0, warmup_steps=warmup, total_steps=total, schedule=schedule
+        [param],
+        learning_rate=1e-3,
+        weight_decay=0.0,
+        warmup_steps=warmup,
+        total_steps=total,
+        schedule=schedule,
     )
     seen = []
     for _ in range(total):
