@@ -1,5 +1,5 @@
-"""The optimizer side of a step: AdamW with a cosine schedule, its length, and the guard that skips
-steps whose gradient is not finite."""
+"""The optimizer side of a step: AdamW with a cosine or constant schedule, the schedule's length,
+and the guard that skips steps whose gradient is not finite."""
 
 from __future__ import annotations
 
