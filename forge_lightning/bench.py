@@ -5,8 +5,9 @@
 The real :class:`~forge_lightning.module.GRPOLightningModule` trains inside a real Lightning
 ``Trainer`` on the first GSM8K train prompts: one warm-up step, then ``--steps`` timed ones. A
 callback takes each step's wall time; the split into generate, reward, logprob (every forward),
-backward and optimizer is the module's own ``last_timings``. Right after each timed step, two
-references are measured on the very sequences that step sampled:
+backward and optimizer is the module's own, timed by the trainer's
+:class:`~forge_lightning.profiler.PhaseProfiler` (``module.last_step.phases``). Right after each
+timed step, two references are measured on the very sequences that step sampled:
 
 - ``generate``: plain ``model.generate`` of the step's batch, held to the same number of tokens;
 - ``straightforward``: that generate, plus one padded policy forward+backward (each prompt repeated
@@ -42,6 +43,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from forge_lightning.data import collate_records, load_gsm8k
 from forge_lightning.models import load_model
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.profiler import PHASES, PhaseProfiler
 from forge_lightning.rollout import Rollout
 
 log = logging.getLogger("forge_lightning.bench")
@@ -49,7 +51,6 @@ log = logging.getLogger("forge_lightning.bench")
 # Generation engines the benchmark can drive, as the module's ``generation_backend`` names them
 # (``vllm`` needs a GPU and the vllm extra).
 BACKENDS = ("hf", "vllm")
-PHASES = ("generate", "reward", "logprob", "backward", "optimizer")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             num_sanity_val_steps=0,
             default_root_dir=root,
             callbacks=[timer],
+            profiler=PhaseProfiler(),
         )
         loader = DataLoader(records, batch_size=args.prompts_per_step, collate_fn=collate_records)
         trainer.fit(module, loader)
@@ -148,10 +150,15 @@ class _RecordingModule(GRPOLightningModule):
 
     rollouts: list[Rollout]
 
-    def rollout(self, *args: Any, **kwargs: Any) -> Rollout:
-        out = super().rollout(*args, **kwargs)
-        self.rollouts.append(out)
-        return out
+    def configure_model(self) -> None:
+        super().configure_model()
+        sample = self.sampler
+
+        def recording(*args: Any, **kwargs: Any) -> Rollout:
+            self.rollouts.append(sample(*args, **kwargs))
+            return self.rollouts[-1]
+
+        self.sampler = recording  # type: ignore[assignment]
 
 
 class StepTimer(pl.Callback):
@@ -187,7 +194,7 @@ class StepTimer(pl.Callback):
         if pl_module.device.type == "cuda":
             gpu = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
             self.peak_gpu_mb = max(self.peak_gpu_mb or 0.0, gpu)
-        phases = {phase: pl_module.last_timings.get(phase, 0.0) for phase in PHASES}
+        phases = {phase: pl_module.last_step.phases.get(phase, 0.0) for phase in PHASES}
         self.steps.append({"seconds": seconds, **phases})
         tokens = int(pl_module.rollouts[-1].completion_mask.sum())
         log.info(
@@ -201,7 +208,8 @@ class StepTimer(pl.Callback):
 def _references(module: _RecordingModule, rollout: Rollout, args: argparse.Namespace) -> dict[str, float]:
     """Seconds of plain generate, and of the straightforward training step, on one rollout."""
     generate = _plain_generate(module.model, module.tokenizer, rollout, args.temperature)
-    train = _straightforward_update(module.model, module.reference_model(), rollout, args)
+    reference = module.reference.model if module.needs_reference else None
+    train = _straightforward_update(module.model, reference, rollout, args)
     log.info("references: generate %.2f s, straightforward %.2f s", generate, generate + train)
     return {"generate": generate, "straightforward": generate + train}
 

@@ -9,6 +9,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from forge_lightning.data.datamodule import GSM8KDataModule
@@ -34,6 +35,9 @@ class ForgeCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, with every folder of the run derived from ``trainer.default_root_dir``
+        where the config leaves it unset: TensorBoard logs in ``<root>/tensorboard/`` and
+        Lightning checkpoints in ``<root>/checkpoints/`` (the callbacks already write to the root)."""
         # Added here rather than in trainer_defaults: a default progress-bar callback would clash
         # with --trainer.enable_progress_bar=false and with a bar the config brings itself.
         config = self._get(self.config_init, "trainer", default={})
@@ -42,7 +46,14 @@ class ForgeCLI(LightningCLI):
         wanted = config.get("enable_progress_bar") is not False
         if wanted and "callbacks" not in kwargs and not any(isinstance(c, ProgressBar) for c in callbacks):
             kwargs["callbacks"] = [*callbacks, default_progress_bar()]
-        return super().instantiate_trainer(**kwargs)
+        root = Path(config.get("default_root_dir") or Path.cwd())
+        if config.get("logger") in (None, True) and "logger" not in kwargs:
+            kwargs["logger"] = TensorBoardLogger(save_dir=str(root), name="tensorboard")
+        trainer = super().instantiate_trainer(**kwargs)
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
+                callback.dirpath = str(root / "checkpoints")
+        return trainer
 
 
 def default_progress_bar() -> ProgressBar:
@@ -59,8 +70,8 @@ def _require_last_checkpoint(callbacks: list[Any]) -> None:
     folders = [Path(cb.dirpath) for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
     if not folders:
         raise SystemExit(
-            "--ckpt_path last needs a ModelCheckpoint callback with an explicit dirpath in the config "
-            "(trainer.callbacks), so the checkpoint can be found again"
+            "--ckpt_path last needs a ModelCheckpoint callback (trainer.callbacks) with save_last, so "
+            "the checkpoint can be found again"
         )
     if not any((folder / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt").is_file() for folder in folders):
         raise SystemExit(
@@ -71,12 +82,14 @@ def _require_last_checkpoint(callbacks: list[Any]) -> None:
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
     """Build (and by default run) the CLI; ``args`` as on the command line (None reads ``sys.argv``)."""
-    # Metrics reach the loggers through RewardLogger at its own cadence; the sanity check would
-    # spend a full greedy generation before the first step. Checkpoints are written atomically.
+    # The module logs its metrics once per optimizer step, so every batch may flush them; the
+    # sanity check would spend a full greedy generation before the first step. Checkpoints are
+    # written atomically; the PhaseProfiler times each step's phases (the perf/* metrics).
     trainer_defaults: dict[str, Any] = {
         "num_sanity_val_steps": 0,
         "log_every_n_steps": 1,
         "plugins": [{"class_path": "forge_lightning.checkpoint_io.AtomicCheckpointIO"}],
+        "profiler": {"class_path": "forge_lightning.profiler.PhaseProfiler"},
     }
     return ForgeCLI(
         GRPOLightningModule,

@@ -11,7 +11,7 @@ import importlib.util
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
@@ -22,7 +22,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
 from forge_lightning.config import validate_hparams
 from forge_lightning.data.datamodule import EpochShuffleSampler, collate_records
+from forge_lightning.grpo import LossType
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.profiler import PhaseProfiler
 
 # GRPOConfig fields that are GRPOLightningModule arguments of the same name.
 MODULE_FIELDS = (
@@ -64,7 +66,7 @@ class GRPOConfig:
     wandb_run_name: str = "grpo_run"
     seed: int = 42
     warmup_steps: int = 0
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "forge"] = "forge"
+    loss_type: LossType = "forge"
 
     def __post_init__(self) -> None:
         validate_hparams(dataclasses.asdict(self))
@@ -123,6 +125,7 @@ class GRPOTrainer:
                 RewardLogger(logging_steps=cfg.logging_steps),
             ],
             "enable_checkpointing": False,
+            "profiler": PhaseProfiler(),
             "num_sanity_val_steps": 0,
             "devices": 1,
         }

@@ -1,11 +1,16 @@
-"""Range checks for the algorithm's settings, shared by the module and the Forge-style GRPOConfig."""
+"""Range checks for the module's settings, shared by the module and the Forge-style GRPOConfig.
+
+Each setting is checked once: the loss's own settings by :class:`~forge_lightning.grpo.LossSettings`
+(built here from the same values), LoRA's by :class:`~forge_lightning.lora.LoraSettings`, every
+other one by ``RULES``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from forge_lightning.grpo import ADVANTAGE_SCALES, LOSS_TYPES
+from forge_lightning.grpo import ADVANTAGE_SCALES, LossSettings
 from forge_lightning.optim import LR_SCHEDULES
 
 
@@ -16,9 +21,6 @@ def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 # field -> (predicate, the allowed range in words)
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "group_size": (lambda v: isinstance(v, int) and v >= 2, "an integer >= 2"),
-    "clip_epsilon": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "clip_epsilon_high": (_optional(lambda v: v > 0), "None or > 0"),
-    "kl_beta": (lambda v: v >= 0, ">= 0"),
     "temperature": (lambda v: v > 0, "> 0"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
@@ -29,7 +31,6 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_grad_norm": (_optional(lambda v: v > 0), "None or > 0"),
     "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "lr_schedule": (lambda v: v in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
-    "loss_type": (lambda v: v in LOSS_TYPES, f"one of {LOSS_TYPES}"),
     "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES}"),
     "num_iterations": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "train_micro_batch_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
@@ -46,6 +47,16 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# Settings of the loss, passed to LossSettings (which checks them) under the same names.
+LOSS_FIELDS = ("loss_type", "clip_epsilon", "clip_epsilon_high", "kl_beta")
+
+
+def loss_settings(values: Mapping[str, Any]) -> LossSettings:
+    """The loss settings among ``values`` (``max_new_tokens`` is dr_grpo's constant)."""
+    picked = {name: values[name] for name in LOSS_FIELDS if name in values}
+    return LossSettings(**picked, max_completion_length=values.get("max_new_tokens"))
+
+
 def validate_hparams(values: Mapping[str, Any]) -> None:
     """Raise ValueError naming the first field outside its allowed range."""
     for field, (allowed, words) in RULES.items():
@@ -58,6 +69,7 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
             ok = False
         if isinstance(value, bool) or not ok:
             raise ValueError(f"{field} must be {words}, got {value!r}")
+    loss_settings(values)
     if values.get("num_iterations", 1) > 1 and values.get("gradient_accumulation_steps", 1) != 1:
         raise ValueError(
             "num_iterations > 1 takes one optimizer step per pass over a rollout: set "

@@ -39,6 +39,16 @@ def output_cache(output: Any) -> Any:
     return cache if cache is not None else output.past_key_values
 
 
+def supports_shared_prefix(model: PreTrainedModel) -> bool:
+    """Prefix sharing needs a KV cache: off under gradient checkpointing or without cache support."""
+    if is_checkpointing(model):
+        return False
+    return (
+        bool(getattr(model, "_supports_cache_class", True))
+        and getattr(model.config, "use_cache", True) is not False
+    )
+
+
 def _unwrapped(model: PreTrainedModel) -> PreTrainedModel:
     """The HF model inside a PEFT wrapper (the model itself otherwise)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

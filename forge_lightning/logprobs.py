@@ -15,6 +15,7 @@ exist in float32 for the whole batch.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -22,7 +23,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from forge_lightning.grpo import token_log_probs
-from forge_lightning.hf_compat import cache_kwarg, is_checkpointing, output_cache
+from forge_lightning.hf_compat import cache_kwarg, output_cache, supports_shared_prefix
+from forge_lightning.rollout import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +119,55 @@ def _shared_prefix_logits(
     return torch.cat([first, rest_out.logits], dim=1)  # (N, Lc, V)
 
 
-def supports_shared_prefix(model: PreTrainedModel) -> bool:
-    """Prefix sharing needs a KV cache: off under gradient checkpointing or without cache support."""
-    if is_checkpointing(model):
-        return False
-    return (
-        bool(getattr(model, "_supports_cache_class", True))
-        and getattr(model.config, "use_cache", True) is not False
-    )
+@dataclass(frozen=True)
+class LogProbScorer:
+    """Scores a rollout's completions under a model, micro-batch by micro-batch.
+
+    The policy (with gradients) and the reference and old policy (without) all go through here,
+    so prefix sharing, chunking, the temperature and the micro-batches are the same for each.
+
+    Args:
+        temperature: the temperature the log-probs are taken at.
+        shared_prefix: run each group's prompt once (when the model and the rows allow it).
+        chunk_size: rows per chunk of the float32 log-softmax; None for no chunks.
+        micro_batch_size: completions per forward; None for the whole rollout at once.
+    """
+
+    temperature: float = 1.0
+    shared_prefix: bool = True
+    chunk_size: int | None = 8
+    micro_batch_size: int | None = None
+
+    def micro_batches(self, rollout: Rollout) -> list[tuple[int, int]]:
+        """``[start, stop)`` completion rows of each micro-batch."""
+        rows = rollout.completion_ids.shape[0]
+        size = self.micro_batch_size or rows
+        return [(a, min(a + size, rows)) for a in range(0, rows, size)]
+
+    def log_probs(self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int) -> Tensor:
+        """Log-probs ``(stop-start, Lc)`` of completion rows ``[start, stop)`` under ``model``."""
+        group = rollout.group_size
+        # The prompt can be shared only by rows that hold whole groups.
+        aligned = start % group == 0 and (stop % group == 0 or stop == rollout.completion_ids.shape[0])
+        shared = aligned and group > 1 and self.shared_prefix and supports_shared_prefix(model)
+        if shared:
+            rows = slice(start // group, -(-stop // group))
+            prompt_ids, prompt_mask = rollout.prompt_ids[rows], rollout.prompt_mask[rows]
+        else:
+            prompt_ids = rollout.prompt_ids.repeat_interleave(group, dim=0)[start:stop]
+            prompt_mask = rollout.prompt_mask.repeat_interleave(group, dim=0)[start:stop]
+        return completion_log_probs(
+            model,
+            prompt_ids,
+            prompt_mask,
+            rollout.completion_ids[start:stop],
+            group_size=group if shared else 1,
+            temperature=self.temperature,
+            mode="shared_prefix" if shared else "full",
+            chunk_size=self.chunk_size,
+        )
+
+    @torch.no_grad()
+    def log_probs_no_grad(self, model: PreTrainedModel, rollout: Rollout) -> Tensor:
+        """Log-probs ``(P*G, Lc)`` of every completion, without gradients (reference, old policy)."""
+        return torch.cat([self.log_probs(model, rollout, a, b) for a, b in self.micro_batches(rollout)])

@@ -1,13 +1,15 @@
-"""Running means of the training metrics, reduced across ranks by torchmetrics."""
+"""What a training step reports: running means reduced across ranks, and the record of the step."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, SumMetric
 
+from forge_lightning.profiler import PHASES
 from forge_lightning.rollout import Rollout
 
 # Every rank must hold the same metrics in the same order, or the cross-rank reduction in
@@ -23,31 +25,37 @@ TRAIN_KEYS = (
     "clip_fraction_high",
     "completion_length",
     "frac_zero_std_groups",
-    "tokens_per_s",
     "lr",
     "grad_norm",
 )
+# Seconds per phase (from the PhaseProfiler) and completion tokens per second of those seconds.
+PERF_KEYS = (*(f"{phase}_s" for phase in PHASES), "step_s", "tokens_per_s")
 COUNT_KEYS = ("reward_errors", "skipped_steps")
+
+
+def logged_name(key: str) -> str:
+    """The name a metric is logged under: ``perf/...`` for timings, ``train/...`` otherwise."""
+    return f"perf/{key}" if key in PERF_KEYS else f"train/{key}"
 
 
 class TrainMetrics(nn.Module):
     """Named means (and counters) since the last :meth:`pop`."""
 
-    def __init__(self, reward_components: Iterable[str], keys: Iterable[str] = TRAIN_KEYS) -> None:
+    def __init__(self, reward_components: Iterable[str], keys: Iterable[str] | None = None) -> None:
         super().__init__()
-        names = list(keys) + [f"rewards/{c}" for c in reward_components]
+        counted = keys is None
+        names = list((*TRAIN_KEYS, *PERF_KEYS) if keys is None else keys)
+        names += [f"rewards/{c}" for c in reward_components]
         # Module names may not contain '.', which reward names may; '/' is fine.
         self.means = nn.ModuleDict({n.replace(".", "_"): MeanMetric() for n in names})
-        self.counts = (
-            nn.ModuleDict({n: SumMetric() for n in COUNT_KEYS}) if keys is TRAIN_KEYS else nn.ModuleDict()
-        )
+        self.counts = nn.ModuleDict({n: SumMetric() for n in COUNT_KEYS}) if counted else nn.ModuleDict()
 
     def update(self, key: str, value: Tensor) -> None:
         key = key.replace(".", "_")
         table = self.counts if key in self.counts else self.means
         if key not in table:
             raise KeyError(f"unknown metric {key!r}")
-        table[key].update(value.to(table[key].device))
+        table[key].update(value.detach().float().reshape(-1).to(table[key].device))
 
     def pop(self) -> dict[str, float]:
         """Means since the last call (counters as totals), then reset. Metrics never updated are left out."""
@@ -60,19 +68,77 @@ class TrainMetrics(nn.Module):
         return out
 
 
-def step_metrics(
-    rollout: Rollout, rewards: Tensor, components: dict[str, Tensor], stats: dict[str, Tensor], seconds: float
+def batch_metrics(
+    rollout: Rollout,
+    rewards: Tensor,
+    components: dict[str, Tensor],
+    stats: dict[str, Tensor],
+    phases: dict[str, float],
 ) -> dict[str, Tensor]:
-    """One training step's values for :class:`TrainMetrics`: rewards ``(P*G,)`` and their
-    components, the rollout's lengths and throughput, and the loss statistics ``stats``."""
+    """One training batch's values for :class:`TrainMetrics`: rewards ``(P*G,)`` and their
+    components, the rollout's lengths, the loss statistics ``stats`` and, when the profiler timed
+    the phases, their seconds and the completion tokens per second of them."""
     group_std = rewards.view(-1, rollout.group_size).std(dim=1)
     lengths = rollout.completion_lengths.float()
-    return {
+    values = {
         "reward": rewards.mean(),
         "reward_std": rewards.std() if rewards.numel() > 1 else torch.zeros(()),
         "completion_length": lengths.mean(),
         "frac_zero_std_groups": (group_std == 0).float().mean(),
-        "tokens_per_s": torch.tensor(lengths.sum().item() / max(seconds, 1e-9)),
         **{f"rewards/{name}": v.mean() for name, v in components.items()},
         **stats,
     }
+    if phases:
+        seconds = sum(phases.values())
+        values.update({f"{phase}_s": torch.tensor(s) for phase, s in phases.items()})
+        values["step_s"] = torch.tensor(seconds)
+        values["tokens_per_s"] = torch.tensor(lengths.sum().item() / max(seconds, 1e-9))
+    return values
+
+
+def add_micro_batch(
+    totals: dict[str, Tensor], loss: Tensor, metrics: dict[str, Tensor], weight: Tensor, token_share: Tensor
+) -> None:
+    """Add one micro-batch's loss statistics to ``totals``: the losses by their share of the loss,
+    the per-token statistics (KL, clip fractions) by their share of the tokens."""
+    parts = {"loss": loss.detach() * weight, "policy_loss": metrics["policy_loss"] * weight}
+    parts.update({k: metrics[k] * token_share for k in ("kl", "clip_fraction_low", "clip_fraction_high")})
+    for key, value in parts.items():
+        totals[key] = totals.get(key, 0) + value.detach()
+    totals["clip_fraction"] = totals["clip_fraction_low"] + totals["clip_fraction_high"]
+
+
+@dataclass
+class StepRecord:
+    """What the latest training batch produced, for callbacks to read (``module.last_step``).
+
+    Attributes:
+        step: ``trainer.global_step`` after the batch (optimizer steps so far).
+        rewards: (P*G,) the batch's rewards.
+        samples: up to 8 (prompt, completion, reward) triples of the batch.
+        metrics: the optimizer step's metrics (means over its batches, reduced across ranks),
+            under their logged names; empty for a batch that only accumulated gradients.
+        phases: seconds per phase of the batch (empty without a PhaseProfiler).
+    """
+
+    step: int
+    rewards: Tensor
+    samples: list[tuple[str, str, float]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls,
+        step: int,
+        prompts: list[str],
+        rollout: Rollout,
+        rewards: Tensor,
+        metrics: dict[str, float],
+        phases: dict[str, float],
+    ) -> StepRecord:
+        samples = [
+            (prompts[i // rollout.group_size], rollout.completions[i], float(rewards[i]))
+            for i in range(min(len(rollout.completions), 8))
+        ]
+        return cls(step, rewards.detach().float().cpu(), samples, metrics, phases)

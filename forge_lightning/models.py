@@ -20,14 +20,13 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from forge_lightning.fileio import write_atomically
 from forge_lightning.lora import ADAPTER_CONFIG, adapter_base, load_adapter_folder
 
 log = logging.getLogger(__name__)
@@ -186,20 +185,14 @@ def _embedded_cache() -> Path:
         return target
     log.info("Converting %s to safetensors in %s (once; about 30 s)", gguf_path.name, target)
     model, tokenizer = _load_gguf(gguf_path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+
+    def write(staging: Path) -> None:
         model.save_pretrained(staging)
         ensure_pad_token(tokenizer).save_pretrained(staging)
-        try:
-            # Rename is atomic: a second process converting at the same time either wins or finds
-            # the finished folder already there; nobody ever reads a half-written cache.
-            os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    # A second process converting at the same time either wins the rename or finds the finished
+    # folder already there; nobody ever reads a half-written cache.
+    write_atomically(target, write, folder=True, replace=False)
     return target
 
 

@@ -1,8 +1,9 @@
-"""Reward functions and :func:`score`, the one place a batch of responses is turned into checked scores.
+"""Reward functions, and the checks that turn what one returns into scores.
 
 A reward is a :class:`BaseReward` or any plain callable ``(prompts, responses, **kwargs)`` returning a
 :class:`RewardOutput` or a list of floats. Only the keyword arguments a reward's signature accepts are
 passed to it, so rewards that need ``references`` and rewards that do not can be mixed freely.
+:func:`forge_lightning.scoring.score` scores a batch with one.
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 from forge_lightning.data.gsm8k import extract_answer, normalize_number
 
@@ -35,15 +35,6 @@ class BaseReward(ABC):
 
 
 RewardFn: TypeAlias = BaseReward | Callable[..., RewardOutput | Sequence[float]]
-
-
-@dataclass
-class ScoredRewards:
-    """Validated scores of one batch: the total, each named component, and how many samples failed."""
-
-    total: list[float]
-    components: dict[str, list[float]]
-    num_errors: int = 0
 
 
 def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +83,7 @@ def checked_scores(output: Any, num_samples: int, name: str) -> list[float]:
     return [float(value) for value in output]
 
 
-def _call(reward: RewardFn, prompts: list[str], responses: list[str], kwargs: dict[str, Any]) -> Any:
+def call_reward(reward: RewardFn, prompts: list[str], responses: list[str], kwargs: dict[str, Any]) -> Any:
     return reward(prompts, responses, **accepted_kwargs(reward, kwargs))
 
 
@@ -225,7 +216,7 @@ class CompositeReward(BaseReward):
 
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
         components = {
-            name: checked_scores(_call(reward, prompts, responses, kwargs), len(responses), name)
+            name: checked_scores(call_reward(reward, prompts, responses, kwargs), len(responses), name)
             for name, reward in zip(self.names, self.rewards)
         }
         return RewardOutput(scores=self.combine(components), metadata={"components": components})
@@ -240,95 +231,3 @@ def _unique_names(names: list[str]) -> list[str]:
             candidate = f"{base}_{suffix}"
         unique.append(candidate)
     return unique
-
-
-def _sample_kwargs(kwargs: dict[str, Any], index: int, batch_size: int) -> dict[str, Any]:
-    """Per-sample view of the kwargs: batch-length lists/tuples are sliced, anything else is shared."""
-    return {
-        key: value[index : index + 1]
-        if isinstance(value, (list, tuple)) and len(value) == batch_size
-        else value
-        for key, value in kwargs.items()
-    }
-
-
-def score(
-    reward: RewardFn,
-    prompts: list[str],
-    responses: list[str],
-    on_error: Literal["raise", "zero"] = "raise",
-    **kwargs: Any,
-) -> ScoredRewards:
-    """Score a batch with ``reward`` and check the result; the entry point the training loop uses.
-
-    A :class:`CompositeReward` is scored component by component so that errors name the component
-    and ``components`` holds each one's scores. When a reward raises, it is re-called one sample at a
-    time (batch-length list/tuple kwargs sliced alongside) to find the culprit: ``on_error="raise"``
-    raises a RuntimeError naming the first failing sample, ``on_error="zero"`` scores failing samples
-    0.0 (per component), warns, and counts the failing samples in ``num_errors``.
-
-    Raises:
-        ValueError: bad ``on_error``, mismatched lengths, or a reward output that is not one finite
-            number per response.
-    """
-    if on_error not in ("raise", "zero"):
-        raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
-    if len(prompts) != len(responses):
-        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
-    if isinstance(reward, CompositeReward):
-        parts = {
-            name: _score_one(part, name, prompts, responses, kwargs, on_error)
-            for name, part in zip(reward.names, reward.rewards)
-        }
-        components = {name: scores for name, (scores, _) in parts.items()}
-        failed = set().union(*(failures for _, failures in parts.values()))
-        return ScoredRewards(reward.combine(components), components, len(failed))
-    name = reward_name(reward)
-    scores, failures = _score_one(reward, name, prompts, responses, kwargs, on_error)
-    return ScoredRewards(scores, {name: list(scores)}, len(failures))
-
-
-def _score_one(
-    reward: RewardFn,
-    name: str,
-    prompts: list[str],
-    responses: list[str],
-    kwargs: dict[str, Any],
-    on_error: str,
-) -> tuple[list[float], list[int]]:
-    """Checked scores of one reward and the indices of the samples that raised (only with "zero")."""
-    try:
-        output = _call(reward, prompts, responses, kwargs)
-    except Exception as err:
-        batch_error = err
-    else:
-        return checked_scores(output, len(responses), name), []
-    size = len(responses)
-    scores: list[float] = []
-    failures: list[tuple[int, Exception]] = []
-    for i in range(size):
-        try:
-            output = _call(reward, prompts[i : i + 1], responses[i : i + 1], _sample_kwargs(kwargs, i, size))
-        except Exception as err:
-            if on_error == "raise":
-                raise RuntimeError(f"reward {name!r} failed on sample {i}: {err!r}") from batch_error
-            failures.append((i, err))
-            scores.append(0.0)
-            continue
-        scores.extend(checked_scores(output, 1, name))
-    if failures:
-        warnings.warn(
-            f"reward {name!r} raised on {len(failures)} of {size} samples, which score 0.0 "
-            f"(first: sample {failures[0][0]}: {failures[0][1]!r})",
-            stacklevel=3,
-        )
-    elif on_error == "raise":
-        # A failure that no single sample reproduces (e.g. out of memory) has no sample to blame.
-        raise RuntimeError(
-            f"reward {name!r} failed on the batch but on no single sample: {batch_error!r}"
-        ) from batch_error
-    else:
-        warnings.warn(
-            f"reward {name!r} failed on the batch but on no single sample: {batch_error!r}", stacklevel=3
-        )
-    return scores, [i for i, _ in failures]

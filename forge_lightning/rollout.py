@@ -1,24 +1,19 @@
-"""Rollouts: prompts in, G sampled completions per prompt out, as padded token tensors.
-
-The generation backend is a small interface so that HF ``generate`` (the default, and the CPU path)
-and other engines can produce the same :class:`Rollout`.
-"""
+"""Rollouts: prompts in, G sampled completions per prompt out, as padded token tensors."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from forge_lightning.hf_compat import cache_kwarg, is_checkpointing, output_cache, set_checkpointing
-from forge_lightning.logprobs import supports_shared_prefix
-from forge_lightning.sharding import is_sharded
+if TYPE_CHECKING:
+    from forge_lightning.generation import GenerationBackend
 
 
 @dataclass
@@ -51,152 +46,8 @@ class Rollout:
     old_logp: Tensor | None = None
 
     @property
-    def num_prompts(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    @property
     def completion_lengths(self) -> Tensor:  # (P*G,)
         return self.completion_mask.sum(dim=1)
-
-
-class GenerationBackend(Protocol):
-    """What the module needs from a generation engine."""
-
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> Tensor:
-        """Return completion token ids ``(P*G, Lc)``, groups contiguous, right-padded."""
-        ...
-
-    def sync_weights(self, model: PreTrainedModel) -> None:
-        """Called after every optimizer step; engines holding their own weights copy them here."""
-        ...
-
-
-class LogProbGenerationBackend(GenerationBackend, Protocol):
-    """A backend that can also report the log-prob it sampled each completion token with."""
-
-    def generate_with_logprobs(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> tuple[Tensor, Tensor]:
-        """Completion ids as ``generate`` returns them and their log-probs, both ``(P*G, Lc)``."""
-        ...
-
-
-class HFGenerate:
-    """Sampling with ``model.generate``: eval mode, no grad, KV cache on, then back to train mode."""
-
-    def __init__(self, pad_token_id: int, eos_token_ids: Sequence[int]) -> None:
-        self.pad_token_id = pad_token_id
-        self.eos_token_ids = list(eos_token_ids)
-
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> Tensor:
-        was_training = model.training
-        # Gradient checkpointing switches the KV cache off; generation without a cache is
-        # quadratic, so checkpointing is paused while sampling and restored afterwards.
-        checkpointing = is_checkpointing(model)
-        if checkpointing:
-            set_checkpointing(model, False)
-        model.eval()
-        try:
-            with torch.no_grad():
-                inputs = self._prefilled_inputs(model, prompt_ids, prompt_mask, group_size)
-                repeats = group_size if inputs is None else 1
-                out = model.generate(
-                    **(inputs or {"input_ids": prompt_ids, "attention_mask": prompt_mask}),
-                    generation_config=self._config(params, repeats),
-                    # A sharded model gathers its weights from every rank in each forward: all
-                    # ranks must run the same number of decoding steps, so a rank whose
-                    # completions have all ended keeps stepping until every rank's have.
-                    synced_gpus=is_sharded(model) and torch.distributed.get_world_size() > 1,
-                )
-        finally:
-            if checkpointing:
-                set_checkpointing(model, True)
-            model.train(was_training)
-        return out[:, prompt_ids.shape[1] :]
-
-    def _config(self, params: SamplingParams, num_return_sequences: int) -> GenerationConfig:
-        return GenerationConfig(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=not params.greedy,
-            temperature=params.temperature if not params.greedy else None,
-            top_p=params.top_p if not params.greedy else None,
-            top_k=params.top_k if not params.greedy else None,
-            num_return_sequences=num_return_sequences,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_ids,
-            use_cache=True,
-        )
-
-    @staticmethod
-    def _prefilled_inputs(
-        model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int
-    ) -> dict[str, Any] | None:
-        """``generate`` inputs for the G-fold batch whose prompts already went through the model.
-
-        ``num_return_sequences`` would run every prompt's forward G times, which on a CPU costs
-        more than all the decoding of a short completion. Instead all of each prompt but its last
-        token runs once, its cache is repeated for the group, and ``generate`` starts from the
-        last prompt token. None where that does not apply: a group of one, one-token prompts, a
-        sharded model (every rank must make the same calls), a model without a cache.
-        """
-        if (
-            group_size == 1
-            or prompt_ids.shape[1] < 2
-            or is_sharded(model)
-            or not supports_shared_prefix(model)
-        ):
-            return None
-        head_mask = prompt_mask[:, :-1]
-        out = model(
-            input_ids=prompt_ids[:, :-1],
-            attention_mask=head_mask,
-            position_ids=(head_mask.cumsum(dim=-1) - 1).clamp(min=0),  # skip left padding, as generate does
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = output_cache(out)
-        cache.batch_repeat_interleave(group_size)
-        return {
-            "input_ids": prompt_ids.repeat_interleave(group_size, dim=0),  # (P*G, Lp)
-            "attention_mask": prompt_mask.repeat_interleave(group_size, dim=0),
-            cache_kwarg(model): cache,
-        }
-
-    def sync_weights(self, model: PreTrainedModel) -> None:
-        # generate reads the live weights: nothing to copy.
-        pass
-
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> list[int]:
-    """Every token id that ends a completion: the tokenizer's EOS plus the model's generation EOS."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if gen_eos is not None:
-        ids.extend(int(i) for i in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
-    if not ids:
-        raise ValueError("no EOS token: set tokenizer.eos_token so completions can end")
-    return sorted(set(ids))
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: Sequence[int]) -> Tensor:
@@ -277,3 +128,70 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: Tenso
     """Decode each completion up to its first EOS, without special tokens."""
     rows = [ids[: int(n)].tolist() for ids, n in zip(completion_ids, mask.sum(dim=1))]
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """How prompts become tokens: see :func:`encode_prompts`."""
+
+    use_chat_template: bool
+    system_prompt: str | None = None
+    max_prompt_length: int | None = None
+    truncation: Literal["left", "error"] = "left"
+
+
+class RolloutSampler:
+    """Prompts in, a :class:`Rollout` out: encode, sample G completions each, mask and decode.
+
+    Built once per fit from the tokenizer, the generation engine and the prompt settings.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        generator: GenerationBackend,
+        eos_ids: Sequence[int],
+        prompts: PromptSettings,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.eos_ids = list(eos_ids)
+        self.prompts = prompts
+
+    def __call__(
+        self,
+        model: PreTrainedModel,
+        prompts: list[str],
+        params: SamplingParams,
+        group_size: int,
+        engine_logprobs: bool = False,
+    ) -> Rollout:
+        """Sample ``group_size`` completions per prompt (with the engine's log-probs if asked)."""
+        s = self.prompts
+        prompt_ids, prompt_mask = encode_prompts(
+            self.tokenizer,
+            prompts,
+            use_chat_template=s.use_chat_template,
+            system_prompt=s.system_prompt,
+            max_prompt_length=s.max_prompt_length,
+            truncation=s.truncation,
+        )
+        device = next(model.parameters()).device
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        old_logp = None
+        if engine_logprobs:
+            completion_ids, old_logp = self.generator.generate_with_logprobs(  # type: ignore[attr-defined]
+                model, prompt_ids, prompt_mask, group_size, params
+            )
+        else:
+            completion_ids = self.generator.generate(model, prompt_ids, prompt_mask, group_size, params)
+        mask = completion_mask(completion_ids, self.eos_ids)
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            group_size=group_size,
+            completions=decode_completions(self.tokenizer, completion_ids, mask),
+            old_logp=old_logp,
+        )

@@ -36,6 +36,21 @@ def shard_policy(model: nn.Module, mesh: DeviceMesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def shard_for_training(model: nn.Module, mesh: DeviceMesh, *, generation_backend: str, lora: bool) -> None:
+    """FSDP2 over the data-parallel dimension of the mesh ModelParallelStrategy hands over, after
+    refusing what a sharded policy cannot do."""
+    if mesh["tensor_parallel"].size() > 1:
+        raise ValueError("tensor parallelism is not supported: set tensor_parallel_size=1")
+    if generation_backend != "hf":
+        raise ValueError("a sharded policy samples with generation_backend='hf' only")
+    if lora:
+        raise ValueError(
+            "LoRA is not supported with a sharded policy; train the adapter with DDP (its "
+            "gradients are small) or drop model.peft"
+        )
+    shard_policy(model, mesh["data_parallel"])
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` is an FSDP2 unit (its forward gathers weights from every rank)."""
     if not torch.distributed.is_available():

@@ -82,3 +82,127 @@ def gsm8k_dir() -> Path:
     if not (GSM8K_DIR / "train.jsonl").is_file():
         pytest.skip(f"GSM8K files not found at {GSM8K_DIR}")
     return GSM8K_DIR
+
+
+# -- shared factories, as fixtures: a test asks for the factory and calls it with its settings --
+
+
+def _count_a(prompts: list[str], responses: list[str]) -> list[float]:
+    """Fraction of 8 completion characters that are 'a': a task a random tiny model can learn."""
+    return [sum(ch == "a" for ch in r) / 8 for r in responses]
+
+
+@pytest.fixture
+def count_a():
+    return _count_a
+
+
+@pytest.fixture
+def loader():
+    """``loader(records, batch_size=1)``: a DataLoader of prompt records, collated as the datamodule does."""
+    from torch.utils.data import DataLoader
+
+    from forge_lightning.data.datamodule import collate_records
+
+    def make(records: list[dict], batch_size: int = 1) -> DataLoader:
+        return DataLoader(records, batch_size=batch_size, collate_fn=collate_records)
+
+    return make
+
+
+@pytest.fixture
+def trainer():
+    """``trainer(root, **kwargs)``: a quiet CPU Trainer for one epoch, writing under ``root``."""
+    import lightning.pytorch as pl
+
+    def make(root: Path, **kwargs) -> pl.Trainer:
+        defaults = dict(
+            accelerator="cpu",
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+        )
+        return pl.Trainer(**{**defaults, **kwargs})
+
+    return make
+
+
+@pytest.fixture
+def module():
+    """``module(**kwargs)``: a GRPOLightningModule on a fresh tiny Llama, rewarding 'a' characters."""
+    from forge_lightning.module import GRPOLightningModule
+
+    def make(**kwargs) -> GRPOLightningModule:
+        tok = make_tokenizer()
+        defaults = dict(
+            model=make_model(len(tok)),
+            tokenizer=tok,
+            reward=_count_a,
+            group_size=4,
+            max_new_tokens=8,
+            learning_rate=1e-3,
+        )
+        return GRPOLightningModule(**{**defaults, **kwargs})
+
+    return make
+
+
+@pytest.fixture
+def tiny_overrides():
+    """``tiny_overrides(model_dir, out)``: CLI flags that run a shipped config on a tiny model in ``out``."""
+
+    def make(model_dir: Path, out: Path) -> list[str]:
+        return [
+            f"--model.model={model_dir}",
+            "--model.group_size=4",
+            "--model.max_new_tokens=6",
+            "--trainer.accelerator=cpu",
+            "--trainer.precision=32-true",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={out}",
+        ]
+
+    return make
+
+
+def _varied(prompts: list[str], responses: list[str]) -> list[float]:
+    return [float(sum(map(ord, r)) % 5) for r in responses]
+
+
+@pytest.fixture
+def step_gradients(tmp_path, module, trainer, loader):
+    """``step_gradients(**settings)``: one optimizer step of the tiny module on two prompts (seeded,
+    so every call samples the same completions); returns the step's ``train/loss`` and each
+    parameter's gradient just before the optimizer applies it. The reference is another random
+    model, so the KL term has a gradient from the first step."""
+    import lightning.pytorch as pl
+
+    from forge_lightning.callbacks import ReferenceModel
+
+    class OtherReference(ReferenceModel):
+        def _build(self, trainer, policy):
+            return make_model(policy.config.vocab_size, seed=5).requires_grad_(False)
+
+    calls = []
+
+    def run(**settings) -> tuple[float, list[torch.Tensor]]:
+        pl.seed_everything(1)
+        tok = make_tokenizer()
+        defaults = dict(model=make_model(len(tok)), tokenizer=tok, reward=_varied, max_new_tokens=6)
+        defaults.update(kl_beta=0.05, max_grad_norm=None, gradient_accumulation_steps=1)
+        grpo = module(**{**defaults, **settings})
+        grads: list[torch.Tensor] = []
+
+        class Grads(pl.Callback):
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                grads.extend(p.grad.clone() for p in pl_module.model.parameters())
+
+        calls.append(len(calls))
+        fit = trainer(tmp_path / f"step{len(calls)}", max_steps=1, callbacks=[OtherReference(), Grads()])
+        fit.fit(grpo, loader([{"prompt": "ab"}, {"prompt": "abc d"}], batch_size=2))
+        return grpo.last_step.metrics["train/loss"], grads
+
+    return run

@@ -6,43 +6,67 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
 from forge_lightning.callbacks.reward_logger import JSONL_KEYS
-from forge_lightning.cli import build_cli
+from forge_lightning.cli import _require_last_checkpoint, build_cli
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
-
-
-def tiny_overrides(model_dir: Path, out: Path) -> list[str]:
-    return [
-        f"--model.model={model_dir}",
-        "--model.group_size=4",
-        "--model.max_new_tokens=6",
-        "--trainer.accelerator=cpu",
-        "--trainer.precision=32-true",
-        "--trainer.enable_progress_bar=false",
-        f"--trainer.default_root_dir={out}",
-        f"--trainer.logger.init_args.save_dir={out}",
-    ]
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+OVERLAYS = sorted((ROOT / "configs" / "overlays").glob("*.yaml"))
+# Every config and overlay combination README shows: each config alone, gsm8k.yaml with each overlay.
+COMBINATIONS = [[c] for c in CONFIGS] + [[ROOT / "configs" / "gsm8k.yaml", o] for o in OVERLAYS]
+# Those that keep Lightning checkpoints to resume from.
+RESUMABLE = [c for c in COMBINATIONS if "ModelCheckpoint" in c[0].read_text()]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
-def test_every_config_parses(config, capsys):
+def config_args(files: list[Path]) -> list[str]:
+    return [arg for f in files for arg in ("--config", str(f))]
+
+
+@pytest.mark.parametrize("files", COMBINATIONS, ids=["+".join(f.stem for f in c) for c in COMBINATIONS])
+def test_every_config_and_overlay_parses_to_the_settings_it_names(files, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        build_cli(["fit", "--config", str(config), "--print_config"])
+        build_cli(["fit", *config_args(files), "--print_config"])
     assert exit_info.value.code == 0
-    assert "model:" in capsys.readouterr().out
+    printed = yaml.safe_load(capsys.readouterr().out)
+    expected: dict[tuple[str, str], object] = {}
+    for file in files:  # a later file's value wins, as LightningCLI layers them
+        for section, values in yaml.safe_load(file.read_text()).items():
+            if isinstance(values, dict):
+                scalars = {k: v for k, v in values.items() if isinstance(v, (str, int, float, bool))}
+                expected.update({(section, key): value for key, value in scalars.items()})
+    assert expected
+    for (section, key), value in expected.items():
+        assert printed[section][key] == value, (section, key)
 
 
-def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("files", RESUMABLE, ids=["+".join(f.stem for f in c) for c in RESUMABLE])
+def test_ckpt_path_last_finds_the_checkpoint_under_every_config_and_overlay(files, tmp_path):
+    root = tmp_path / "run"
+    args = [*config_args(files), f"--trainer.default_root_dir={root}", "--trainer.accelerator=cpu"]
+    args += ["--trainer.devices=1", "--trainer.strategy=auto", "--model.generation_backend=hf"]
+    cli = build_cli(args, run=False)
+    folders = [Path(cb.dirpath) for cb in cli.trainer.checkpoint_callbacks if cb.dirpath]
+    assert folders == [root / "checkpoints"]
+    assert cli.trainer.checkpoint_callback.save_last
+    assert Path(cli.trainer.logger.log_dir).parent == root / "tensorboard"
+    with pytest.raises(SystemExit, match="no last.ckpt"):
+        _require_last_checkpoint(cli.trainer.checkpoint_callbacks)
+    (root / "checkpoints").mkdir(parents=True)
+    (root / "checkpoints" / "last.ckpt").write_bytes(b"")
+    _require_last_checkpoint(cli.trainer.checkpoint_callbacks)  # found: no exit
+
+
+def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path, tiny_overrides):
     out = tmp_path / "run"
     build_cli(
         [
             "fit",
             "--config",
-            str(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"),
+            str(ROOT / "configs" / "smoke.yaml"),
             *tiny_overrides(tiny_model_dir, out),
             "--trainer.max_steps=3",
         ]
@@ -61,13 +85,15 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path):
     assert (out / "2" / "config.json").is_file()  # smoke.yaml saves every 2 steps
 
 
-def test_gsm8k_recipe_runs_one_step_on_a_tiny_model_and_local_data(tiny_model_dir, gsm8k_dir, tmp_path):
+def test_gsm8k_recipe_runs_one_step_on_a_tiny_model_and_local_data(
+    tiny_model_dir, gsm8k_dir, tmp_path, tiny_overrides
+):
     out = tmp_path / "gsm8k"
     build_cli(
         [
             "fit",
             "--config",
-            str(Path(__file__).resolve().parents[1] / "configs" / "gsm8k.yaml"),
+            str(ROOT / "configs" / "gsm8k.yaml"),
             *tiny_overrides(tiny_model_dir, out),
             "--trainer.max_steps=1",
             "--trainer.max_epochs=1",

@@ -119,7 +119,6 @@ def test_custom_reward_config_logs_every_component(tiny_model_dir, tmp_path):
             "--trainer.max_steps=1",
             "--trainer.enable_progress_bar=false",
             f"--trainer.default_root_dir={out}",
-            f"--trainer.logger.init_args.save_dir={out}",
         ]
     )
     (record,) = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]

@@ -1,5 +1,5 @@
-"""The multi-GPU configs on two CPU processes (gloo): ``gsm8k_ddp.yaml`` launched by ``torchrun``,
-``gsm8k_fsdp.yaml`` (FSDP2) launched by Lightning, each through the CLI on a tiny model. The same
+"""The multi-GPU overlays on two CPU processes (gloo): ``overlays/ddp.yaml`` launched by ``torchrun``,
+``overlays/fsdp.yaml`` (FSDP2) launched by Lightning, each through the CLI on a tiny model. The same
 on two GPUs where there are two; and the settings a sharded policy refuses.
 """
 
@@ -21,8 +21,9 @@ from forge_lightning.module import GRPOLightningModule
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def fit(launcher: list[str], config: str, model_dir: Path, out: Path, accelerator: str, *extra: str) -> None:
-    """Two processes of ``forge-lightning fit``, in ``out`` (the configs' output paths are relative)."""
+def fit(launcher: list[str], overlay: str, model_dir: Path, out: Path, accelerator: str, *extra: str) -> None:
+    """Two processes of ``forge-lightning fit`` of gsm8k.yaml with ``overlay``, in ``out`` (the
+    configs' output paths are relative)."""
     out.mkdir(parents=True, exist_ok=True)
     overrides = [
         f"--trainer.accelerator={accelerator}",
@@ -37,7 +38,8 @@ def fit(launcher: list[str], config: str, model_dir: Path, out: Path, accelerato
         "--data.source=mock",
         *extra,
     ]
-    command = [*launcher, "-m", "forge_lightning", "fit", "--config", str(CONFIGS / config), *overrides]
+    configs = ["--config", str(CONFIGS / "gsm8k.yaml"), "--config", str(CONFIGS / "overlays" / overlay)]
+    command = [*launcher, "-m", "forge_lightning", "fit", *configs, *overrides]
     run = subprocess.run(command, cwd=out, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
 
@@ -46,8 +48,8 @@ def run_both(model_dir: Path, root: Path, accelerator: str) -> dict[str, dict[st
     """Weights of the DDP and the FSDP run (both with the KL term), by HF parameter name: final
     and reference folders, and the FSDP run's Lightning checkpoint."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    fit(torchrun, "gsm8k_ddp.yaml", model_dir, root / "ddp", accelerator, "--model.kl_beta=0.5")
-    fit([sys.executable], "gsm8k_fsdp.yaml", model_dir, root / "fsdp", accelerator, "--model.kl_beta=0.5",
+    fit(torchrun, "ddp.yaml", model_dir, root / "ddp", accelerator, "--model.kl_beta=0.5")
+    fit([sys.executable], "fsdp.yaml", model_dir, root / "fsdp", accelerator, "--model.kl_beta=0.5",
         "--trainer.strategy.init_args.data_parallel_size=2")  # fmt: skip
     checkpoint = torch.load(root / "fsdp" / "forge_output" / "checkpoints" / "last.ckpt", weights_only=False)
     return {

@@ -12,7 +12,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
-from test_module import count_a, loader, module, trainer
 
 from forge_lightning.data import GSM8KDataModule, load_gsm8k
 from forge_lightning.models import ModelLoadError, load_model
@@ -48,7 +47,7 @@ def test_empty_dataset_is_an_error(tmp_path):
         load_gsm8k(path=tmp_path)
 
 
-def test_reward_that_raises_names_reward_and_sample(tmp_path):
+def test_reward_that_raises_names_reward_and_sample(tmp_path, module, trainer, loader):
     def fragile(prompts, responses, tag):
         if "bad" in tag:
             raise ZeroDivisionError("odd completion")
@@ -60,7 +59,7 @@ def test_reward_that_raises_names_reward_and_sample(tmp_path):
     assert "sample 4" in str(err.value)
 
 
-def test_reward_errors_score_zero_and_are_counted_when_asked(tmp_path):
+def test_reward_errors_score_zero_and_are_counted_when_asked(tmp_path, module, trainer, loader):
     def flaky(prompts, responses, tag):
         if "bad" in tag:
             raise ValueError("cannot score")
@@ -70,18 +69,18 @@ def test_reward_errors_score_zero_and_are_counted_when_asked(tmp_path):
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
-            counted.append(pl_module.pop_train_metrics())
+            counted.append(pl_module.last_step.metrics)
 
     records = [{"prompt": "q", "tag": "ok"}, {"prompt": "r", "tag": "bad"}]
     grpo = module(reward=flaky, on_reward_error="zero", gradient_accumulation_steps=1)
     with pytest.warns(UserWarning, match="raised on 4 of 8 samples, which score 0.0"):
         trainer(tmp_path, callbacks=[Record()]).fit(grpo, loader(records, batch_size=2))
-    assert counted[0]["reward_errors"] == 4.0
-    assert counted[0]["reward"] == 0.5  # the failing half scored 0, the rest 1
+    assert counted[0]["train/reward_errors"] == 4.0
+    assert counted[0]["train/reward"] == 0.5  # the failing half scored 0, the rest 1
 
 
 @pytest.mark.parametrize("bad", [[1.0, 2.0], [None, 1.0, 1.0, 1.0], [float("nan")] * 4, [float("inf")] * 4])
-def test_bad_reward_values_are_clear_errors(tmp_path, bad):
+def test_bad_reward_values_are_clear_errors(tmp_path, bad, module, trainer, loader):
     def broken(prompts, responses):
         return bad
 
@@ -100,7 +99,7 @@ def poison_gradients(grpo, bad_batches: int) -> None:
     next(grpo.model.parameters()).register_hook(hook)
 
 
-def test_non_finite_gradient_skips_the_step_and_is_counted(tmp_path):
+def test_non_finite_gradient_skips_the_step_and_is_counted(tmp_path, module, trainer, loader, count_a):
     grpo = module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.0)
     grpo.configure_model()
     poison_gradients(grpo, bad_batches=2)
@@ -109,7 +108,7 @@ def test_non_finite_gradient_skips_the_step_and_is_counted(tmp_path):
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
-            skipped.append(pl_module.pop_train_metrics()["skipped_steps"])
+            skipped.append(pl_module.last_step.metrics["train/skipped_steps"])
 
     fit = trainer(tmp_path, callbacks=[Record()])
     with pytest.warns(UserWarning, match="non-finite"):
@@ -121,7 +120,7 @@ def test_non_finite_gradient_skips_the_step_and_is_counted(tmp_path):
         torch.testing.assert_close(value, before[key])
 
 
-def test_training_stops_after_too_many_bad_steps_in_a_row(tmp_path):
+def test_training_stops_after_too_many_bad_steps_in_a_row(tmp_path, module, trainer, loader, count_a):
     grpo = module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.0, max_consecutive_bad_steps=3)
     grpo.configure_model()
     poison_gradients(grpo, bad_batches=100)
@@ -129,7 +128,7 @@ def test_training_stops_after_too_many_bad_steps_in_a_row(tmp_path):
         trainer(tmp_path).fit(grpo, loader([{"prompt": "q"}] * 5))
 
 
-def test_immediate_eos_completions_train_without_dividing_by_zero(tmp_path):
+def test_immediate_eos_completions_train_without_dividing_by_zero(tmp_path, module, trainer, loader):
     grpo = module(reward=lambda prompts, responses: [float(len(r)) for r in responses])
     grpo.configure_model()
     eos = grpo.tokenizer.eos_token_id
@@ -148,20 +147,20 @@ def test_immediate_eos_completions_train_without_dividing_by_zero(tmp_path):
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
-            metrics.update(pl_module.pop_train_metrics())
+            metrics.update(pl_module.last_step.metrics)
 
     trainer(tmp_path, max_steps=1, callbacks=[Record()]).fit(grpo, loader([{"prompt": "q"}]))
-    assert metrics["completion_length"] == 1.0  # just the EOS
+    assert metrics["train/completion_length"] == 1.0  # just the EOS
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
-def test_prompt_longer_than_the_limit_errors_when_configured(tmp_path):
+def test_prompt_longer_than_the_limit_errors_when_configured(tmp_path, module, trainer, loader):
     grpo = module(max_prompt_length=2, prompt_truncation="error")
     with pytest.raises(ValueError, match="max_prompt_length"):
         trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "a long prompt"}]))
 
 
-def test_invalid_config_names_field_and_range():
+def test_invalid_config_names_field_and_range(module):
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         module(top_p=1.5)
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
@@ -175,7 +174,7 @@ def test_model_that_cannot_be_loaded_offline_says_what_to_do():
         load_model("./no/such/folder")
 
 
-def test_same_seed_gives_identical_losses_and_rewards(tmp_path):
+def test_same_seed_gives_identical_losses_and_rewards(tmp_path, module, trainer, loader):
     def run() -> list[dict[str, float]]:
         pl.seed_everything(11)
         tok = make_tokenizer()
@@ -184,9 +183,9 @@ def test_same_seed_gives_identical_losses_and_rewards(tmp_path):
 
         class Record(pl.Callback):
             def on_train_batch_end(self, trainer, pl_module, *args):
-                seen.append(pl_module.pop_train_metrics())
+                seen.append(pl_module.last_step.metrics)
 
         trainer(tmp_path, callbacks=[Record()]).fit(grpo, loader([{"prompt": "q"}] * 3))
-        return [{k: m[k] for k in ("loss", "reward", "kl", "grad_norm")} for m in seen]
+        return [{k: m[f"train/{k}"] for k in ("loss", "reward", "kl", "grad_norm")} for m in seen]
 
     assert run() == run()

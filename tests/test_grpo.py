@@ -10,9 +10,12 @@ from torch.testing import assert_close
 from forge_lightning.grpo import (
     ADVANTAGE_SCALES,
     LOSS_TYPES,
+    LossSettings,
     group_advantages,
     grpo_loss,
+    loss_normalizer,
     masked_mean,
+    micro_batch_weight,
     token_log_probs,
 )
 
@@ -193,7 +196,7 @@ def worked_inputs(**overrides):
 def test_worked_example_matches_hand_computation(loss_type):
     expected_loss, expected_policy, expected_clip_low = WORKED_EXAMPLE[loss_type]
     expected_kl = FORGE_KL if loss_type == "forge" else sum(KL) / 3
-    loss, metrics = grpo_loss(**worked_inputs(), loss_type=loss_type, kl_beta=BETA)
+    loss, metrics = grpo_loss(**worked_inputs(), settings=LossSettings(loss_type, kl_beta=BETA))
     assert_close(loss.item(), expected_loss)
     assert set(metrics) == {"policy_loss", "kl", "clip_fraction_low", "clip_fraction_high"}
     assert not any(value.requires_grad for value in metrics.values())
@@ -204,7 +207,9 @@ def test_worked_example_matches_hand_computation(loss_type):
 
 
 def test_dr_grpo_divides_by_max_completion_length():
-    loss, _ = grpo_loss(**worked_inputs(), loss_type="dr_grpo", kl_beta=BETA, max_completion_length=5)
+    loss, _ = grpo_loss(
+        **worked_inputs(), settings=LossSettings("dr_grpo", kl_beta=BETA, max_completion_length=5)
+    )
     assert_close(loss.item(), sum(TOKEN_LOSS) / (2 * 5))
 
 
@@ -212,7 +217,7 @@ def test_loss_leaves_caller_tensors_untouched():
     inputs = worked_inputs()
     before = {name: tensor.clone() for name, tensor in inputs.items()}
     for loss_type in LOSS_TYPES:
-        grpo_loss(**inputs, loss_type=loss_type, kl_beta=BETA)[0].backward()
+        grpo_loss(**inputs, settings=LossSettings(loss_type, kl_beta=BETA))[0].backward()
     for name, tensor in before.items():
         assert torch.equal(inputs[name].detach(), tensor.detach())
 
@@ -229,7 +234,7 @@ def test_grpo_loss_passes_gradcheck(loss_type):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
 
     def loss_of(x):
-        return grpo_loss(x, old, ref, advantages, mask, loss_type=loss_type, kl_beta=0.1)[0]
+        return grpo_loss(x, old, ref, advantages, mask, LossSettings(loss_type, kl_beta=0.1))[0]
 
     assert torch.autograd.gradcheck(loss_of, (logp,))
 
@@ -241,7 +246,7 @@ def test_grpo_loss_passes_gradcheck(loss_type):
 @pytest.mark.parametrize("loss_type", TOKEN_LEVEL_TYPES)
 def test_all_zero_mask_gives_zero_loss_that_still_backpropagates(loss_type):
     inputs = worked_inputs(mask=torch.zeros(2, 2))
-    loss, metrics = grpo_loss(**inputs, loss_type=loss_type)
+    loss, metrics = grpo_loss(**inputs, settings=LossSettings(loss_type))
     assert loss.item() == 0.0
     loss.backward()
     assert torch.equal(inputs["logp"].grad, torch.zeros(2, 2, dtype=torch.float64))
@@ -250,48 +255,51 @@ def test_all_zero_mask_gives_zero_loss_that_still_backpropagates(loss_type):
 
 def test_forge_with_all_zero_mask_stays_finite():
     inputs = worked_inputs(mask=torch.zeros(2, 2))
-    loss, _ = grpo_loss(**inputs, loss_type="forge")
+    loss, _ = grpo_loss(**inputs, settings=LossSettings("forge"))
     assert torch.isfinite(loss)
     loss.backward()
+    # No token counts: the masked means are 0 and carry no gradient, finite or otherwise.
+    assert torch.equal(inputs["logp"].grad, torch.zeros(2, 2, dtype=torch.float64))
 
 
 def test_sequence_without_tokens_is_not_counted_in_grpo_mean():
     inputs = worked_inputs(mask=torch.tensor([[1, 1], [0, 0]]))
-    loss, _ = grpo_loss(**inputs, kl_beta=BETA)
+    loss, _ = grpo_loss(**inputs, settings=LossSettings(kl_beta=BETA))
     first_row = {name: tensor[:1] for name, tensor in worked_inputs().items()}
-    alone, _ = grpo_loss(**first_row, kl_beta=BETA)
+    alone, _ = grpo_loss(**first_row, settings=LossSettings(kl_beta=BETA))
     assert_close(loss, alone)
     assert_close(loss.item(), (TOKEN_LOSS[0] + TOKEN_LOSS[1]) / 2)
 
 
 def test_zero_kl_beta_accepts_missing_reference():
-    loss, metrics = grpo_loss(**worked_inputs(ref_logp=None), kl_beta=0.0)
+    loss, metrics = grpo_loss(**worked_inputs(ref_logp=None), settings=LossSettings(kl_beta=0.0))
     assert_close(loss.item(), per_sequence_mean(POLICY))
     assert metrics["kl"].item() == 0.0
 
 
 def test_missing_reference_with_kl_penalty_raises_naming_ref_logp():
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(**worked_inputs(ref_logp=None), kl_beta=0.1)
+        grpo_loss(**worked_inputs(ref_logp=None), settings=LossSettings(kl_beta=0.1))
 
 
 def test_forge_without_reference_raises_even_at_zero_beta():
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(**worked_inputs(ref_logp=None), loss_type="forge", kl_beta=0.0)
+        grpo_loss(**worked_inputs(ref_logp=None), settings=LossSettings("forge", kl_beta=0.0))
 
 
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"loss_type": "ppo"}, "dr_grpo"),
+        ({"loss_type": "ppo"}, "loss_type"),
+        ({"clip_epsilon": 1.0}, "clip_epsilon"),
         ({"clip_epsilon": 0.0}, "clip_epsilon"),
         ({"clip_epsilon_high": -0.1}, "clip_epsilon_high"),
         ({"kl_beta": -0.01}, "kl_beta"),
     ],
 )
-def test_invalid_settings_raise_naming_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        grpo_loss(**worked_inputs(), **kwargs)
+def test_invalid_loss_settings_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        LossSettings(**kwargs)
 
 
 def test_advantages_of_wrong_shape_raise():
@@ -304,7 +312,7 @@ def test_advantages_of_wrong_shape_raise():
 def test_ratio_one_gives_zero_clip_fractions(loss_type, old_from_caller):
     inputs = worked_inputs()
     inputs["old_logp"] = inputs["logp"].detach().clone() if old_from_caller else None
-    _, metrics = grpo_loss(**inputs, loss_type=loss_type)
+    _, metrics = grpo_loss(**inputs, settings=LossSettings(loss_type))
     assert metrics["clip_fraction_low"].item() == 0.0
     assert metrics["clip_fraction_high"].item() == 0.0
 
@@ -317,7 +325,12 @@ def test_clip_fractions_count_only_active_clips(clip_epsilon_high, expected_high
     old = -torch.tensor([[0.5, 0.0], [0.5, -0.5]])
     advantages = torch.tensor([1.0, -1.0])
     loss, metrics = grpo_loss(
-        logp, old, None, advantages, torch.ones(2, 2), kl_beta=0.0, clip_epsilon_high=clip_epsilon_high
+        logp,
+        old,
+        None,
+        advantages,
+        torch.ones(2, 2),
+        LossSettings(kl_beta=0.0, clip_epsilon_high=clip_epsilon_high),
     )
     assert_close(metrics["clip_fraction_low"].item(), 0.25)
     assert_close(metrics["clip_fraction_high"].item(), expected_high)
@@ -327,20 +340,38 @@ def test_clip_fractions_count_only_active_clips(clip_epsilon_high, expected_high
     assert (logp.grad[0, 0].item() == 0.0) == (expected_high > 0)
 
 
-def test_dapo_halves_with_shared_token_normalizer_sum_to_whole_batch():
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batch_weights_make_the_parts_sum_to_the_whole_loss(loss_type):
     torch.manual_seed(5)
     logp = -torch.rand(4, 6)
     old = logp - 0.3 * torch.randn(4, 6)
     ref = logp - 0.3 * torch.randn(4, 6)
     advantages = torch.randn(4)
     mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]])
-    whole, _ = grpo_loss(logp, old, ref, advantages, mask, loss_type="dapo")
-    total_tokens = int(mask.sum())
-    halves = [
-        grpo_loss(
-            logp[rows], old[rows], ref[rows], advantages[rows], mask[rows],
-            loss_type="dapo", token_normalizer=total_tokens,
-        )[0]
-        for rows in (slice(0, 2), slice(2, 4))
-    ]  # fmt: skip
-    assert_close(halves[0] + halves[1], whole)
+    settings = LossSettings(loss_type, kl_beta=0.1, max_completion_length=6)
+    whole, _ = grpo_loss(logp, old, ref, advantages, mask, settings)
+    parts = [
+        micro_batch_weight(settings, mask[rows], mask)
+        * grpo_loss(logp[rows], old[rows], ref[rows], advantages[rows], mask[rows], settings)[0]
+        for rows in (slice(0, 1), slice(1, 4))
+    ]
+    assert_close(parts[0] + parts[1], whole)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "count"),
+    [("grpo", 3), ("dapo", 9), ("dr_grpo", 4 * 6), ("forge", 4)],  # one row has no token
+)
+def test_each_loss_type_names_its_normalizer(loss_type, count):
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    settings = LossSettings(loss_type, max_completion_length=6)
+    assert loss_normalizer(settings, mask).item() == count
+
+
+def test_only_forge_scores_at_temperature_one_and_needs_the_reference_without_kl():
+    assert LossSettings("forge", kl_beta=0.0).needs_reference
+    assert LossSettings("forge").scoring_temperature(0.7) == 1.0
+    for loss_type in ("grpo", "dapo", "dr_grpo"):
+        assert not LossSettings(loss_type, kl_beta=0.0).needs_reference
+        assert LossSettings(loss_type, kl_beta=0.1).needs_reference
+        assert LossSettings(loss_type).scoring_temperature(0.7) == 0.7

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,11 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_module import loader, trainer
 from transformers import AutoModelForCausalLM
 
 from forge_lightning.callbacks import HFCheckpoint, ReferenceModel
 from forge_lightning.cli import build_cli
+from forge_lightning.hf_compat import supports_shared_prefix
 from forge_lightning.lora import LoraSettings, apply_lora, has_adapter
 from forge_lightning.models import load_model
 from forge_lightning.module import GRPOLightningModule
@@ -64,7 +65,7 @@ def adapter_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in policy.named_parameters() if ".lora_" in n}
 
 
-def test_training_changes_only_the_adapter_weights(tmp_path):
+def test_training_changes_only_the_adapter_weights(tmp_path, trainer, loader):
     grpo = lora_module()
     before = {name: p.detach().clone() for name, p in grpo.model.named_parameters()}
     fit = trainer(tmp_path, max_steps=3)
@@ -84,12 +85,12 @@ def test_training_changes_only_the_adapter_weights(tmp_path):
     assert len(optimized) == len(adapters)
 
 
-def test_reference_is_the_policy_itself_with_no_copy_of_the_weights(tmp_path):
+def test_reference_is_the_policy_itself_with_no_copy_of_the_weights(tmp_path, trainer, loader):
     seen: dict[str, Any] = {}
 
     class Spy(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
-            reference = pl_module.reference_callback()
+            reference = pl_module.reference
             policy = pl_module.model
             in_memory = [
                 p
@@ -113,7 +114,7 @@ def test_reference_is_the_policy_itself_with_no_copy_of_the_weights(tmp_path):
     assert not (tmp_path / "reference").exists()  # nothing to reload on resume: the base is frozen
 
 
-def test_reference_log_probs_are_the_base_models_with_the_adapter_off(tmp_path):
+def test_reference_log_probs_are_the_base_models_with_the_adapter_off(tmp_path, trainer, loader):
     tok = make_tokenizer()
     original = make_model(len(tok))
     grpo = lora_module(model=copy.deepcopy(original), tokenizer=tok)
@@ -121,11 +122,12 @@ def test_reference_log_probs_are_the_base_models_with_the_adapter_off(tmp_path):
 
     class Compare(pl.Callback):
         def on_train_end(self, trainer, pl_module):
-            rollout = pl_module.rollout(["ab", "xyz"], pl_module._sampling())
-            update = pl_module.policy_update()
-            results["reference"], _ = update._fixed_log_probs(rollout)
-            results["base"] = update.log_probs_no_grad(original, rollout)
-            results["policy"] = update.log_probs_no_grad(pl_module.model, rollout)
+            rollout = pl_module.sampler(pl_module.model, ["ab", "xyz"], pl_module.sampling, 4)
+            scorer, reference = pl_module.scorer, pl_module.reference
+            with reference.scope():
+                results["reference"] = scorer.log_probs_no_grad(reference.model, rollout)
+            results["base"] = scorer.log_probs_no_grad(original, rollout)
+            results["policy"] = scorer.log_probs_no_grad(pl_module.model, rollout)
 
     trainer(tmp_path, max_steps=2, callbacks=[Compare()]).fit(grpo, loader(PROMPTS))
 
@@ -139,12 +141,11 @@ def test_prefix_sharing_matches_the_full_forward_through_a_peft_model():
     for name, p in adapter_weights(grpo.model).items():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)  # a fresh adapter is zero: make it count
-    rollout = grpo.rollout(["ab", "abc d"], grpo._sampling())
-    update = grpo.policy_update()
-    assert update.shared_prefix
-    shared = update.log_probs_no_grad(grpo.model, rollout)
-    update.shared_prefix = False
-    torch.testing.assert_close(shared, update.log_probs_no_grad(grpo.model, rollout), rtol=1e-4, atol=1e-5)
+    rollout = grpo.sampler(grpo.model, ["ab", "abc d"], grpo.sampling, 4)
+    assert supports_shared_prefix(grpo.model) and grpo.scorer.shared_prefix
+    shared = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
+    full = dataclasses.replace(grpo.scorer, shared_prefix=False).log_probs_no_grad(grpo.model, rollout)
+    torch.testing.assert_close(shared, full, rtol=1e-4, atol=1e-5)
 
 
 def test_configure_model_wraps_once():
@@ -156,7 +157,9 @@ def test_configure_model_wraps_once():
     assert not has_adapter(wrapped.get_base_model())
 
 
-def test_hf_checkpoint_writes_the_adapter_and_a_loadable_merged_model(tiny_model_dir, tmp_path):
+def test_hf_checkpoint_writes_the_adapter_and_a_loadable_merged_model(
+    tiny_model_dir, tmp_path, trainer, loader
+):
     grpo = lora_module(model=str(tiny_model_dir), peft=LoraSettings(r=4, alpha=8, merge_on_save=True))
     fit = trainer(tmp_path, max_steps=2, callbacks=[HFCheckpoint(save_steps=1)])
     fit.fit(grpo, loader(PROMPTS))
@@ -195,7 +198,7 @@ def test_an_adapter_on_a_loaded_adapter_folder_stacks_on_it(tiny_model_dir, tmp_
     torch.testing.assert_close(stacked(ids).logits, second(ids).logits, rtol=1e-4, atol=1e-5)
 
 
-def test_resume_from_a_lightning_checkpoint_restores_the_adapter(tiny_model_dir, tmp_path):
+def test_resume_from_a_lightning_checkpoint_restores_the_adapter(tiny_model_dir, tmp_path, trainer, loader):
     checkpoints = tmp_path / "checkpoints"
 
     def lightning_checkpoints() -> ModelCheckpoint:
@@ -223,7 +226,8 @@ def test_resume_from_a_lightning_checkpoint_restores_the_adapter(tiny_model_dir,
     for name, value in saved.items():
         assert torch.equal(restored[name], value), name
     reference = next(cb for cb in resumed.callbacks if isinstance(cb, ReferenceModel))
-    assert reference.model is None  # fit ended; it never held a copy
+    with pytest.raises(RuntimeError, match="only during fit"):  # fit ended; it never held a copy
+        reference.model
 
 
 PEFT_CONFIG = """

@@ -7,7 +7,6 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from test_module import loader, module, trainer
 
 from forge_lightning.hf_compat import is_checkpointing
 from forge_lightning.lora import LoraSettings
@@ -23,7 +22,9 @@ def distinct_chars(prompts: list[str], responses: list[str]) -> list[float]:
     [(True, "32-true", False), (False, "bf16-mixed", False), (True, "bf16-mixed", True)],
     ids=["checkpointing", "bf16-mixed", "lora-checkpointing-bf16"],
 )
-def test_one_step_trains_with_checkpointing_and_mixed_precision(checkpointing, precision, lora, tmp_path):
+def test_one_step_trains_with_checkpointing_and_mixed_precision(
+    checkpointing, precision, lora, tmp_path, module, trainer, loader
+):
     if lora:
         pytest.importorskip("peft")
     pl.seed_everything(0)
@@ -38,7 +39,7 @@ def test_one_step_trains_with_checkpointing_and_mixed_precision(checkpointing, p
     fit = trainer(tmp_path, max_steps=1, precision=precision)
     fit.fit(grpo, loader([{"prompt": "ab"}, {"prompt": "cd"}]))
 
-    assert fit.global_step == 1 and math.isfinite(grpo.pop_train_metrics()["loss"])
+    assert fit.global_step == 1 and math.isfinite(grpo.last_step.metrics["train/loss"])
     assert is_checkpointing(grpo.model) == checkpointing  # restored after each generate
     after = dict(grpo.model.named_parameters())
     assert any(not torch.equal(after[n], before) for n, before in trained.items())

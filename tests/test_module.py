@@ -8,58 +8,22 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
-from torch.utils.data import DataLoader
 
 from forge_lightning.callbacks import ReferenceModel
-from forge_lightning.data.datamodule import collate_records
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.policy_update import PolicyUpdate
 from forge_lightning.rollout import completion_mask, encode_prompts
 
 
-def count_a(prompts: list[str], responses: list[str]) -> list[float]:
-    """Fraction of 8 completion characters that are 'a': a task a random tiny model can learn."""
-    return [sum(ch == "a" for ch in r) / 8 for r in responses]
-
-
-def loader(records: list[dict[str, Any]], batch_size: int = 1) -> DataLoader:
-    return DataLoader(records, batch_size=batch_size, collate_fn=collate_records)
-
-
-def trainer(tmp_path, **kwargs: Any) -> pl.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    return pl.Trainer(**{**defaults, **kwargs})
-
-
-def module(**kwargs: Any) -> GRPOLightningModule:
-    tok = make_tokenizer()
-    defaults = dict(
-        model=make_model(len(tok)),
-        tokenizer=tok,
-        reward=count_a,
-        group_size=4,
-        max_new_tokens=8,
-        learning_rate=1e-3,
-    )
-    return GRPOLightningModule(**{**defaults, **kwargs})
-
-
-def test_training_updates_policy_but_not_reference_and_counts_optimizer_steps(tmp_path):
+def test_training_updates_policy_but_not_reference_and_counts_optimizer_steps(
+    tmp_path, module, trainer, loader
+):
     grpo = module(gradient_accumulation_steps=2)
     before = {k: v.clone() for k, v in grpo.model.state_dict().items()}
     seen_reference: list[torch.nn.Module] = []
 
     class Spy(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
-            seen_reference.append(pl_module.reference_model())
+            seen_reference.append(pl_module.reference.model)
 
     fit = trainer(tmp_path, callbacks=[Spy()])
     fit.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(4)]))
@@ -73,19 +37,19 @@ def test_training_updates_policy_but_not_reference_and_counts_optimizer_steps(tm
     assert (tmp_path / "reference" / "config.json").is_file()
 
 
-def test_last_batch_of_epoch_steps_even_when_accumulation_is_incomplete(tmp_path):
+def test_last_batch_of_epoch_steps_even_when_accumulation_is_incomplete(tmp_path, module, trainer, loader):
     fit = trainer(tmp_path)
     fit.fit(module(gradient_accumulation_steps=4), loader([{"prompt": f"q{i}"} for i in range(5)]))
     assert fit.global_step == 2  # steps after batch 4 and after the last (5th) batch
 
 
-def test_mean_reward_rises_on_a_learnable_task(tmp_path):
+def test_mean_reward_rises_on_a_learnable_task(tmp_path, module, trainer, loader):
     pl.seed_everything(0)
     rewards: list[float] = []
 
     class Record(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
-            rewards.append(pl_module.pop_train_metrics()["reward"])
+            rewards.append(pl_module.last_step.metrics["train/reward"])
 
     grpo = module(
         group_size=8, learning_rate=3e-2, gradient_accumulation_steps=1, kl_beta=0.0, temperature=1.0
@@ -97,7 +61,7 @@ def test_mean_reward_rises_on_a_learnable_task(tmp_path):
     assert end >= 0.8, rewards
 
 
-def test_embedded_in_bare_trainer_with_extra_batch_keys(tmp_path):
+def test_embedded_in_bare_trainer_with_extra_batch_keys(tmp_path, module, trainer, loader):
     received: dict[str, list[Any]] = {}
 
     def keyed_reward(prompts, responses, difficulty, **kwargs):
@@ -113,14 +77,14 @@ def test_embedded_in_bare_trainer_with_extra_batch_keys(tmp_path):
     assert fit.global_step == 1
 
 
-def test_kl_without_reference_callback_is_a_clear_error(tmp_path):
+def test_kl_without_reference_callback_is_a_clear_error(tmp_path, module, trainer, loader):
     grpo = module()
     grpo.configure_callbacks = lambda: []
     with pytest.raises(RuntimeError, match="ReferenceModel"):
         trainer(tmp_path).fit(grpo, loader([{"prompt": "q"}]))
 
 
-def test_no_reference_when_no_loss_term_needs_it():
+def test_no_reference_when_no_loss_term_needs_it(module):
     assert module(kl_beta=0.0).configure_callbacks() == []
     assert isinstance(module(kl_beta=0.0, loss_type="forge").configure_callbacks()[0], ReferenceModel)
 
@@ -140,7 +104,7 @@ def test_no_reference_when_no_loss_term_needs_it():
         ("train_micro_batch_size", 0),
     ],
 )
-def test_invalid_settings_fail_at_construction_naming_the_field(field, value):
+def test_invalid_settings_fail_at_construction_naming_the_field(field, value, module):
     with pytest.raises(ValueError, match=field):
         module(**{field: value})
 
@@ -151,29 +115,25 @@ def test_model_object_needs_a_tokenizer():
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "forge"])
-def test_micro_batches_give_the_unsplit_loss_and_gradient(tmp_path, loss_type):
-    pl.seed_everything(1)
-    grpo = module(loss_type=loss_type, group_size=4, max_new_tokens=6, kl_beta=0.05)
-    grpo.configure_model()
-    rollout = grpo.rollout(["ab", "abc d"], grpo._sampling())
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.3, 0.0, -0.3, 0.0])
-    reference = make_model(len(grpo.tokenizer), seed=5)
-
-    def loss_and_grad(micro: int | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        grpo.model.zero_grad()
-        grpo.hparams.train_micro_batch_size = micro
-        runner = PolicyUpdate(
-            grpo.model, reference, grpo.hparams, shared_prefix=True, backward=torch.Tensor.backward
-        )
-        stats = runner.run(rollout, advantages, lambda: None)
-        return stats["loss"], [p.grad.clone() for p in grpo.model.parameters()]
-
-    whole_loss, whole_grad = loss_and_grad(None)
+def test_micro_batches_give_the_unsplit_loss_and_gradient(step_gradients, loss_type):
+    whole_loss, whole_grad = step_gradients(loss_type=loss_type, train_micro_batch_size=None)
+    assert any(g.abs().sum() > 0 for g in whole_grad)
     for micro in (4, 3):  # group-aligned (shared prefix) and not aligned (full forward)
-        loss, grad = loss_and_grad(micro)
-        torch.testing.assert_close(loss, whole_loss, rtol=1e-5, atol=1e-6)
+        loss, grad = step_gradients(loss_type=loss_type, train_micro_batch_size=micro)
+        assert loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-6)
         for a, b in zip(grad, whole_grad):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_trainers_reference_callback_is_used_with_its_own_folder(tmp_path, module, trainer, loader):
+    grpo = module()
+    own = ReferenceModel(output_dir=str(tmp_path / "elsewhere"))
+    fit = trainer(tmp_path / "run", max_steps=1, callbacks=[own])
+    fit.fit(grpo, loader([{"prompt": "q"}]))
+    assert [cb for cb in fit.callbacks if isinstance(cb, ReferenceModel)] == [own]
+    assert grpo.reference is own
+    assert (tmp_path / "elsewhere" / "reference" / "config.json").is_file()
+    assert not (tmp_path / "run" / "reference").exists()
 
 
 def test_completion_mask_keeps_the_first_eos_even_though_pad_is_eos():
@@ -183,7 +143,7 @@ def test_completion_mask_keeps_the_first_eos_even_though_pad_is_eos():
     assert torch.equal(completion_mask(ids, [eos]), expected)
 
 
-def test_chat_template_is_used_when_the_tokenizer_has_one():
+def test_chat_template_is_used_when_the_tokenizer_has_one(module):
     plain, chat = make_tokenizer(), make_tokenizer(chat_template=True)
     grpo_chat = module(tokenizer=chat)
     assert grpo_chat.use_chat_template and not module(tokenizer=plain).use_chat_template

@@ -25,12 +25,9 @@ trainer:
   default_root_dir: {out}
   enable_progress_bar: false
   enable_model_summary: false
-  logger:
-    class_path: lightning.pytorch.loggers.TensorBoardLogger
-    init_args: {{save_dir: {out}, name: tensorboard}}
   callbacks:
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
-      init_args: {{dirpath: {out}/checkpoints, every_n_train_steps: 1, save_last: true}}
+      init_args: {{every_n_train_steps: 1, save_last: true}}
     - class_path: forge_lightning.callbacks.RewardLogger
       init_args: {{logging_steps: 1}}
 model:

@@ -16,12 +16,11 @@ from forge_lightning.rewards import (
     GSM8KAnswerReward,
     LengthPenaltyReward,
     RewardOutput,
-    ScoredRewards,
     accepted_kwargs,
     component_names,
     reward_name,
-    score,
 )
+from forge_lightning.scoring import ScoredRewards, score
 
 
 class SeedStyleReward(BaseReward):

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from forge_lightning.rewards import score
 from forge_lightning.rewards_math import MathVerifyReward
+from forge_lightning.scoring import score
 
 
 def test_missing_math_verify_says_how_to_install_it(monkeypatch):

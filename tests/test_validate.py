@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from test_cli import tiny_overrides
-from test_module import loader, trainer
 
 from forge_lightning.callbacks import HFCheckpoint
 from forge_lightning.cli import build_cli
@@ -17,28 +17,82 @@ SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 VAL_KEYS = {"val/accuracy", "val/reward", "val/rewards/GSM8KAnswerReward", "val/completion_length"}
 
 
-def validate(model: Path, out: Path) -> dict[str, float]:
-    cli = build_cli(
-        ["validate", "--config", str(SMOKE), *tiny_overrides(model, out), "--trainer.limit_val_batches=1"]
-    )
-    return {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+@pytest.fixture
+def validate(tiny_overrides) -> Callable[[Path, Path], dict[str, float]]:
+    """``validate(model, out)``: `forge-lightning validate` with smoke.yaml on ``model``; its metrics."""
+
+    def run(model: Path, out: Path) -> dict[str, float]:
+        cli = build_cli(
+            ["validate", "--config", str(SMOKE), *tiny_overrides(model, out), "--trainer.limit_val_batches=1"]
+        )
+        return {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+
+    return run
 
 
-def test_validate_reports_accuracy_reward_and_length(tiny_model_dir, tmp_path, capsys):
+def test_validate_reports_accuracy_reward_and_length(validate, tiny_model_dir, tmp_path, capsys):
     metrics = validate(tiny_model_dir, tmp_path / "val")
     assert VAL_KEYS <= metrics.keys()
-    assert 0.0 <= metrics["val/accuracy"] <= 1.0
+    # smoke.yaml's reward is GSM8K's answer check, the default accuracy too: on the same greedy
+    # completions and references the two agree.
+    assert metrics["val/accuracy"] == metrics["val/rewards/GSM8KAnswerReward"]
     assert 1.0 <= metrics["val/completion_length"] <= 6.0  # smoke.yaml's length cut to 6 by the overrides
     assert "val/accuracy" in capsys.readouterr().out  # Lightning's results table
 
 
-def test_validate_with_validation_switched_off_is_an_error_saying_what_to_pass(tiny_model_dir, tmp_path):
+def val_metrics(trainer: Any, root: Path, grpo: GRPOLightningModule, data: Any) -> dict[str, float]:
+    """Run ``Trainer.validate`` on ``data`` with the ``trainer(root, **kwargs)`` factory; the metrics."""
+    (results,) = trainer(root).validate(grpo, data)
+    return {k: float(v) for k, v in results.items()}
+
+
+@pytest.mark.parametrize("score", [1.0, 0.0])
+def test_val_accuracy_is_the_mean_of_the_accuracy_setting(score, module, trainer, loader, tmp_path):
+    def constant(prompts: list[str], responses: list[str]) -> list[float]:
+        return [score] * len(responses)
+
+    records = [{"prompt": f"q{i}", "reference": str(i)} for i in range(3)]
+    metrics = val_metrics(trainer, tmp_path, module(accuracy=constant), loader(records, batch_size=2))
+    assert metrics["val/accuracy"] == score
+
+
+def test_accuracy_sees_each_prompts_reference_and_greedy_completion(module, trainer, loader, tmp_path):
+    seen: list[tuple[list[str], list[str]]] = []
+
+    def is_yes(prompts: list[str], responses: list[str], references: list[str]) -> list[float]:
+        seen.append((list(prompts), list(references)))
+        assert len(responses) == len(prompts)  # one greedy completion per prompt, not a group
+        return [float(ref == "yes") for ref in references]
+
+    records = [
+        {"prompt": p, "reference": r} for p, r in [("a", "yes"), ("b", "no"), ("c", "yes"), ("d", "no")]
+    ]
+    metrics = val_metrics(trainer, tmp_path, module(accuracy=is_yes), loader(records, batch_size=2))
+    assert metrics["val/accuracy"] == 0.5
+    assert [pair for prompts, refs in seen for pair in zip(prompts, refs)] == [
+        (r["prompt"], r["reference"]) for r in records
+    ]
+
+
+def test_no_val_accuracy_without_references(module, trainer, loader, tmp_path):
+    def never_called(prompts: list[str], responses: list[str]) -> list[float]:
+        raise AssertionError("accuracy scored a batch with no references")
+
+    metrics = val_metrics(trainer, tmp_path, module(accuracy=never_called), loader([{"prompt": "q"}]))
+    assert "val/accuracy" not in metrics and "val/reward" in metrics
+
+
+def test_validate_with_validation_switched_off_is_an_error_saying_what_to_pass(
+    tiny_overrides, tiny_model_dir, tmp_path
+):
     with pytest.raises(SystemExit, match="--trainer.limit_val_batches 1.0"):
         build_cli(["validate", "--config", str(SMOKE), *tiny_overrides(tiny_model_dir, tmp_path)])
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
-def test_validate_evaluates_a_checkpoint_folder_written_by_hf_checkpoint(kind, tiny_model_dir, tmp_path):
+def test_validate_evaluates_a_checkpoint_folder_written_by_hf_checkpoint(
+    kind, validate, trainer, loader, tiny_model_dir, tmp_path
+):
     if kind == "lora":
         pytest.importorskip("peft")
     grpo = GRPOLightningModule(

@@ -8,6 +8,7 @@ that reaches its model through ``apply_model``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -17,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
-from test_module import count_a, loader, module, trainer
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from forge_lightning import bench
+from forge_lightning.generation import HFGenerate
+from forge_lightning.grpo import grpo_loss
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.policy_update import PolicyUpdate
 from forge_lightning.rollout import SamplingParams, completion_mask
 from forge_lightning.vllm_backend import VLLMGenerate, colocated_llm, import_vllm, policy_weights
 
@@ -105,7 +106,8 @@ def backend(engines: list[FakeLLM] | None = None) -> VLLMGenerate:
     return VLLMGenerate(tok, [EOS], gpu_memory_utilization=0.3, engine_factory=factory)
 
 
-def vllm_module(engines: list[FakeLLM], **kwargs: Any) -> GRPOLightningModule:
+def vllm_module(module: Any, engines: list[FakeLLM], **kwargs: Any) -> GRPOLightningModule:
+    """``module(**kwargs)`` (the conftest factory) with the vLLM backend on a fake engine."""
     settings = dict(
         max_new_tokens=6,
         learning_rate=1e-2,
@@ -194,9 +196,9 @@ def test_engine_is_built_once_and_gets_the_policy_weights_first():
         torch.testing.assert_close(loaded[name], param.detach())
 
 
-def test_weights_reach_the_engine_after_every_optimizer_step(tmp_path):
+def test_weights_reach_the_engine_after_every_optimizer_step(tmp_path, module, trainer, loader):
     engines: list[FakeLLM] = []
-    grpo = vllm_module(engines)
+    grpo = vllm_module(module, engines)
     fit = trainer(tmp_path, max_steps=3)
     fit.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(3)]))
 
@@ -209,19 +211,21 @@ def test_weights_reach_the_engine_after_every_optimizer_step(tmp_path):
         torch.testing.assert_close(loads[-1][name], param.detach())
 
 
-def test_engine_logprobs_are_the_old_logprobs_of_the_loss():
+def test_engine_logprobs_are_the_old_logprobs_of_the_loss(module):
     engines: list[FakeLLM] = []
-    grpo = vllm_module(engines, use_engine_logprobs=True, temperature=1.0)
+    grpo = vllm_module(module, engines, use_engine_logprobs=True, temperature=1.0)
     grpo.configure_model()
-    rollout = grpo.rollout(["ab"], grpo._sampling(), engine_logprobs=True)
+    rollout = grpo.sampler(grpo.model, ["ab"], grpo.sampling, 4, engine_logprobs=True)
     assert engines[0].requests[0][1][0].logprobs == 0
     expected = torch.where(rollout.completion_mask.bool(), TOKEN_LOGP, 0.0)
     torch.testing.assert_close(rollout.old_logp, expected)
 
     def clip_fraction(old_logp: torch.Tensor | None) -> float:
-        rollout.old_logp = old_logp
-        update = PolicyUpdate(grpo.model, None, grpo.hparams, shared_prefix=True, backward=lambda loss: None)
-        return float(update.run(rollout, torch.full((4,), -1.0), lambda: None)["clip_fraction"])
+        logp = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
+        settings = dataclasses.replace(grpo.loss_settings, kl_beta=0.0)
+        advantages = torch.full((4,), -1.0)
+        _, metrics = grpo_loss(logp, old_logp, None, advantages, rollout.completion_mask, settings)
+        return float(metrics["clip_fraction_low"] + metrics["clip_fraction_high"])
 
     # The random policy's log-probs are far below -0.25: against the engine's, every ratio is
     # under 1 - eps, clipped for a negative advantage; against the policy's own, every ratio is 1.
@@ -249,7 +253,7 @@ def test_hf_stays_the_default_backend():
     tok = make_tokenizer()
     grpo = GRPOLightningModule(model=make_model(len(tok)), tokenizer=tok)
     grpo.configure_model()
-    assert type(grpo.generator).__name__ == "HFGenerate"
+    assert isinstance(grpo.generator, HFGenerate) and grpo.sampler.generator is grpo.generator
 
 
 def test_benchmark_backend_flag_selects_the_vllm_engine(tiny_model_dir, tmp_path, monkeypatch):
@@ -311,7 +315,7 @@ def test_lora_adapters_are_merged_into_the_weights_sent_to_the_engine():
 @pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None, reason="needs 1 GPU and vLLM"
 )
-def test_real_engine_trains_and_follows_the_policy_on_a_gpu(tmp_path, monkeypatch):
+def test_real_engine_trains_and_follows_the_policy_on_a_gpu(tmp_path, monkeypatch, trainer, loader, count_a):
     monkeypatch.delitem(sys.modules, "vllm")  # the real package, not this file's fake
     tok = make_tokenizer()
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
-from forge_lightning.io import write_folder_atomically
+from forge_lightning.fileio import write_folder_atomically
 from forge_lightning.lora import has_adapter, lora_settings, save_merged
 from forge_lightning.sharding import full_state_dict, is_sharded, save_sharded_pretrained
 

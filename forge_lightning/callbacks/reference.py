@@ -6,7 +6,7 @@ import copy
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
-from forge_lightning.io import write_folder_atomically
+from forge_lightning.fileio import write_folder_atomically
 from forge_lightning.lora import adapter_disabled, has_adapter
 from forge_lightning.sharding import (
     full_state_dict,
@@ -25,6 +25,16 @@ from forge_lightning.sharding import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class ReferenceSource(Protocol):
+    """What the module needs of the frozen reference: the model, and the context its forward runs
+    in (the adapter switched off when a LoRA policy's own base weights are the reference)."""
+
+    @property
+    def model(self) -> PreTrainedModel: ...
+
+    def scope(self) -> AbstractContextManager[Any]: ...
 
 
 class ReferenceModel(Callback):
@@ -43,6 +53,9 @@ class ReferenceModel(Callback):
     fresh LoRA adapter does; a PEFT model built elsewhere with trained adapters gets its bare base
     model as the reference.
 
+    The callback hands itself to the module (``pl_module.use_reference(self)``) as the
+    :class:`ReferenceSource` the module scores the reference with; a module never looks it up.
+
     A policy sharded with FSDP2 (ModelParallelStrategy) gets a reference sharded over the same mesh,
     so each rank holds 1/N of it, as of the policy; rank 0 gathers the whole policy once, to write
     the folder and send each rank its shard.
@@ -53,35 +66,47 @@ class ReferenceModel(Callback):
 
     def __init__(self, output_dir: str | None = None) -> None:
         self.output_dir = output_dir
-        self.model: PreTrainedModel | None = None
+        self._model: PreTrainedModel | None = None
         self.shares_policy = False
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The frozen reference; a clear error outside fit, when there is none."""
+        if self._model is None:
+            raise RuntimeError("the reference model exists only during fit (ReferenceModel.on_fit_start)")
+        return self._model
 
     def folder(self, trainer: pl.Trainer) -> Path:
         return output_dir(trainer, self.output_dir) / "reference"
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        policy: PreTrainedModel = pl_module.model
+        self._model = self._build(trainer, pl_module.model)
+        # The data goes one way: the callback hands the module its reference.
+        if hasattr(pl_module, "use_reference"):
+            pl_module.use_reference(self)
+
+    def _build(self, trainer: pl.Trainer, policy: PreTrainedModel) -> PreTrainedModel:
         self.shares_policy = has_adapter(policy)
         if self.shares_policy:
-            self.model = policy
-            return
+            return policy
         folder = self.folder(trainer)
         if is_sharded(policy):
-            self.model = self._sharded(trainer, folder, policy)
+            model = self._sharded(trainer, folder, policy)
         elif trainer.ckpt_path is not None:
-            self.model = self._load(folder, policy)
+            model = self._load(folder, policy)
         else:
-            self.model = copy.deepcopy(policy)
+            model = copy.deepcopy(policy)
             if trainer.is_global_zero:
-                write_folder_atomically(folder, self.model.save_pretrained)
+                write_folder_atomically(folder, model.save_pretrained)
             trainer.strategy.barrier("reference_written")
-        self.model.eval()
-        self.model.requires_grad_(False)
+        model.eval()
+        model.requires_grad_(False)
+        return model
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.model = None  # free the memory; the folder stays for later resumes
+        self._model = None  # free the memory; the folder stays for later resumes
 
     @staticmethod
     def _sharded(trainer: pl.Trainer, folder: Path, policy: PreTrainedModel) -> PreTrainedModel:
@@ -108,14 +133,6 @@ class ReferenceModel(Callback):
     def scope(self) -> AbstractContextManager[Any]:
         """The context the reference forward runs in: the policy's adapters off when it is the reference."""
         return adapter_disabled(self.model) if self.shares_policy else nullcontext()
-
-    def require(self) -> PreTrainedModel:
-        """The reference model; a clear error when fit has not set it up."""
-        if self.model is None:
-            raise RuntimeError(
-                "the reference model is only available during fit (ReferenceModel.on_fit_start)"
-            )
-        return self.model
 
 
 def _check_folder(folder: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
-from forge_lightning.io import append_jsonl
+from forge_lightning.fileio import append_jsonl, write_atomically
 
 # The JSONL line carries these (plus one ``rewards/<name>`` per reward component); the Lightning
 # logger gets every metric the module tracks.
@@ -22,13 +21,15 @@ JSONL_KEYS = ("loss", "reward", "reward_std", "kl", "clip_fraction", "completion
 
 
 class RewardLogger(Callback):
-    """Every ``logging_steps`` optimizer steps: a console line, a JSONL record and logger scalars.
+    """Every ``logging_steps`` optimizer steps: a console line, a JSONL record, a reward histogram
+    and a table of sample completions.
 
-    Each value is the mean since the previous report (the module's torchmetrics, so ranks are
-    reduced together). The JSONL file is ``{output_dir}/training_log.jsonl``; on a resumed fit,
+    The scalars reach every Lightning logger from the module itself (``self.log``, once per
+    optimizer step); this callback adds what a logger's scalars do not: ``{output_dir}/
+    training_log.jsonl``, one record per report with each value's mean over the optimizer steps
+    since the previous report, and, for a TensorBoard logger, ``train/reward_hist`` (every reward
+    scored since the previous report, rank zero's) and the samples table. On a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
-    A TensorBoard logger also gets ``train/reward_hist``, a histogram of every reward scored since
-    the previous report (rank zero's), and a table of sample completions.
 
     Args:
         output_dir: run folder; ``trainer.default_root_dir`` when None.
@@ -46,6 +47,7 @@ class RewardLogger(Callback):
         self.num_text_samples = num_text_samples
         self._last_step = -1
         self._rewards: list[torch.Tensor] = []
+        self._window: list[dict[str, float]] = []
 
     def log_path(self, trainer: pl.Trainer) -> Path:
         return output_dir(trainer, self.output_dir) / "training_log.jsonl"
@@ -54,7 +56,7 @@ class RewardLogger(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Not on_fit_start: the restored global_step is only known once training state is loaded.
         self._last_step = trainer.global_step
-        self._rewards = []
+        self._rewards, self._window = [], []
         path = self.log_path(trainer)
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,39 +65,53 @@ class RewardLogger(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
-        rewards = getattr(pl_module, "last_rewards", None)
-        if isinstance(rewards, torch.Tensor) and rewards.numel():
-            self._rewards.append(rewards)
+        record = getattr(pl_module, "last_step", None)
+        if record is None:
+            return
+        if record.rewards.numel():
+            self._rewards.append(record.rewards)
+        if record.metrics:
+            self._window.append(record.metrics)
         step = trainer.global_step
-        if step == self._last_step or step % self.logging_steps:
+        if step == self._last_step or step % self.logging_steps or not self._window:
             return
         self._last_step = step
-        metrics = pl_module.pop_train_metrics()
+        window, self._window = self._window, []
         rewards, self._rewards = self._rewards, []
-        if not trainer.is_global_zero or not metrics:
+        if not trainer.is_global_zero:
             return
-        record: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch}
-        record.update({k: v for k, v in metrics.items() if k in JSONL_KEYS or k.startswith("rewards/")})
-        append_jsonl(self.log_path(trainer), record)
-        print(_console_line(record), flush=True)
+        line: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch}
+        line.update(_means(window))
+        append_jsonl(self.log_path(trainer), line)
+        print(_console_line(line), flush=True)
         for logger in trainer.loggers:
-            logger.log_metrics({f"{_group(k)}/{k}": v for k, v in metrics.items()}, step=step)
             if isinstance(logger, TensorBoardLogger):
-                self._tensorboard_views(logger, pl_module, rewards, step)
+                self._tensorboard_views(logger, record.samples, rewards, step)
 
     def _tensorboard_views(
-        self, logger: TensorBoardLogger, pl_module: pl.LightningModule, rewards: list[torch.Tensor], step: int
+        self,
+        logger: TensorBoardLogger,
+        samples: list[tuple[str, str, float]],
+        rewards: list[torch.Tensor],
+        step: int,
     ) -> None:
         """What a scalar cannot show: the spread of the rewards and what the completions look like."""
         if rewards:
             logger.experiment.add_histogram("train/reward_hist", torch.cat(rewards).cpu(), global_step=step)
-        samples = pl_module.last_samples[: self.num_text_samples]
+        samples = samples[: self.num_text_samples]
         if samples:
             logger.experiment.add_text("samples", _markdown_table(samples), global_step=step)
 
 
-def _group(key: str) -> str:
-    return "perf" if key == "tokens_per_s" else "train"
+def _means(window: list[dict[str, float]]) -> dict[str, float]:
+    """The JSONL keys' means over the window's optimizer steps, under their short names."""
+    out: dict[str, float] = {}
+    for logged in dict.fromkeys(key for metrics in window for key in metrics):
+        key = logged.split("/", 1)[1]
+        if key in JSONL_KEYS or key.startswith("rewards/"):
+            values = [m[logged] for m in window if logged in m]
+            out[key] = sum(values) / len(values)
+    return out
 
 
 def _console_line(record: dict[str, Any]) -> str:
@@ -127,6 +143,4 @@ def _truncate_after(path: Path, step: int) -> None:
                 kept.append(line)
         except json.JSONDecodeError:
             continue  # a line cut by a crash mid-write carries nothing to keep
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))

@@ -1,0 +1,177 @@
+"""Generation engines: a small interface so that HF ``generate`` (the default, and the CPU path)
+and other engines (vLLM) produce the same completions for a :class:`~forge_lightning.rollout.Rollout`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from forge_lightning.hf_compat import (
+    cache_kwarg,
+    is_checkpointing,
+    output_cache,
+    set_checkpointing,
+    supports_shared_prefix,
+)
+from forge_lightning.rollout import SamplingParams
+from forge_lightning.sharding import is_sharded
+
+
+class GenerationBackend(Protocol):
+    """What the module needs from a generation engine."""
+
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+    ) -> Tensor:
+        """Return completion token ids ``(P*G, Lc)``, groups contiguous, right-padded."""
+        ...
+
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        """Called after every optimizer step; engines holding their own weights copy them here."""
+        ...
+
+
+class LogProbGenerationBackend(GenerationBackend, Protocol):
+    """A backend that can also report the log-prob it sampled each completion token with."""
+
+    def generate_with_logprobs(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+    ) -> tuple[Tensor, Tensor]:
+        """Completion ids as ``generate`` returns them and their log-probs, both ``(P*G, Lc)``."""
+        ...
+
+
+class HFGenerate:
+    """Sampling with ``model.generate``: eval mode, no grad, KV cache on, then back to train mode."""
+
+    def __init__(self, pad_token_id: int, eos_token_ids: Sequence[int]) -> None:
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = list(eos_token_ids)
+
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+    ) -> Tensor:
+        was_training = model.training
+        # Gradient checkpointing switches the KV cache off; generation without a cache is
+        # quadratic, so checkpointing is paused while sampling and restored afterwards.
+        checkpointing = is_checkpointing(model)
+        if checkpointing:
+            set_checkpointing(model, False)
+        model.eval()
+        try:
+            with torch.no_grad():
+                inputs = self._prefilled_inputs(model, prompt_ids, prompt_mask, group_size)
+                repeats = group_size if inputs is None else 1
+                out = model.generate(
+                    **(inputs or {"input_ids": prompt_ids, "attention_mask": prompt_mask}),
+                    generation_config=self._config(params, repeats),
+                    # A sharded model gathers its weights from every rank in each forward: all
+                    # ranks must run the same number of decoding steps, so a rank whose
+                    # completions have all ended keeps stepping until every rank's have.
+                    synced_gpus=is_sharded(model) and torch.distributed.get_world_size() > 1,
+                )
+        finally:
+            if checkpointing:
+                set_checkpointing(model, True)
+            model.train(was_training)
+        return out[:, prompt_ids.shape[1] :]
+
+    def _config(self, params: SamplingParams, num_return_sequences: int) -> GenerationConfig:
+        return GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not params.greedy,
+            temperature=params.temperature if not params.greedy else None,
+            top_p=params.top_p if not params.greedy else None,
+            top_k=params.top_k if not params.greedy else None,
+            num_return_sequences=num_return_sequences,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_ids,
+            use_cache=True,
+        )
+
+    @staticmethod
+    def _prefilled_inputs(
+        model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int
+    ) -> dict[str, Any] | None:
+        """``generate`` inputs for the G-fold batch whose prompts already went through the model.
+
+        ``num_return_sequences`` would run every prompt's forward G times, which on a CPU costs
+        more than all the decoding of a short completion. Instead all of each prompt but its last
+        token runs once, its cache is repeated for the group, and ``generate`` starts from the
+        last prompt token. None where that does not apply: a group of one, one-token prompts, a
+        sharded model (every rank must make the same calls), a model without a cache.
+        """
+        if (
+            group_size == 1
+            or prompt_ids.shape[1] < 2
+            or is_sharded(model)
+            or not supports_shared_prefix(model)
+        ):
+            return None
+        head_mask = prompt_mask[:, :-1]
+        out = model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=head_mask,
+            position_ids=(head_mask.cumsum(dim=-1) - 1).clamp(min=0),  # skip left padding, as generate does
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = output_cache(out)
+        cache.batch_repeat_interleave(group_size)
+        return {
+            "input_ids": prompt_ids.repeat_interleave(group_size, dim=0),  # (P*G, Lp)
+            "attention_mask": prompt_mask.repeat_interleave(group_size, dim=0),
+            cache_kwarg(model): cache,
+        }
+
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        # generate reads the live weights: nothing to copy.
+        pass
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> list[int]:
+    """Every token id that ends a completion: the tokenizer's EOS plus the model's generation EOS."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.extend(int(i) for i in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
+    if not ids:
+        raise ValueError("no EOS token: set tokenizer.eos_token so completions can end")
+    return sorted(set(ids))
+
+
+def generation_backend(
+    name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    model: PreTrainedModel,
+    vllm_gpu_memory_utilization: float = 0.3,
+) -> GenerationBackend:
+    """The sampling engine ``name`` (``hf`` or ``vllm``) names."""
+    eos = eos_token_ids(tokenizer, model)
+    if name == "vllm":
+        from forge_lightning.vllm_backend import VLLMGenerate
+
+        return VLLMGenerate(tokenizer, eos, gpu_memory_utilization=vllm_gpu_memory_utilization)
+    return HFGenerate(tokenizer.pad_token_id, eos)

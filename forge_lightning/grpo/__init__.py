@@ -1,0 +1,31 @@
+"""GRPO math as free functions of tensors: advantages, per-token log-probs, masked means, losses.
+
+Nothing here knows about models, tokenizers or Lightning, so every formula can be checked on small
+tensors written by hand. Shapes use B for the batch of completions, T for completion length, V for
+the vocabulary and G for the group size.
+"""
+
+from forge_lightning.grpo.advantages import ADVANTAGE_SCALES, AdvantageScale, group_advantages
+from forge_lightning.grpo.core import masked_mean, token_log_probs
+from forge_lightning.grpo.losses import (
+    LOSS_TYPES,
+    LossSettings,
+    LossType,
+    grpo_loss,
+    loss_normalizer,
+    micro_batch_weight,
+)
+
+__all__ = [
+    "ADVANTAGE_SCALES",
+    "LOSS_TYPES",
+    "AdvantageScale",
+    "LossSettings",
+    "LossType",
+    "group_advantages",
+    "grpo_loss",
+    "loss_normalizer",
+    "masked_mean",
+    "micro_batch_weight",
+    "token_log_probs",
+]

@@ -1,0 +1,99 @@
+"""The two tensor primitives every GRPO formula uses: a masked mean and per-token log-probs."""
+
+import torch
+from torch import Tensor
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``values`` over the positions where ``mask`` is non-zero.
+
+    Args:
+        values: any shape, floating.
+        mask: same shape as ``values``; 0/1, bool or float.
+        dim: dimension to reduce; ``None`` reduces everything to a scalar.
+
+    Returns:
+        ``values`` reduced over ``dim``. The count is clamped to at least 1, so a fully masked slice
+        gives 0 rather than NaN.
+    """
+    weight = mask.to(values.dtype)
+    # masked_fill rather than a plain product: padding may hold inf/NaN, and inf * 0 is NaN.
+    total = (values.masked_fill(weight == 0, 0) * weight).sum(dim=dim)
+    return total / weight.sum(dim=dim).clamp(min=1)
+
+
+def _scaled_float(logits: Tensor, temperature: float) -> Tensor:
+    """(n, V) logits upcast to at least float32 and divided by the temperature."""
+    upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return upcast if temperature == 1.0 else upcast / temperature
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """log softmax(logits / T)[target], upcasting one chunk of rows at a time.
+
+    Plain autograd would keep every chunk's float32 copy alive for the backward pass, which defeats
+    the chunking; this function saves only the original logits and the (n,) logsumexp and rebuilds
+    the softmax chunk by chunk when the gradient is needed.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        # logits (n, V), targets (n,) -> (n,)
+        out_dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = logits.new_empty(targets.shape, dtype=out_dtype)
+        lse = torch.empty_like(out)
+        for start in range(0, targets.numel(), chunk_size):
+            rows = slice(start, start + chunk_size)
+            scaled = _scaled_float(logits[rows], temperature)  # (c, V)
+            lse[rows] = torch.logsumexp(scaled, dim=-1)
+            out[rows] = scaled.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+        logits, targets, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, targets.numel(), ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            probs = torch.exp(_scaled_float(logits[rows], ctx.temperature) - lse[rows].unsqueeze(-1))
+            grad_rows = grad_out[rows].unsqueeze(-1)  # (c, 1)
+            # d/dz of (z_target - logsumexp z) is onehot(target) - softmax(z); z = logits / T.
+            chunk_grad = (-probs * grad_rows).scatter_add(-1, targets[rows].unsqueeze(-1), grad_rows)
+            grad_logits[rows] = chunk_grad / ctx.temperature
+        return grad_logits, None, None, None
+
+
+def token_log_probs(
+    logits: Tensor, target_ids: Tensor, temperature: float = 1.0, chunk_size: int | None = None
+) -> Tensor:
+    """Log-probability of each target token under ``softmax(logits / temperature)``.
+
+    Computed as the gathered logit minus the logsumexp over the vocabulary, so no (..., V) log-softmax
+    is ever materialised. The caller aligns logits and targets (shifts by one) beforehand.
+
+    Args:
+        logits: (..., V) in any floating dtype.
+        target_ids: (...) integer ids, the same leading shape as ``logits``.
+        temperature: sampling temperature the completions were drawn with; must be > 0.
+        chunk_size: rows of the flattened leading dims upcast at a time, forward and backward;
+            ``None`` processes all rows at once. The result does not depend on it.
+
+    Returns:
+        (...) log-probabilities in float32 (float64 for float64 logits), differentiable w.r.t. logits.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    if logits.shape[:-1] != target_ids.shape:
+        raise ValueError(
+            f"logits (..., V) and target_ids (...) disagree: "
+            f"{tuple(logits.shape)} vs {tuple(target_ids.shape)}"
+        )
+    flat_logits = logits.reshape(-1, logits.shape[-1])  # (n, V)
+    flat_targets = target_ids.reshape(-1).long()  # (n,)
+    rows = chunk_size or max(flat_targets.numel(), 1)
+    flat = _ChunkedTokenLogProbs.apply(flat_logits, flat_targets, float(temperature), rows)
+    return flat.view(target_ids.shape)

@@ -1,0 +1,272 @@
+"""The clipped policy-gradient losses, one loss type each, and the settings they take.
+
+A loss type is one entry of ``_KINDS``: its function, the count it divides by (so that the share
+of a micro-batch or an accumulation batch follows from it, see :func:`micro_batch_weight`),
+whether it needs the reference without a KL term, and whether it scores completions at the
+sampling temperature. Adding a loss type means adding an entry here and nothing elsewhere.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from forge_lightning.grpo.core import masked_mean
+
+LossType = Literal["grpo", "dapo", "dr_grpo", "forge"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the loss needs to know; every range is checked here, and only here.
+
+    Args:
+        loss_type: ``grpo`` (mean over tokens within each sequence, then over sequences),
+            ``dapo`` (mean over every token), ``dr_grpo`` (sum over a constant,
+            ``rows x max_completion_length``) or ``forge`` (Forge's sequence-level ratio against
+            the reference, at temperature 1; reproduces its numbers).
+        clip_epsilon: the ratio is clipped to ``[1 - clip_epsilon, 1 + clip_epsilon]``; in (0, 1).
+        clip_epsilon_high: a separate upper range (DAPO's clip-higher), > 0; None: clip_epsilon.
+        kl_beta: weight of the k3 KL penalty toward the reference, >= 0.
+        max_completion_length: dr_grpo's constant; None uses the mask's width.
+    """
+
+    loss_type: LossType = "grpo"
+    clip_epsilon: float = 0.2
+    clip_epsilon_high: float | None = None
+    kl_beta: float = 0.01
+    max_completion_length: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "loss_type": (self.loss_type in _KINDS, f"one of {LOSS_TYPES}"),
+            "clip_epsilon": (_number(self.clip_epsilon) and 0 < self.clip_epsilon < 1, "in (0, 1)"),
+            "clip_epsilon_high": (
+                self.clip_epsilon_high is None
+                or (_number(self.clip_epsilon_high) and self.clip_epsilon_high > 0),
+                "None or > 0",
+            ),
+            "kl_beta": (_number(self.kl_beta) and self.kl_beta >= 0, ">= 0"),
+            "max_completion_length": (
+                self.max_completion_length is None
+                or (isinstance(self.max_completion_length, int) and self.max_completion_length >= 1),
+                "None or an integer >= 1",
+            ),
+        }
+        for field, (ok, words) in checks.items():
+            if not ok:
+                raise ValueError(f"{field} must be {words}, got {getattr(self, field)!r}")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads reference log-probs (a KL term, or Forge's ratio)."""
+        return self.kl_beta > 0 or _KINDS[self.loss_type].ratio_against_reference
+
+    def scoring_temperature(self, sampling_temperature: float) -> float:
+        """The temperature completions are scored at: the sampling one, or 1 for ``forge``."""
+        return sampling_temperature if _KINDS[self.loss_type].at_sampling_temperature else 1.0
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class _LossInputs:
+    """Checked arguments of :func:`grpo_loss`; per-token tensors are (B, T), advantages (B,)."""
+
+    logp: Tensor
+    old_logp: Tensor
+    ref_logp: Tensor | None
+    advantages: Tensor
+    mask: Tensor  # bool
+    settings: LossSettings
+
+    def __post_init__(self) -> None:
+        # A (B, 1) advantage would silently broadcast to (B, B, T) below; fail loudly instead.
+        per_token = {"old_logp": self.old_logp, "ref_logp": self.ref_logp, "mask": self.mask}
+        for name, tensor in per_token.items():
+            if tensor is not None and tensor.shape != self.logp.shape:
+                raise ValueError(
+                    f"{name} must match logp's shape {tuple(self.logp.shape)}, got {tuple(tensor.shape)}"
+                )
+        if self.logp.dim() != 2 or self.advantages.shape != self.logp.shape[:1]:
+            raise ValueError(
+                f"expected logp (B, T) and advantages (B,), got {tuple(self.logp.shape)} and "
+                f"{tuple(self.advantages.shape)}"
+            )
+        if self.ref_logp is None and self.settings.needs_reference:
+            raise ValueError(
+                f"ref_logp is required when kl_beta > 0 or loss_type == 'forge' "
+                f"(got kl_beta={self.settings.kl_beta}, loss_type={self.settings.loss_type!r})"
+            )
+
+    @property
+    def eps(self) -> tuple[float, float]:
+        high = self.settings.clip_epsilon_high
+        return self.settings.clip_epsilon, self.settings.clip_epsilon if high is None else high
+
+    def reduce(self, values: Tensor) -> Tensor:
+        """(B, T) per-token values (or (B,) per-sequence ones) to the loss type's scalar."""
+        kind = _KINDS[self.settings.loss_type]
+        return kind.numerator(values, self.mask) / loss_normalizer(self.settings, self.mask).clamp(min=1)
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    """PPO's pessimistic objective, negated to be a loss; ``ratio`` and ``advantages`` broadcast."""
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def _clip_masks(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
+    """Where the clip actually changes the objective (its gradient is zero there), low and high side."""
+    low = (ratio < 1 - eps_low) & (advantages < 0)
+    high = (ratio > 1 + eps_high) & (advantages > 0)
+    return low, high
+
+
+def _k3(log_ratio: Tensor) -> Tensor:
+    """Schulman's k3 estimator of KL, exp(x) - x - 1: unbiased for the KL and never negative."""
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def _add_kl(policy: Tensor, kl: Tensor, beta: float) -> Tensor:
+    # Skipping the term at beta 0 keeps an overflowing KL (inf * 0 = NaN) out of the loss.
+    return policy + beta * kl if beta > 0 else policy
+
+
+def _forge_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """Forge's literal loss: one ratio per sequence, of mean token log-probs, against the reference."""
+    assert x.ref_logp is not None  # _LossInputs guarantees it for "forge"
+    eps_low, eps_high = x.eps
+    log_ratio = masked_mean(x.logp, x.mask, dim=1) - masked_mean(x.ref_logp, x.mask, dim=1)  # (B,)
+    ratio = torch.exp(log_ratio)
+    policy = x.reduce(_clipped_surrogate(ratio, x.advantages, eps_low, eps_high))
+    kl = _k3(log_ratio).mean()
+    low, high = _clip_masks(ratio.detach(), x.advantages, eps_low, eps_high)
+    metrics = {
+        "policy_loss": policy,
+        "kl": kl,
+        "clip_fraction_low": low.float().mean(),
+        "clip_fraction_high": high.float().mean(),
+    }
+    return _add_kl(policy, kl, x.settings.kl_beta), metrics
+
+
+def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """The per-token clipped surrogate plus k3 penalty of grpo, dapo and dr_grpo, which differ
+    only in how :meth:`_LossInputs.reduce` turns (B, T) values into a scalar."""
+    eps_low, eps_high = x.eps
+    advantages = x.advantages.unsqueeze(-1)  # (B, 1)
+    # Zero the log-ratios on padding before exp: garbage there could overflow, and inf * 0 grads are NaN.
+    log_ratio = torch.where(x.mask, x.logp - x.old_logp, 0)  # (B, T)
+    ratio = torch.exp(log_ratio)
+    policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high)  # (B, T)
+    per_token = policy
+    kl_metric = x.logp.new_zeros(())
+    if x.ref_logp is not None:
+        kl = _k3(torch.where(x.mask, x.ref_logp - x.logp, 0))  # (B, T)
+        per_token = _add_kl(policy, kl, x.settings.kl_beta)
+        kl_metric = masked_mean(kl.detach(), x.mask)
+    low, high = _clip_masks(ratio.detach(), advantages, eps_low, eps_high)
+    metrics = {
+        "policy_loss": x.reduce(policy.detach()),
+        "kl": kl_metric,
+        "clip_fraction_low": masked_mean(low.float(), x.mask),
+        "clip_fraction_high": masked_mean(high.float(), x.mask),
+    }
+    return x.reduce(per_token), metrics
+
+
+def _sequence_means(values: Tensor, mask: Tensor) -> Tensor:
+    # A sequence without tokens adds 0 here and is not counted by its normaliser.
+    return masked_mean(values, mask, dim=1).sum()
+
+
+def _token_sum(values: Tensor, mask: Tensor) -> Tensor:
+    return values.masked_fill(~mask, 0).sum()
+
+
+def _sequence_sum(values: Tensor, mask: Tensor) -> Tensor:
+    return values.sum()  # (B,) already one value per sequence
+
+
+@dataclass(frozen=True)
+class _LossKind:
+    """One loss type. Its scalar is ``numerator(values, mask) / normalizer(mask, max_length)``."""
+
+    loss: Callable[[_LossInputs], tuple[Tensor, dict[str, Tensor]]]
+    numerator: Callable[[Tensor, Tensor], Tensor]
+    normalizer: Callable[[Tensor, int], int | Tensor]
+    ratio_against_reference: bool = False
+    at_sampling_temperature: bool = True
+
+
+_KINDS: dict[str, _LossKind] = {
+    # DeepSeekMath: mean over tokens within each sequence, then over the sequences with tokens.
+    "grpo": _LossKind(_token_level_loss, _sequence_means, lambda mask, _: mask.any(dim=1).sum()),
+    # DAPO: every token weighs the same, so long completions are not diluted.
+    "dapo": _LossKind(_token_level_loss, _token_sum, lambda mask, _: mask.sum()),
+    # Dr. GRPO: a constant normaliser, removing the length bias of per-sequence means.
+    "dr_grpo": _LossKind(_token_level_loss, _token_sum, lambda mask, length: mask.shape[0] * length),
+    "forge": _LossKind(
+        _forge_loss,
+        _sequence_sum,
+        lambda mask, _: mask.shape[0],
+        ratio_against_reference=True,
+        at_sampling_temperature=False,
+    ),
+}
+
+
+def loss_normalizer(settings: LossSettings, mask: Tensor) -> Tensor:
+    """The count the loss type divides by over ``mask`` (B, T): sequences with tokens (grpo),
+    tokens (dapo), ``B x max_completion_length`` (dr_grpo) or sequences (forge)."""
+    length = mask.shape[1] if settings.max_completion_length is None else settings.max_completion_length
+    count = _KINDS[settings.loss_type].normalizer(mask.bool(), length)
+    return torch.as_tensor(count, dtype=torch.float32, device=mask.device)
+
+
+def micro_batch_weight(settings: LossSettings, part: Tensor, whole: Tensor) -> Tensor:
+    """The share of the whole batch's loss that the loss of rows ``part`` of mask ``whole`` stands
+    for: summing ``weight x loss(part)`` over a split of the rows gives the loss of ``whole``."""
+    return loss_normalizer(settings, part) / loss_normalizer(settings, whole).clamp(min=1)
+
+
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    settings: LossSettings = LossSettings(),  # frozen, so a shared default is safe
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped policy-gradient loss with a k3 KL penalty towards the reference policy.
+
+    Args:
+        logp: (B, T) per-token log-probs of the completions under the policy being trained.
+        old_logp: (B, T) the same under the policy that sampled them; ``None`` means ``logp``
+            detached (ratio 1, one optimisation step per rollout).
+        ref_logp: (B, T) the same under the frozen reference; ``None`` only when
+            ``settings.needs_reference`` is false.
+        advantages: (B,) one advantage per completion.
+        mask: (B, T) 1 on completion tokens, 0 on padding; bool or float.
+        settings: the loss type and its constants.
+
+    Returns:
+        The scalar loss and detached scalar metrics ``policy_loss``, ``kl``, ``clip_fraction_low``
+        and ``clip_fraction_high`` (fractions of masked tokens, or of sequences for ``forge``).
+    """
+    inputs = _LossInputs(
+        logp=logp,
+        old_logp=logp.detach() if old_logp is None else old_logp,
+        ref_logp=ref_logp,
+        advantages=advantages,
+        mask=mask.bool(),
+        settings=settings,
+    )
+    loss, metrics = _KINDS[settings.loss_type].loss(inputs)
+    return loss, {name: value.detach() for name, value in metrics.items()}

@@ -1,0 +1,141 @@
+"""Scoring a batch: the one place responses are turned into checked scores, per component."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from forge_lightning.rewards import CompositeReward, RewardFn, call_reward, checked_scores, reward_name
+
+
+@dataclass
+class ScoredRewards:
+    """Validated scores of one batch: the total, each named component, and how many samples failed."""
+
+    total: list[float]
+    components: dict[str, list[float]]
+    num_errors: int = 0
+
+
+def _sample_kwargs(kwargs: dict[str, Any], index: int, batch_size: int) -> dict[str, Any]:
+    """Per-sample view of the kwargs: batch-length lists/tuples are sliced, anything else is shared."""
+    return {
+        key: value[index : index + 1]
+        if isinstance(value, (list, tuple)) and len(value) == batch_size
+        else value
+        for key, value in kwargs.items()
+    }
+
+
+def score(
+    reward: RewardFn,
+    prompts: list[str],
+    responses: list[str],
+    on_error: Literal["raise", "zero"] = "raise",
+    **kwargs: Any,
+) -> ScoredRewards:
+    """Score a batch with ``reward`` and check the result; the entry point the training loop uses.
+
+    A :class:`CompositeReward` is scored component by component so that errors name the component
+    and ``components`` holds each one's scores. When a reward raises, it is re-called one sample at a
+    time (batch-length list/tuple kwargs sliced alongside) to find the culprit: ``on_error="raise"``
+    raises a RuntimeError naming the first failing sample, ``on_error="zero"`` scores failing samples
+    0.0 (per component), warns, and counts the failing samples in ``num_errors``.
+
+    Raises:
+        ValueError: bad ``on_error``, mismatched lengths, or a reward output that is not one finite
+            number per response.
+    """
+    if on_error not in ("raise", "zero"):
+        raise ValueError(f"on_error must be 'raise' or 'zero', got {on_error!r}")
+    if len(prompts) != len(responses):
+        raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
+    if isinstance(reward, CompositeReward):
+        parts = {
+            name: _score_one(part, name, prompts, responses, kwargs, on_error)
+            for name, part in zip(reward.names, reward.rewards)
+        }
+        components = {name: scores for name, (scores, _) in parts.items()}
+        failed = set().union(*(failures for _, failures in parts.values()))
+        return ScoredRewards(reward.combine(components), components, len(failed))
+    name = reward_name(reward)
+    scores, failures = _score_one(reward, name, prompts, responses, kwargs, on_error)
+    return ScoredRewards(scores, {name: list(scores)}, len(failures))
+
+
+def _score_one(
+    reward: RewardFn,
+    name: str,
+    prompts: list[str],
+    responses: list[str],
+    kwargs: dict[str, Any],
+    on_error: str,
+) -> tuple[list[float], list[int]]:
+    """Checked scores of one reward and the indices of the samples that raised (only with "zero")."""
+    try:
+        output = call_reward(reward, prompts, responses, kwargs)
+    except Exception as err:
+        batch_error = err
+    else:
+        return checked_scores(output, len(responses), name), []
+    size = len(responses)
+    scores: list[float] = []
+    failures: list[tuple[int, Exception]] = []
+    for i in range(size):
+        try:
+            output = call_reward(
+                reward, prompts[i : i + 1], responses[i : i + 1], _sample_kwargs(kwargs, i, size)
+            )
+        except Exception as err:
+            if on_error == "raise":
+                raise RuntimeError(f"reward {name!r} failed on sample {i}: {err!r}") from batch_error
+            failures.append((i, err))
+            scores.append(0.0)
+            continue
+        scores.extend(checked_scores(output, 1, name))
+    if failures:
+        warnings.warn(
+            f"reward {name!r} raised on {len(failures)} of {size} samples, which score 0.0 "
+            f"(first: sample {failures[0][0]}: {failures[0][1]!r})",
+            stacklevel=3,
+        )
+    elif on_error == "raise":
+        # A failure that no single sample reproduces (e.g. out of memory) has no sample to blame.
+        raise RuntimeError(
+            f"reward {name!r} failed on the batch but on no single sample: {batch_error!r}"
+        ) from batch_error
+    else:
+        warnings.warn(
+            f"reward {name!r} failed on the batch but on no single sample: {batch_error!r}", stacklevel=3
+        )
+    return scores, [i for i, _ in failures]
+
+
+def score_groups(
+    reward: RewardFn,
+    prompts: list[str],
+    completions: list[str],
+    batch_kwargs: dict[str, list[Any]],
+    group_size: int,
+    on_error: Literal["raise", "zero"] = "raise",
+    device: torch.device | str = "cpu",
+) -> tuple[Tensor, dict[str, Tensor], int]:
+    """Score ``group_size`` completions per prompt, each seeing its prompt's batch values.
+
+    Returns the total rewards ``(P*G,)``, each component's ``(P*G,)`` and the number of samples
+    whose reward raised (scored 0 under ``on_error="zero"``).
+    """
+    repeated = {key: [v for v in values for _ in range(group_size)] for key, values in batch_kwargs.items()}
+    scored = score(
+        reward, [p for p in prompts for _ in range(group_size)], completions, on_error=on_error, **repeated
+    )
+
+    def as_tensor(values: list[float]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    components = {name: as_tensor(v) for name, v in scored.components.items()}
+    return as_tensor(scored.total), components, scored.num_errors

@@ -1,0 +1,132 @@
+"""notebooks/learning.ipynb and notebooks/throughput.ipynb compute their results from the committed
+logs; executed here, they must still run and still show what README says they show."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+CPU_BENCH = NOTEBOOKS / "figures" / "bench" / "cpu.jsonl"
+
+
+def execute(name: str, monkeypatch, figures: Path, results: Path | None = None):
+    """Run a notebook from the notebooks folder, its figures written to ``figures``."""
+    monkeypatch.setenv("FORGE_NOTEBOOK_FIGURES", str(figures))
+    if results is None:
+        monkeypatch.delenv("FORGE_RESULTS_DIR", raising=False)
+    else:
+        monkeypatch.setenv("FORGE_RESULTS_DIR", str(results))
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    ).execute()
+    return {cell.get("id"): cell for cell in notebook.cells}
+
+
+def tables(cell) -> list[list[list[str]]]:
+    """The markdown tables a code cell displayed, each as rows of cells (header first)."""
+    found = []
+    for output in cell.outputs:
+        text = output.get("data", {}).get("text/markdown")
+        if text is None:
+            continue
+        rows = [line.strip().strip("|").split("|") for line in text.splitlines() if line.startswith("|")]
+        rows = [[c.strip() for c in row] for row in rows if not set("".join(row)) <= set("-")]
+        found.append(rows)
+    return found
+
+
+def stdout(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+
+
+def has_png(cell) -> bool:
+    return any("image/png" in o.get("data", {}) for o in cell.outputs)
+
+
+@pytest.mark.parametrize("name", ["learning.ipynb", "throughput.ipynb"])
+def test_committed_notebook_is_saved_executed(name):
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code and all(cell.execution_count is not None and cell.outputs for cell in code)
+
+
+def test_learning_notebook_final_runs_learn_the_format(tmp_path, monkeypatch):
+    cells = execute("learning.ipynb", monkeypatch, tmp_path)
+
+    [means] = tables(cells["final-table"])
+    header, rows = means[0], {row[0]: row[1:] for row in means[1:]}
+    assert header[1:] == ["seed 7: steps 1-3", "21-30", "seed 42: steps 1-3", "21-30"]
+    fmt = next(values for label, values in rows.items() if "`rewards/format`" in label)
+    seed7_start, seed7_end, seed42_start, seed42_end = map(float, fmt)
+    assert seed7_end > seed7_start + 0.5 and seed42_end > seed42_start + 0.5
+    length = next(values for label, values in rows.items() if "`completion_length`" in label)
+    assert all(100 < float(v) <= 160 for v in length[::2])  # the start runs into the 160-token cap
+
+    # What the notebook and README conclude: both seeds meet every bar.
+    [bars] = tables(cells["final-bars"])
+    assert bars[0] == ["bar", "seed 7", "seed 42"] and len(bars) == 4
+    assert all(cell.endswith("(met)") for row in bars[1:] for cell in row[1:])
+    assert stdout(cells["final-bars"]).count("every bar met: True") == 2
+
+    [attempts] = tables(cells["attempts"])
+    final_rows = [row for row in attempts[1:] if row[0] == "17"]
+    assert [row[2] for row in final_rows] == ["7", "42"]
+    assert all(row[-1] == "3 of 3" for row in final_rows)
+
+    assert "0 scored" in stdout(cells["plain"])  # the plain loop's groups never held a hit
+    assert has_png(cells["curves"])
+    assert (tmp_path / "learning_curves.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_throughput_notebook_has_one_row_per_bench_line(tmp_path, monkeypatch):
+    lines = [json.loads(line) for line in CPU_BENCH.read_text().splitlines() if line.strip()]
+    cells = execute("throughput.ipynb", monkeypatch, tmp_path)
+
+    [runs] = tables(cells["cpu-table"])
+    assert [row[0] for row in runs[1:]] == [line["label"] for line in lines]
+    for row, line in zip(runs[1:], lines):
+        assert float(row[3]) == pytest.approx(line["completion_tokens_per_s"], abs=0.05)
+        assert float(row[4]) == pytest.approx(line["seconds_per_step"], abs=0.005)
+    phases, commands = tables(cells["cpu-phases"])
+    assert len(phases) == len(commands) == len(lines) + 1
+    assert [row[1] for row in commands[1:]] == [f"`{line['command']}`" for line in lines]
+    assert has_png(cells["cpu-chart"])
+    assert (tmp_path / "throughput_phases.png").read_bytes().startswith(b"\x89PNG")
+    if not (NOTEBOOKS / "figures" / "gpu").is_dir():
+        assert "No GPU run is committed" in stdout(cells["gpu"])
+
+
+def test_throughput_notebook_tables_any_lines_and_gpu_runs(tmp_path, monkeypatch):
+    base = json.loads(CPU_BENCH.read_text().splitlines()[0])
+    before = base | {"label": "before-x", "seconds_per_step": 10.0, "completion_tokens_per_s": 50.0}
+    after = base | {"label": "after-x", "seconds_per_step": 8.0, "completion_tokens_per_s": 60.0}
+    # A --no-references run: no reference timings, no ratios, and no label.
+    bare = {k: v for k, v in base.items() if not k.startswith(("vs_", "generate_", "straightforward_"))}
+    bare.pop("label", None)
+    gpu = copy.deepcopy(base) | {"label": "gpu-hf", "peak_gpu_mb": 12345.0}
+    gpu["settings"]["device"] = "cuda:0"
+    results = tmp_path / "results"
+    (results / "bench").mkdir(parents=True)
+    (results / "gpu").mkdir()
+    (results / "bench" / "cpu.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (before, after, bare)))
+    (results / "gpu" / "h200.jsonl").write_text(json.dumps(gpu) + "\n")
+
+    cells = execute("throughput.ipynb", monkeypatch, tmp_path / "figures", results)
+
+    [runs] = tables(cells["cpu-table"])
+    assert [row[0] for row in runs[1:]] == ["before-x", "after-x", "line 3"]
+    assert runs[3][5:7] == ["-", "-"]  # no vs_generate / vs_straightforward
+    [pairs] = tables(cells["cpu-pairs"])
+    assert pairs[1][0] == "x" and pairs[1][2:4] == ["0.80", "1.20"]
+    gpu_runs = tables(cells["gpu"])[0]
+    assert gpu_runs[1][0] == "gpu-hf" and "cuda:0" in gpu_runs[1][2] and "GPU 12345" in gpu_runs[1][7]
+    assert (tmp_path / "figures" / "throughput_phases.png").is_file()
