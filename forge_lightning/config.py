@@ -57,18 +57,22 @@ def loss_settings(values: Mapping[str, Any]) -> LossSettings:
     return LossSettings(**picked, max_completion_length=values.get("max_new_tokens"))
 
 
+def check_setting(field: str, value: Any) -> None:
+    """Raise ValueError naming ``field`` when ``value`` is outside its range in ``RULES``."""
+    allowed, words = RULES[field]
+    try:
+        ok = bool(allowed(value))
+    except TypeError:
+        ok = False
+    if isinstance(value, bool) or not ok:
+        raise ValueError(f"{field} must be {words}, got {value!r}")
+
+
 def validate_hparams(values: Mapping[str, Any]) -> None:
     """Raise ValueError naming the first field outside its allowed range."""
-    for field, (allowed, words) in RULES.items():
-        if field not in values:
-            continue
-        value = values[field]
-        try:
-            ok = bool(allowed(value))
-        except TypeError:
-            ok = False
-        if isinstance(value, bool) or not ok:
-            raise ValueError(f"{field} must be {words}, got {value!r}")
+    for field in RULES:
+        if field in values:
+            check_setting(field, values[field])
     loss_settings(values)
     if values.get("num_iterations", 1) > 1 and values.get("gradient_accumulation_steps", 1) != 1:
         raise ValueError(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Literal
@@ -20,18 +19,17 @@ from forge_lightning.config import loss_settings, validate_hparams
 from forge_lightning.data.datamodule import split_batch
 from forge_lightning.generation import GenerationBackend, eos_token_ids, generation_backend
 from forge_lightning.grpo import AdvantageScale, LossType, group_advantages, grpo_loss, micro_batch_weight
-from forge_lightning.hf_compat import is_checkpointing, set_checkpointing, supports_shared_prefix
 from forge_lightning.logprobs import LogProbScorer
-from forge_lightning.lora import LoraSettings, apply_lora, lora_settings
+from forge_lightning.lora import LoraSettings, lora_settings
 from forge_lightning.metrics import StepRecord, TrainMetrics, add_micro_batch, batch_metrics, logged_name
 from forge_lightning.models import ensure_pad_token, load_model
 from forge_lightning.optim import NonFiniteGuard, adamw_with_schedule, can_fuse_adamw, gradient_norm
 from forge_lightning.optim import total_optimizer_steps as count_optimizer_steps
+from forge_lightning.policy import prepare_policy
 from forge_lightning.profiler import PhaseProfiler
 from forge_lightning.rewards import GSM8KAnswerReward, component_names
 from forge_lightning.rollout import PromptSettings, Rollout, RolloutSampler, SamplingParams
 from forge_lightning.scoring import score_groups
-from forge_lightning.sharding import is_sharded, shard_for_training
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -170,24 +168,14 @@ class GRPOLightningModule(pl.LightningModule):
         if self.model is None:
             self.model, tokenizer = load_model(self.model_spec)
             self.tokenizer = self.tokenizer or tokenizer
-        if hp.peft is not None:
-            self.model = apply_lora(self.model, lora_settings(hp.peft))  # no-op once wrapped
-        # from_pretrained leaves models in eval mode; dropout and friends must be live for training
-        # (generation switches to eval and back by itself).
-        self.model.train()
-        if hp.gradient_checkpointing and not is_checkpointing(self.model):
-            set_checkpointing(self.model, True)
-        if hp.prefix_sharing and not supports_shared_prefix(self.model):
-            warnings.warn(
-                "prefix sharing is off for this model (no KV cache in training); using the full forward"
-            )
-        if self.device_mesh is not None and not is_sharded(self.model):
-            shard_for_training(
-                self.model,
-                self.device_mesh,
-                generation_backend=hp.generation_backend,
-                lora=hp.peft is not None,
-            )
+        self.model = prepare_policy(
+            self.model,
+            peft=hp.peft,
+            gradient_checkpointing=hp.gradient_checkpointing,
+            prefix_sharing=hp.prefix_sharing,
+            mesh=self.device_mesh,
+            generation_backend=hp.generation_backend,
+        )
         if self.generator is None:
             self.generator = generation_backend(
                 hp.generation_backend, self.tokenizer, self.model, hp.vllm_gpu_memory_utilization

@@ -5,6 +5,24 @@ each transformer block (the classes a HF model lists in ``_no_split_modules``) b
 ``fully_shard`` unit, and the whole model the root unit that holds the rest (embeddings, final
 norm, head). Every rank then holds 1/N of the weights, gradients and optimizer state, and a unit
 gathers its full weights for its own forward and frees them after.
+
+Why FSDP2 and not Lightning's ``FSDPStrategy`` (FSDP1): FSDP1 wraps the LightningModule rather than
+the HF model, so ``generate`` would bypass the root unit's gathering, and its precision plugin
+refuses the norm-based gradient clipping of the manual optimizer step.
+
+What sharding changes elsewhere:
+
+- Generation: every decoding step's forward gathers weights from all ranks, so a rank whose
+  completions all ended early would stop calling that collective and hang the others;
+  ``HFGenerate`` passes ``synced_gpus=True`` for a sharded policy, and a finished rank keeps
+  stepping (producing padding) until every rank is done.
+- The reference (``ReferenceModel``) is sharded over the same mesh; rank 0 gathers the policy once
+  (or reads ``reference/`` on resume) and each rank keeps its shard.
+- ``HFCheckpoint`` gathers the whole policy onto rank 0 (in CPU memory) for each folder: every rank
+  takes part in that collective. Lightning checkpoints are whole files
+  (``save_distributed_checkpoint: false`` in ``configs/overlays/fsdp.yaml``).
+- Refused: tensor parallelism, LoRA (an adapter is small enough for DDP) and vLLM (the engine
+  would need the gathered weights after every step).
 """
 
 from __future__ import annotations

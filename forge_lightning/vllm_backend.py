@@ -3,8 +3,20 @@
 The engine is built on the first rollout from the policy itself: its config and tokenizer go to a
 temporary folder, vLLM starts there with placeholder weights (``load_format="dummy"``) and takes
 ``gpu_memory_utilization`` of the GPU for its weights and KV cache, and the policy's weights are
-then loaded into it. After every optimizer step :meth:`VLLMGenerate.sync_weights` loads them again,
-so the engine always samples from the current policy.
+then loaded into it. After every optimizer step :meth:`VLLMGenerate.sync_weights` loads them again
+(and drops vLLM's prefix cache, computed with the old weights), so the engine always samples from
+the current policy. A LoRA policy's adapters are folded into the weights it receives.
+
+Prompts go in as token ids; the G completions of a prompt come back from one request with ``n=G``.
+The sampling settings map over (``top_k`` 0 is vLLM's -1; each call draws its seed from torch's
+generator, so ``seed_everything`` repeats a run). With ``use_engine_logprobs`` the loss takes the
+old-policy log-probs from vLLM (its temperature-scaled ``processed_logprobs``; ``top_p`` 1 and
+``top_k`` 0, so that both sides score the same distribution). The engine runs in the training
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, weights loaded through ``LLM.apply_model``).
+
+Tested on CPU against a fake engine with ``vllm.LLM``'s interface only; the real engine, and several
+training processes with one engine each (``distributed_executor_backend="external_launcher"``),
+have not been run.
 
 vLLM is imported only here and only when an engine is built: the rest of the package, and every
 test, runs without it. GPU only: ``pip install "forge-lightning[vllm]"``.

@@ -160,13 +160,6 @@ def test_prompt_longer_than_the_limit_errors_when_configured(tmp_path, module, t
         trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "a long prompt"}]))
 
 
-def test_invalid_config_names_field_and_range(module):
-    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
-        module(top_p=1.5)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
-        module(num_iterations=2, gradient_accumulation_steps=4)
-
-
 def test_model_that_cannot_be_loaded_offline_says_what_to_do():
     with pytest.raises(ModelLoadError, match="embedded"):
         load_model("no-such-org/no-such-model")

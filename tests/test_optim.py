@@ -51,13 +51,6 @@ def test_unknown_schedule_is_refused():
         rates("linear")
 
 
-def test_module_rejects_an_unknown_schedule_by_name():
-    from forge_lightning import GRPOLightningModule
-
-    with pytest.raises(ValueError, match="lr_schedule must be one of"):
-        GRPOLightningModule(model="embedded", lr_schedule="step")
-
-
 def test_guard_skips_non_finite_steps_and_stops_at_the_limit():
     guard = NonFiniteGuard(limit=2)
     assert guard.allows(torch.tensor(1.0))

@@ -233,22 +233,6 @@ def test_engine_logprobs_are_the_old_logprobs_of_the_loss(module):
     assert clip_fraction(None) == 0.0
 
 
-@pytest.mark.parametrize(
-    ("settings", "field"),
-    [
-        ({"use_engine_logprobs": True}, "generation_backend"),
-        ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_p": 0.9}, "top_p"),
-        ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_k": 5}, "top_k"),
-        ({"generation_backend": "vllm", "vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization"),
-        ({"generation_backend": "sglang"}, "generation_backend"),
-    ],
-)
-def test_backend_settings_are_checked_at_construction(settings, field):
-    tok = make_tokenizer()
-    with pytest.raises(ValueError, match=field):
-        GRPOLightningModule(model=make_model(len(tok)), tokenizer=tok, **settings)
-
-
 def test_hf_stays_the_default_backend():
     tok = make_tokenizer()
     grpo = GRPOLightningModule(model=make_model(len(tok)), tokenizer=tok)

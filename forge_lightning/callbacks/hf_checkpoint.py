@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
+from forge_lightning.config import check_setting
 from forge_lightning.fileio import write_folder_atomically
 from forge_lightning.lora import has_adapter, lora_settings, save_merged
 from forge_lightning.sharding import full_state_dict, is_sharded, save_sharded_pretrained
@@ -35,8 +36,7 @@ class HFCheckpoint(Callback):
     """
 
     def __init__(self, output_dir: str | None = None, save_steps: int = 100, save_final: bool = True) -> None:
-        if save_steps < 0:
-            raise ValueError(f"save_steps must be >= 0, got {save_steps}")
+        check_setting("save_steps", save_steps)
         self.output_dir = output_dir
         self.save_steps = save_steps
         self.save_final = save_final

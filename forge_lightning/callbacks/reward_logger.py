@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
+from forge_lightning.config import check_setting
 from forge_lightning.fileio import append_jsonl, write_atomically
 
 # The JSONL line carries these (plus one ``rewards/<name>`` per reward component); the Lightning
@@ -40,8 +41,7 @@ class RewardLogger(Callback):
     def __init__(
         self, output_dir: str | None = None, logging_steps: int = 10, num_text_samples: int = 4
     ) -> None:
-        if logging_steps < 1:
-            raise ValueError(f"logging_steps must be >= 1, got {logging_steps}")
+        check_setting("logging_steps", logging_steps)
         self.output_dir = output_dir
         self.logging_steps = logging_steps
         self.num_text_samples = num_text_samples

@@ -1,0 +1,43 @@
+"""The trainable policy: a loaded model made ready for training_step, once per fit."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from transformers import PreTrainedModel
+
+from forge_lightning.hf_compat import is_checkpointing, set_checkpointing, supports_shared_prefix
+from forge_lightning.lora import apply_lora, lora_settings
+from forge_lightning.sharding import is_sharded, shard_for_training
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def prepare_policy(
+    model: PreTrainedModel,
+    *,
+    peft: dict[str, Any] | None = None,
+    gradient_checkpointing: bool = False,
+    prefix_sharing: bool = True,
+    mesh: DeviceMesh | None = None,
+    generation_backend: str = "hf",
+) -> PreTrainedModel:
+    """The policy to train: LoRA adapters added (``peft``), train mode, activation checkpointing,
+    and FSDP2 sharding over ``mesh`` when ModelParallelStrategy gave one. Each step is skipped
+    when already done, so calling this again (a second fit) changes nothing."""
+    if peft is not None:
+        model = apply_lora(model, lora_settings(peft))  # no-op once wrapped
+    # from_pretrained leaves models in eval mode; dropout and friends must be live for training
+    # (generation switches to eval and back by itself).
+    model.train()
+    if gradient_checkpointing and not is_checkpointing(model):
+        set_checkpointing(model, True)
+    if prefix_sharing and not supports_shared_prefix(model):
+        warnings.warn(
+            "prefix sharing is off for this model (no KV cache in training); using the full forward"
+        )
+    if mesh is not None and not is_sharded(model):
+        shard_for_training(model, mesh, generation_backend=generation_backend, lora=peft is not None)
+    return model

@@ -1,0 +1,92 @@
+"""Each setting is checked once, in one place, and the error names the field and its range.
+
+The module, the Forge-style GRPOConfig and the callbacks all use these checks; a test per layer
+below shows each one reaches them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from forge_lightning import GRPOConfig, HFCheckpoint, RewardLogger
+from forge_lightning.config import LOSS_FIELDS, RULES, validate_hparams
+
+# One value outside the range of every field, the module's, the loss's and GRPOConfig's own.
+BAD = {
+    "group_size": 1,
+    "temperature": 0.0,
+    "top_p": 1.5,
+    "top_k": -1,
+    "max_new_tokens": 0,
+    "learning_rate": 0.0,
+    "weight_decay": -0.1,
+    "gradient_accumulation_steps": 0,
+    "max_grad_norm": 0.0,
+    "warmup_steps": -1,
+    "lr_schedule": "step",
+    "advantage_scale": "rank",
+    "num_iterations": 0,
+    "train_micro_batch_size": 0,
+    "max_prompt_length": 0,
+    "prompt_truncation": "right",
+    "on_reward_error": "ignore",
+    "max_consecutive_bad_steps": 0,
+    "generation_backend": "sglang",
+    "vllm_gpu_memory_utilization": 1.5,
+    "logprob_chunk_size": 0,
+    "num_train_epochs": 0,
+    "save_steps": -1,
+    "logging_steps": 0,
+    "loss_type": "ppo",
+    "clip_epsilon": 1.0,
+    "clip_epsilon_high": -0.1,
+    "kl_beta": -0.01,
+}
+
+
+def test_every_checked_field_has_a_bad_value_here():
+    assert set(BAD) == set(RULES) | set(LOSS_FIELDS)
+
+
+@pytest.mark.parametrize(("field", "value"), sorted(BAD.items()))
+def test_a_value_out_of_range_is_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        validate_hparams({field: value})
+
+
+def test_a_boolean_is_not_a_number():
+    with pytest.raises(ValueError, match="^group_size must be"):
+        validate_hparams({"group_size": True})
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"num_iterations": 2, "gradient_accumulation_steps": 4}, "gradient_accumulation_steps"),
+        ({"use_engine_logprobs": True}, "generation_backend"),
+        ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_p": 0.9}, "top_p"),
+        ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_k": 5}, "top_k"),
+    ],
+)
+def test_settings_that_cannot_go_together_are_refused_naming_them(settings, field):
+    with pytest.raises(ValueError, match=field):
+        validate_hparams(settings)
+
+
+def test_the_module_checks_its_settings_when_built(module):
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got 1.5"):
+        module(top_p=1.5)
+    with pytest.raises(ValueError, match="^clip_epsilon must be in"):
+        module(clip_epsilon=0.0)
+
+
+def test_grpo_config_checks_its_fields_when_built():
+    with pytest.raises(ValueError, match="^logging_steps must be"):
+        GRPOConfig(logging_steps=0)
+
+
+def test_the_callbacks_check_their_cadence_when_built():
+    with pytest.raises(ValueError, match="^save_steps must be"):
+        HFCheckpoint(save_steps=-1)
+    with pytest.raises(ValueError, match="^logging_steps must be"):
+        RewardLogger(logging_steps=0)
