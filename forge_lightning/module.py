@@ -35,54 +35,48 @@ from forge_lightning.scoring import score_groups
 class GRPOLightningModule(pl.LightningModule):
     """GRPO fine-tuning of a HuggingFace causal LM, with manual optimization.
 
-    Each ``training_step`` samples ``group_size`` completions for each prompt of its batch, scores
-    them, turns the scores into group-relative advantages and backpropagates the clipped surrogate
-    loss with a KL pull toward the frozen reference, which a ``ReferenceModel`` callback provides.
-    The optimizer steps every ``gradient_accumulation_steps`` batches (and at the end of an epoch),
-    so ``trainer.global_step`` counts optimizer steps.
+    Each ``training_step`` samples ``group_size`` completions per prompt, scores them, turns the
+    scores into group-relative advantages and backpropagates the clipped surrogate loss with a KL
+    pull toward the frozen reference (which a ``ReferenceModel`` callback provides). The optimizer
+    steps every ``gradient_accumulation_steps`` batches and at the end of an epoch, so
+    ``trainer.global_step`` counts optimizer steps.
 
     Args:
-        model: a spec (``embedded``, a hub id, a folder, a ``.gguf`` file, ``random:<spec>``; see
-            :mod:`forge_lightning.models`) loaded in ``configure_model``, or a built HF causal LM.
-        reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``;
-            :class:`~forge_lightning.rewards.GSM8KAnswerReward` when None.
+        model: a spec (``embedded``, hub id, folder, ``.gguf``, ``random:...``; models.py) or a built HF LM.
+        reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``; GSM8K's if None.
         tokenizer: required when ``model`` is an object; loaded with the spec otherwise.
         group_size: completions per prompt (G), at least 2.
-        clip_epsilon, clip_epsilon_high, kl_beta, loss_type: the loss
-            (:class:`~forge_lightning.grpo.LossSettings` says what each does).
-        temperature, top_p, top_k: how completions are sampled (top_k 0 disables it).
+        clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
+        clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
+        kl_beta: weight of the KL penalty toward the reference; 0 needs no reference.
+        temperature: sampling temperature; the loss scores at it too (``forge``: at 1).
+        top_p: nucleus sampling mass.
+        top_k: sample among the k likeliest tokens; 0 disables it.
         max_new_tokens: longest completion, in tokens.
-        learning_rate, weight_decay: AdamW's; the rate is the schedule's peak.
+        learning_rate: AdamW's peak learning rate.
+        weight_decay: AdamW's weight decay.
         gradient_accumulation_steps: batches per optimizer step.
         max_grad_norm: clip the gradient's total norm to this before each step; None disables.
         warmup_steps: optimizer steps of linear warmup.
-        lr_schedule: ``cosine`` decays to zero at the last step (Forge's); ``constant`` keeps the
-            peak, which a run of a few dozen steps may want.
-        advantage_scale: divide the group-centred rewards by the group's std, the batch's std or
-            nothing (``group``, ``batch``, ``none``).
+        lr_schedule: ``cosine`` to zero at the last step (Forge's) or ``constant`` after the warmup.
+        loss_type: ``grpo``, ``dapo``, ``dr_grpo`` or ``forge`` (see grpo.LossSettings).
+        advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
         num_iterations: optimizer passes over each rollout (mu); above 1 needs accumulation 1.
-        train_micro_batch_size: completions per forward/backward; None for the whole rollout.
-            Bounds memory without changing the loss or its gradient.
-        max_prompt_length, prompt_truncation: longer prompts lose their first tokens (``left``,
-            with a warning) or are refused (``error``).
+        train_micro_batch_size: completions per forward/backward (None: all); same gradient, less memory.
+        max_prompt_length: longer prompts are cut from the left, or refused (``prompt_truncation``).
+        prompt_truncation: ``left`` (with a warning) or ``error``.
         use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
         system_prompt: system message for the chat template.
-        on_reward_error: ``raise`` names the reward and sample that failed; ``zero`` scores that
-            sample 0, warns and counts it.
+        on_reward_error: ``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it.
         max_consecutive_bad_steps: non-finite gradients skip the step; this many in a row stop.
-        prefix_sharing: score each prompt once per group and share its keys/values with the G
-            completions (the full forward where the model has no cache).
+        prefix_sharing: each prompt's forward once per group, its keys/values shared by the G completions.
         logprob_chunk_size: rows per chunk of the float32 log-softmax; None for no chunks.
         gradient_checkpointing: trade compute for activation memory in the training forward.
-        generation_backend: ``hf`` (the policy's ``generate``, any device) or ``vllm`` (a vLLM
-            engine on the same GPU, given the weights after every step; see vllm_backend).
+        generation_backend: ``hf`` (the policy's ``generate``) or ``vllm`` (GPU; see vllm_backend.py).
         vllm_gpu_memory_utilization: the share of GPU memory the vLLM engine may take.
-        use_engine_logprobs: the old-policy log-probs from the engine that sampled (vLLM only;
-            top_p 1 and top_k 0); the ratio then also corrects the engine's numerical drift.
-        peft: train a LoRA adapter (:class:`~forge_lightning.lora.LoraSettings`, or a dict of its
-            fields) instead of every weight; None is full fine-tuning.
-        accuracy: the correctness check behind ``val/accuracy``, a reward-like callable scoring
-            1 for a right answer; GSM8K's numeric answer check when None.
+        use_engine_logprobs: old-policy log-probs from the vLLM engine (needs top_p 1, top_k 0).
+        peft: train a LoRA adapter (lora.LoraSettings or a dict of its fields); None trains every weight.
+        accuracy: the check behind ``val/accuracy`` (a reward scoring 1 when right); GSM8K's if None.
     """
 
     def __init__(
@@ -150,8 +144,7 @@ class GRPOLightningModule(pl.LightningModule):
             chunk_size=logprob_chunk_size,
             micro_batch_size=train_micro_batch_size,
         )
-        # Both need the model and tokenizer: built in configure_model (the engine only when none
-        # was set before fit).
+        # Built in configure_model (the engine only when none was set before fit).
         self.generator: GenerationBackend | None = None
         self.sampler: RolloutSampler | None = None
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
@@ -201,13 +194,7 @@ class GRPOLightningModule(pl.LightningModule):
             )
         with profile("reward"):
             rewards, components, errors = score_groups(
-                self.reward,
-                prompts,
-                rollout.completions,
-                batch_kwargs,
-                hp.group_size,
-                hp.on_reward_error,
-                self.device,
+                self.reward, prompts, rollout, batch_kwargs, hp.on_reward_error
             )
         advantages = group_advantages(rewards, hp.group_size, scale=hp.advantage_scale)  # (P*G,)
         with profile("logprob"):
@@ -232,17 +219,13 @@ class GRPOLightningModule(pl.LightningModule):
         greedy = SamplingParams(self.hparams.max_new_tokens, greedy=True)
         rollout = self.sampler(self.model, prompts, greedy, group_size=1)
         on_error = self.hparams.on_reward_error
-        rewards, components, _ = score_groups(
-            self.reward, prompts, rollout.completions, batch_kwargs, 1, on_error, self.device
-        )
+        rewards, components, _ = score_groups(self.reward, prompts, rollout, batch_kwargs, on_error)
         self.val_metrics.update("reward", rewards)
         for name, values in components.items():
             self.val_metrics.update(f"rewards/{name}", values)
         self.val_metrics.update("completion_length", rollout.completion_lengths.float())
         if "references" in batch_kwargs:
-            correct, _, _ = score_groups(
-                self.accuracy, prompts, rollout.completions, batch_kwargs, 1, on_error, self.device
-            )
+            correct, _, _ = score_groups(self.accuracy, prompts, rollout, batch_kwargs, on_error)
             self.val_metrics.update("accuracy", correct)
 
     @override
@@ -376,8 +359,8 @@ class GRPOLightningModule(pl.LightningModule):
         stats: dict[str, Tensor],
         stepped: bool,
     ) -> None:
-        """Track the batch's metrics; at an optimizer step, log them (reduced over the step's batches
-        and the ranks, x-axis the optimizer step); publish the batch's record in ``last_step``."""
+        """Track the batch's metrics; at an optimizer step, log them (means over the step's batches,
+        reduced across ranks); publish the batch's record in ``last_step``."""
         profiler = self.trainer.profiler
         phases = profiler.last_step() if isinstance(profiler, PhaseProfiler) else {}
         for key, value in batch_metrics(rollout, rewards, components, stats, phases).items():
@@ -385,11 +368,14 @@ class GRPOLightningModule(pl.LightningModule):
         logged: dict[str, float] = {}
         if stepped:
             logged = {logged_name(k): v for k, v in self.train_metrics.pop().items()}
-            shown = {k: logged[k] for k in ("train/reward", "train/kl") if k in logged}
-            rest = {k: v for k, v in logged.items() if k not in shown}
-            self.log_dict(rest, on_step=True, on_epoch=False, batch_size=len(prompts))
-            self.log_dict(shown, on_step=True, on_epoch=False, prog_bar=True, batch_size=len(prompts))
-            self.log("step", float(self.global_step), on_step=True, on_epoch=False, batch_size=len(prompts))
+            # self.log puts them where Lightning's callbacks look (callback_metrics, the progress
+            # bar). The loggers get them here, once per optimizer step, at the optimizer step:
+            # Lightning would re-send a logged value after every later batch of an accumulation.
+            shown = {"train/reward", "train/kl"}
+            for key, value in logged.items():
+                self.log(key, value, on_step=True, on_epoch=False, prog_bar=key in shown, logger=False)
+            for logger in self.loggers:
+                logger.log_metrics(logged, step=self.global_step)
         self.last_step = StepRecord.of(self.global_step, prompts, rollout, rewards, logged, phases)
 
     def _accumulation_boundary(self, batch_idx: int) -> bool:

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from forge_lightning.rewards import CompositeReward, RewardFn, call_reward, checked_scores, reward_name
+from forge_lightning.rollout import Rollout
 
 
 @dataclass
@@ -118,24 +119,27 @@ def _score_one(
 def score_groups(
     reward: RewardFn,
     prompts: list[str],
-    completions: list[str],
+    rollout: Rollout,
     batch_kwargs: dict[str, list[Any]],
-    group_size: int,
     on_error: Literal["raise", "zero"] = "raise",
-    device: torch.device | str = "cpu",
 ) -> tuple[Tensor, dict[str, Tensor], int]:
-    """Score ``group_size`` completions per prompt, each seeing its prompt's batch values.
+    """Score a rollout's G completions per prompt, each seeing its prompt's batch values.
 
-    Returns the total rewards ``(P*G,)``, each component's ``(P*G,)`` and the number of samples
-    whose reward raised (scored 0 under ``on_error="zero"``).
+    Returns the total rewards ``(P*G,)``, each component's ``(P*G,)`` (on the rollout's device)
+    and the number of samples whose reward raised (scored 0 under ``on_error="zero"``).
     """
+    group_size = rollout.group_size
     repeated = {key: [v for v in values for _ in range(group_size)] for key, values in batch_kwargs.items()}
     scored = score(
-        reward, [p for p in prompts for _ in range(group_size)], completions, on_error=on_error, **repeated
+        reward,
+        [p for p in prompts for _ in range(group_size)],
+        rollout.completions,
+        on_error=on_error,
+        **repeated,
     )
 
     def as_tensor(values: list[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return torch.tensor(values, dtype=torch.float32, device=rollout.prompt_ids.device)
 
     components = {name: as_tensor(v) for name, v in scored.components.items()}
     return as_tensor(scored.total), components, scored.num_errors

@@ -139,3 +139,30 @@ def test_long_prompts_are_truncated_from_the_left_with_a_warning():
     assert mask.tolist() == [[1, 1, 1], [0, 1, 1]]
     with pytest.raises(ValueError, match="max_prompt_length"):
         encode_prompts(tok, ["abcdef"], use_chat_template=False, max_prompt_length=3, truncation="error")
+
+
+def test_metrics_reach_loggers_once_per_optimizer_step_at_that_step(tmp_path, module, loader):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from forge_lightning.profiler import PHASES, PhaseProfiler
+
+    fit = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        profiler=PhaseProfiler(),
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    fit.fit(module(gradient_accumulation_steps=2), loader([{"prompt": f"q{i}"} for i in range(6)]))
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]  # 6 batches, accumulation 2
+    assert {"train/reward", "train/kl", "train/loss", "perf/tokens_per_s"} <= set(rows[0])
+    assert {f"perf/{phase}_s" for phase in PHASES} <= set(rows[0])
+    # Lightning's own callbacks (ModelCheckpoint(monitor=...), EarlyStopping) read these.
+    assert "train/reward" in fit.callback_metrics
+    assert float(fit.callback_metrics["train/reward"]) == float(rows[-1]["train/reward"])
