@@ -4,6 +4,7 @@ from forge_lightning.callbacks import HFCheckpoint, ReferenceModel, RewardLogger
 from forge_lightning.compat import GRPOConfig, GRPOTrainer
 from forge_lightning.data import GSM8KDataModule, load_gsm8k, load_gsm8k_mock
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.profiler import PhaseProfiler
 from forge_lightning.rewards import (
     BaseReward,
     CompositeReward,
@@ -28,6 +29,7 @@ __all__ = [
     "GSM8KDataModule",
     "HFCheckpoint",
     "LengthPenaltyReward",
+    "PhaseProfiler",
     "ReferenceModel",
     "RewardLogger",
     "RewardOutput",

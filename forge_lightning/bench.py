@@ -38,12 +38,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
-from transformers import GenerationConfig, PreTrainedModel
 
+from forge_lightning.bench_references import plain_generate_seconds, straightforward_update_seconds
 from forge_lightning.data import collate_records, load_gsm8k
 from forge_lightning.models import load_model
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.profiler import PHASES, PhaseProfiler
+from forge_lightning.profiler import PHASES, PhaseProfiler, synchronize
 from forge_lightning.rollout import Rollout
 
 log = logging.getLogger("forge_lightning.bench")
@@ -182,13 +182,13 @@ class StepTimer(pl.Callback):
         self._peak_rss.start()
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        _synchronize()
+        synchronize()
         self._start = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        _synchronize()
+        synchronize()
         seconds = time.perf_counter() - self._start
         self.peak_rss_mb = max(self.peak_rss_mb, self._peak_rss.stop())
         if pl_module.device.type == "cuda":
@@ -207,79 +207,11 @@ class StepTimer(pl.Callback):
 
 def _references(module: _RecordingModule, rollout: Rollout, args: argparse.Namespace) -> dict[str, float]:
     """Seconds of plain generate, and of the straightforward training step, on one rollout."""
-    generate = _plain_generate(module.model, module.tokenizer, rollout, args.temperature)
+    generate = plain_generate_seconds(module.model, module.tokenizer, rollout, args.temperature)
     reference = module.reference.model if module.needs_reference else None
-    train = _straightforward_update(module.model, reference, rollout, args)
+    train = straightforward_update_seconds(module.model, reference, rollout, args)
     log.info("references: generate %.2f s, straightforward %.2f s", generate, generate + train)
     return {"generate": generate, "straightforward": generate + train}
-
-
-def _plain_generate(model: PreTrainedModel, tokenizer: Any, rollout: Rollout, temperature: float) -> float:
-    """``model.generate`` of the rollout's prompts, as many new tokens as the rollout holds."""
-    width = rollout.completion_ids.shape[1]
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=temperature,
-        top_p=1.0,
-        top_k=0,
-        max_new_tokens=width,
-        min_new_tokens=width,  # the same decoding steps as the timed step took
-        num_return_sequences=rollout.group_size,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        use_cache=True,
-    )
-    model.eval()
-    _synchronize()
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(
-            input_ids=rollout.prompt_ids, attention_mask=rollout.prompt_mask, generation_config=config
-        )
-    _synchronize()
-    model.train()
-    return time.perf_counter() - start
-
-
-def _straightforward_update(
-    policy: PreTrainedModel, reference: PreTrainedModel | None, rollout: Rollout, args: argparse.Namespace
-) -> float:
-    """Seconds of a plain GRPO loss forward+backward and reference forward over the rollout."""
-    group = rollout.group_size
-    input_ids = torch.cat([rollout.prompt_ids.repeat_interleave(group, 0), rollout.completion_ids], 1)
-    attention = torch.cat([rollout.prompt_mask.repeat_interleave(group, 0), rollout.completion_mask], 1)
-    positions = (attention.cumsum(1) - 1).clamp(min=0)
-    targets, mask = rollout.completion_ids, rollout.completion_mask.float()  # (N, Lc)
-    advantages = torch.randn(targets.shape[0], 1, device=targets.device)
-    rows = args.train_micro_batch_size or targets.shape[0]
-
-    def log_probs(model: PreTrainedModel, part: slice) -> torch.Tensor:
-        logits = model(
-            input_ids=input_ids[part],
-            attention_mask=attention[part],
-            position_ids=positions[part],
-            logits_to_keep=targets.shape[1] + 1,
-        ).logits[:, :-1]
-        logp = torch.log_softmax(logits.float() / args.temperature, dim=-1)
-        return logp.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1)  # (n, Lc)
-
-    policy.train()
-    _synchronize()
-    start = time.perf_counter()
-    for first in range(0, targets.shape[0], rows):
-        part = slice(first, first + rows)
-        logp = log_probs(policy, part)
-        per_token = -torch.exp(logp - logp.detach()) * advantages[part]
-        if reference is not None:
-            with torch.no_grad():
-                ref_logp = log_probs(reference, part)
-            per_token = per_token + args.kl_beta * (torch.exp(ref_logp - logp) - (ref_logp - logp) - 1)
-        loss = ((per_token * mask[part]).sum(1) / mask[part].sum(1).clamp(min=1)).mean()
-        loss.backward()
-    _synchronize()
-    seconds = time.perf_counter() - start
-    policy.zero_grad(set_to_none=True)
-    return seconds
 
 
 def _summary(
@@ -336,11 +268,6 @@ def _prompts(path: str, count: int) -> list[dict[str, str]]:
     """The first ``count`` GSM8K train records (cycled when the file holds fewer)."""
     rows = load_gsm8k(split="train", max_samples=count, path=path)
     return [rows[i % len(rows)] for i in range(count)]
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def _current_rss_mb() -> float:

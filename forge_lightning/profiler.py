@@ -39,14 +39,14 @@ class PhaseProfiler(Profiler):
         if action_name.endswith(".training_step"):
             self._seconds = {}
         elif action_name in self.phases:
-            _synchronize()
+            synchronize()
             self._started[action_name] = time.perf_counter()
 
     @override
     def stop(self, action_name: str) -> None:
         started = self._started.pop(action_name, None)
         if started is not None:
-            _synchronize()
+            synchronize()
             self._seconds[action_name] = self._seconds.get(action_name, 0.0) + time.perf_counter() - started
 
     def last_step(self) -> dict[str, float]:
@@ -54,6 +54,6 @@ class PhaseProfiler(Profiler):
         return dict(self._seconds)
 
 
-def _synchronize() -> None:
+def synchronize() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
