@@ -30,7 +30,7 @@ TRAIN_KEYS = (
 )
 # Seconds per phase (from the PhaseProfiler) and completion tokens per second of those seconds.
 PERF_KEYS = (*(f"{phase}_s" for phase in PHASES), "step_s", "tokens_per_s")
-COUNT_KEYS = ("reward_errors", "skipped_steps")
+COUNT_KEYS = ("reward_errors", "skipped_steps", "num_tokens")
 
 
 def logged_name(key: str) -> str:

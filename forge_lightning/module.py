@@ -18,12 +18,26 @@ from forge_lightning.checkpoint_io import rng_states, set_rng_states
 from forge_lightning.config import loss_settings, validate_hparams
 from forge_lightning.data.datamodule import split_batch
 from forge_lightning.generation import GenerationBackend, eos_token_ids, generation_backend
-from forge_lightning.grpo import AdvantageScale, LossType, group_advantages, grpo_loss, micro_batch_weight
+from forge_lightning.grpo import (
+    AdvantageScale,
+    LossType,
+    backward_weight,
+    group_advantages,
+    grpo_loss,
+    micro_batch_weight,
+    step_count,
+)
 from forge_lightning.logprobs import LogProbScorer
 from forge_lightning.lora import LoraSettings, lora_settings
 from forge_lightning.metrics import StepRecord, TrainMetrics, add_micro_batch, batch_metrics, logged_name
 from forge_lightning.models import ensure_pad_token, load_model
-from forge_lightning.optim import NonFiniteGuard, adamw_with_schedule, can_fuse_adamw, gradient_norm
+from forge_lightning.optim import (
+    NonFiniteGuard,
+    adamw_with_schedule,
+    can_fuse_adamw,
+    gradient_norm,
+    scale_gradients,
+)
 from forge_lightning.optim import total_optimizer_steps as count_optimizer_steps
 from forge_lightning.policy import prepare_policy
 from forge_lightning.profiler import PhaseProfiler
@@ -153,6 +167,7 @@ class GRPOLightningModule(pl.LightningModule):
             component_names(self.reward), keys=("accuracy", "reward", "completion_length")
         )
         self.last_step: StepRecord | None = None
+        self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
         self._nonfinite_guard = NonFiniteGuard(max_consecutive_bad_steps)
 
     @override
@@ -196,7 +211,7 @@ class GRPOLightningModule(pl.LightningModule):
             rewards, components, errors = score_groups(
                 self.reward, prompts, rollout, batch_kwargs, hp.on_reward_error
             )
-        advantages = group_advantages(rewards, hp.group_size, scale=hp.advantage_scale)  # (P*G,)
+        advantages = self._advantages(rewards)  # (P*G,)
         with profile("logprob"):
             # Both fixed before any update. With one pass the old policy is the policy itself, whose
             # detached log-probs grpo_loss takes when old_logp is None: no extra forward.
@@ -211,6 +226,7 @@ class GRPOLightningModule(pl.LightningModule):
                 with profile("optimizer"):
                     self._optimizer_step()
         self.train_metrics.update("reward_errors", torch.tensor([float(errors)]))
+        self.train_metrics.update("num_tokens", rollout.completion_mask.sum().float().reshape(1))
         self._record(prompts, rollout, rewards, components, stats, stepped)
 
     @override
@@ -305,9 +321,10 @@ class GRPOLightningModule(pl.LightningModule):
     def _backward_pass(
         self, rollout: Rollout, advantages: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None
     ) -> dict[str, Tensor]:
-        """Backpropagate one pass of the loss over the rollout, micro-batch by micro-batch; each
-        backward is weighted so that micro-batches and accumulation batches add up to the loss of
-        the whole. Returns the pass's loss statistics, detached."""
+        """Backpropagate one pass of the loss over the rollout, micro-batch by micro-batch, each
+        backward weighted so that the optimizer step, once it divides by the step's count (see
+        grpo.backward_weight), has the gradient of the loss over all of the step's rollouts.
+        Returns the pass's loss statistics, detached."""
         profile = self.trainer.profiler.profile
         mask = rollout.completion_mask.bool()  # (P*G, Lc)
         totals: dict[str, Tensor] = {}
@@ -323,16 +340,21 @@ class GRPOLightningModule(pl.LightningModule):
                     mask[rows],
                     self.loss_settings,
                 )
-            weight = micro_batch_weight(self.loss_settings, mask[rows], mask).to(loss.device)
+            weight = backward_weight(self.loss_settings, mask[rows], mask).to(loss.device)
             with profile("backward"):
-                self.manual_backward(loss * weight / self.hparams.gradient_accumulation_steps)
-            add_micro_batch(totals, loss, metrics, weight, mask[rows].sum() / mask.sum().clamp(min=1))
+                self.manual_backward(loss * weight)
+            share = micro_batch_weight(self.loss_settings, mask[rows], mask).to(loss.device)
+            add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
+        self._step_count = self._step_count + step_count(self.loss_settings, mask)
         return totals
 
     def _optimizer_step(self) -> None:
         """Clip, step, zero, schedule, and give the engine the new weights; a step whose gradient is
         not finite is skipped (and too many in a row stop the run)."""
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        count = self.trainer.strategy.reduce(self._step_count.to(self.device), reduce_op="sum")
+        self._step_count = torch.zeros(())
+        scale_gradients(self.model.parameters(), self.trainer.world_size / count.clamp(min=1))
         grad_norm = gradient_norm(self.model.parameters())
         finite = self._nonfinite_guard.allows(grad_norm)
         self.train_metrics.update("skipped_steps", torch.tensor([0.0 if finite else 1.0]))
@@ -377,6 +399,15 @@ class GRPOLightningModule(pl.LightningModule):
             for logger in self.loggers:
                 logger.log_metrics(logged, step=self.global_step)
         self.last_step = StepRecord.of(self.global_step, prompts, rollout, rewards, logged, phases)
+
+    def _advantages(self, rewards: Tensor) -> Tensor:
+        """Group-relative advantages; ``advantage_scale: batch`` takes the std over every rank's
+        groups of this training_step (later accumulation batches are not sampled yet)."""
+        hp = self.hparams
+        batch = None
+        if hp.advantage_scale == "batch" and self.trainer.world_size > 1:
+            batch = self.all_gather(rewards).reshape(-1)
+        return group_advantages(rewards, hp.group_size, scale=hp.advantage_scale, batch_rewards=batch)
 
     def _accumulation_boundary(self, batch_idx: int) -> bool:
         last = batch_idx + 1 == self.trainer.num_training_batches

@@ -68,6 +68,13 @@ def gradient_norm(params: Iterable[Tensor]) -> Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+def scale_gradients(params: Iterable[Tensor], factor: Tensor | float) -> None:
+    """Multiply every gradient by ``factor`` in place (sharded gradients included)."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor.to(p.grad.device) if isinstance(factor, Tensor) else factor)
+
+
 class NonFiniteGuard:
     """Counts optimizer steps in a row whose gradient norm is not finite; stops the run at ``limit``."""
 

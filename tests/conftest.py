@@ -172,37 +172,83 @@ def _varied(prompts: list[str], responses: list[str]) -> list[float]:
     return [float(sum(map(ord, r)) % 5) for r in responses]
 
 
+class FixedCompletions:
+    """A generation engine whose completions depend on nothing but their prompt: however prompts
+    are split into batches, accumulation batches or ranks, each gets the same G completions
+    (of lengths 1 to ``max_new_tokens``, ending with EOS)."""
+
+    def __init__(self, vocab_size: int, eos: int) -> None:
+        self.vocab_size, self.eos = vocab_size, eos
+
+    def generate(self, model, prompt_ids, prompt_mask, group_size, params) -> torch.Tensor:
+        rows = []
+        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+            seed = sum(i * m for i, m in zip(ids, mask))
+            for j in range(group_size):
+                length = 1 + (seed + 3 * j) % params.max_new_tokens
+                body = [4 + (seed * 7 + j * 5 + k * 3) % (self.vocab_size - 4) for k in range(length - 1)]
+                rows.append([*body, self.eos])
+        width = max(len(r) for r in rows)
+        padded = [r + [self.eos] * (width - len(r)) for r in rows]
+        return torch.tensor(padded, device=prompt_ids.device)
+
+    def sync_weights(self, model) -> None:
+        pass
+
+
+def other_reference():
+    from forge_lightning.callbacks import ReferenceModel
+
+    class Other(ReferenceModel):
+        def _build(self, trainer, policy):
+            return make_model(policy.config.vocab_size, seed=5).to(policy.dtype).requires_grad_(False)
+
+    return Other()
+
+
+def exact_settings(**settings) -> dict:
+    """The settings of the gradient-equivalence runs: a seeded tiny policy, fixed completions."""
+    torch.manual_seed(1)
+    tok = make_tokenizer()
+    # float64, so that sums taken in another order agree to far below the tolerances checked
+    defaults = dict(model=make_model(len(tok)).double(), tokenizer=tok, reward=_varied, max_new_tokens=6)
+    defaults.update(kl_beta=0.05, max_grad_norm=None, gradient_accumulation_steps=1, group_size=4)
+    return {**defaults, **settings}
+
+
+def gradient_spy(grads: list):
+    import lightning.pytorch as pl
+
+    class Grads(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.extend(p.grad.clone() for p in pl_module.model.parameters())
+
+    return Grads()
+
+
 @pytest.fixture
 def step_gradients(tmp_path, module, trainer, loader):
-    """``step_gradients(**settings)``: one optimizer step of the tiny module on two prompts (seeded,
-    so every call samples the same completions); returns the step's ``train/loss`` and each
+    """``step_gradients(records=..., batch_size=2, fixed=False, **settings)``: one optimizer step
+    of the tiny module (seeded, so every call samples the same completions; ``fixed`` makes them
+    depend on the prompt alone, see FixedCompletions); returns the step's ``train/loss`` and each
     parameter's gradient just before the optimizer applies it. The reference is another random
     model, so the KL term has a gradient from the first step."""
     import lightning.pytorch as pl
 
-    from forge_lightning.callbacks import ReferenceModel
-
-    class OtherReference(ReferenceModel):
-        def _build(self, trainer, policy):
-            return make_model(policy.config.vocab_size, seed=5).requires_grad_(False)
-
     calls = []
 
-    def run(**settings) -> tuple[float, list[torch.Tensor]]:
+    def run(records=None, batch_size=2, fixed=False, **settings) -> tuple[float, list[torch.Tensor]]:
         pl.seed_everything(1)
-        tok = make_tokenizer()
-        defaults = dict(model=make_model(len(tok)), tokenizer=tok, reward=_varied, max_new_tokens=6)
-        defaults.update(kl_beta=0.05, max_grad_norm=None, gradient_accumulation_steps=1)
-        grpo = module(**{**defaults, **settings})
+        grpo = module(**exact_settings(**settings))
+        if fixed:
+            grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
         grads: list[torch.Tensor] = []
-
-        class Grads(pl.Callback):
-            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-                grads.extend(p.grad.clone() for p in pl_module.model.parameters())
-
         calls.append(len(calls))
-        fit = trainer(tmp_path / f"step{len(calls)}", max_steps=1, callbacks=[OtherReference(), Grads()])
-        fit.fit(grpo, loader([{"prompt": "ab"}, {"prompt": "abc d"}], batch_size=2))
+        records = records or [{"prompt": "ab"}, {"prompt": "abc d"}]
+        fit = trainer(
+            tmp_path / f"step{len(calls)}", max_steps=1, callbacks=[other_reference(), gradient_spy(grads)]
+        )
+        fit.fit(grpo, loader(records, batch_size=batch_size))
         return grpo.last_step.metrics["train/loss"], grads
 
     return run

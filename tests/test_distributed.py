@@ -6,6 +6,7 @@ on two GPUs where there are two; and the settings a sharded policy refuses.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,22 @@ def test_sharding_refuses_what_it_cannot_do(settings, tensor_parallel, message):
     grpo._device_mesh = mesh(tensor_parallel)  # what ModelParallelStrategy sets before configure_model
     with pytest.raises(ValueError, match=message):
         grpo.configure_model()
+
+
+def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_path, step_gradients):
+    tests = Path(__file__).resolve().parent
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*torchrun, str(tests / "ddp_gradients.py"), str(tmp_path), str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    for loss_type in ("grpo", "dapo", "dr_grpo", "forge"):
+        ddp = torch.load(tmp_path / f"{loss_type}.pt")
+        _, one = step_gradients(batch_size=2, fixed=True, loss_type=loss_type)  # both prompts, one batch
+        assert any(g.abs().sum() > 0 for g in one)
+        for a, b in zip(ddp, one):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)

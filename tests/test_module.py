@@ -166,3 +166,21 @@ def test_metrics_reach_loggers_once_per_optimizer_step_at_that_step(tmp_path, mo
     # Lightning's own callbacks (ModelCheckpoint(monitor=...), EarlyStopping) read these.
     assert "train/reward" in fit.callback_metrics
     assert float(fit.callback_metrics["train/reward"]) == float(rows[-1]["train/reward"])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "forge"])
+def test_accumulated_batches_give_the_gradient_of_one_batch_holding_them(step_gradients, loss_type):
+    # Completions of lengths 1-6 (FixedCompletions): a short rollout's tokens must not weigh more.
+    records = [{"prompt": "ab"}, {"prompt": "abc d"}, {"prompt": "xy"}, {"prompt": "q?"}]
+    _, whole = step_gradients(records=records, batch_size=4, fixed=True, loss_type=loss_type)
+    for batch_size, accumulation in ((2, 2), (1, 4)):
+        _, split = step_gradients(
+            records=records,
+            batch_size=batch_size,
+            fixed=True,
+            loss_type=loss_type,
+            gradient_accumulation_steps=accumulation,
+        )
+        assert any(g.abs().sum() > 0 for g in whole)
+        for a, b in zip(split, whole):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)

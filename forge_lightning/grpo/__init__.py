@@ -11,9 +11,11 @@ from forge_lightning.grpo.losses import (
     LOSS_TYPES,
     LossSettings,
     LossType,
+    backward_weight,
     grpo_loss,
     loss_normalizer,
     micro_batch_weight,
+    step_count,
 )
 
 __all__ = [
@@ -22,10 +24,12 @@ __all__ = [
     "AdvantageScale",
     "LossSettings",
     "LossType",
+    "backward_weight",
     "group_advantages",
     "grpo_loss",
     "loss_normalizer",
     "masked_mean",
     "micro_batch_weight",
+    "step_count",
     "token_log_probs",
 ]

@@ -31,7 +31,9 @@ _ADVANTAGE_DENOMINATORS: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale = "group") -> Tensor:
+def group_advantages(
+    rewards: Tensor, group_size: int, scale: AdvantageScale = "group", batch_rewards: Tensor | None = None
+) -> Tensor:
     """Group-relative advantages: each reward minus its group's mean, optionally rescaled.
 
     Args:
@@ -39,6 +41,8 @@ def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale = "
         group_size: G, completions per prompt; at least 2 and must divide N.
         scale: ``"group"`` divides by the group's std, ``"batch"`` by the std of all N rewards,
             ``"none"`` leaves the centred rewards as they are. Stds use Bessel's correction.
+        batch_rewards: the rewards the ``"batch"`` std is taken over, when more than ``rewards``
+            (every rank's, under data parallelism); None: ``rewards``.
 
     Returns:
         (N,) advantages in the rewards' floating dtype (float32 for integer rewards). A group whose
@@ -58,7 +62,10 @@ def group_advantages(rewards: Tensor, group_size: int, scale: AdvantageScale = "
     work_dtype = torch.promote_types(out_dtype, torch.float32)
     grouped = rewards.to(work_dtype).view(-1, group_size)  # (N/G, G)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
-    advantages = centred / _ADVANTAGE_DENOMINATORS[scale](grouped)
+    spread = (
+        grouped if batch_rewards is None or scale != "batch" else batch_rewards.to(work_dtype).view(-1, 1)
+    )
+    advantages = centred / _ADVANTAGE_DENOMINATORS[scale](spread)
     # The mean of equal floats need not round back to the same float; force the exact zero.
     all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (N/G, 1)
     advantages = torch.where(all_equal, torch.zeros_like(advantages), advantages)

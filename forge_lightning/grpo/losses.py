@@ -196,13 +196,19 @@ def _sequence_sum(values: Tensor, mask: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class _LossKind:
-    """One loss type. Its scalar is ``numerator(values, mask) / normalizer(mask, max_length)``."""
+    """One loss type. Its scalar is ``numerator(values, mask) / normalizer(mask, max_length)``.
+
+    ``over_the_step``: the normaliser is counted over a whole optimizer step (every accumulation
+    batch, every rank), so the step's gradient is that of one loss over all its rollouts; False
+    (forge) averages the per-batch losses instead, as Forge's per-prompt accumulation does.
+    """
 
     loss: Callable[[_LossInputs], tuple[Tensor, dict[str, Tensor]]]
     numerator: Callable[[Tensor, Tensor], Tensor]
     normalizer: Callable[[Tensor, int], int | Tensor]
     ratio_against_reference: bool = False
     at_sampling_temperature: bool = True
+    over_the_step: bool = True
 
 
 _KINDS: dict[str, _LossKind] = {
@@ -218,6 +224,7 @@ _KINDS: dict[str, _LossKind] = {
         lambda mask, _: mask.shape[0],
         ratio_against_reference=True,
         at_sampling_temperature=False,
+        over_the_step=False,
     ),
 }
 
@@ -234,6 +241,33 @@ def micro_batch_weight(settings: LossSettings, part: Tensor, whole: Tensor) -> T
     """The share of the whole batch's loss that the loss of rows ``part`` of mask ``whole`` stands
     for: summing ``weight x loss(part)`` over a split of the rows gives the loss of ``whole``."""
     return loss_normalizer(settings, part) / loss_normalizer(settings, whole).clamp(min=1)
+
+
+def backward_weight(settings: LossSettings, part: Tensor, whole: Tensor) -> Tensor:
+    """What a micro-batch's loss (rows ``part`` of a batch with mask ``whole``) is multiplied by
+    before its backward pass.
+
+    The step's gradient is then scaled once by ``world_size / N``, ``N`` the sum of
+    :func:`step_count` over the step's batches and ranks (DDP and FSDP average gradients over
+    ranks, hence ``world_size``). For grpo, dapo and dr_grpo the weight is the micro-batch's own
+    normaliser, so each backward carries its unnormalised sum and the step's gradient equals that
+    of the loss computed once over all its rollouts, however they were split into micro-batches,
+    accumulation batches and ranks: dapo's token mean is over every token of the step. For forge it
+    is the micro-batch's share of its batch's loss, and each batch counts 1: the mean of the
+    per-batch losses.
+    """
+    if _KINDS[settings.loss_type].over_the_step:
+        return loss_normalizer(settings, part)
+    return micro_batch_weight(settings, part, whole)
+
+
+def step_count(settings: LossSettings, mask: Tensor) -> Tensor:
+    """What one batch (mask ``(B, T)``) adds to its optimizer step's normaliser: its
+    :func:`loss_normalizer` (grpo: sequences with a token; dapo: tokens; dr_grpo:
+    ``B x max_completion_length``), or 1 for forge (see :func:`backward_weight`)."""
+    if _KINDS[settings.loss_type].over_the_step:
+        return loss_normalizer(settings, mask)
+    return torch.ones((), device=mask.device)
 
 
 def grpo_loss(
