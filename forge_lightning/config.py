@@ -48,7 +48,14 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 # Settings of the loss, passed to LossSettings (which checks them) under the same names.
-LOSS_FIELDS = ("loss_type", "clip_epsilon", "clip_epsilon_high", "kl_beta")
+LOSS_FIELDS = (
+    "loss_type",
+    "clip_epsilon",
+    "clip_epsilon_high",
+    "kl_beta",
+    "importance_sampling_level",
+    "kl_estimator",
+)
 
 
 def loss_settings(values: Mapping[str, Any]) -> LossSettings:

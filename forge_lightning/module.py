@@ -20,6 +20,8 @@ from forge_lightning.data.datamodule import split_batch
 from forge_lightning.generation import GenerationBackend, eos_token_ids, generation_backend
 from forge_lightning.grpo import (
     AdvantageScale,
+    ImportanceSampling,
+    KLEstimator,
     LossType,
     backward_weight,
     group_advantages,
@@ -74,6 +76,8 @@ class GRPOLightningModule(pl.LightningModule):
         warmup_steps: optimizer steps of linear warmup.
         lr_schedule: ``cosine`` to zero at the last step (Forge's) or ``constant`` after the warmup.
         loss_type: ``grpo``, ``dapo``, ``dr_grpo`` or ``forge`` (see grpo.LossSettings).
+        importance_sampling_level: ``token`` ratios, or one per completion (``sequence``, GSPO).
+        kl_estimator: ``k1``, ``k2`` or ``k3`` (grpo.LossSettings gives each one's gradient).
         advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
         num_iterations: optimizer passes over each rollout (mu); above 1 needs accumulation 1.
         train_micro_batch_size: completions per forward/backward (None: all); same gradient, less memory.
@@ -113,6 +117,8 @@ class GRPOLightningModule(pl.LightningModule):
         warmup_steps: int = 0,
         lr_schedule: Literal["cosine", "constant"] = "cosine",
         loss_type: LossType = "grpo",
+        importance_sampling_level: ImportanceSampling = "token",
+        kl_estimator: KLEstimator = "k3",
         advantage_scale: AdvantageScale = "group",
         num_iterations: int = 1,
         train_micro_batch_size: int | None = None,

@@ -41,6 +41,8 @@ BAD = {
     "clip_epsilon": 1.0,
     "clip_epsilon_high": -0.1,
     "kl_beta": -0.01,
+    "importance_sampling_level": "group",
+    "kl_estimator": "k4",
 }
 
 

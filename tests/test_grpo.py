@@ -375,3 +375,96 @@ def test_only_forge_scores_at_temperature_one_and_needs_the_reference_without_kl
         assert not LossSettings(loss_type, kl_beta=0.0).needs_reference
         assert LossSettings(loss_type, kl_beta=0.1).needs_reference
         assert LossSettings(loss_type).scoring_temperature(0.7) == 0.7
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sequence-level importance sampling (GSPO) and the KL estimators, on the worked example above.
+# Sequence log-ratios: row 0 mean(0.1, -0.3) = -0.1, row 1 0.0; both ratios inside [0.8, 1.2].
+
+SEQ_POLICY = [-math.exp(-0.1), -math.exp(-0.1), 1.0]  # -s * A on every token of the completion
+
+
+def test_sequence_level_ratio_matches_hand_computation():
+    settings = LossSettings(kl_beta=BETA, importance_sampling_level="sequence")
+    loss, metrics = grpo_loss(**worked_inputs(), settings=settings)
+    token_loss = [p + BETA * k for p, k in zip(SEQ_POLICY, KL)]
+    assert_close(loss.item(), per_sequence_mean(token_loss))
+    assert_close(metrics["policy_loss"].item(), per_sequence_mean(SEQ_POLICY))
+    assert metrics["clip_fraction_low"].item() == metrics["clip_fraction_high"].item() == 0.0
+
+
+def test_a_clipped_sequence_carries_no_gradient_on_any_of_its_tokens():
+    logp = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[-0.5, -0.5, -0.5], [0.0, 0.0, 0.0]], dtype=torch.float64)  # ratio e^0.5 = 1.65
+    settings = LossSettings(kl_beta=0.0, importance_sampling_level="sequence")
+    loss, metrics = grpo_loss(
+        logp, old, None, torch.tensor([1.0, 1.0], dtype=torch.float64), torch.ones(2, 3), settings
+    )
+    loss.backward()
+    assert torch.equal(logp.grad[0], torch.zeros(3, dtype=torch.float64))  # clipped high, A > 0
+    assert (logp.grad[1] != 0).all()
+    assert_close(metrics["clip_fraction_high"].item(), 0.5)
+
+
+@pytest.mark.parametrize("loss_type", TOKEN_LEVEL_TYPES)
+def test_sequence_level_gradient_equals_token_level_at_ratio_one_and_differs_after_a_step(loss_type):
+    def grad(old_logp, level: str) -> torch.Tensor:
+        inputs = worked_inputs(old_logp=old_logp)
+        settings = LossSettings(loss_type, kl_beta=BETA, importance_sampling_level=level)
+        grpo_loss(**inputs, settings=settings)[0].backward()
+        return inputs["logp"].grad
+
+    # One pass per rollout (mu = 1): old_logp is the policy's own, so every ratio is 1.
+    assert_close(grad(None, "sequence"), grad(None, "token"))
+    # A later pass (mu = 2): the old log-probs differ from the current ones.
+    old = torch.tensor(OLD, dtype=torch.float64)
+    assert not torch.allclose(grad(old, "sequence"), grad(old, "token"))
+
+
+@pytest.mark.parametrize(
+    ("estimator", "per_token"),
+    [("k1", lambda x: -x), ("k2", lambda x: x * x / 2), ("k3", k3)],
+)
+def test_kl_estimators_match_their_formulas(estimator, per_token):
+    xs = [-0.1, 0.2, 0.3]  # ref - logp on the three real tokens
+    settings = LossSettings(kl_beta=BETA, kl_estimator=estimator)
+    loss, metrics = grpo_loss(**worked_inputs(), settings=settings)
+    kl = [per_token(x) for x in xs]
+    assert_close(metrics["kl"].item(), sum(kl) / 3)
+    assert_close(loss.item(), per_sequence_mean([p + BETA * k for p, k in zip(POLICY, kl)]))
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_new_loss_paths_pass_gradcheck(estimator, level):
+    torch.manual_seed(4)
+    logp = (-torch.rand(3, 4, dtype=torch.float64) * 3).requires_grad_()
+    old = logp.detach() - torch.tensor([[0.05, -0.05, 0.02, -0.01]], dtype=torch.float64)
+    ref = logp.detach() - torch.tensor([[0.5], [0.05], [-0.5]], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    settings = LossSettings(kl_beta=0.1, kl_estimator=estimator, importance_sampling_level=level)
+    assert torch.autograd.gradcheck(lambda x: grpo_loss(x, old, ref, advantages, mask, settings)[0], (logp,))
+
+
+def test_k1_gradient_is_the_score_function_k2_and_k3_weigh_it_by_the_log_ratio():
+    # d/dlogp of each token's term: k1 -> 1, k2 -> -(ref - logp), k3 -> 1 - exp(ref - logp).
+    logp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5]], dtype=torch.float64)
+    x = -0.5
+    expected = {"k1": 1.0, "k2": -x, "k3": 1 - math.exp(x)}
+    for estimator, slope in expected.items():
+        logp.grad = None
+        settings = LossSettings(kl_beta=1.0, kl_estimator=estimator)
+        loss, _ = grpo_loss(
+            logp, logp.detach(), ref, torch.zeros(1, dtype=torch.float64), torch.ones(1, 1), settings
+        )
+        loss.backward()
+        assert_close(logp.grad.item(), slope)
+
+
+def test_forge_refuses_the_sequence_level_ratio_and_other_estimators():
+    with pytest.raises(ValueError, match="forge"):
+        LossSettings("forge", importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="forge"):
+        LossSettings("forge", kl_estimator="k2")

@@ -9,6 +9,8 @@ from forge_lightning.grpo.advantages import ADVANTAGE_SCALES, AdvantageScale, gr
 from forge_lightning.grpo.core import masked_mean, token_log_probs
 from forge_lightning.grpo.losses import (
     LOSS_TYPES,
+    ImportanceSampling,
+    KLEstimator,
     LossSettings,
     LossType,
     backward_weight,
@@ -22,6 +24,8 @@ __all__ = [
     "ADVANTAGE_SCALES",
     "LOSS_TYPES",
     "AdvantageScale",
+    "ImportanceSampling",
+    "KLEstimator",
     "LossSettings",
     "LossType",
     "backward_weight",

@@ -17,6 +17,8 @@ from forge_lightning.grpo.core import masked_mean
 
 LossType = Literal["grpo", "dapo", "dr_grpo", "forge"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+ImportanceSampling = Literal["token", "sequence"]
+KLEstimator = Literal["k1", "k2", "k3"]
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,23 @@ class LossSettings:
             the reference, at temperature 1; reproduces its numbers).
         clip_epsilon: the ratio is clipped to ``[1 - clip_epsilon, 1 + clip_epsilon]``; in (0, 1).
         clip_epsilon_high: a separate upper range (DAPO's clip-higher), > 0; None: clip_epsilon.
-        kl_beta: weight of the k3 KL penalty toward the reference, >= 0.
+        kl_beta: weight of the KL penalty toward the reference, >= 0.
         max_completion_length: dr_grpo's constant; None uses the mask's width.
+        importance_sampling_level: ``token`` (one ratio per token, as GRPO) or ``sequence``
+            (GSPO, as TRL defines it): one ratio per completion,
+            ``s = exp(mean over its tokens of (logp - old_logp))``, clipped per sequence, its
+            clipped surrogate applied to every token of the completion (the gradient flows
+            through every token's log-prob), then the loss type's reduction. GSPO's paper pairs
+            it with ``grpo``; with ``dapo``/``dr_grpo`` a long completion weighs more, as its
+            tokens are counted one by one. Its paper uses far smaller clip ranges (about 3e-4
+            below, 4e-4 above) than token-level GRPO's 0.2. With one pass per rollout the ratio
+            is 1 and the gradient equals token-level grpo's. Not with ``forge``.
+        kl_estimator: how each token's KL term is estimated from ``x = ref_logp - logp`` (the
+            completion sampled from the policy): ``k1 = -x``, unbiased for KL(policy || ref), but
+            as a loss term its gradient is zero in expectation; ``k2 = x**2 / 2``, whose gradient
+            is that of KL(policy || ref); ``k3 = exp(x) - x - 1`` (the default, as DeepSeekMath
+            and TRL), unbiased for KL(policy || ref) and never negative, whose gradient is that
+            of the forward KL(ref || policy). ``forge`` keeps Forge's k3 on its sequence ratio.
     """
 
     loss_type: LossType = "grpo"
@@ -39,6 +56,8 @@ class LossSettings:
     clip_epsilon_high: float | None = None
     kl_beta: float = 0.01
     max_completion_length: int | None = None
+    importance_sampling_level: ImportanceSampling = "token"
+    kl_estimator: KLEstimator = "k3"
 
     def __post_init__(self) -> None:
         checks = {
@@ -55,10 +74,22 @@ class LossSettings:
                 or (isinstance(self.max_completion_length, int) and self.max_completion_length >= 1),
                 "None or an integer >= 1",
             ),
+            "importance_sampling_level": (
+                self.importance_sampling_level in get_args(ImportanceSampling),
+                f"one of {get_args(ImportanceSampling)}",
+            ),
+            "kl_estimator": (self.kl_estimator in _KL_ESTIMATORS, f"one of {get_args(KLEstimator)}"),
         }
         for field, (ok, words) in checks.items():
             if not ok:
                 raise ValueError(f"{field} must be {words}, got {getattr(self, field)!r}")
+        if self.loss_type == "forge" and (
+            self.importance_sampling_level != "token" or self.kl_estimator != "k3"
+        ):
+            raise ValueError(
+                "loss_type 'forge' is Forge's own sequence-level loss with its k3 term: leave "
+                "importance_sampling_level 'token' and kl_estimator 'k3'"
+            )
 
     @property
     def needs_reference(self) -> bool:
@@ -133,6 +164,13 @@ def _k3(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+_KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "k1": lambda x: -x,
+    "k2": lambda x: 0.5 * x**2,
+    "k3": _k3,
+}
+
+
 def _add_kl(policy: Tensor, kl: Tensor, beta: float) -> Tensor:
     # Skipping the term at beta 0 keeps an overflowing KL (inf * 0 = NaN) out of the loss.
     return policy + beta * kl if beta > 0 else policy
@@ -163,15 +201,17 @@ def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     advantages = x.advantages.unsqueeze(-1)  # (B, 1)
     # Zero the log-ratios on padding before exp: garbage there could overflow, and inf * 0 grads are NaN.
     log_ratio = torch.where(x.mask, x.logp - x.old_logp, 0)  # (B, T)
+    if x.settings.importance_sampling_level == "sequence":
+        log_ratio = masked_mean(log_ratio, x.mask, dim=1).unsqueeze(-1)  # (B, 1): one per completion
     ratio = torch.exp(log_ratio)
-    policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high)  # (B, T)
+    policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high).expand_as(x.logp)  # (B, T)
     per_token = policy
     kl_metric = x.logp.new_zeros(())
     if x.ref_logp is not None:
-        kl = _k3(torch.where(x.mask, x.ref_logp - x.logp, 0))  # (B, T)
+        kl = _KL_ESTIMATORS[x.settings.kl_estimator](torch.where(x.mask, x.ref_logp - x.logp, 0))  # (B, T)
         per_token = _add_kl(policy, kl, x.settings.kl_beta)
         kl_metric = masked_mean(kl.detach(), x.mask)
-    low, high = _clip_masks(ratio.detach(), advantages, eps_low, eps_high)
+    low, high = (m.expand_as(x.logp) for m in _clip_masks(ratio.detach(), advantages, eps_low, eps_high))
     metrics = {
         "policy_loss": x.reduce(policy.detach()),
         "kl": kl_metric,
