@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from forge_lightning.grpo import token_log_probs
+from forge_lightning.grpo import token_log_probs, token_log_probs_and_entropy
 from forge_lightning.hf_compat import cache_kwarg, output_cache, supports_shared_prefix
 from forge_lightning.rollout import Rollout
 
@@ -47,16 +47,30 @@ def completion_log_probs(
     prompt_ids, prompt_mask: (P, Lp) left-padded; completion_ids: (P*G, Lc), groups contiguous.
     Returns float32 (P*G, Lc); positions after a completion's EOS hold values the caller masks.
     """
+    logits = completion_logits(
+        model, prompt_ids, prompt_mask, completion_ids, group_size=group_size, mode=mode
+    )
+    return token_log_probs(logits, completion_ids, temperature=temperature, chunk_size=chunk_size)
+
+
+def completion_logits(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    *,
+    group_size: int,
+    mode: ForwardMode = "full",
+) -> Tensor:
+    """The logits ``(P*G, Lc, V)`` that predict each completion token (see completion_log_probs)."""
     if completion_ids.shape[0] != prompt_ids.shape[0] * group_size:
         raise ValueError(
             f"{completion_ids.shape[0]} completions for {prompt_ids.shape[0]} prompts "
             f"x group_size {group_size}"
         )
     if mode == "shared_prefix":
-        logits = _shared_prefix_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
-    else:
-        logits = _full_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
-    return token_log_probs(logits, completion_ids, temperature=temperature, chunk_size=chunk_size)
+        return _shared_prefix_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
+    return _full_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
 
 
 def _positions(mask: Tensor) -> Tensor:
@@ -146,6 +160,22 @@ class LogProbScorer:
 
     def log_probs(self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int) -> Tensor:
         """Log-probs ``(stop-start, Lc)`` of completion rows ``[start, stop)`` under ``model``."""
+        logits, targets = self._logits(model, rollout, start, stop)
+        return token_log_probs(logits, targets, temperature=self.temperature, chunk_size=self.chunk_size)
+
+    def log_probs_and_entropy(
+        self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`log_probs` and each position's entropy ``(stop-start, Lc)`` at the same
+        temperature, from the same float32 chunks (no extra forward; the entropy is detached)."""
+        logits, targets = self._logits(model, rollout, start, stop)
+        return token_log_probs_and_entropy(
+            logits, targets, temperature=self.temperature, chunk_size=self.chunk_size
+        )
+
+    def _logits(
+        self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int
+    ) -> tuple[Tensor, Tensor]:
         group = rollout.group_size
         # The prompt can be shared only by rows that hold whole groups.
         aligned = start % group == 0 and (stop % group == 0 or stop == rollout.completion_ids.shape[0])
@@ -156,16 +186,12 @@ class LogProbScorer:
         else:
             prompt_ids = rollout.prompt_ids.repeat_interleave(group, dim=0)[start:stop]
             prompt_mask = rollout.prompt_mask.repeat_interleave(group, dim=0)[start:stop]
-        return completion_log_probs(
-            model,
-            prompt_ids,
-            prompt_mask,
-            rollout.completion_ids[start:stop],
-            group_size=group if shared else 1,
-            temperature=self.temperature,
-            mode="shared_prefix" if shared else "full",
-            chunk_size=self.chunk_size,
+        targets = rollout.completion_ids[start:stop]
+        mode = "shared_prefix" if shared else "full"
+        logits = completion_logits(
+            model, prompt_ids, prompt_mask, targets, group_size=group if shared else 1, mode=mode
         )
+        return logits, targets
 
     @torch.no_grad()
     def log_probs_no_grad(self, model: PreTrainedModel, rollout: Rollout) -> Tensor:

@@ -25,6 +25,7 @@ TRAIN_KEYS = (
     "clip_fraction_high",
     "completion_length",
     "frac_zero_std_groups",
+    "entropy",
     "lr",
     "grad_norm",
 )
@@ -45,7 +46,7 @@ class TrainMetrics(nn.Module):
         super().__init__()
         counted = keys is None
         names = list((*TRAIN_KEYS, *PERF_KEYS) if keys is None else keys)
-        names += [f"rewards/{c}" for c in reward_components]
+        names += [f"rewards/{c}{suffix}" for c in reward_components for suffix in ("", "_std")]
         # Module names may not contain '.', which reward names may; '/' is fine.
         self.means = nn.ModuleDict({n.replace(".", "_"): MeanMetric() for n in names})
         self.counts = nn.ModuleDict({n: SumMetric() for n in COUNT_KEYS}) if counted else nn.ModuleDict()
@@ -82,10 +83,11 @@ def batch_metrics(
     lengths = rollout.completion_lengths.float()
     values = {
         "reward": rewards.mean(),
-        "reward_std": rewards.std() if rewards.numel() > 1 else torch.zeros(()),
+        "reward_std": _std(rewards),
         "completion_length": lengths.mean(),
         "frac_zero_std_groups": (group_std == 0).float().mean(),
         **{f"rewards/{name}": v.mean() for name, v in components.items()},
+        **{f"rewards/{name}_std": _std(v) for name, v in components.items()},
         **stats,
     }
     if phases:
@@ -96,13 +98,18 @@ def batch_metrics(
     return values
 
 
+def _std(values: Tensor) -> Tensor:
+    return values.std() if values.numel() > 1 else torch.zeros(())
+
+
 def add_micro_batch(
     totals: dict[str, Tensor], loss: Tensor, metrics: dict[str, Tensor], weight: Tensor, token_share: Tensor
 ) -> None:
     """Add one micro-batch's loss statistics to ``totals``: the losses by their share of the loss,
     the per-token statistics (KL, clip fractions) by their share of the tokens."""
     parts = {"loss": loss.detach() * weight, "policy_loss": metrics["policy_loss"] * weight}
-    parts.update({k: metrics[k] * token_share for k in ("kl", "clip_fraction_low", "clip_fraction_high")})
+    per_token = ("kl", "clip_fraction_low", "clip_fraction_high", "entropy")
+    parts.update({k: metrics[k] * token_share for k in per_token if k in metrics})
     for key, value in parts.items():
         totals[key] = totals.get(key, 0) + value.detach()
     totals["clip_fraction"] = totals["clip_fraction_low"] + totals["clip_fraction_high"]
@@ -115,6 +122,7 @@ class StepRecord:
     Attributes:
         step: ``trainer.global_step`` after the batch (optimizer steps so far).
         rewards: (P*G,) the batch's rewards.
+        completion_lengths: (P*G,) its completions' lengths, in tokens.
         samples: up to 8 (prompt, completion, reward) triples of the batch.
         metrics: the optimizer step's metrics (means over its batches, reduced across ranks),
             under their logged names; empty for a batch that only accumulated gradients.
@@ -123,6 +131,7 @@ class StepRecord:
 
     step: int
     rewards: Tensor
+    completion_lengths: Tensor
     samples: list[tuple[str, str, float]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
@@ -141,4 +150,5 @@ class StepRecord:
             (prompts[i // rollout.group_size], rollout.completions[i], float(rewards[i]))
             for i in range(min(len(rollout.completions), 8))
         ]
-        return cls(step, rewards.detach().float().cpu(), samples, metrics, phases)
+        lengths = rollout.completion_lengths.detach().float().cpu()
+        return cls(step, rewards.detach().float().cpu(), lengths, samples, metrics, phases)

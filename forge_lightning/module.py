@@ -26,6 +26,7 @@ from forge_lightning.grpo import (
     backward_weight,
     group_advantages,
     grpo_loss,
+    masked_mean,
     micro_batch_weight,
     step_count,
 )
@@ -337,7 +338,7 @@ class GRPOLightningModule(pl.LightningModule):
         for start, stop in self.scorer.micro_batches(rollout):
             rows = slice(start, stop)
             with profile("logprob"):
-                logp = self.scorer.log_probs(self.model, rollout, start, stop)
+                logp, entropy = self.scorer.log_probs_and_entropy(self.model, rollout, start, stop)
                 loss, metrics = grpo_loss(
                     logp,
                     _rows(old_logp, rows),
@@ -349,6 +350,7 @@ class GRPOLightningModule(pl.LightningModule):
             weight = backward_weight(self.loss_settings, mask[rows], mask).to(loss.device)
             with profile("backward"):
                 self.manual_backward(loss * weight)
+            metrics["entropy"] = masked_mean(entropy, mask[rows])
             share = micro_batch_weight(self.loss_settings, mask[rows], mask).to(loss.device)
             add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
         self._step_count = self._step_count + step_count(self.loss_settings, mask)

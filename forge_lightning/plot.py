@@ -2,7 +2,8 @@
 
 One panel per quantity the log holds, against the optimizer step: the reward (with a band of one
 ``reward_std`` around it), the ``rewards/<component>`` curves of a composite reward together, the
-KL to the reference, the clip fraction and the completion length. Drawn on matplotlib's Agg
+KL to the reference, the clip fraction, the completion length, the policy's entropy and the share of
+completions cut off at the cap. Drawn on matplotlib's Agg
 canvas: no display needed, and pyplot's global state is left alone.
 """
 
@@ -25,6 +26,8 @@ _FIXED_PANELS = (
     ("KL to reference", ("kl",)),
     ("clip fraction", ("clip_fraction",)),
     ("completion length (tokens)", ("completion_length",)),
+    ("entropy (nats per token)", ("entropy",)),
+    ("truncated fraction", ("truncated_fraction",)),
 )
 
 
@@ -125,7 +128,7 @@ def _panels(records: list[dict[str, Any]]) -> list[tuple[str, tuple[str, ...]]]:
     panels: list[tuple[str, tuple[str, ...]]] = []
     if "reward" in present:
         panels.append(("reward (mean, ±1 std)", ("reward",)))
-    components = tuple(sorted(key for key in present if key.startswith("rewards/")))
+    components = tuple(sorted(k for k in present if k.startswith("rewards/") and not k.endswith("_std")))
     if len(components) > 1:  # a single component is the reward itself
         panels.append(("reward components", components))
     panels += [(name, keys) for name, keys in _FIXED_PANELS if keys[0] in present]

@@ -468,3 +468,19 @@ def test_forge_refuses_the_sequence_level_ratio_and_other_estimators():
         LossSettings("forge", importance_sampling_level="sequence")
     with pytest.raises(ValueError, match="forge"):
         LossSettings("forge", kl_estimator="k2")
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_entropy_comes_with_the_log_probs_and_matches_the_softmax(chunk_size):
+    from forge_lightning.grpo import token_log_probs_and_entropy
+
+    torch.manual_seed(2)
+    logits = torch.randn(3, 4, 7, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 7, (3, 4))
+    logp, entropy = token_log_probs_and_entropy(logits, targets, temperature=0.7, chunk_size=chunk_size)
+    log_softmax = torch.log_softmax(logits / 0.7, dim=-1)
+    assert_close(entropy, -(log_softmax.exp() * log_softmax).sum(-1).detach())
+    assert_close(logp, token_log_probs(logits, targets, temperature=0.7))
+    assert not entropy.requires_grad
+    logp.sum().backward()  # the entropy output does not get in the way of the gradient
+    assert torch.isfinite(logits.grad).all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -184,3 +185,24 @@ def test_accumulated_batches_give_the_gradient_of_one_batch_holding_them(step_gr
         assert any(g.abs().sum() > 0 for g in whole)
         for a, b in zip(split, whole):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+
+
+def test_step_reports_entropy_and_each_reward_components_spread(tmp_path, module, trainer, loader):
+    from forge_lightning.rewards import CompositeReward
+
+    def long(prompts, responses):
+        return [float(len(r)) for r in responses]
+
+    def constant(prompts, responses):
+        return [1.0] * len(responses)
+
+    grpo = module(reward=CompositeReward([(long, 1.0), (constant, 1.0)]), gradient_accumulation_steps=1)
+    trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "q"}]))
+    metrics, lengths = grpo.last_step.metrics, grpo.last_step.completion_lengths
+    # A random policy over a ~80-token vocabulary: high entropy, at most log(V) nats.
+    assert 0.5 < metrics["train/entropy"] <= math.log(len(grpo.tokenizer)) + 1e-6
+    assert metrics["train/rewards/constant_std"] == 0.0
+    texts = [c for _, c, _ in grpo.last_step.samples]
+    expected = torch.tensor([float(len(t)) for t in texts]).std().item()
+    assert metrics["train/rewards/long_std"] == pytest.approx(expected, rel=1e-5)
+    assert lengths.shape == (4,) and metrics["train/num_tokens"] == lengths.sum().item()

@@ -58,6 +58,16 @@ def test_one_panel_per_quantity_with_components_overlaid():
     assert [line.get_label() for line in component_axis.get_lines()] == ["correct", "format"]
 
 
+def test_entropy_and_truncated_fraction_get_panels_and_component_stds_none():
+    records = load_log_records(components=("correct", "format"))
+    for record in records:
+        record.update({"entropy": 2.0, "truncated_fraction": 0.25, "rewards/correct_std": 0.1})
+    figure = curves_figure(records)
+    titles = [ax.get_title() for ax in figure.axes if ax.get_visible()]
+    assert titles[-2:] == ["entropy (nats per token)", "truncated fraction"]
+    assert [line.get_label() for line in figure.axes[1].get_lines()] == ["correct", "format"]
+
+
 def test_a_single_component_gets_no_panel_of_its_own():
     titles = [ax.get_title() for ax in curves_figure(load_log_records(components=("digits",))).axes]
     assert "reward components" not in titles

@@ -71,6 +71,9 @@ def test_tensorboard_gets_scalars_reward_histogram_and_samples(tiny_model_dir, t
     assert [h.step for h in histograms] == [1, 2]
     # One report per step, each over that step's rollout: 1 prompt x group_size 4 rewards.
     assert all(h.histogram_value.num == 4 for h in histograms)
+    lengths = events.Histograms("train/completion_length_hist")
+    assert [h.step for h in lengths] == [1, 2] and all(h.histogram_value.num == 4 for h in lengths)
+    assert "train/entropy" in tags["scalars"]
 
     assert "samples/text_summary" in tags["tensors"]
     table = events.Tensors("samples/text_summary")[-1].tensor_proto.string_val[0].decode()

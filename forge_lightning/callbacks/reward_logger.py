@@ -18,7 +18,18 @@ from forge_lightning.fileio import append_jsonl, write_atomically
 
 # The JSONL line carries these (plus one ``rewards/<name>`` per reward component); the Lightning
 # logger gets every metric the module tracks.
-JSONL_KEYS = ("loss", "reward", "reward_std", "kl", "clip_fraction", "completion_length", "lr", "grad_norm")
+JSONL_KEYS = (
+    "loss",
+    "reward",
+    "reward_std",
+    "kl",
+    "clip_fraction",
+    "completion_length",
+    "entropy",
+    "num_tokens",
+    "lr",
+    "grad_norm",
+)
 
 
 class RewardLogger(Callback):
@@ -28,8 +39,9 @@ class RewardLogger(Callback):
     The scalars reach every Lightning logger from the module itself (``self.log``, once per
     optimizer step); this callback adds what a logger's scalars do not: ``{output_dir}/
     training_log.jsonl``, one record per report with each value's mean over the optimizer steps
-    since the previous report, and, for a TensorBoard logger, ``train/reward_hist`` (every reward
-    scored since the previous report, rank zero's) and the samples table. On a resumed fit,
+    since the previous report, and, for a TensorBoard logger, ``train/reward_hist`` and
+    ``train/completion_length_hist`` (every reward and completion length since the previous
+    report, rank zero's) and the samples table. On a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
 
     Args:
@@ -47,6 +59,7 @@ class RewardLogger(Callback):
         self.num_text_samples = num_text_samples
         self._last_step = -1
         self._rewards: list[torch.Tensor] = []
+        self._lengths: list[torch.Tensor] = []
         self._window: list[dict[str, float]] = []
 
     def log_path(self, trainer: pl.Trainer) -> Path:
@@ -56,7 +69,7 @@ class RewardLogger(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Not on_fit_start: the restored global_step is only known once training state is loaded.
         self._last_step = trainer.global_step
-        self._rewards, self._window = [], []
+        self._rewards, self._lengths, self._window = [], [], []
         path = self.log_path(trainer)
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,6 +83,7 @@ class RewardLogger(Callback):
             return
         if record.rewards.numel():
             self._rewards.append(record.rewards)
+            self._lengths.append(record.completion_lengths)
         if record.metrics:
             self._window.append(record.metrics)
         step = trainer.global_step
@@ -78,6 +92,7 @@ class RewardLogger(Callback):
         self._last_step = step
         window, self._window = self._window, []
         rewards, self._rewards = self._rewards, []
+        lengths, self._lengths = self._lengths, []
         if not trainer.is_global_zero:
             return
         line: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch}
@@ -86,18 +101,23 @@ class RewardLogger(Callback):
         print(_console_line(line), flush=True)
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                self._tensorboard_views(logger, record.samples, rewards, step)
+                self._tensorboard_views(logger, record.samples, rewards, lengths, step)
 
     def _tensorboard_views(
         self,
         logger: TensorBoardLogger,
         samples: list[tuple[str, str, float]],
         rewards: list[torch.Tensor],
+        lengths: list[torch.Tensor],
         step: int,
     ) -> None:
-        """What a scalar cannot show: the spread of the rewards and what the completions look like."""
+        """What a scalar cannot show: the spread of the rewards and of the completion lengths, and
+        what the completions look like."""
         if rewards:
             logger.experiment.add_histogram("train/reward_hist", torch.cat(rewards).cpu(), global_step=step)
+            logger.experiment.add_histogram(
+                "train/completion_length_hist", torch.cat(lengths), global_step=step
+            )
         samples = samples[: self.num_text_samples]
         if samples:
             logger.experiment.add_text("samples", _markdown_table(samples), global_step=step)

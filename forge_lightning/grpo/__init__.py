@@ -6,7 +6,7 @@ the vocabulary and G for the group size.
 """
 
 from forge_lightning.grpo.advantages import ADVANTAGE_SCALES, AdvantageScale, group_advantages
-from forge_lightning.grpo.core import masked_mean, token_log_probs
+from forge_lightning.grpo.core import masked_mean, token_log_probs, token_log_probs_and_entropy
 from forge_lightning.grpo.losses import (
     LOSS_TYPES,
     ImportanceSampling,
@@ -36,4 +36,5 @@ __all__ = [
     "micro_batch_weight",
     "step_count",
     "token_log_probs",
+    "token_log_probs_and_entropy",
 ]

@@ -33,26 +33,34 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 
     Plain autograd would keep every chunk's float32 copy alive for the backward pass, which defeats
     the chunking; this function saves only the original logits and the (n,) logsumexp and rebuilds
-    the softmax chunk by chunk when the gradient is needed.
+    the softmax chunk by chunk when the gradient is needed. Asked for it, it also returns each row's
+    entropy, from the same float32 chunk (no gradient flows through it).
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int) -> Tensor:
-        # logits (n, V), targets (n,) -> (n,)
+    def forward(
+        ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, with_entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        # logits (n, V), targets (n,) -> log-probs (n,) and entropies (n,), or (0,) without them
         out_dtype = torch.promote_types(logits.dtype, torch.float32)
         out = logits.new_empty(targets.shape, dtype=out_dtype)
         lse = torch.empty_like(out)
+        entropy = torch.empty_like(out) if with_entropy else out.new_empty(0)
         for start in range(0, targets.numel(), chunk_size):
             rows = slice(start, start + chunk_size)
             scaled = _scaled_float(logits[rows], temperature)  # (c, V)
             lse[rows] = torch.logsumexp(scaled, dim=-1)
             out[rows] = scaled.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]
+            if with_entropy:  # H = logsumexp(z) - sum softmax(z) * z
+                probs = torch.exp(scaled - lse[rows].unsqueeze(-1))
+                entropy[rows] = lse[rows] - (probs * scaled).sum(dim=-1)
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor) -> tuple[Tensor, None, None, None, None]:
         logits, targets, lse = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         for start in range(0, targets.numel(), ctx.chunk_size):
@@ -62,12 +70,19 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             # d/dz of (z_target - logsumexp z) is onehot(target) - softmax(z); z = logits / T.
             chunk_grad = (-probs * grad_rows).scatter_add(-1, targets[rows].unsqueeze(-1), grad_rows)
             grad_logits[rows] = chunk_grad / ctx.temperature
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
 def token_log_probs(
     logits: Tensor, target_ids: Tensor, temperature: float = 1.0, chunk_size: int | None = None
 ) -> Tensor:
+    """Log-probability of each target token; see :func:`token_log_probs_and_entropy`."""
+    return _token_log_probs(logits, target_ids, temperature, chunk_size, with_entropy=False)[0]
+
+
+def token_log_probs_and_entropy(
+    logits: Tensor, target_ids: Tensor, temperature: float = 1.0, chunk_size: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Log-probability of each target token under ``softmax(logits / temperature)``.
 
     Computed as the gathered logit minus the logsumexp over the vocabulary, so no (..., V) log-softmax
@@ -81,8 +96,15 @@ def token_log_probs(
             ``None`` processes all rows at once. The result does not depend on it.
 
     Returns:
-        (...) log-probabilities in float32 (float64 for float64 logits), differentiable w.r.t. logits.
+        (...) log-probabilities in float32 (float64 for float64 logits), differentiable w.r.t. logits,
+        and (...) the entropy of each position's ``softmax(logits / temperature)``, detached.
     """
+    return _token_log_probs(logits, target_ids, temperature, chunk_size, with_entropy=True)
+
+
+def _token_log_probs(
+    logits: Tensor, target_ids: Tensor, temperature: float, chunk_size: int | None, with_entropy: bool
+) -> tuple[Tensor, Tensor]:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
@@ -95,5 +117,7 @@ def token_log_probs(
     flat_logits = logits.reshape(-1, logits.shape[-1])  # (n, V)
     flat_targets = target_ids.reshape(-1).long()  # (n,)
     rows = chunk_size or max(flat_targets.numel(), 1)
-    flat = _ChunkedTokenLogProbs.apply(flat_logits, flat_targets, float(temperature), rows)
-    return flat.view(target_ids.shape)
+    flat, entropy = _ChunkedTokenLogProbs.apply(
+        flat_logits, flat_targets, float(temperature), rows, with_entropy
+    )
+    return flat.view(target_ids.shape), entropy.view(target_ids.shape) if with_entropy else entropy
