@@ -12,6 +12,7 @@ from forge_lightning.rewards import (
     FormatReward,
     GSM8KAnswerReward,
     LengthPenaltyReward,
+    OverlongPenaltyReward,
     RewardOutput,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
     "GSM8KDataModule",
     "HFCheckpoint",
     "LengthPenaltyReward",
+    "OverlongPenaltyReward",
     "PhaseProfiler",
     "ReferenceModel",
     "RewardLogger",

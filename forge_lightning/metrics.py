@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,9 @@ TRAIN_KEYS = (
     "clip_fraction_low",
     "clip_fraction_high",
     "completion_length",
+    "completion_length_finished",
+    "completion_length_truncated",
+    "truncated_fraction",
     "frac_zero_std_groups",
     "entropy",
     "lr",
@@ -59,12 +63,16 @@ class TrainMetrics(nn.Module):
         table[key].update(value.detach().float().reshape(-1).to(table[key].device))
 
     def pop(self) -> dict[str, float]:
-        """Means since the last call (counters as totals), then reset. Metrics never updated are left out."""
+        """Means since the last call (counters as totals), then reset. Metrics never updated, or
+        updated with no value at all (the length of truncated completions when none was), are left
+        out. Every rank updates the same metrics, so every rank joins the same reductions."""
         out: dict[str, float] = {}
         for table in (self.means, self.counts):
             for key, metric in table.items():
                 if metric.update_count:
-                    out[key] = float(metric.compute())
+                    value = float(metric.compute())
+                    if not math.isnan(value):
+                        out[key] = value
                 metric.reset()
         return out
 
@@ -81,7 +89,12 @@ def batch_metrics(
     the phases, their seconds and the completion tokens per second of them."""
     group_std = rewards.view(-1, rollout.group_size).std(dim=1)
     lengths = rollout.completion_lengths.float()
+    truncated = rollout.truncation
     values = {
+        "truncated_fraction": truncated.float().mean(),
+        # All of the batch's lengths in each, so that the step's mean is over its completions.
+        "completion_length_finished": lengths[~truncated],
+        "completion_length_truncated": lengths[truncated],
         "reward": rewards.mean(),
         "reward_std": _std(rewards),
         "completion_length": lengths.mean(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Literal
@@ -96,6 +97,9 @@ class GRPOLightningModule(pl.LightningModule):
         use_engine_logprobs: old-policy log-probs from the vLLM engine (needs top_p 1, top_k 0).
         peft: train a LoRA adapter (lora.LoraSettings or a dict of its fields); None trains every weight.
         accuracy: the check behind ``val/accuracy`` (a reward scoring 1 when right); GSM8K's if None.
+        mask_truncated_completions: a completion cut off at ``max_new_tokens`` (no EOS) gets no
+            policy or KL weight, and is left out of the loss's normaliser; it still counts in its
+            group's reward statistics (as in TRL and DAPO).
     """
 
     def __init__(
@@ -137,6 +141,7 @@ class GRPOLightningModule(pl.LightningModule):
         use_engine_logprobs: bool = False,
         peft: LoraSettings | None = None,
         accuracy: Callable[..., Any] | None = None,
+        mask_truncated_completions: bool = False,
     ) -> None:
         super().__init__()
         # Lightning checkpoints load with weights_only=True, which refuses custom classes: the
@@ -219,6 +224,8 @@ class GRPOLightningModule(pl.LightningModule):
                 self.reward, prompts, rollout, batch_kwargs, hp.on_reward_error
             )
         advantages = self._advantages(rewards)  # (P*G,)
+        if hp.mask_truncated_completions:
+            _warn_when_few_tokens_count(self._loss_mask(rollout), rollout.completion_mask)
         with profile("logprob"):
             # Both fixed before any update. With one pass the old policy is the policy itself, whose
             # detached log-probs grpo_loss takes when old_logp is None: no extra forward.
@@ -233,7 +240,7 @@ class GRPOLightningModule(pl.LightningModule):
                 with profile("optimizer"):
                     self._optimizer_step()
         self.train_metrics.update("reward_errors", torch.tensor([float(errors)]))
-        self.train_metrics.update("num_tokens", rollout.completion_mask.sum().float().reshape(1))
+        self.train_metrics.update("num_tokens", self._loss_mask(rollout).sum().float().reshape(1))
         self._record(prompts, rollout, rewards, components, stats, stepped)
 
     @override
@@ -333,7 +340,7 @@ class GRPOLightningModule(pl.LightningModule):
         grpo.backward_weight), has the gradient of the loss over all of the step's rollouts.
         Returns the pass's loss statistics, detached."""
         profile = self.trainer.profiler.profile
-        mask = rollout.completion_mask.bool()  # (P*G, Lc)
+        mask = self._loss_mask(rollout)  # (P*G, Lc)
         totals: dict[str, Tensor] = {}
         for start, stop in self.scorer.micro_batches(rollout):
             rows = slice(start, stop)
@@ -408,6 +415,14 @@ class GRPOLightningModule(pl.LightningModule):
                 logger.log_metrics(logged, step=self.global_step)
         self.last_step = StepRecord.of(self.global_step, prompts, rollout, rewards, logged, phases)
 
+    def _loss_mask(self, rollout: Rollout) -> Tensor:
+        """(P*G, Lc) the completion tokens the loss weighs: without the truncated completions'
+        when ``mask_truncated_completions``."""
+        mask = rollout.completion_mask.bool()
+        if self.hparams.mask_truncated_completions:
+            mask = mask & ~rollout.truncation.unsqueeze(1)
+        return mask
+
     def _advantages(self, rewards: Tensor) -> Tensor:
         """Group-relative advantages; ``advantage_scale: batch`` takes the std over every rank's
         groups of this training_step (later accumulation batches are not sampled yet)."""
@@ -424,3 +439,14 @@ class GRPOLightningModule(pl.LightningModule):
 
 def _rows(values: Tensor | None, rows: slice) -> Tensor | None:
     return None if values is None else values[rows]
+
+
+def _warn_when_few_tokens_count(kept: Tensor, tokens: Tensor) -> None:
+    share = float(kept.sum() / tokens.sum().clamp(min=1))
+    if share < 0.25:
+        warnings.warn(
+            f"only {share:.0%} of this batch's completion tokens keep weight: the others belong to "
+            "completions cut off at max_new_tokens (mask_truncated_completions); the cap may be too "
+            "short for the task",
+            stacklevel=2,
+        )

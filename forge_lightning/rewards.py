@@ -140,13 +140,20 @@ class LengthPenaltyReward(BaseReward):
         max_length: longest word count that can score above 0 (scores 0.0 itself unless optimal).
     """
 
-    def __init__(self, optimal_length: int = 200, min_length: int = 50, max_length: int = 500) -> None:
+    def __init__(
+        self,
+        optimal_length: int = 200,
+        min_length: int = 50,
+        max_length: int = 500,
+        zero_if_truncated: bool = False,
+    ) -> None:
         if not 0 <= min_length <= optimal_length <= max_length:
             raise ValueError(
                 "LengthPenaltyReward needs 0 <= min_length <= optimal_length <= max_length, got "
                 f"min_length={min_length}, optimal_length={optimal_length}, max_length={max_length}"
             )
         self.optimal_length, self.min_length, self.max_length = optimal_length, min_length, max_length
+        self.zero_if_truncated = zero_if_truncated
 
     def score_length(self, words: int) -> float:
         if words == self.optimal_length:
@@ -158,8 +165,43 @@ class LengthPenaltyReward(BaseReward):
             return (words - self.min_length) / (self.optimal_length - self.min_length)
         return (self.max_length - words) / (self.max_length - self.optimal_length)
 
-    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
-        return RewardOutput(scores=[self.score_length(len(response.split())) for response in responses])
+    def __call__(
+        self, prompts: list[str], responses: list[str], truncated: list[bool] | None = None, **kwargs: Any
+    ) -> RewardOutput:
+        scores = [self.score_length(len(response.split())) for response in responses]
+        if self.zero_if_truncated and truncated is not None:
+            scores = [0.0 if cut else score for score, cut in zip(scores, truncated)]
+        return RewardOutput(scores=scores)
+
+
+class OverlongPenaltyReward(BaseReward):
+    """DAPO's soft overlong punishment, in tokens: 0 up to ``max_length - buffer``, then falling
+    linearly to -1 at ``max_length`` (and -1 beyond). Reads ``completion_lengths``, which the
+    module passes to every reward that names it.
+
+    Args:
+        max_length: the length that scores -1; usually the run's ``max_new_tokens``.
+        buffer: how many tokens before ``max_length`` the penalty starts.
+    """
+
+    def __init__(self, max_length: int, buffer: int) -> None:
+        if not 0 < buffer <= max_length:
+            raise ValueError(
+                f"OverlongPenaltyReward needs 0 < buffer <= max_length, got {buffer=}, {max_length=}"
+            )
+        self.max_length, self.buffer = max_length, buffer
+
+    def __call__(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        completion_lengths: list[int] | None = None,
+        **kwargs: Any,
+    ) -> RewardOutput:
+        if completion_lengths is None or len(completion_lengths) != len(responses):
+            raise ValueError("OverlongPenaltyReward needs completion_lengths (tokens), one per response")
+        start = self.max_length - self.buffer
+        return RewardOutput(scores=[-min(max(n - start, 0) / self.buffer, 1.0) for n in completion_lengths])
 
 
 class GSM8KAnswerReward(BaseReward):

@@ -44,10 +44,37 @@ class Rollout:
     # (P*G, Lc) the sampling engine's log-prob of each completion token, when it reported them;
     # the loss then measures its ratio against these instead of recomputing them.
     old_logp: Tensor | None = None
+    # (P*G,) True for a completion cut off at max_new_tokens, with no EOS; None: none is.
+    truncated: Tensor | None = None
 
     @property
     def completion_lengths(self) -> Tensor:  # (P*G,)
         return self.completion_mask.sum(dim=1)
+
+    @property
+    def truncation(self) -> Tensor:  # (P*G,) bool
+        if self.truncated is None:
+            return torch.zeros(
+                self.completion_ids.shape[0], dtype=torch.bool, device=self.completion_ids.device
+            )
+        return self.truncated
+
+    def facts(self) -> dict[str, list]:
+        """Per-completion facts a reward may ask for by naming them: ``completion_ids`` (each
+        completion's tokens up to and including its EOS), ``completion_lengths`` (tokens) and
+        ``truncated`` (cut off at the cap)."""
+        lengths = self.completion_lengths.tolist()
+        return {
+            "completion_ids": [ids[:n] for ids, n in zip(self.completion_ids.tolist(), lengths)],
+            "completion_lengths": lengths,
+            "truncated": self.truncation.tolist(),
+        }
+
+
+def truncated_rows(completion_ids: Tensor, eos_ids: Sequence[int], max_new_tokens: int) -> Tensor:
+    """(N,) True where a completion has no EOS and reached ``max_new_tokens`` tokens."""
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_ids), device=completion_ids.device))
+    return ~is_eos.any(dim=1) & torch.tensor(completion_ids.shape[1] >= max_new_tokens, device=is_eos.device)
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: Sequence[int]) -> Tensor:
@@ -194,4 +221,5 @@ class RolloutSampler:
             group_size=group_size,
             completions=decode_completions(self.tokenizer, completion_ids, mask),
             old_logp=old_logp,
+            truncated=truncated_rows(completion_ids, self.eos_ids, params.max_new_tokens),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -74,7 +75,8 @@ def test_embedded_in_bare_trainer_with_extra_batch_keys(tmp_path, module, traine
     fit = trainer(tmp_path, max_steps=1)
     fit.fit(module(reward=keyed_reward, gradient_accumulation_steps=1), loader(records, batch_size=2))
     assert received["difficulty"] == ["hard"] * 4 + ["easy"] * 4
-    assert received["other"] == []  # no 'references': the batch had no 'reference' key
+    # no references (the batch had no "reference" key); the per-completion facts reach **kwargs
+    assert received["other"] == ["completion_ids", "completion_lengths", "truncated"]
     assert fit.global_step == 1
 
 
@@ -206,3 +208,44 @@ def test_step_reports_entropy_and_each_reward_components_spread(tmp_path, module
     expected = torch.tensor([float(len(t)) for t in texts]).std().item()
     assert metrics["train/rewards/long_std"] == pytest.approx(expected, rel=1e-5)
     assert lengths.shape == (4,) and metrics["train/num_tokens"] == lengths.sum().item()
+
+
+class CutOff:
+    """Every completion runs to max_new_tokens without an EOS."""
+
+    def generate(self, model, prompt_ids, prompt_mask, group_size, params):
+        rows = prompt_ids.shape[0] * group_size
+        return 4 + torch.arange(rows * params.max_new_tokens).view(rows, -1) % 20
+
+    def sync_weights(self, model) -> None:
+        pass
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_masked_truncated_completions_carry_no_gradient(tmp_path, module, trainer, loader, masked):
+    def varied(prompts, responses):
+        return [float(i) for i in range(len(responses))]
+
+    grpo = module(
+        reward=varied, mask_truncated_completions=masked, gradient_accumulation_steps=1, max_grad_norm=None
+    )
+    grpo.generator = CutOff()
+    grads: list[torch.Tensor] = []
+
+    class Grads(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.extend(p.grad for p in pl_module.model.parameters() if p.grad is not None)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path, max_steps=1, callbacks=[Grads()]).fit(grpo, loader([{"prompt": "q"}]))
+    metrics = grpo.last_step.metrics
+    assert metrics["train/truncated_fraction"] == 1.0
+    assert (
+        metrics["train/completion_length_truncated"] == 8.0
+        and "train/completion_length_finished" not in metrics
+    )
+    warned = any("keep weight" in str(w.message) for w in caught)
+    assert warned == masked
+    assert metrics["train/num_tokens"] == (0.0 if masked else 4 * 8)
+    assert all(g.abs().sum() == 0 for g in grads) == masked

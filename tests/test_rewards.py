@@ -288,3 +288,47 @@ def test_score_rejects_unknown_on_error() -> None:
 def test_score_rejects_mismatched_prompts_and_responses() -> None:
     with pytest.raises(ValueError, match="prompts"):
         score(has_digit, ["p"], ["1", "2"])
+
+
+def test_overlong_penalty_is_zero_then_linear_to_minus_one_at_the_cap():
+    from forge_lightning.rewards import OverlongPenaltyReward
+
+    reward = OverlongPenaltyReward(max_length=10, buffer=4)
+    scores = reward(["p"] * 5, ["r"] * 5, completion_lengths=[3, 6, 8, 10, 12]).scores
+    assert scores == [0.0, 0.0, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="completion_lengths"):
+        reward(["p"], ["r"])
+    with pytest.raises(ValueError, match="buffer"):
+        OverlongPenaltyReward(max_length=10, buffer=0)
+
+
+def test_length_penalty_can_leave_truncated_completions_at_zero():
+    reward = LengthPenaltyReward(optimal_length=2, min_length=1, max_length=3, zero_if_truncated=True)
+    assert reward(["p", "p"], ["two words", "two words"], truncated=[False, True]).scores == [1.0, 0.0]
+    assert LengthPenaltyReward(2, 1, 3)(["p"], ["two words"], truncated=[True]).scores == [1.0]
+
+
+def test_rewards_get_the_per_completion_facts_they_name():
+    import torch
+
+    from forge_lightning.rollout import Rollout
+    from forge_lightning.scoring import score_groups
+
+    seen = {}
+
+    def facts(prompts, responses, completion_ids, completion_lengths, truncated):
+        seen.update(ids=completion_ids, lengths=completion_lengths, truncated=truncated)
+        return [0.0] * len(responses)
+
+    ids = torch.tensor([[5, 6, 1, 1], [5, 6, 7, 8]])  # eos 1: the second row is cut off at 4 tokens
+    rollout = Rollout(
+        prompt_ids=torch.tensor([[3]]),
+        prompt_mask=torch.tensor([[1]]),
+        completion_ids=ids,
+        completion_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]),
+        group_size=2,
+        completions=["ab", "abcd"],
+        truncated=torch.tensor([False, True]),
+    )
+    score_groups(facts, ["q"], rollout, {})
+    assert seen == {"ids": [[5, 6, 1], [5, 6, 7, 8]], "lengths": [3, 4], "truncated": [False, True]}

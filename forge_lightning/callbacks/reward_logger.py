@@ -25,6 +25,7 @@ JSONL_KEYS = (
     "kl",
     "clip_fraction",
     "completion_length",
+    "truncated_fraction",
     "entropy",
     "num_tokens",
     "lr",
