@@ -41,6 +41,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "generation_backend": (lambda v: v in ("hf", "vllm"), "'hf' or 'vllm'"),
     "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
     "logprob_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "max_sampling_rounds": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "num_train_epochs": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "save_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "logging_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
@@ -85,6 +86,11 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
         raise ValueError(
             "num_iterations > 1 takes one optimizer step per pass over a rollout: set "
             f"gradient_accumulation_steps to 1 (got {values['gradient_accumulation_steps']})"
+        )
+    if values.get("dynamic_sampling") and values.get("num_iterations", 1) > 1:
+        raise ValueError(
+            "dynamic_sampling steps when enough informative groups are gathered, num_iterations > 1 "
+            f"after every pass: use one of them (num_iterations={values['num_iterations']})"
         )
     if values.get("use_engine_logprobs"):
         _check_engine_logprobs(values)

@@ -155,7 +155,7 @@ class LogProbScorer:
     def micro_batches(self, rollout: Rollout) -> list[tuple[int, int]]:
         """``[start, stop)`` completion rows of each micro-batch."""
         rows = rollout.completion_ids.shape[0]
-        size = self.micro_batch_size or rows
+        size = self.micro_batch_size or max(rows, 1)
         return [(a, min(a + size, rows)) for a in range(0, rows, size)]
 
     def log_probs(self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int) -> Tensor:

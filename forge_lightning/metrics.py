@@ -29,13 +29,25 @@ TRAIN_KEYS = (
     "completion_length_truncated",
     "truncated_fraction",
     "frac_zero_std_groups",
+    "sampling_rounds",
+    "groups_dropped",
     "entropy",
     "lr",
     "grad_norm",
 )
 # Seconds per phase (from the PhaseProfiler) and completion tokens per second of those seconds.
 PERF_KEYS = (*(f"{phase}_s" for phase in PHASES), "step_s", "tokens_per_s")
-COUNT_KEYS = ("reward_errors", "skipped_steps", "num_tokens")
+COUNT_KEYS = ("reward_errors", "skipped_steps", "num_tokens", "empty_steps")
+# The loss statistics of a backward pass (add_micro_batch).
+LOSS_STATS = (
+    "loss",
+    "policy_loss",
+    "kl",
+    "clip_fraction",
+    "clip_fraction_low",
+    "clip_fraction_high",
+    "entropy",
+)
 
 
 def logged_name(key: str) -> str:

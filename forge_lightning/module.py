@@ -27,13 +27,21 @@ from forge_lightning.grpo import (
     backward_weight,
     group_advantages,
     grpo_loss,
+    informative_groups,
     masked_mean,
     micro_batch_weight,
     step_count,
 )
 from forge_lightning.logprobs import LogProbScorer
 from forge_lightning.lora import LoraSettings, lora_settings
-from forge_lightning.metrics import StepRecord, TrainMetrics, add_micro_batch, batch_metrics, logged_name
+from forge_lightning.metrics import (
+    LOSS_STATS,
+    StepRecord,
+    TrainMetrics,
+    add_micro_batch,
+    batch_metrics,
+    logged_name,
+)
 from forge_lightning.models import ensure_pad_token, load_model
 from forge_lightning.optim import (
     NonFiniteGuard,
@@ -47,6 +55,7 @@ from forge_lightning.policy import prepare_policy
 from forge_lightning.profiler import PhaseProfiler
 from forge_lightning.rewards import GSM8KAnswerReward, component_names
 from forge_lightning.rollout import PromptSettings, Rollout, RolloutSampler, SamplingParams
+from forge_lightning.sampling_rounds import SamplingRounds
 from forge_lightning.scoring import score_groups
 
 
@@ -100,6 +109,10 @@ class GRPOLightningModule(pl.LightningModule):
         mask_truncated_completions: a completion cut off at ``max_new_tokens`` (no EOS) gets no
             policy or KL weight, and is left out of the loss's normaliser; it still counts in its
             group's reward statistics (as in TRL and DAPO).
+        dynamic_sampling: train on informative groups only, sampling rounds until a step has
+            enough (DAPO; see sampling_rounds.py); ``gradient_accumulation_steps`` then counts
+            informative prompts. Needs ``trainer.max_steps`` and ``num_iterations`` 1.
+        max_sampling_rounds: with dynamic sampling, the rounds after which a step trains on what it has.
     """
 
     def __init__(
@@ -142,6 +155,8 @@ class GRPOLightningModule(pl.LightningModule):
         peft: LoraSettings | None = None,
         accuracy: Callable[..., Any] | None = None,
         mask_truncated_completions: bool = False,
+        dynamic_sampling: bool = False,
+        max_sampling_rounds: int = 4,
     ) -> None:
         super().__init__()
         # Lightning checkpoints load with weights_only=True, which refuses custom classes: the
@@ -179,7 +194,10 @@ class GRPOLightningModule(pl.LightningModule):
             component_names(self.reward), keys=("accuracy", "reward", "completion_length")
         )
         self.last_step: StepRecord | None = None
-        self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
+        self._step_count = torch.zeros(())
+        self.rounds = SamplingRounds(
+            max_sampling_rounds
+        )  # the step's loss normaliser so far (grpo.step_count)
         self._nonfinite_guard = NonFiniteGuard(max_consecutive_bad_steps)
 
     @override
@@ -224,23 +242,29 @@ class GRPOLightningModule(pl.LightningModule):
                 self.reward, prompts, rollout, batch_kwargs, hp.on_reward_error
             )
         advantages = self._advantages(rewards)  # (P*G,)
+        if hp.dynamic_sampling:  # train on the informative groups only (see sampling_rounds.py)
+            keep = informative_groups(rewards, hp.group_size)  # (P,)
+            trained = rollout.select_groups(keep)
+            advantages = advantages.view(-1, hp.group_size)[keep].reshape(-1)
+            stepped = self._sampling_round(keep, batch_idx)
+        else:
+            trained, stepped = rollout, self._accumulation_boundary(batch_idx)  # always, when mu > 1
         if hp.mask_truncated_completions:
             _warn_when_few_tokens_count(self._loss_mask(rollout), rollout.completion_mask)
         with profile("logprob"):
             # Both fixed before any update. With one pass the old policy is the policy itself, whose
             # detached log-probs grpo_loss takes when old_logp is None: no extra forward.
-            ref_logp = self._reference_log_probs(rollout)
-            old_logp = rollout.old_logp
+            ref_logp = self._reference_log_probs(trained)
+            old_logp = trained.old_logp
             if old_logp is None and hp.num_iterations > 1:
-                old_logp = self.scorer.log_probs_no_grad(self.model, rollout)
-        stepped = self._accumulation_boundary(batch_idx)  # always, when num_iterations > 1
+                old_logp = self.scorer.log_probs_no_grad(self.model, trained)
         for _ in range(hp.num_iterations):
-            stats = self._backward_pass(rollout, advantages, old_logp, ref_logp)
+            stats = self._backward_pass(trained, advantages, old_logp, ref_logp)
             if stepped:
                 with profile("optimizer"):
                     self._optimizer_step()
         self.train_metrics.update("reward_errors", torch.tensor([float(errors)]))
-        self.train_metrics.update("num_tokens", self._loss_mask(rollout).sum().float().reshape(1))
+        self.train_metrics.update("num_tokens", self._loss_mask(trained).sum().float().reshape(1))
         self._record(prompts, rollout, rewards, components, stats, stepped)
 
     @override
@@ -275,7 +299,7 @@ class GRPOLightningModule(pl.LightningModule):
             weight_decay=hp.weight_decay,
             warmup_steps=hp.warmup_steps,
             total_steps=count_optimizer_steps(
-                self.trainer, hp.gradient_accumulation_steps, hp.num_iterations
+                self.trainer, hp.gradient_accumulation_steps, hp.num_iterations, hp.dynamic_sampling
             ),
             schedule=hp.lr_schedule,
             fused=fused,
@@ -320,7 +344,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     def _reference_log_probs(self, rollout: Rollout) -> Tensor | None:
         """The reference's log-probs ``(P*G, Lc)``; None when no loss term reads them."""
-        if not self.needs_reference:
+        if not self.needs_reference or rollout.completion_ids.shape[0] == 0:
             return None
         if self.reference is None:
             hp = self.hparams
@@ -342,7 +366,10 @@ class GRPOLightningModule(pl.LightningModule):
         profile = self.trainer.profiler.profile
         mask = self._loss_mask(rollout)  # (P*G, Lc)
         totals: dict[str, Tensor] = {}
-        for start, stop in self.scorer.micro_batches(rollout):
+        micro_batches = self.scorer.micro_batches(rollout)
+        # Before any backward: DDP all-reduces in each one, and collectives must come in one order.
+        extra = self._backward_calls_missing(len(micro_batches)) if self.hparams.dynamic_sampling else 0
+        for start, stop in micro_batches:
             rows = slice(start, stop)
             with profile("logprob"):
                 logp, entropy = self.scorer.log_probs_and_entropy(self.model, rollout, start, stop)
@@ -361,7 +388,27 @@ class GRPOLightningModule(pl.LightningModule):
             share = micro_batch_weight(self.loss_settings, mask[rows], mask).to(loss.device)
             add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
         self._step_count = self._step_count + step_count(self.loss_settings, mask)
-        return totals
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for _ in range(extra):  # a zero-weight backward, so that this rank joins the others' all-reduces
+            self.manual_backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
+        return totals or {key: torch.zeros(0) for key in LOSS_STATS}  # nothing trained: no values
+
+    def _backward_calls_missing(self, made: int) -> int:
+        """How many backward passes fewer than the most any rank makes this round: with dynamic
+        sampling the ranks train different numbers of micro-batches (or none)."""
+        if self.trainer.world_size == 1:
+            return 0
+        most = self.trainer.strategy.reduce(torch.tensor(float(made), device=self.device), reduce_op="max")
+        return int(most) - made
+
+    def _sampling_round(self, keep: Tensor, batch_idx: int) -> bool:
+        """Count this round's informative and dropped groups over every rank; whether to step."""
+        counts = torch.tensor([float(keep.sum()), float((~keep).sum())], device=self.device)
+        informative, dropped = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        self.rounds.add(int(informative), int(dropped))
+        target = self.trainer.world_size * keep.numel() * self.hparams.gradient_accumulation_steps
+        last = batch_idx + 1 == self.trainer.num_training_batches
+        return self.rounds.should_step(target, last)
 
     def _optimizer_step(self) -> None:
         """Clip, step, zero, schedule, and give the engine the new weights; a step whose gradient is
@@ -382,7 +429,10 @@ class GRPOLightningModule(pl.LightningModule):
             self.clip_gradients(
                 optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm"
             )
-        optimizer.step()
+        if self.hparams.dynamic_sampling:
+            for key, value in self.rounds.pop().items():
+                self.train_metrics.update(key, torch.tensor([value]))
+        optimizer.step()  # every gradient None after a round of uninformative groups: no update
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         self.generator.sync_weights(self.model)

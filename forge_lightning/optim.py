@@ -45,10 +45,17 @@ def can_fuse_adamw(params: Iterable[Tensor], *, precision: str, sharded: bool) -
     return on_plain_devices and not sharded and not str(precision).endswith("-mixed")
 
 
-def total_optimizer_steps(trainer: Any, gradient_accumulation_steps: int, num_iterations: int) -> int:
+def total_optimizer_steps(
+    trainer: Any, gradient_accumulation_steps: int, num_iterations: int, dynamic_sampling: bool = False
+) -> int:
     """Optimizer steps of the whole fit: ``max_steps`` when set, else counted from the batches."""
     if trainer.max_steps is not None and trainer.max_steps > 0:
         return trainer.max_steps
+    if dynamic_sampling:
+        raise ValueError(
+            "dynamic_sampling needs trainer.max_steps: how many batches an optimizer step takes is "
+            "not known in advance, so the learning-rate schedule cannot be sized from the data"
+        )
     batches = trainer.estimated_stepping_batches
     if not math.isfinite(batches):
         raise ValueError("the dataset has no length: set trainer.max_steps so the schedule has an end")

@@ -59,6 +59,21 @@ class Rollout:
             )
         return self.truncated
 
+    def select_groups(self, keep: Tensor) -> Rollout:
+        """The rollout of the prompts where ``keep`` (P,) is True, with their G completions each."""
+        rows = keep.repeat_interleave(self.group_size)  # (P*G,)
+        picked = rows.nonzero().flatten().tolist()
+        return Rollout(
+            prompt_ids=self.prompt_ids[keep],
+            prompt_mask=self.prompt_mask[keep],
+            completion_ids=self.completion_ids[rows],
+            completion_mask=self.completion_mask[rows],
+            group_size=self.group_size,
+            completions=[self.completions[i] for i in picked],
+            old_logp=None if self.old_logp is None else self.old_logp[rows],
+            truncated=None if self.truncated is None else self.truncated[rows],
+        )
+
     def facts(self) -> dict[str, list]:
         """Per-completion facts a reward may ask for by naming them: ``completion_ids`` (each
         completion's tokens up to and including its EOS), ``completion_lengths`` (tokens) and

@@ -1,11 +1,14 @@
 """One optimizer step of the tiny module per loss type under DDP, one prompt per rank; rank 0
 saves the step's gradient (after DDP's all-reduce, before the optimizer) to ``OUT/<loss>.pt``.
+With ``dynamic``, one step with dynamic sampling where the ranks gather their informative groups
+in different rounds (rank 0's first prompt is uninformative), saved to ``OUT/dynamic.pt``.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_gradients.py OUT ROOT
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_gradients.py OUT ROOT [dynamic]
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,12 +22,27 @@ from forge_lightning.module import GRPOLightningModule
 
 RECORDS = [{"prompt": "ab"}, {"prompt": "abc d"}]
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "forge")
+# Rank r trains on records r and r + 2 (its own loader, no DistributedSampler): rank 0 on p0 (flat),
+# then p2; rank 1 on p1, then p3.
+DYNAMIC_RECORDS = [{"prompt": f"p{i}", "kind": "flat" if i == 0 else "live"} for i in range(4)]
 
 
-def main(out: Path, root: Path) -> None:
-    for loss_type in LOSS_TYPES:
+def flat_or_live(prompts: list[str], responses: list[str], kind: list[str]) -> list[float]:
+    """0 for every completion of a "flat" prompt (an uninformative group), 0/1 alternating otherwise."""
+    return [0.0 if k == "flat" else float(i % 2) for i, k in enumerate(kind)]
+
+
+def main(out: Path, root: Path, dynamic: bool = False) -> None:
+    rank = int(os.environ["RANK"])
+    runs = (
+        [("dynamic", DYNAMIC_RECORDS[rank::2])]
+        if dynamic
+        else [(loss, RECORDS[rank::2]) for loss in LOSS_TYPES]
+    )
+    for name, records in runs:
         pl.seed_everything(1)
-        grpo = GRPOLightningModule(**exact_settings(loss_type=loss_type))
+        settings = {"reward": flat_or_live, "dynamic_sampling": True} if dynamic else {"loss_type": name}
+        grpo = GRPOLightningModule(**exact_settings(**settings))
         grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
         grads: list[torch.Tensor] = []
         trainer = pl.Trainer(
@@ -36,13 +54,14 @@ def main(out: Path, root: Path) -> None:
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            default_root_dir=root / loss_type,
+            default_root_dir=root / name,
             callbacks=[other_reference(), gradient_spy(grads)],
+            use_distributed_sampler=False,  # each rank's records are fixed above
         )
-        trainer.fit(grpo, DataLoader(RECORDS, batch_size=1, collate_fn=collate_records))
+        trainer.fit(grpo, DataLoader(records, batch_size=1, collate_fn=collate_records))
         if trainer.is_global_zero:
-            torch.save(grads, out / f"{loss_type}.pt")
+            torch.save(grads, out / f"{name}.pt")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), dynamic=sys.argv[3:] == ["dynamic"])

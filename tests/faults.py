@@ -18,3 +18,15 @@ def kill_on_call(prompts: list[str], responses: list[str]) -> list[float]:
     if calls == int(os.environ.get("FORGE_KILL_AT", "0")):
         os.kill(os.getpid(), signal.SIGKILL)
     return [len(set(r)) / 8 for r in responses]
+
+
+def flat_on_odd_calls(prompts: list[str], responses: list[str]) -> list[float]:
+    """Equal scores on odd calls (every group uninformative), 0/1 alternating on even ones;
+    SIGKILLs its own process on call ``$FORGE_KILL_AT``. With dynamic sampling and one group per
+    prompt to gather, every optimizer step then takes two sampling rounds."""
+    counter = Path(os.environ["FORGE_CALLS"])
+    calls = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(calls))
+    if calls == int(os.environ.get("FORGE_KILL_AT", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [0.5] * len(responses) if calls % 2 else [float(i % 2) for i in range(len(responses))]

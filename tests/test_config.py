@@ -43,6 +43,7 @@ BAD = {
     "kl_beta": -0.01,
     "importance_sampling_level": "group",
     "kl_estimator": "k4",
+    "max_sampling_rounds": 0,
 }
 
 
@@ -65,6 +66,7 @@ def test_a_boolean_is_not_a_number():
     ("settings", "field"),
     [
         ({"num_iterations": 2, "gradient_accumulation_steps": 4}, "gradient_accumulation_steps"),
+        ({"dynamic_sampling": True, "num_iterations": 2}, "num_iterations"),
         ({"use_engine_logprobs": True}, "generation_backend"),
         ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_p": 0.9}, "top_p"),
         ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_k": 5}, "top_k"),

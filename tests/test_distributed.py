@@ -129,17 +129,38 @@ def test_sharding_refuses_what_it_cannot_do(settings, tensor_parallel, message):
         grpo.configure_model()
 
 
-def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_path, step_gradients):
+def ddp_gradients(tmp_path: Path, *mode: str) -> None:
+    """Run tests/ddp_gradients.py on two gloo processes, writing into ``tmp_path``."""
     tests = Path(__file__).resolve().parent
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     done = subprocess.run(
-        [*torchrun, str(tests / "ddp_gradients.py"), str(tmp_path), str(tmp_path / "runs")],
+        [*torchrun, str(tests / "ddp_gradients.py"), str(tmp_path), str(tmp_path / "runs"), *mode],
         capture_output=True,
         text=True,
         timeout=600,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])},
     )
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_ddp_dynamic_sampling_with_ranks_out_of_step_matches_one_batch_of_the_informative(
+    tmp_path, step_gradients
+):
+    from ddp_gradients import DYNAMIC_RECORDS, flat_or_live
+
+    # Round 1: rank 0 has nothing to train (a zero-weight backward keeps DDP in step), rank 1 one
+    # group; round 2: one group each; 3 of the 2 x 1 x 1 needed: the step takes all three.
+    ddp_gradients(tmp_path, "dynamic")
+    ddp = torch.load(tmp_path / "dynamic.pt")
+    live = [r for r in DYNAMIC_RECORDS if r["kind"] == "live"]
+    _, one = step_gradients(records=live, batch_size=3, fixed=True, reward=flat_or_live)
+    assert any(g.abs().sum() > 0 for g in one)
+    for a, b in zip(ddp, one):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+
+
+def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_path, step_gradients):
+    ddp_gradients(tmp_path)
     for loss_type in ("grpo", "dapo", "dr_grpo", "forge"):
         ddp = torch.load(tmp_path / f"{loss_type}.pt")
         _, one = step_gradients(batch_size=2, fixed=True, loss_type=loss_type)  # both prompts, one batch

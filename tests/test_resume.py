@@ -114,3 +114,31 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, 
     monkeypatch.undo()
     assert io.load_checkpoint(target)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_resume_with_dynamic_sampling_after_a_kill_in_a_steps_second_round(tiny_model_dir, tmp_path):
+    def config(name: str) -> tuple[Path, Path]:
+        out, path = run_dir(tmp_path, name, tiny_model_dir)
+        text = path.read_text().replace("reward: faults.kill_on_call", "reward: faults.flat_on_odd_calls")
+        path.write_text(text.replace("  kl_beta: 0.05\n", "  kl_beta: 0.05\n  dynamic_sampling: true\n"))
+        return out, path
+
+    straight, straight_cfg = config("straight")
+    done = fit(straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = records(straight)
+    # A flat round, then an informative one (after the epoch's validation call, the order shifts).
+    assert [r["sampling_rounds"] for r in expected][:4] == [2.0] * 4
+    assert [r["groups_dropped"] for r in expected][:4] == [2.0] * 4
+
+    killed, killed_cfg = config("killed")
+    crash = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4"})
+    assert crash.returncode == -9  # inside step 2's second round
+    assert [r["step"] for r in records(killed)] == [1]
+    resumed = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_c")}, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = records(killed)
+    assert [r["step"] for r in after] == [1, 2, 3, 4, 5]
+    for got, want in zip(after, expected):
+        for key in ("loss", "reward", "kl", "lr", "grad_norm", "sampling_rounds", "groups_dropped"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)

@@ -26,6 +26,8 @@ JSONL_KEYS = (
     "clip_fraction",
     "completion_length",
     "truncated_fraction",
+    "sampling_rounds",
+    "groups_dropped",
     "entropy",
     "num_tokens",
     "lr",

@@ -5,7 +5,12 @@ tensors written by hand. Shapes use B for the batch of completions, T for comple
 the vocabulary and G for the group size.
 """
 
-from forge_lightning.grpo.advantages import ADVANTAGE_SCALES, AdvantageScale, group_advantages
+from forge_lightning.grpo.advantages import (
+    ADVANTAGE_SCALES,
+    AdvantageScale,
+    group_advantages,
+    informative_groups,
+)
 from forge_lightning.grpo.core import masked_mean, token_log_probs, token_log_probs_and_entropy
 from forge_lightning.grpo.losses import (
     LOSS_TYPES,
@@ -31,6 +36,7 @@ __all__ = [
     "backward_weight",
     "group_advantages",
     "grpo_loss",
+    "informative_groups",
     "loss_normalizer",
     "masked_mean",
     "micro_batch_weight",

@@ -70,3 +70,10 @@ def group_advantages(
     all_equal = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (N/G, 1)
     advantages = torch.where(all_equal, torch.zeros_like(advantages), advantages)
     return advantages.reshape(-1).to(out_dtype)
+
+
+def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """(N/G,) True for each group whose rewards are not all equal: the only groups whose
+    advantages, and so policy gradient, are not zero (DAPO's dynamic sampling keeps these)."""
+    grouped = rewards.view(-1, group_size)
+    return ~(grouped == grouped[:, :1]).all(dim=1)
