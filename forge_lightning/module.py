@@ -391,7 +391,9 @@ class GRPOLightningModule(pl.LightningModule):
         params = [p for p in self.model.parameters() if p.requires_grad]
         for _ in range(extra):  # a zero-weight backward, so that this rank joins the others' all-reduces
             self.manual_backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
-        return totals or {key: torch.zeros(0) for key in LOSS_STATS}  # nothing trained: no values
+        if not totals or not mask.any():  # nothing trained (or every token masked): no values
+            return {key: torch.zeros(0) for key in LOSS_STATS}
+        return totals
 
     def _backward_calls_missing(self, made: int) -> int:
         """How many backward passes fewer than the most any rank makes this round: with dynamic
