@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Literal
@@ -54,7 +53,13 @@ from forge_lightning.optim import total_optimizer_steps as count_optimizer_steps
 from forge_lightning.policy import prepare_policy
 from forge_lightning.profiler import PhaseProfiler
 from forge_lightning.rewards import GSM8KAnswerReward, component_names
-from forge_lightning.rollout import PromptSettings, Rollout, RolloutSampler, SamplingParams
+from forge_lightning.rollout import (
+    PromptSettings,
+    Rollout,
+    RolloutSampler,
+    SamplingParams,
+    warn_when_few_tokens_count,
+)
 from forge_lightning.sampling_rounds import SamplingRounds
 from forge_lightning.scoring import score_groups
 
@@ -246,11 +251,13 @@ class GRPOLightningModule(pl.LightningModule):
             keep = informative_groups(rewards, hp.group_size)  # (P,)
             trained = rollout.select_groups(keep)
             advantages = advantages.view(-1, hp.group_size)[keep].reshape(-1)
-            stepped = self._sampling_round(keep, batch_idx)
+            last = batch_idx + 1 == self.trainer.num_training_batches
+            target = self.trainer.world_size * keep.numel() * hp.gradient_accumulation_steps
+            stepped = self.rounds.add_round(keep, self.trainer.strategy, target=target, last_batch=last)
         else:
             trained, stepped = rollout, self._accumulation_boundary(batch_idx)  # always, when mu > 1
         if hp.mask_truncated_completions:
-            _warn_when_few_tokens_count(self._loss_mask(rollout), rollout.completion_mask)
+            warn_when_few_tokens_count(rollout)
         with profile("logprob"):
             # Both fixed before any update. With one pass the old policy is the policy itself, whose
             # detached log-probs grpo_loss takes when old_logp is None: no extra forward.
@@ -264,7 +271,9 @@ class GRPOLightningModule(pl.LightningModule):
                 with profile("optimizer"):
                     self._optimizer_step()
         self.train_metrics.update("reward_errors", torch.tensor([float(errors)]))
-        self.train_metrics.update("num_tokens", self._loss_mask(trained).sum().float().reshape(1))
+        self.train_metrics.update(
+            "num_tokens", trained.loss_mask(hp.mask_truncated_completions).sum().float().reshape(1)
+        )
         self._record(prompts, rollout, rewards, components, stats, stepped)
 
     @override
@@ -364,11 +373,13 @@ class GRPOLightningModule(pl.LightningModule):
         grpo.backward_weight), has the gradient of the loss over all of the step's rollouts.
         Returns the pass's loss statistics, detached."""
         profile = self.trainer.profiler.profile
-        mask = self._loss_mask(rollout)  # (P*G, Lc)
+        mask = rollout.loss_mask(self.hparams.mask_truncated_completions)  # (P*G, Lc)
         totals: dict[str, Tensor] = {}
         micro_batches = self.scorer.micro_batches(rollout)
         # Before any backward: DDP all-reduces in each one, and collectives must come in one order.
-        extra = self._backward_calls_missing(len(micro_batches)) if self.hparams.dynamic_sampling else 0
+        extra = 0
+        if self.hparams.dynamic_sampling and self.trainer.world_size > 1:
+            extra = self.rounds.backward_calls_missing(len(micro_batches), self.trainer.strategy, self.device)
         for start, stop in micro_batches:
             rows = slice(start, stop)
             with profile("logprob"):
@@ -394,23 +405,6 @@ class GRPOLightningModule(pl.LightningModule):
         if not totals or not mask.any():  # nothing trained (or every token masked): no values
             return {key: torch.zeros(0) for key in LOSS_STATS}
         return totals
-
-    def _backward_calls_missing(self, made: int) -> int:
-        """How many backward passes fewer than the most any rank makes this round: with dynamic
-        sampling the ranks train different numbers of micro-batches (or none)."""
-        if self.trainer.world_size == 1:
-            return 0
-        most = self.trainer.strategy.reduce(torch.tensor(float(made), device=self.device), reduce_op="max")
-        return int(most) - made
-
-    def _sampling_round(self, keep: Tensor, batch_idx: int) -> bool:
-        """Count this round's informative and dropped groups over every rank; whether to step."""
-        counts = torch.tensor([float(keep.sum()), float((~keep).sum())], device=self.device)
-        informative, dropped = self.trainer.strategy.reduce(counts, reduce_op="sum").tolist()
-        self.rounds.add(int(informative), int(dropped))
-        target = self.trainer.world_size * keep.numel() * self.hparams.gradient_accumulation_steps
-        last = batch_idx + 1 == self.trainer.num_training_batches
-        return self.rounds.should_step(target, last)
 
     def _optimizer_step(self) -> None:
         """Clip, step, zero, schedule, and give the engine the new weights; a step whose gradient is
@@ -467,14 +461,6 @@ class GRPOLightningModule(pl.LightningModule):
                 logger.log_metrics(logged, step=self.global_step)
         self.last_step = StepRecord.of(self.global_step, prompts, rollout, rewards, logged, phases)
 
-    def _loss_mask(self, rollout: Rollout) -> Tensor:
-        """(P*G, Lc) the completion tokens the loss weighs: without the truncated completions'
-        when ``mask_truncated_completions``."""
-        mask = rollout.completion_mask.bool()
-        if self.hparams.mask_truncated_completions:
-            mask = mask & ~rollout.truncation.unsqueeze(1)
-        return mask
-
     def _advantages(self, rewards: Tensor) -> Tensor:
         """Group-relative advantages; ``advantage_scale: batch`` takes the std over every rank's
         groups of this training_step (later accumulation batches are not sampled yet)."""
@@ -491,14 +477,3 @@ class GRPOLightningModule(pl.LightningModule):
 
 def _rows(values: Tensor | None, rows: slice) -> Tensor | None:
     return None if values is None else values[rows]
-
-
-def _warn_when_few_tokens_count(kept: Tensor, tokens: Tensor) -> None:
-    share = float(kept.sum() / tokens.sum().clamp(min=1))
-    if share < 0.25:
-        warnings.warn(
-            f"only {share:.0%} of this batch's completion tokens keep weight: the others belong to "
-            "completions cut off at max_new_tokens (mask_truncated_completions); the cap may be too "
-            "short for the task",
-            stacklevel=2,
-        )

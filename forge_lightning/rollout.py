@@ -59,6 +59,12 @@ class Rollout:
             )
         return self.truncated
 
+    def loss_mask(self, drop_truncated: bool = False) -> Tensor:
+        """(P*G, Lc) bool: the completion tokens the loss weighs; without the truncated
+        completions' when ``drop_truncated`` (``mask_truncated_completions``)."""
+        mask = self.completion_mask.bool()
+        return mask & ~self.truncation.unsqueeze(1) if drop_truncated else mask
+
     def select_groups(self, keep: Tensor) -> Rollout:
         """The rollout of the prompts where ``keep`` (P,) is True, with their G completions each."""
         rows = keep.repeat_interleave(self.group_size)  # (P*G,)
@@ -84,6 +90,19 @@ class Rollout:
             "completion_lengths": lengths,
             "truncated": self.truncation.tolist(),
         }
+
+
+def warn_when_few_tokens_count(rollout: Rollout) -> None:
+    """Warn when under 25% of the rollout's completion tokens keep weight once the truncated
+    completions are masked: the cap is likely too short for the task."""
+    share = float(rollout.loss_mask(True).sum() / rollout.completion_mask.sum().clamp(min=1))
+    if share < 0.25:
+        warnings.warn(
+            f"only {share:.0%} of this batch's completion tokens keep weight: the others belong to "
+            "completions cut off at max_new_tokens (mask_truncated_completions); the cap may be too "
+            "short for the task",
+            stacklevel=3,
+        )
 
 
 def truncated_rows(completion_ids: Tensor, eos_ids: Sequence[int], max_new_tokens: int) -> Tensor:
