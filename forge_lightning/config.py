@@ -7,6 +7,7 @@ other one by ``RULES``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,6 +69,8 @@ def loss_settings(values: Mapping[str, Any]) -> LossSettings:
 def check_setting(field: str, value: Any) -> None:
     """Raise ValueError naming ``field`` when ``value`` is outside its range in ``RULES``."""
     allowed, words = RULES[field]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{field} must be finite ({words}), got {value!r}")
     try:
         ok = bool(allowed(value))
     except TypeError:

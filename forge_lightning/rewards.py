@@ -84,7 +84,10 @@ def checked_scores(output: Any, num_samples: int, name: str) -> list[float]:
 
 
 def call_reward(reward: RewardFn, prompts: list[str], responses: list[str], kwargs: dict[str, Any]) -> Any:
-    return reward(prompts, responses, **accepted_kwargs(reward, kwargs))
+    """Call ``reward`` with its own copies of the lists: a reward that rewrites or empties its
+    inputs changes nothing for the next reward, the log or the samples table."""
+    own = {key: list(value) if isinstance(value, list) else value for key, value in kwargs.items()}
+    return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
 
 
 def _require_references(

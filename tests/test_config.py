@@ -94,3 +94,12 @@ def test_the_callbacks_check_their_cadence_when_built():
         HFCheckpoint(save_steps=-1)
     with pytest.raises(ValueError, match="^logging_steps must be"):
         RewardLogger(logging_steps=0)
+
+
+@pytest.mark.parametrize(
+    "field", ["learning_rate", "weight_decay", "max_grad_norm", "temperature", "kl_beta"]
+)
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_setting_that_is_not_finite_is_refused(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        validate_hparams({field: value})

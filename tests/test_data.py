@@ -225,3 +225,20 @@ def test_mock_set_has_20_formatted_samples() -> None:
 def test_mock_rejects_n_out_of_range(n: int) -> None:
     with pytest.raises(ValueError, match="between 1 and 20"):
         load_gsm8k_mock(n)
+
+
+def test_a_byte_that_is_not_utf8_names_the_file_and_line_and_can_be_skipped(tmp_path):
+    import warnings
+
+    from forge_lightning.data import load_gsm8k
+
+    good = json.dumps({"question": "1+1?", "answer": "#### 2"}).encode()
+    (tmp_path / "train.jsonl").write_bytes(
+        good + b"\n" + b'{"question": "caf\xe9", "answer": "#### 1"}\n' + good + b"\n"
+    )
+    with pytest.raises(ValueError, match=r"train\.jsonl, line 2: not UTF-8"):
+        load_gsm8k(path=tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = load_gsm8k(path=tmp_path, skip_malformed=True)
+    assert len(rows) == 2 and any("line 2" in str(w.message) for w in caught)

@@ -332,3 +332,33 @@ def test_rewards_get_the_per_completion_facts_they_name():
     )
     score_groups(facts, ["q"], rollout, {})
     assert seen == {"ids": [[5, 6, 1], [5, 6, 7, 8]], "lengths": [3, 4], "truncated": [False, True]}
+
+
+def test_an_answer_with_a_leading_point_is_read_as_its_value():
+    reward = GSM8KAnswerReward()
+    scores = reward(
+        ["p"] * 3, ["Answer: .5", "so it is .5 dollars", "Answer: -.25"], references=["0.5", "0.5", "-0.25"]
+    )
+    assert scores.scores == [1.0, 1.0, 1.0]
+
+
+def test_a_reward_that_rewrites_its_inputs_changes_nothing_for_the_next():
+    seen: list[list[str]] = []
+
+    def vandal(prompts, responses, references):
+        responses[:] = ["rewritten"] * len(responses)
+        references.clear()
+        prompts.clear()
+        return [0.0, 0.0]
+
+    def reader(prompts, responses, references):
+        seen.append(list(responses) + list(references) + list(prompts))
+        return [1.0, 1.0]
+
+    responses, references = ["a", "b"], ["1", "2"]
+    scored = score(
+        CompositeReward([(vandal, 1.0), (reader, 1.0)]), ["p", "q"], responses, references=references
+    )
+    assert seen == [["a", "b", "1", "2", "p", "q"]]
+    assert responses == ["a", "b"] and references == ["1", "2"]
+    assert scored.components["reader"] == [1.0, 1.0]

@@ -20,7 +20,8 @@ HUB_CONFIG = "main"
 # One number as it is written in text: optional sign and dollar sign, digits with proper thousands
 # groups (so "1,2,3" reads as three numbers, not 123), optional decimals. The look-behind keeps
 # the minus of "10-3" from being read as a negative three.
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+# A number in prose: "1,800", "18.5", "-3", "$4", and ".5" (a leading point, not after a word or digit).
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)")
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
 _ANSWER_LINE = re.compile(r"answer\s*:(.*)", re.IGNORECASE)
 _BOXED = "\\boxed{"
@@ -198,8 +199,13 @@ def _sample_from_row(row: Any) -> dict[str, str]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # decoded line by line, so that a bad byte names its line
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield f"line {number}", ValueError(f"not UTF-8 (byte {err.start + 1} of the line)")
+                continue
             if not line.strip():
                 continue
             try:

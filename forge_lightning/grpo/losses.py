@@ -6,6 +6,7 @@ whether it needs the reference without a KL term, and whether it scores completi
 sampling temperature. Adding a loss type means adding an entry here and nothing elsewhere.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -102,7 +103,7 @@ class LossSettings:
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
