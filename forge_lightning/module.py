@@ -97,7 +97,8 @@ class GRPOLightningModule(pl.LightningModule):
         advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
         num_iterations: optimizer passes over each rollout (mu); above 1 needs accumulation 1.
         train_micro_batch_size: completions per forward/backward (None: all); same gradient, less memory.
-        max_prompt_length: longer prompts are cut from the left, or refused (``prompt_truncation``).
+        max_prompt_length: longer prompts are cut from the left, or refused (``prompt_truncation``);
+            None: the model's context length less ``max_new_tokens``.
         prompt_truncation: ``left`` (with a warning) or ``error``.
         use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
         system_prompt: system message for the chat template.
@@ -224,7 +225,7 @@ class GRPOLightningModule(pl.LightningModule):
                 hp.generation_backend, self.tokenizer, self.model, hp.vllm_gpu_memory_utilization
             )
         prompts = PromptSettings(
-            self.use_chat_template, hp.system_prompt, hp.max_prompt_length, hp.prompt_truncation
+            self.use_chat_template, hp.system_prompt, self._max_prompt_length(), hp.prompt_truncation
         )
         eos = eos_token_ids(self.tokenizer, self.model)
         self.sampler = RolloutSampler(self.tokenizer, self.generator, eos, prompts)
@@ -460,6 +461,14 @@ class GRPOLightningModule(pl.LightningModule):
             for logger in self.loggers:
                 logger.log_metrics(logged, step=self.global_step)
         self.last_step = StepRecord.of(self.global_step, prompts, rollout, rewards, logged, phases)
+
+    def _max_prompt_length(self) -> int | None:
+        """``max_prompt_length``, or where unset the model's context less ``max_new_tokens``: a
+        prompt of millions of characters is cut (with a warning), not tokenised into a hang."""
+        if self.hparams.max_prompt_length is not None:
+            return self.hparams.max_prompt_length
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        return None if context is None else max(context - self.hparams.max_new_tokens, 1)
 
     def _advantages(self, rewards: Tensor) -> Tensor:
         """Group-relative advantages; ``advantage_scale: batch`` takes the std over every rank's

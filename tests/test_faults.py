@@ -182,3 +182,18 @@ def test_same_seed_gives_identical_losses_and_rewards(tmp_path, module, trainer,
         return [{k: m[f"train/{k}"] for k in ("loss", "reward", "kl", "grad_norm")} for m in seen]
 
     assert run() == run()
+
+
+def test_an_enormous_prompt_is_cut_to_the_models_context_by_default(tmp_path, module, trainer, loader):
+    seen: list[int] = []
+
+    def length(prompts, responses):
+        seen.append(len(prompts[0]))
+        return [0.0] * len(responses)
+
+    grpo = module(reward=length, gradient_accumulation_steps=1)  # context 512, max_new_tokens 8
+    grpo.configure_model()
+    assert grpo.sampler.prompts.max_prompt_length == 512 - 8
+    with pytest.warns(UserWarning, match="truncated from the left"):
+        trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "a" * 200_000}]))
+    assert seen  # the step ran
