@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
@@ -28,21 +27,18 @@ BF16_TOLERANCE = 2e-2
 PROMPTS = [{"prompt": "ab"}, {"prompt": "hello there"}]
 
 
-def gpu_trainer(root, **kwargs) -> pl.Trainer:
-    defaults = dict(
-        accelerator="gpu" if DEVICE == "cuda" else DEVICE,
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
+@pytest.fixture
+def gpu_trainer(trainer):
+    """``gpu_trainer(root, **kwargs)``: conftest's quiet trainer, one step on the device under test."""
+    accelerator = "gpu" if DEVICE == "cuda" else DEVICE
+    return lambda root, **kwargs: trainer(
+        root, **{"accelerator": accelerator, "devices": 1, "max_steps": 1, **kwargs}
     )
-    return pl.Trainer(**{**defaults, **kwargs})
 
 
-def trained(grpo, root, loader, **trainer_kwargs) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def trained(
+    grpo, root, loader, gpu_trainer, **trainer_kwargs
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Weights (on the CPU) before and after one GPU step of ``grpo``."""
     grpo.configure_model()
     before = {k: v.detach().float().cpu().clone() for k, v in grpo.model.state_dict().items()}
@@ -51,10 +47,10 @@ def trained(grpo, root, loader, **trainer_kwargs) -> tuple[dict[str, torch.Tenso
     return before, after
 
 
-def test_one_bf16_mixed_step_trains_and_writes_a_loadable_checkpoint(tmp_path, module, loader):
+def test_one_bf16_mixed_step_trains_and_writes_a_loadable_checkpoint(tmp_path, module, loader, gpu_trainer):
     grpo = module(learning_rate=1e-2, gradient_accumulation_steps=1)
     before, after = trained(
-        grpo, tmp_path, loader, precision="bf16-mixed", callbacks=[HFCheckpoint(save_steps=0)]
+        grpo, tmp_path, loader, gpu_trainer, precision="bf16-mixed", callbacks=[HFCheckpoint(save_steps=0)]
     )
     assert torch.isfinite(torch.tensor(grpo.last_step.metrics["train/loss"]))
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -99,7 +95,7 @@ def test_prefilled_cuda_generation_equals_plain_generate():
     assert torch.equal(ours[:, : plain.shape[1]], plain)
 
 
-def test_gradient_checkpointing_and_lora_train_on_cuda(tmp_path, module, loader):
+def test_gradient_checkpointing_and_lora_train_on_cuda(tmp_path, module, loader, gpu_trainer):
     pytest.importorskip("peft")
     from forge_lightning.lora import LoraSettings
 
@@ -109,12 +105,12 @@ def test_gradient_checkpointing_and_lora_train_on_cuda(tmp_path, module, loader)
         gradient_checkpointing=True,
         peft=LoraSettings(r=4, alpha=8, dropout=0.0),
     )
-    before, after = trained(grpo, tmp_path, loader, precision="bf16-mixed")
+    before, after = trained(grpo, tmp_path, loader, gpu_trainer, precision="bf16-mixed")
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all("lora_" in k for k in changed)  # only the adapter moved
 
 
-def test_fsdp2_on_one_gpu_trains_and_gathers_a_plain_checkpoint(tmp_path, module, loader):
+def test_fsdp2_on_one_gpu_trains_and_gathers_a_plain_checkpoint(tmp_path, module, loader, gpu_trainer):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     grpo = module(learning_rate=1e-2, gradient_accumulation_steps=1, kl_beta=0.05)
