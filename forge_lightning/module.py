@@ -200,10 +200,8 @@ class GRPOLightningModule(pl.LightningModule):
             component_names(self.reward), keys=("accuracy", "reward", "completion_length")
         )
         self.last_step: StepRecord | None = None
-        self._step_count = torch.zeros(())
-        self.rounds = SamplingRounds(
-            max_sampling_rounds
-        )  # the step's loss normaliser so far (grpo.step_count)
+        self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
+        self.rounds = SamplingRounds(max_sampling_rounds)  # dynamic sampling's rounds of the step
         self._nonfinite_guard = NonFiniteGuard(max_consecutive_bad_steps)
 
     @override
@@ -400,9 +398,10 @@ class GRPOLightningModule(pl.LightningModule):
             share = micro_batch_weight(self.loss_settings, mask[rows], mask).to(loss.device)
             add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
         self._step_count = self._step_count + step_count(self.loss_settings, mask)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for _ in range(extra):  # a zero-weight backward, so that this rank joins the others' all-reduces
-            self.manual_backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
+        if extra:  # zero-weight backwards, so that this rank joins the others' all-reduces
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            for _ in range(extra):
+                self.manual_backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
         if not totals or not mask.any():  # nothing trained (or every token masked): no values
             return {key: torch.zeros(0) for key in LOSS_STATS}
         return totals
@@ -413,6 +412,9 @@ class GRPOLightningModule(pl.LightningModule):
         optimizer, scheduler = self.optimizers(), self.lr_schedulers()
         count = self.trainer.strategy.reduce(self._step_count.to(self.device), reduce_op="sum")
         self._step_count = torch.zeros(())
+        if self.hparams.dynamic_sampling:  # the rounds end with the step, taken or skipped
+            for key, value in self.rounds.pop().items():
+                self.train_metrics.update(key, torch.tensor([value]))
         scale_gradients(self.model.parameters(), self.trainer.world_size / count.clamp(min=1))
         grad_norm = gradient_norm(self.model.parameters())
         finite = self._nonfinite_guard.allows(grad_norm)
@@ -426,9 +428,6 @@ class GRPOLightningModule(pl.LightningModule):
             self.clip_gradients(
                 optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm"
             )
-        if self.hparams.dynamic_sampling:
-            for key, value in self.rounds.pop().items():
-                self.train_metrics.update(key, torch.tensor([value]))
         optimizer.step()  # every gradient None after a round of uninformative groups: no update
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

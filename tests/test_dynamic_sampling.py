@@ -77,3 +77,30 @@ def test_dynamic_sampling_needs_max_steps(tmp_path, module, trainer, loader):
     grpo = module(reward=flat_or_live, dynamic_sampling=True)
     with pytest.raises(ValueError, match="max_steps"):
         trainer(tmp_path).fit(grpo, loader([{"prompt": "q", "kind": "live"}]))
+
+
+def test_a_skipped_step_ends_its_rounds_too(tmp_path, module, trainer, loader):
+    grpo = module(reward=flat_or_live, dynamic_sampling=True, gradient_accumulation_steps=1, kl_beta=0.0)
+    grpo.configure_model()
+    calls = {"n": 0}
+
+    def poison_first(grad: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return grad * float("nan") if calls["n"] == 1 else grad
+
+    next(grpo.model.parameters()).register_hook(poison_first)
+    steps: list[dict[str, float]] = []
+
+    class Steps(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if pl_module.last_step.metrics:
+                steps.append(pl_module.last_step.metrics)
+
+    fit = trainer(tmp_path, max_steps=1, callbacks=[Steps()])
+    with pytest.warns(UserWarning, match="non-finite"):
+        fit.fit(grpo, loader([{"prompt": f"q{i}", "kind": "live"} for i in range(4)], batch_size=2))
+    assert [s["train/skipped_steps"] for s in steps] == [1.0, 0.0]
+    assert [s["train/sampling_rounds"] for s in steps] == [
+        1.0,
+        1.0,
+    ]  # not 2: the skipped step's round is gone

@@ -39,8 +39,8 @@ class RewardLogger(Callback):
     """Every ``logging_steps`` optimizer steps: a console line, a JSONL record, a reward histogram
     and a table of sample completions.
 
-    The scalars reach every Lightning logger from the module itself (``self.log``, once per
-    optimizer step); this callback adds what a logger's scalars do not: ``{output_dir}/
+    The scalars reach every Lightning logger from the module itself (once per optimizer step, at
+    that step); this callback adds what a logger's scalars do not: ``{output_dir}/
     training_log.jsonl``, one record per report with each value's mean over the optimizer steps
     since the previous report, and, for a TensorBoard logger, ``train/reward_hist`` and
     ``train/completion_length_hist`` (every reward and completion length since the previous
