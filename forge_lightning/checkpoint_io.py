@@ -18,17 +18,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes each checkpoint to a temporary sibling, syncs it, then renames it into place.
 
     A process killed mid-save leaves the previous file at that path untouched (and at worst a
-    stray ``.tmp`` file), so ``last.ckpt`` is always loadable.
+    stray ``.tmp`` file, removed when the run next starts), so ``last.ckpt`` is always loadable.
+    The checkpoint goes straight to that sibling: not through an in-memory copy nor ``$TMPDIR``
+    (Lightning's own save passes through both), and a failed write names the file.
     """
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
     ) -> None:
-        write_atomically(
-            path,
-            lambda tmp: super(AtomicCheckpointIO, self).save_checkpoint(checkpoint, tmp, storage_options),
-        )
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
 def rng_states() -> dict[str, Any]:

@@ -6,23 +6,101 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
+from forge_lightning.config import check_resume_settings
 from forge_lightning.data.datamodule import GSM8KDataModule
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.run_folder import RunFolder, RunFolderError
 
 
 class ForgeCLI(LightningCLI):
-    """LightningCLI with the defaults a GRPO run wants, and a strict ``--ckpt_path last``."""
+    """LightningCLI with the defaults a GRPO run wants, and a run that owns its folder.
+
+    Before ``fit`` the run folder (``trainer.default_root_dir``) is locked for this process,
+    leftovers of a killed run are cleaned (run_folder.py), a fresh fit in a folder that holds a run
+    is refused (unless ``--overwrite true``), ``--ckpt_path last`` resumes from this run's newest
+    complete checkpoint (a fresh run when there is none), and a resume whose settings differ from
+    the checkpoint's in ones a run cannot change is refused before anything is written.
+    """
+
+    _run_folder: RunFolder | None = None
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--overwrite",
+            type=bool,
+            default=False,
+            help="fit: remove the outputs of a run already in the run folder and start a new one",
+        )
+        # The model spec is a name or a path, never a file whose text jsonargparse reads as YAML
+        # (it would for a text file named x.gguf, as the type also admits a model object).
+        spec = parser._option_string_actions.get("--model.model")
+        if spec is not None and hasattr(spec, "_enable_path"):
+            spec._enable_path = False
 
     @override
     def before_fit(self) -> None:
-        if self._get(self.config, "ckpt_path") == "last":
-            _require_last_checkpoint(self.trainer.checkpoint_callbacks)
+        try:
+            self._prepare_run_folder()
+        except BaseException:
+            if self._run_folder is not None:
+                self._run_folder.unlock()  # refused: nothing ran, the folder is free again
+            raise
+
+    def _prepare_run_folder(self) -> None:
+        ckpt_path = self._get(self.config, "ckpt_path")
+        dirs = _checkpoint_dirs(self.trainer.checkpoint_callbacks)
+        if ckpt_path == "last" and not dirs:
+            raise SystemExit(
+                "--ckpt_path last needs a ModelCheckpoint callback (trainer.callbacks) with save_last, so "
+                "the checkpoint can be found again"
+            )
+        folder = RunFolder(self.trainer.default_root_dir, dirs)
+        if self.trainer.is_global_zero:
+            self._run_folder = folder  # holds the lock for the process's lifetime (until fit ends)
+            try:
+                folder.lock()
+                if ckpt_path in (None, "last"):
+                    overwrite = self._get(self.config, "overwrite")
+                    found = folder.prepare(resume=ckpt_path == "last", overwrite=overwrite)
+                else:
+                    folder.clean_leftovers()
+            except RunFolderError as err:
+                raise SystemExit(f"fit: {err}") from None
+        elif ckpt_path == "last":
+            found = folder.newest_checkpoint()  # what rank 0 found (it changes nothing there)
+        if ckpt_path == "last":
+            ckpt_path = None if found is None else str(found)
+            self.config_init[self.subcommand]["ckpt_path"] = ckpt_path
+        if ckpt_path is not None:
+            self._check_resume(ckpt_path)
+
+    def fit(self, model: GRPOLightningModule, **kwargs: Any) -> None:
+        """``trainer.fit``, releasing the run folder's lock however it ends."""
+        try:
+            self.trainer.fit(model, **kwargs)
+        finally:
+            if self._run_folder is not None:
+                self._run_folder.unlock()
+
+    def _check_resume(self, ckpt_path: str) -> None:
+        """Refuse (before the config and logs are written) a resume with settings it cannot take."""
+        if not Path(ckpt_path).is_file():
+            raise SystemExit(f"fit: --ckpt_path {ckpt_path}: no such file")
+        saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            check_resume_settings(saved.get("hyper_parameters", {}), self.model.hparams)
+            if self.datamodule is not None and type(self.datamodule).__qualname__ in saved:
+                self.datamodule.load_state_dict(saved[type(self.datamodule).__qualname__])
+        except ValueError as err:
+            raise SystemExit(f"fit: {err}") from None
 
     def before_validate(self) -> None:
         # The shipped configs validate nothing during fit (limit_val_batches: 0); evaluating a
@@ -64,20 +142,8 @@ def default_progress_bar() -> ProgressBar:
         return TQDMProgressBar()
 
 
-def _require_last_checkpoint(callbacks: list[Any]) -> None:
-    """Stock Lightning starts from scratch, with only a warning, when ``last`` finds nothing;
-    a resume that silently restarts would throw the run away, so it is an error here."""
-    folders = [Path(cb.dirpath) for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-    if not folders:
-        raise SystemExit(
-            "--ckpt_path last needs a ModelCheckpoint callback (trainer.callbacks) with save_last, so "
-            "the checkpoint can be found again"
-        )
-    if not any((folder / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}.ckpt").is_file() for folder in folders):
-        raise SystemExit(
-            f"--ckpt_path last: no last.ckpt in {', '.join(map(str, folders))}. Nothing to resume; "
-            "run without --ckpt_path to start a new run"
-        )
+def _checkpoint_dirs(callbacks: list[Any]) -> list[str]:
+    return [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
 
 
 def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:

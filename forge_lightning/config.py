@@ -7,12 +7,15 @@ other one by ``RULES``.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from forge_lightning.grpo import ADVANTAGE_SCALES, LossSettings
 from forge_lightning.optim import LR_SCHEDULES
+
+log = logging.getLogger(__name__)
 
 
 def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -39,6 +42,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt_truncation": (lambda v: v in ("left", "error"), "'left' or 'error'"),
     "on_reward_error": (lambda v: v in ("raise", "zero"), "'raise' or 'zero'"),
     "max_consecutive_bad_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "reward_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
     "generation_backend": (lambda v: v in ("hf", "vllm"), "'hf' or 'vllm'"),
     "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
     "logprob_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
@@ -58,6 +62,57 @@ LOSS_FIELDS = (
     "importance_sampling_level",
     "kl_estimator",
 )
+
+
+# Settings a resumed run may change: they leave what a step computes alone (memory, speed, error
+# handling), or, the learning rate, take effect from the resumed step on. Every other module
+# setting must match the checkpoint's.
+CHANGEABLE_ON_RESUME = frozenset(
+    {
+        "learning_rate",
+        "max_consecutive_bad_steps",
+        "on_reward_error",
+        "reward_timeout",
+        "prefix_sharing",
+        "logprob_chunk_size",
+        "train_micro_batch_size",
+        "gradient_checkpointing",
+        "vllm_gpu_memory_utilization",
+    }
+)
+
+
+def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The settings that differ between a checkpoint's hyperparameters and this run's, as
+    ``"name: old -> new"`` lines: (those that may not change on resume, those that may).
+    A setting only one side records (an older checkpoint) is not compared."""
+    fixed, changeable = [], []
+    for name in sorted(set(saved) & set(current)):
+        if saved[name] != current[name]:
+            line = f"{name}: {saved[name]!r} -> {current[name]!r}"
+            (changeable if name in CHANGEABLE_ON_RESUME else fixed).append(line)
+    return fixed, changeable
+
+
+def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+    """Raise ValueError naming every setting that differs from the checkpoint's and may not change
+    on resume; log the ones that may (the learning rate is applied by the module)."""
+    fixed, changeable = resume_differences(saved, current)
+    if fixed:
+        raise ValueError(
+            "resuming with settings that differ from the checkpoint's, which a run cannot change "
+            "midway:\n  " + "\n  ".join(fixed) + "\nRun with the original settings, or start a new run in "
+            "a new folder"
+        )
+    for line in changeable:
+        log.info("resumed with a changed setting: %s", line)
+
+
+def trainer_settings(trainer: Any) -> dict[str, Any]:
+    """The trainer settings a checkpoint records, so that a resume can say which it changed (all
+    may change: a longer run, another precision or cadence)."""
+    names = ("max_steps", "max_epochs", "precision", "world_size", "log_every_n_steps")
+    return {name: getattr(trainer, name, None) for name in names}
 
 
 def loss_settings(values: Mapping[str, Any]) -> LossSettings:

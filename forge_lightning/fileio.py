@@ -30,7 +30,12 @@ def write_atomically(
     if folder:
         staging.mkdir()
     try:
-        write(staging)
+        try:
+            write(staging)
+        except OSError as err:  # e.g. a full disk: say which file could not be written
+            raise OSError(
+                err.errno, f"could not write {target} (via {staging.name}): {err.strerror or err}"
+            ) from err
         if not folder:
             with open(staging, "rb") as f:
                 os.fsync(f.fileno())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Literal
@@ -15,7 +16,13 @@ from typing_extensions import override
 
 from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
 from forge_lightning.checkpoint_io import rng_states, set_rng_states
-from forge_lightning.config import loss_settings, validate_hparams
+from forge_lightning.config import (
+    check_resume_settings,
+    loss_settings,
+    resume_differences,
+    trainer_settings,
+    validate_hparams,
+)
 from forge_lightning.data.datamodule import split_batch
 from forge_lightning.generation import GenerationBackend, eos_token_ids, generation_backend
 from forge_lightning.grpo import (
@@ -47,10 +54,13 @@ from forge_lightning.optim import (
     adamw_with_schedule,
     can_fuse_adamw,
     gradient_norm,
+    require_finite_parameters,
+    rescale_schedule,
     scale_gradients,
 )
 from forge_lightning.optim import total_optimizer_steps as count_optimizer_steps
 from forge_lightning.policy import prepare_policy
+from forge_lightning.preemption import Preemption, sigterm_interrupts
 from forge_lightning.profiler import PhaseProfiler
 from forge_lightning.rewards import GSM8KAnswerReward, component_names
 from forge_lightning.rollout import (
@@ -62,6 +72,8 @@ from forge_lightning.rollout import (
 )
 from forge_lightning.sampling_rounds import SamplingRounds
 from forge_lightning.scoring import score_groups
+
+log = logging.getLogger(__name__)
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -103,6 +115,8 @@ class GRPOLightningModule(pl.LightningModule):
         use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
         system_prompt: system message for the chat template.
         on_reward_error: ``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it.
+        reward_timeout: seconds a reward call may take; a longer one is abandoned and its batch
+            fails as under ``on_reward_error``; None waits for ever.
         max_consecutive_bad_steps: non-finite gradients skip the step; this many in a row stop.
         prefix_sharing: each prompt's forward once per group, its keys/values shared by the G completions.
         logprob_chunk_size: rows per chunk of the float32 log-softmax; None for no chunks.
@@ -151,6 +165,7 @@ class GRPOLightningModule(pl.LightningModule):
         use_chat_template: bool | None = None,
         system_prompt: str | None = None,
         on_reward_error: Literal["raise", "zero"] = "raise",
+        reward_timeout: float | None = None,
         max_consecutive_bad_steps: int = 3,
         prefix_sharing: bool = True,
         logprob_chunk_size: int | None = 8,
@@ -203,6 +218,8 @@ class GRPOLightningModule(pl.LightningModule):
         self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
         self.rounds = SamplingRounds(max_sampling_rounds)  # dynamic sampling's rounds of the step
         self._nonfinite_guard = NonFiniteGuard(max_consecutive_bad_steps)
+        self._preemption = Preemption()
+        self._stepped = False
 
     @override
     def configure_model(self) -> None:
@@ -241,9 +258,9 @@ class GRPOLightningModule(pl.LightningModule):
             rollout = self.sampler(
                 self.model, prompts, self.sampling, hp.group_size, engine_logprobs=hp.use_engine_logprobs
             )
-        with profile("reward"):
+        with profile("reward"), sigterm_interrupts():
             rewards, components, errors = score_groups(
-                self.reward, prompts, rollout, batch_kwargs, hp.on_reward_error
+                self.reward, prompts, rollout, batch_kwargs, hp.on_reward_error, hp.reward_timeout
             )
         advantages = self._advantages(rewards)  # (P*G,)
         if hp.dynamic_sampling:  # train on the informative groups only (see sampling_rounds.py)
@@ -274,20 +291,37 @@ class GRPOLightningModule(pl.LightningModule):
             "num_tokens", trained.loss_mask(hp.mask_truncated_completions).sum().float().reshape(1)
         )
         self._record(prompts, rollout, rewards, components, stats, stepped)
+        self._stepped = stepped
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._preemption.at_batch_end(self.trainer, self._stepped)
+
+    @override
+    def on_train_start(self) -> None:
+        # A resumed run's optimizer and schedule come back with the checkpoint's learning rate;
+        # a new --model.learning_rate takes effect from here on (and on_load_checkpoint said so).
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            rescale_schedule(scheduler, self.hparams.learning_rate)
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         prompts, batch_kwargs = split_batch(batch)
         greedy = SamplingParams(self.hparams.max_new_tokens, greedy=True)
         rollout = self.sampler(self.model, prompts, greedy, group_size=1)
-        on_error = self.hparams.on_reward_error
-        rewards, components, _ = score_groups(self.reward, prompts, rollout, batch_kwargs, on_error)
+        on_error, timeout = self.hparams.on_reward_error, self.hparams.reward_timeout
+        with sigterm_interrupts():
+            rewards, components, _ = score_groups(
+                self.reward, prompts, rollout, batch_kwargs, on_error, timeout
+            )
         self.val_metrics.update("reward", rewards)
         for name, values in components.items():
             self.val_metrics.update(f"rewards/{name}", values)
         self.val_metrics.update("completion_length", rollout.completion_lengths.float())
         if "references" in batch_kwargs:
-            correct, _, _ = score_groups(self.accuracy, prompts, rollout, batch_kwargs, on_error)
+            with sigterm_interrupts():
+                correct, _, _ = score_groups(self.accuracy, prompts, rollout, batch_kwargs, on_error, timeout)
             self.val_metrics.update("accuracy", correct)
 
     @override
@@ -319,9 +353,15 @@ class GRPOLightningModule(pl.LightningModule):
         # Lightning does not keep the RNG states; without them a resumed run would sample other
         # completions than the uninterrupted one from the same step on.
         checkpoint["forge_rng_states"] = rng_states()
+        checkpoint["forge_trainer_settings"] = trainer_settings(self.trainer)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_resume_settings(checkpoint.get("hyper_parameters", {}), self.hparams)
+        saved_trainer = checkpoint.get("forge_trainer_settings", {})
+        fixed, changeable = resume_differences(saved_trainer, trainer_settings(self.trainer))
+        for line in fixed + changeable:  # every trainer setting may change
+            log.info("resumed with a changed trainer setting, applied: %s", line)
         if "forge_rng_states" in checkpoint:
             set_rng_states(checkpoint["forge_rng_states"])
 
@@ -429,6 +469,7 @@ class GRPOLightningModule(pl.LightningModule):
                 optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm"
             )
         optimizer.step()  # every gradient None after a round of uninformative groups: no update
+        require_finite_parameters(self.model, self.trainer.strategy, self.global_step)
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         self.generator.sync_weights(self.model)

@@ -102,3 +102,44 @@ class NonFiniteGuard:
                 "learning_rate, check the reward for NaN/inf, or try a different precision"
             )
         return False
+
+
+def require_finite_parameters(model: torch.nn.Module, strategy: Any, step: int) -> None:
+    """Raise when optimizer step ``step`` (1-based, just taken) left a trainable weight NaN or inf
+    (a finite gradient can still overflow an update), before any checkpoint can save it."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        return
+    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]  # FSDP2 shards
+    finite = torch.stack([torch.isfinite(p).all() for p in local])
+    bad = (~finite).sum().float()
+    if getattr(strategy, "world_size", 1) > 1:
+        bad = strategy.reduce(bad, reduce_op="sum")
+    if bad.item() == 0:
+        return
+    names = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+    shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+    raise RuntimeError(
+        f"optimizer step {step} left parameters non-finite ({shown or 'on another rank'}) although the "
+        "gradient was finite; stopping before a checkpoint saves them (the last one saved is intact). "
+        "Lower learning_rate or weight_decay, or use a more precise precision"
+    )
+
+
+def rescale_schedule(scheduler: Any, learning_rate: float) -> bool:
+    """Give a restored warmup/cosine schedule a new peak ``learning_rate`` from its current step on
+    (a resumed run's ``--model.learning_rate``). Returns whether anything changed."""
+    if not hasattr(scheduler, "lr_lambdas") or all(lr == learning_rate for lr in scheduler.base_lrs):
+        return False
+    old = scheduler.base_lrs[0]
+    for i, group in enumerate(scheduler.optimizer.param_groups):
+        scheduler.base_lrs[i] = learning_rate
+        group["initial_lr"] = learning_rate
+        group["lr"] = learning_rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    warnings.warn(
+        f"resumed with learning_rate {learning_rate:g} (the checkpoint's was {old:g}): the schedule "
+        f"continues at step {scheduler.last_epoch} with the new peak rate",
+        stacklevel=2,
+    )
+    return True

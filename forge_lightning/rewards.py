@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,11 +84,51 @@ def checked_scores(output: Any, num_samples: int, name: str) -> list[float]:
     return [float(value) for value in output]
 
 
-def call_reward(reward: RewardFn, prompts: list[str], responses: list[str], kwargs: dict[str, Any]) -> Any:
+class RewardTimeout(TimeoutError):
+    """A reward call ran past ``reward_timeout``; it was abandoned."""
+
+
+def call_reward(
+    reward: RewardFn,
+    prompts: list[str],
+    responses: list[str],
+    kwargs: dict[str, Any],
+    timeout: float | None = None,
+) -> Any:
     """Call ``reward`` with its own copies of the lists: a reward that rewrites or empties its
-    inputs changes nothing for the next reward, the log or the samples table."""
+    inputs changes nothing for the next reward, the log or the samples table.
+
+    With ``timeout`` (seconds) the call runs in a daemon thread and is abandoned, raising
+    :class:`RewardTimeout`, when it takes longer; the abandoned thread is left to finish alone
+    (a thread cannot be killed), and a process exit does not wait for it.
+    """
     own = {key: list(value) if isinstance(value, list) else value for key, value in kwargs.items()}
-    return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
+
+    def call() -> Any:
+        return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
+
+    if timeout is None:
+        return call()
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # handed to the caller below
+            outcome["error"] = err
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"reward {reward_name(reward)}", daemon=True).start()
+    if not done.wait(timeout):
+        raise RewardTimeout(
+            f"reward {reward_name(reward)!r} took longer than reward_timeout={timeout:g}s on "
+            f"{len(responses)} responses; the call was abandoned"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _require_references(

@@ -9,7 +9,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from forge_lightning.rewards import CompositeReward, RewardFn, call_reward, checked_scores, reward_name
+from forge_lightning.rewards import (
+    CompositeReward,
+    RewardFn,
+    RewardTimeout,
+    call_reward,
+    checked_scores,
+    reward_name,
+)
 from forge_lightning.rollout import Rollout
 
 
@@ -37,6 +44,8 @@ def score(
     prompts: list[str],
     responses: list[str],
     on_error: Literal["raise", "zero"] = "raise",
+    *,
+    reward_timeout: float | None = None,
     **kwargs: Any,
 ) -> ScoredRewards:
     """Score a batch with ``reward`` and check the result; the entry point the training loop uses.
@@ -46,6 +55,11 @@ def score(
     time (batch-length list/tuple kwargs sliced alongside) to find the culprit: ``on_error="raise"``
     raises a RuntimeError naming the first failing sample, ``on_error="zero"`` scores failing samples
     0.0 (per component), warns, and counts the failing samples in ``num_errors``.
+
+    A call that runs past ``reward_timeout`` seconds is abandoned (see
+    :func:`~forge_lightning.rewards.call_reward`) and, not re-tried sample by sample, fails the
+    whole batch: an error naming the reward, or under ``on_error="zero"`` every sample of the
+    batch scores 0.0 and counts as an error.
 
     Raises:
         ValueError: bad ``on_error``, mismatched lengths, or a reward output that is not one finite
@@ -57,14 +71,14 @@ def score(
         raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
     if isinstance(reward, CompositeReward):
         parts = {
-            name: _score_one(part, name, prompts, responses, kwargs, on_error)
+            name: _score_one(part, name, prompts, responses, kwargs, on_error, reward_timeout)
             for name, part in zip(reward.names, reward.rewards)
         }
         components = {name: scores for name, (scores, _) in parts.items()}
         failed = set().union(*(failures for _, failures in parts.values()))
         return ScoredRewards(reward.combine(components), components, len(failed))
     name = reward_name(reward)
-    scores, failures = _score_one(reward, name, prompts, responses, kwargs, on_error)
+    scores, failures = _score_one(reward, name, prompts, responses, kwargs, on_error, reward_timeout)
     return ScoredRewards(scores, {name: list(scores)}, len(failures))
 
 
@@ -75,10 +89,16 @@ def _score_one(
     responses: list[str],
     kwargs: dict[str, Any],
     on_error: str,
+    timeout: float | None = None,
 ) -> tuple[list[float], list[int]]:
     """Checked scores of one reward and the indices of the samples that raised (only with "zero")."""
     try:
-        output = call_reward(reward, prompts, responses, kwargs)
+        output = call_reward(reward, prompts, responses, kwargs, timeout)
+    except RewardTimeout as err:
+        if on_error == "raise":
+            raise RuntimeError(f"{err} (model.on_reward_error: zero scores such a batch 0)") from err
+        warnings.warn(f"{err}: its {len(responses)} samples score 0.0", stacklevel=3)
+        return [0.0] * len(responses), list(range(len(responses)))
     except Exception as err:
         batch_error = err
     else:
@@ -89,7 +109,7 @@ def _score_one(
     for i in range(size):
         try:
             output = call_reward(
-                reward, prompts[i : i + 1], responses[i : i + 1], _sample_kwargs(kwargs, i, size)
+                reward, prompts[i : i + 1], responses[i : i + 1], _sample_kwargs(kwargs, i, size), timeout
             )
         except Exception as err:
             if on_error == "raise":
@@ -122,6 +142,7 @@ def score_groups(
     rollout: Rollout,
     batch_kwargs: dict[str, list[Any]],
     on_error: Literal["raise", "zero"] = "raise",
+    reward_timeout: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor], int]:
     """Score a rollout's G completions per prompt, each seeing its prompt's batch values and its
     own facts (:meth:`Rollout.facts`: ``completion_ids``, ``completion_lengths``, ``truncated``).
@@ -137,6 +158,7 @@ def score_groups(
         [p for p in prompts for _ in range(group_size)],
         rollout.completions,
         on_error=on_error,
+        reward_timeout=reward_timeout,
         **repeated,
     )
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback
 
 
 def kill_on_call(prompts: list[str], responses: list[str]) -> list[float]:
@@ -30,3 +33,28 @@ def flat_on_odd_calls(prompts: list[str], responses: list[str]) -> list[float]:
     if calls == int(os.environ.get("FORGE_KILL_AT", "0")):
         os.kill(os.getpid(), signal.SIGKILL)
     return [0.5] * len(responses) if calls % 2 else [float(i % 2) for i in range(len(responses))]
+
+
+def term_on_call(prompts: list[str], responses: list[str]) -> list[float]:
+    """Like :func:`kill_on_call`, but on call ``$FORGE_TERM_AT`` it sends its own process SIGTERM
+    and then sleeps ``$FORGE_SLEEP`` seconds (a reward that blocks)."""
+    counter = Path(os.environ["FORGE_CALLS"])
+    calls = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(calls))
+    if calls == int(os.environ.get("FORGE_TERM_AT", "0")):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(float(os.environ.get("FORGE_SLEEP", "0")))
+    return [len(set(r)) / 8 for r in responses]
+
+
+class TermAtBatch(Callback):
+    """Sends its own process SIGTERM as training batch ``batch`` (0-based, counted over the fit) starts."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.seen = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.seen == self.batch:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.seen += 1

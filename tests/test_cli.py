@@ -11,7 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM
 
 from forge_lightning.callbacks.reward_logger import JSONL_KEYS
-from forge_lightning.cli import _require_last_checkpoint, build_cli
+from forge_lightning.cli import build_cli
+from forge_lightning.run_folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -53,11 +54,11 @@ def test_ckpt_path_last_finds_the_checkpoint_under_every_config_and_overlay(file
     assert folders == [root / "checkpoints"]
     assert cli.trainer.checkpoint_callback.save_last
     assert Path(cli.trainer.logger.log_dir).parent == root / "tensorboard"
-    with pytest.raises(SystemExit, match="no last.ckpt"):
-        _require_last_checkpoint(cli.trainer.checkpoint_callbacks)
+    folder = RunFolder(root, folders)
+    assert folder.newest_checkpoint() is None
     (root / "checkpoints").mkdir(parents=True)
     (root / "checkpoints" / "last.ckpt").write_bytes(b"")
-    _require_last_checkpoint(cli.trainer.checkpoint_callbacks)  # found: no exit
+    assert folder.newest_checkpoint() == root / "checkpoints" / "last.ckpt"
 
 
 def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path, tiny_overrides):

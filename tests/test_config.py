@@ -31,6 +31,7 @@ BAD = {
     "prompt_truncation": "right",
     "on_reward_error": "ignore",
     "max_consecutive_bad_steps": 0,
+    "reward_timeout": 0.0,
     "generation_backend": "sglang",
     "vllm_gpu_memory_utilization": 1.5,
     "logprob_chunk_size": 0,

@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file
 
 from forge_lightning.checkpoint_io import AtomicCheckpointIO
-from forge_lightning.cli import build_cli
 
 TESTS = Path(__file__).resolve().parent
 
@@ -92,21 +91,14 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(tiny_model_dir,
         torch.testing.assert_close(reference[key], value)
 
 
-def test_resume_with_no_checkpoint_is_an_error_not_a_fresh_start(tiny_model_dir, tmp_path):
-    out, config = run_dir(tmp_path, "empty", tiny_model_dir)
-    with pytest.raises(SystemExit, match="no last.ckpt"):
-        build_cli(["fit", "--config", str(config), "--ckpt_path", "last"])
-    assert not (out / "training_log.jsonl").exists()
-
-
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     io = AtomicCheckpointIO()
     target = tmp_path / "last.ckpt"
     io.save_checkpoint({"step": 1, "w": torch.ones(3)}, target)
 
     def torn_save(obj, f, *args, **kwargs):
-        f.write(b"half a checkpoint")
-        raise OSError("killed mid-write")
+        Path(f).write_bytes(b"half a checkpoint")
+        raise OSError(28, "killed mid-write")
 
     monkeypatch.setattr(torch, "save", torn_save)
     with pytest.raises(OSError, match="mid-write"):
@@ -142,3 +134,23 @@ def test_resume_with_dynamic_sampling_after_a_kill_in_a_steps_second_round(tiny_
     for got, want in zip(after, expected):
         for key in ("loss", "reward", "kl", "lr", "grad_norm", "sampling_rounds", "groups_dropped"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+
+
+def test_checkpoints_are_written_beside_their_destination_not_through_tmpdir(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-tmpdir"))  # a $TMPDIR that fails
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"step": 3, "w": torch.ones(2)}, target)
+    assert AtomicCheckpointIO().load_checkpoint(target)["step"] == 3
+
+
+def test_a_failed_checkpoint_write_names_the_file(tmp_path, monkeypatch):
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    target = tmp_path / "checkpoints" / "epoch=0-step=2.ckpt"
+    with pytest.raises(OSError, match=r"could not write .*checkpoints/epoch=0-step=2.ckpt.*No space left"):
+        AtomicCheckpointIO().save_checkpoint({"step": 2}, target)
+    assert list(target.parent.iterdir()) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from typing import Any
 
@@ -362,3 +363,45 @@ def test_a_reward_that_rewrites_its_inputs_changes_nothing_for_the_next():
     assert seen == [["a", "b", "1", "2", "p", "q"]]
     assert responses == ["a", "b"] and references == ["1", "2"]
     assert scored.components["reader"] == [1.0, 1.0]
+
+
+def test_a_reward_that_empties_its_inputs_is_told_the_true_counts():
+    def emptier(prompts, responses):
+        responses.clear()
+        return [1.0] * len(responses)  # scores for what it now sees: none
+
+    with pytest.raises(ValueError, match="returned 0 scores for 2 responses"):
+        score(emptier, ["p", "q"], ["a", "b"])
+
+
+def _sleeper(prompts, responses):
+    time.sleep(30)
+    return [1.0] * len(responses)
+
+
+def test_a_reward_past_its_timeout_is_abandoned_and_named():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"reward '_sleeper' took longer than reward_timeout=0.2s"):
+        score(_sleeper, ["p", "q"], ["a", "b"], reward_timeout=0.2)
+    assert time.monotonic() - start < 5  # one abandoned call, not one per sample
+
+
+def test_a_timed_out_batch_scores_zero_and_counts_every_sample_under_on_error_zero():
+    fine = lambda prompts, responses: [0.5] * len(responses)  # noqa: E731
+    with pytest.warns(UserWarning, match="took longer than reward_timeout"):
+        scored = score(
+            CompositeReward([(_sleeper, 1.0, "slow"), (fine, 1.0, "fine")]),
+            ["p", "q"], ["a", "b"], on_error="zero", reward_timeout=0.2,
+        )  # fmt: skip
+    assert scored.components == {"slow": [0.0, 0.0], "fine": [0.5, 0.5]}
+    assert scored.num_errors == 2
+
+
+def test_a_reward_within_its_timeout_scores_as_usual_and_its_errors_surface():
+    assert score(lambda p, r: [2.0] * len(r), ["p"], ["a"], reward_timeout=5).total == [2.0]
+
+    def broken(prompts, responses):
+        raise KeyError("no such field")
+
+    with pytest.raises(RuntimeError, match="KeyError"):
+        score(broken, ["p"], ["a"], reward_timeout=5)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -33,13 +36,24 @@ class HFCheckpoint(Callback):
         output_dir: run folder; ``trainer.default_root_dir`` when None.
         save_steps: optimizer steps between checkpoints; 0 saves only ``final/``.
         save_final: write ``final/`` at the end of training.
+        save_total_limit: keep at most this many step folders, removing the oldest after each
+            save (``final/`` is not counted); None keeps all.
     """
 
-    def __init__(self, output_dir: str | None = None, save_steps: int = 100, save_final: bool = True) -> None:
+    def __init__(
+        self,
+        output_dir: str | None = None,
+        save_steps: int = 100,
+        save_final: bool = True,
+        save_total_limit: int | None = None,
+    ) -> None:
         check_setting("save_steps", save_steps)
+        if save_total_limit is not None and (isinstance(save_total_limit, bool) or save_total_limit < 1):
+            raise ValueError(f"save_total_limit must be None or an integer >= 1, got {save_total_limit!r}")
         self.output_dir = output_dir
         self.save_steps = save_steps
         self.save_final = save_final
+        self.save_total_limit = save_total_limit
         self._last_saved_step = -1
 
     @override
@@ -47,7 +61,20 @@ class HFCheckpoint(Callback):
         step = trainer.global_step
         if self.save_steps and step > 0 and step % self.save_steps == 0 and step != self._last_saved_step:
             self._last_saved_step = step
-            self.save(trainer, pl_module, str(step))
+            folder = self.save(trainer, pl_module, str(step))
+            if self.save_total_limit is not None and trainer.is_global_zero:
+                self._remove_oldest(folder.parent)
+
+    def _remove_oldest(self, root: Path) -> None:
+        steps = sorted(
+            (p for p in root.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+        )
+        for old in steps[: -self.save_total_limit]:
+            # Renamed to a temporary name first: a kill mid-delete leaves a leftover the next
+            # start removes (run_folder.py), never a half-deleted step folder.
+            trash = old.with_name(f".{old.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            os.replace(old, trash)
+            shutil.rmtree(trash, ignore_errors=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

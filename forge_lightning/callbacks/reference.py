@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -56,6 +57,9 @@ class ReferenceModel(Callback):
     The callback hands itself to the module (``pl_module.use_reference(self)``) as the
     :class:`ReferenceSource` the module scores the reference with; a module never looks it up.
 
+    The checkpoint records a fingerprint (SHA-256) of the folder's weight files; a resume whose
+    folder no longer matches it (another model written there, a truncated file) is an error.
+
     A policy sharded with FSDP2 (ModelParallelStrategy) gets a reference sharded over the same mesh,
     so each rank holds 1/N of it, as of the policy; rank 0 gathers the whole policy once, to write
     the folder and send each rank its shard.
@@ -68,6 +72,15 @@ class ReferenceModel(Callback):
         self.output_dir = output_dir
         self._model: PreTrainedModel | None = None
         self.shares_policy = False
+        self.fingerprint: str | None = None  # of reference/, kept in the Lightning checkpoint
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint} if self.fingerprint else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.fingerprint = state_dict.get("fingerprint")
 
     @property
     def model(self) -> PreTrainedModel:
@@ -91,18 +104,36 @@ class ReferenceModel(Callback):
         if self.shares_policy:
             return policy
         folder = self.folder(trainer)
+        resuming = trainer.ckpt_path is not None
+        if resuming and trainer.is_global_zero:
+            self._check_fingerprint(folder)
         if is_sharded(policy):
             model = self._sharded(trainer, folder, policy)
-        elif trainer.ckpt_path is not None:
+        elif resuming:
             model = self._load(folder, policy)
         else:
             model = copy.deepcopy(policy)
             if trainer.is_global_zero:
                 write_folder_atomically(folder, model.save_pretrained)
             trainer.strategy.barrier("reference_written")
+        if not resuming and trainer.is_global_zero:
+            self.fingerprint = folder_fingerprint(folder)
         model.eval()
         model.requires_grad_(False)
         return model
+
+    def _check_fingerprint(self, folder: Path) -> None:
+        _check_folder(folder)
+        if self.fingerprint is None:
+            return  # a checkpoint from before fingerprints were kept
+        found = folder_fingerprint(folder)
+        if found != self.fingerprint:
+            files = ", ".join(p.name for p in _weight_files(folder))
+            raise RuntimeError(
+                f"the reference policy in {folder} ({files}) is not the one this run started with: its "
+                f"fingerprint is {found[:16]}..., the checkpoint's {self.fingerprint[:16]}... (replaced "
+                "or truncated?). Restore the run's own reference/ folder, or start a new run"
+            )
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -127,12 +158,31 @@ class ReferenceModel(Callback):
         _check_folder(folder)
         param = next(policy.parameters())
         log.info("Loading the reference policy from %s", folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=param.dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=param.dtype)
+        except Exception as err:
+            files = ", ".join(str(p) for p in _weight_files(folder)) or "no weight files"
+            raise RuntimeError(f"could not load the reference policy from {folder} ({files}): {err}") from err
         return model.to(param.device)
 
     def scope(self) -> AbstractContextManager[Any]:
         """The context the reference forward runs in: the policy's adapters off when it is the reference."""
         return adapter_disabled(self.model) if self.shares_policy else nullcontext()
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """SHA-256 over the names and bytes of a model folder's weight files."""
+    digest = hashlib.sha256()
+    for path in _weight_files(folder):
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _check_folder(folder: Path) -> None:

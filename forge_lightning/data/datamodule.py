@@ -115,18 +115,34 @@ class GSM8KDataModule(L.LightningDataModule):
         return self._loader(train, self.prompts_per_step, sampler)
 
     @override
-    def state_dict(self) -> dict[str, int]:
-        """The data position, saved in Lightning checkpoints: epoch and batches already trained."""
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, saved in Lightning checkpoints: epoch and batches already trained,
+        with the settings that decide which prompts those are."""
         if self.trainer is None:
             return {}
         # ``ready`` counts the batch being finished when a checkpoint is written at batch end.
         done = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return {"epoch": self.trainer.current_epoch, "batches_done": done}
+        return {"epoch": self.trainer.current_epoch, "batches_done": done, "settings": self._settings()}
 
     @override
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        if state_dict:
-            self._resume = dict(state_dict)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        saved = state_dict.get("settings", {})
+        changed = [
+            f"{k}: {saved[k]!r} -> {v!r}" for k, v in self._settings().items() if k in saved and saved[k] != v
+        ]
+        if changed:
+            raise ValueError(
+                "resuming with data settings that differ from the checkpoint's (the data position "
+                "would point at other prompts):\n  " + "\n  ".join(changed) + "\nRun with the original "
+                "settings, or start a new run in a new folder"
+            )
+        self._resume = {"epoch": state_dict["epoch"], "batches_done": state_dict["batches_done"]}
+
+    def _settings(self) -> dict[str, Any]:
+        names = ("source", "path", "max_samples", "prompts_per_step", "shuffle", "seed")
+        return {name: getattr(self, name) for name in names}
 
     @override
     def val_dataloader(self) -> DataLoader:

@@ -1,0 +1,189 @@
+"""A run owns its folder: one process at a time, no fresh run over an old one, leftovers of a
+killed run cleaned, and ``--ckpt_path last`` resolved to this run's newest complete checkpoint.
+
+The CLI uses :class:`RunFolder` before ``fit``; a Python user can do the same::
+
+    folder = RunFolder("runs/a", checkpoint_dirs=["runs/a/checkpoints"])
+    folder.lock()                       # a second process here fails, naming this one's PID
+    ckpt = folder.prepare(resume=True)  # None: nothing to resume, a fresh run starts
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".forge.lock"
+LOG_NAME = "training_log.jsonl"
+# write_atomically's temporary siblings, and the old folder it moves aside during a swap.
+_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-\d+-[0-9a-f]{8}$")
+_OLD = re.compile(r"^\.(?P<name>.+)\.old-\d+$")
+_STEP = re.compile(r"step=(\d+)")
+
+
+class RunFolderError(RuntimeError):
+    """The folder cannot be used as asked (held by another process, or holds another run)."""
+
+
+class RunFolder:
+    """The run folder ``root`` and the folders its Lightning checkpoints go to.
+
+    Args:
+        root: the run folder (``trainer.default_root_dir``): reference/, the HF step folders,
+            final/ and ``training_log.jsonl``.
+        checkpoint_dirs: every ``ModelCheckpoint.dirpath`` of the run (usually ``root/checkpoints``).
+    """
+
+    def __init__(self, root: str | Path, checkpoint_dirs: Iterable[str | Path] = ()) -> None:
+        self.root = Path(root)
+        self.checkpoint_dirs = [Path(d) for d in checkpoint_dirs]
+        self._lock_files: list[int] = []
+
+    # -- one process at a time ----------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Hold an OS lock on the run folder (and on each checkpoint folder outside it) until the
+        process exits; a killed process releases it. Raises RunFolderError naming the holder."""
+        folders = [self.root] + [d for d in self.checkpoint_dirs if not _inside(d, self.root)]
+        for folder in folders:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / LOCK_NAME
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                self.unlock()
+                raise RunFolderError(
+                    f"{folder} is in use by another run (PID {holder}); wait for it to end, or give "
+                    "this run its own folder (--trainer.default_root_dir)"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._lock_files.append(fd)
+
+    def unlock(self) -> None:
+        for fd in self._lock_files:
+            os.close(fd)  # closing the descriptor releases the flock
+        self._lock_files = []
+
+    # -- what is there ------------------------------------------------------------------------
+
+    def contents(self) -> list[Path]:
+        """What an earlier run left here: its log, reference, HF folders, Lightning checkpoints."""
+        found = [self.root / LOG_NAME, self.root / "reference", self.root / "final"]
+        found = [p for p in found if p.exists()]
+        if self.root.is_dir():
+            found += sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
+        for folder in self.checkpoint_dirs:
+            found += checkpoints(folder)
+        return found
+
+    def newest_checkpoint(self) -> Path | None:
+        """``last.ckpt`` of this run, else its newest complete checkpoint (each is written whole, so
+        any ``.ckpt`` not under a temporary name is complete), else None."""
+        for folder in self.checkpoint_dirs:
+            if (folder / "last.ckpt").is_file():
+                return folder / "last.ckpt"
+        candidates = [p for folder in self.checkpoint_dirs for p in checkpoints(folder)]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda p: (_step_of(p), p.stat().st_mtime))
+
+    # -- getting it ready -----------------------------------------------------------------------
+
+    def clean_leftovers(self) -> list[str]:
+        """Undo what a kill mid-write left: a folder swap cut between its two renames gets its
+        folder back (``.final.old-PID`` -> ``final``), and temporary files and folders are removed.
+        Call only while holding the lock (no other process is writing here). Returns what was done."""
+        done: list[str] = []
+        for folder in [self.root, *self.checkpoint_dirs]:
+            if not folder.is_dir():
+                continue
+            for path in sorted(folder.iterdir()):
+                if match := _OLD.match(path.name):
+                    target = folder / match["name"]
+                    if target.exists():
+                        _remove(path)
+                        done.append(f"removed {path}")
+                    else:
+                        os.replace(path, target)
+                        done.append(f"restored {target} from {path.name}")
+                elif _TMP.match(path.name):
+                    _remove(path)
+                    done.append(f"removed {path}")
+        for line in done:
+            log.info("run folder: %s", line)
+        return done
+
+    def prepare(self, resume: bool, overwrite: bool = False) -> Path | None:
+        """Check the folder for a fit and return the checkpoint to resume from (None: a fresh run).
+
+        ``resume`` (``--ckpt_path last``): this run's newest complete checkpoint; with none, a
+        fresh run starts and the old log is moved aside. A fresh run (``resume=False``) in a folder
+        that holds a run is refused, unless ``overwrite`` removes that run's outputs first.
+        """
+        self.clean_leftovers()
+        if resume:
+            found = self.newest_checkpoint()
+            if found is None:
+                self._start_over("there is no checkpoint to resume from")
+            elif found.name != "last.ckpt":
+                log.warning("no last.ckpt: resuming from this run's newest checkpoint, %s", found)
+            return found
+        existing = self.contents()
+        if existing and not overwrite:
+            shown = ", ".join(str(p) for p in existing[:4]) + (" ..." if len(existing) > 4 else "")
+            raise RunFolderError(
+                f"{self.root} already holds a run ({shown}). Continue it with --ckpt_path last, "
+                "start this one in a new folder (--trainer.default_root_dir), or replace it with "
+                "--overwrite true"
+            )
+        for path in existing:
+            _remove(path)
+        if existing:
+            log.warning("--overwrite: removed the previous run's outputs in %s", self.root)
+        return None
+
+    def _start_over(self, why: str) -> None:
+        log_file = self.root / LOG_NAME
+        if log_file.exists():
+            aside = log_file.with_name(f"training_log.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            os.replace(log_file, aside)
+            log.warning(
+                "--ckpt_path last: %s in %s; starting a new run (old log kept as %s)", why, self.root, aside
+            )
+        else:
+            log.warning("--ckpt_path last: %s in %s; starting a new run", why, self.root)
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """The complete Lightning checkpoints in ``folder`` (temporary files excluded)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("*.ckpt") if p.is_file() and not p.name.startswith("."))
+
+
+def _step_of(path: Path) -> int:
+    match = _STEP.search(path.name)
+    return int(match.group(1)) if match else -1
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path.resolve().is_relative_to(root.resolve())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
