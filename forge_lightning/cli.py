@@ -11,11 +11,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from forge_lightning.config import check_resume_settings
 from forge_lightning.data.datamodule import GSM8KDataModule
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.preemption import EXIT_CODE
 from forge_lightning.run_folder import RunFolder, RunFolderError
 
 
@@ -97,8 +99,9 @@ class ForgeCLI(LightningCLI):
         saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
         try:
             check_resume_settings(saved.get("hyper_parameters", {}), self.model.hparams)
-            if self.datamodule is not None and type(self.datamodule).__qualname__ in saved:
-                self.datamodule.load_state_dict(saved[type(self.datamodule).__qualname__])
+            data_state = saved.get(type(self.datamodule).__qualname__)
+            if data_state and hasattr(self.datamodule, "check_resume"):
+                self.datamodule.check_resume(data_state)
         except ValueError as err:
             raise SystemExit(f"fit: {err}") from None
 
@@ -179,7 +182,12 @@ def main(argv: list[str] | None = None) -> None:
 
         plot_main(args[1:])
     else:
-        build_cli(argv)
+        try:
+            build_cli(argv)
+        except SIGTERMException as stop:
+            # Lightning's own stop on SIGTERM (e.g. during validation) exits 0; a pre-empted run
+            # is not a finished one.
+            raise SystemExit(stop.code if stop.code not in (None, 0) else EXIT_CODE) from None
 
 
 if __name__ == "__main__":

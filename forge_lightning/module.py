@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -357,11 +358,13 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        check_resume_settings(checkpoint.get("hyper_parameters", {}), self.hparams)
-        saved_trainer = checkpoint.get("forge_trainer_settings", {})
-        fixed, changeable = resume_differences(saved_trainer, trainer_settings(self.trainer))
-        for line in fixed + changeable:  # every trainer setting may change
-            log.info("resumed with a changed trainer setting, applied: %s", line)
+        if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
+            # Resuming a fit; validate or load_from_checkpoint may use other settings.
+            check_resume_settings(checkpoint.get("hyper_parameters", {}), self.hparams)
+            saved_trainer = checkpoint.get("forge_trainer_settings", {})
+            fixed, changeable = resume_differences(saved_trainer, trainer_settings(self.trainer))
+            for line in fixed + changeable:  # every trainer setting may change
+                log.info("resumed with a changed trainer setting, applied: %s", line)
         if "forge_rng_states" in checkpoint:
             set_rng_states(checkpoint["forge_rng_states"])
 

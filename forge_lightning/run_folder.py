@@ -79,11 +79,14 @@ class RunFolder:
     # -- what is there ------------------------------------------------------------------------
 
     def contents(self) -> list[Path]:
-        """What an earlier run left here: its log, reference, HF folders, Lightning checkpoints."""
-        found = [self.root / LOG_NAME, self.root / "reference", self.root / "final"]
+        """What an earlier run left here: its log, reference, HF folders, TensorBoard logs and
+        Lightning checkpoints (what ``--overwrite`` removes)."""
+        found = [self.root / name for name in (LOG_NAME, "reference", "final", "tensorboard")]
         found = [p for p in found if p.exists()]
-        if self.root.is_dir():
-            found += sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
+        if self.root.is_dir():  # HF step folders (a folder named 2024 of the user's is left alone)
+            found += sorted(
+                p for p in self.root.iterdir() if p.name.isdigit() and (p / "config.json").is_file()
+            )
         for folder in self.checkpoint_dirs:
             found += checkpoints(folder)
         return found

@@ -171,6 +171,14 @@ def test_resume_refuses_settings_a_run_cannot_change_and_names_each(run, tmp_pat
     assert steps_logged(out) == [1, 2]
 
 
+def test_validate_from_a_checkpoint_may_use_other_settings(run):
+    out = run()
+    ckpt = str(out / "checkpoints" / "last.ckpt")
+    args = ["--config", str(run.config), "--ckpt_path", ckpt, "--trainer.limit_val_batches", "1"]
+    cli = build_cli(["validate", *args, "--model.max_new_tokens", "9", "--data.seed", "3"])
+    assert "val/accuracy" in cli.trainer.callback_metrics
+
+
 def test_a_new_learning_rate_on_resume_takes_effect_and_says_so(run):
     out = run()
     with pytest.warns(UserWarning, match="resumed with learning_rate 0.02"):

@@ -6,6 +6,7 @@ from typing import Any, Literal, get_args
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
@@ -128,6 +129,13 @@ class GSM8KDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        if self.trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
+            self.check_resume(state_dict)  # validate may read other data
+        self._resume = {"epoch": state_dict["epoch"], "batches_done": state_dict["batches_done"]}
+
+    def check_resume(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError naming each setting that differs from the checkpoint's ``state_dict``
+        and would make its data position point at other prompts."""
         saved = state_dict.get("settings", {})
         changed = [
             f"{k}: {saved[k]!r} -> {v!r}" for k, v in self._settings().items() if k in saved and saved[k] != v
@@ -138,7 +146,6 @@ class GSM8KDataModule(L.LightningDataModule):
                 "would point at other prompts):\n  " + "\n  ".join(changed) + "\nRun with the original "
                 "settings, or start a new run in a new folder"
             )
-        self._resume = {"epoch": state_dict["epoch"], "batches_done": state_dict["batches_done"]}
 
     def _settings(self) -> dict[str, Any]:
         names = ("source", "path", "max_samples", "prompts_per_step", "shuffle", "seed")
