@@ -241,7 +241,7 @@ VARIANTS: dict[str, Variant] = {
     "one_step": Variant(ONE_STEP),
     "two_step": Variant(TWO_STEP),
     "mixed": Variant(ONE_STEP + TWO_STEP),
-    "mixed_small": Variant(ONE_STEP + TWO_STEP, Scale(max_term=12, max_factor=6)),
+    "mixed_small": Variant(ONE_STEP + TWO_STEP, Scale(max_term=10, max_factor=6)),
 }
 DEFAULT_VARIANT = "mixed"
 
