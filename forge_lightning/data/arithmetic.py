@@ -1,0 +1,384 @@
+"""Seeded grade-school arithmetic word problems, written as GSM8K-format JSON-lines files.
+
+A task of the same kind as GSM8K that a small model can partly do: word problems of one or two
+operations on small numbers, each answer computed from the operands when the problem is made.
+Problems are split into three disjoint parts: ``train`` (to train on), ``dev`` (to choose
+settings on) and ``heldout`` (measured once, at the end). No ``(template, operand tuple)``
+appears in two parts; only the person's name varies on top of it, and it is not part of the key.
+
+:func:`write_task` writes them as GSM8K rows (``question``, ``answer`` ending in ``#### <n>``)::
+
+    <out>/train.jsonl        the train part
+    <out>/test.jsonl         the held-out part (GSM8KDataModule reads "test" as its validation split)
+    <out>/dev.jsonl          the dev part
+    <out>/dev/train.jsonl    the train part again, and
+    <out>/dev/test.jsonl     the dev part: point a run's in-training validation here
+    <out>/manifest.json      seed, variant, sizes and the templates used
+
+so that ``GSM8KDataModule(source="local", path=<out>)`` trains on the train part and validates on
+the held-out part, ``path=<out>/dev`` validates on the dev part, and
+``load_gsm8k("dev", path=<out>)`` reads the dev part alone. Regenerate with one command::
+
+    python -m forge_lightning.data.arithmetic --out runs/data/arith
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forge_lightning.fileio import write_atomically
+
+DEFAULT_OUT = "runs/data/arith"
+PARTS = ("train", "dev", "heldout")
+# File stem each part is written under; "test" is the split GSM8KDataModule validates on.
+_FILE_STEM = {"train": "train", "dev": "dev", "heldout": "test"}
+
+_NAMES = (
+    ("Anna", "She"),
+    ("Ben", "He"),
+    ("Carla", "She"),
+    ("David", "He"),
+    ("Emma", "She"),
+    ("Farid", "He"),
+    ("Grace", "She"),
+    ("Hugo", "He"),
+    ("Ines", "She"),
+    ("Jack", "He"),
+    ("Kira", "She"),
+    ("Liam", "He"),
+)
+
+Operands = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Template:
+    """One problem shape.
+
+    Args:
+        name: unique id; part of the leakage key with the operands.
+        ops: number of arithmetic operations the answer takes (1 or 2).
+        text: question text with ``{name}``, ``{pronoun}`` and ``{a}``, ``{b}``, ``{c}`` fields.
+        draw: ``(rng, scale) -> operands`` drawing one operand tuple.
+        solve: ``operands -> answer`` (an int), computed by construction.
+        working: ``operands -> str``, the worked solution written into the GSM8K ``answer`` field.
+    """
+
+    name: str
+    ops: int
+    text: str
+    draw: Callable[[random.Random, Scale], Operands]
+    solve: Callable[[Operands], int]
+    working: Callable[[Operands], str]
+
+    def question(self, operands: Operands, name: str, pronoun: str) -> str:
+        fields = dict(zip("abc", operands))
+        return self.text.format(name=name, pronoun=pronoun, **fields)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Operand ranges: addends in ``[2, max_term]``, factors in ``[2, max_factor]``."""
+
+    max_term: int = 20
+    max_factor: int = 9
+
+
+def _terms(k: int) -> Callable[[random.Random, Scale], Operands]:
+    return lambda rng, s: tuple(rng.randint(2, s.max_term) for _ in range(k))
+
+
+def _difference(rng: random.Random, s: Scale) -> Operands:
+    a = rng.randint(3, s.max_term)
+    return a, rng.randint(1, a - 1)
+
+
+def _factors(rng: random.Random, s: Scale) -> Operands:
+    return rng.randint(2, s.max_factor), rng.randint(2, s.max_factor)
+
+
+def _add_then_sub(rng: random.Random, s: Scale) -> Operands:
+    a, b = rng.randint(2, s.max_term), rng.randint(2, s.max_term)
+    return a, b, rng.randint(1, a + b - 1)
+
+
+def _factors_then_term(rng: random.Random, s: Scale) -> Operands:
+    return rng.randint(2, s.max_factor), rng.randint(2, s.max_factor), rng.randint(2, s.max_term)
+
+
+def _factors_then_less(rng: random.Random, s: Scale) -> Operands:
+    a, b = rng.randint(2, s.max_factor), rng.randint(2, s.max_factor)
+    return a, b, rng.randint(1, a * b - 1)
+
+
+def _sum_then_factor(rng: random.Random, s: Scale) -> Operands:
+    return rng.randint(2, s.max_term), rng.randint(2, s.max_term), rng.randint(2, s.max_factor)
+
+
+TEMPLATES: dict[str, Template] = {
+    t.name: t
+    for t in (
+        # One operation.
+        Template(
+            "add_more",
+            1,
+            "{name} has {a} apples. {pronoun} picks {b} more apples. How many apples does {name} have now?",
+            _terms(2),
+            lambda o: o[0] + o[1],
+            lambda o: f"{o[0]} + {o[1]} = {o[0] + o[1]}",
+        ),
+        Template(
+            "add_days",
+            1,
+            "{name} reads {a} pages on Monday and {b} pages on Tuesday. How many pages does {name} "
+            "read in the two days?",
+            _terms(2),
+            lambda o: o[0] + o[1],
+            lambda o: f"{o[0]} + {o[1]} = {o[0] + o[1]}",
+        ),
+        Template(
+            "sub_give",
+            1,
+            "{name} has {a} stickers. {pronoun} gives {b} stickers to a friend. How many stickers "
+            "does {name} have left?",
+            _difference,
+            lambda o: o[0] - o[1],
+            lambda o: f"{o[0]} - {o[1]} = {o[0] - o[1]}",
+        ),
+        Template(
+            "sub_eat",
+            1,
+            "There are {a} cookies in a jar. {name} eats {b} of them. How many cookies are left in the jar?",
+            _difference,
+            lambda o: o[0] - o[1],
+            lambda o: f"{o[0]} - {o[1]} = {o[0] - o[1]}",
+        ),
+        Template(
+            "mul_boxes",
+            1,
+            "{name} has {a} boxes. Each box holds {b} pencils. How many pencils does {name} have in all?",
+            _factors,
+            lambda o: o[0] * o[1],
+            lambda o: f"{o[0]} * {o[1]} = {o[0] * o[1]}",
+        ),
+        Template(
+            "div_share",
+            1,
+            "{name} shares {a} candies equally among {b} friends. How many candies does each friend get?",
+            # Drawn as (quotient, divisor) and stored as (dividend, divisor): division is exact.
+            lambda rng, s: (lambda q, d: (q * d, d))(*_factors(rng, s)),
+            lambda o: o[0] // o[1],
+            lambda o: f"{o[0]} / {o[1]} = {o[0] // o[1]}",
+        ),
+        # Two operations.
+        Template(
+            "add_sub",
+            2,
+            "{name} has {a} marbles. {pronoun} wins {b} more marbles and then loses {c} marbles. How "
+            "many marbles does {name} have now?",
+            _add_then_sub,
+            lambda o: o[0] + o[1] - o[2],
+            lambda o: f"{o[0]} + {o[1]} = {o[0] + o[1]}\n{o[0] + o[1]} - {o[2]} = {o[0] + o[1] - o[2]}",
+        ),
+        Template(
+            "add_three",
+            2,
+            "A farm has {a} cows, {b} pigs and {c} sheep. How many animals are on the farm?",
+            _terms(3),
+            lambda o: o[0] + o[1] + o[2],
+            lambda o: f"{o[0]} + {o[1]} = {o[0] + o[1]}\n{o[0] + o[1]} + {o[2]} = {sum(o)}",
+        ),
+        Template(
+            "mul_add",
+            2,
+            "{name} buys {a} bags with {b} oranges in each bag. {pronoun} already had {c} oranges. How "
+            "many oranges does {name} have now?",
+            _factors_then_term,
+            lambda o: o[0] * o[1] + o[2],
+            lambda o: f"{o[0]} * {o[1]} = {o[0] * o[1]}\n{o[0] * o[1]} + {o[2]} = {o[0] * o[1] + o[2]}",
+        ),
+        Template(
+            "mul_sub",
+            2,
+            "A tray holds {a} rows of {b} eggs. {name} drops the tray and {c} eggs break. How many "
+            "eggs are not broken?",
+            _factors_then_less,
+            lambda o: o[0] * o[1] - o[2],
+            lambda o: f"{o[0]} * {o[1]} = {o[0] * o[1]}\n{o[0] * o[1]} - {o[2]} = {o[0] * o[1] - o[2]}",
+        ),
+        Template(
+            "sum_mul",
+            2,
+            "{name} buys {a} red pens and {b} blue pens. Each pen costs {c} dollars. How many dollars "
+            "does {name} spend?",
+            _sum_then_factor,
+            lambda o: (o[0] + o[1]) * o[2],
+            lambda o: f"{o[0]} + {o[1]} = {o[0] + o[1]}\n{o[0] + o[1]} * {o[2]} = {(o[0] + o[1]) * o[2]}",
+        ),
+    )
+}
+
+ONE_STEP = tuple(name for name, t in TEMPLATES.items() if t.ops == 1)
+TWO_STEP = tuple(name for name, t in TEMPLATES.items() if t.ops == 2)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A task: which templates, at which operand scale."""
+
+    templates: tuple[str, ...]
+    scale: Scale = Scale()
+
+
+VARIANTS: dict[str, Variant] = {
+    "add_sub": Variant(("add_more", "add_days", "sub_give", "sub_eat")),
+    "one_step": Variant(ONE_STEP),
+    "two_step": Variant(TWO_STEP),
+    "mixed": Variant(ONE_STEP + TWO_STEP),
+    "mixed_small": Variant(ONE_STEP + TWO_STEP, Scale(max_term=10, max_factor=6)),
+}
+DEFAULT_VARIANT = "add_sub"  # the probed choice: base greedy dev accuracy about 0.1
+
+
+@dataclass(frozen=True)
+class Problem:
+    template: str
+    operands: Operands
+    question: str
+    answer: int
+    working: str
+
+    @property
+    def key(self) -> tuple[str, Operands]:
+        """What must never repeat across parts: the template and its operand tuple."""
+        return self.template, self.operands
+
+    def gsm8k_row(self) -> dict[str, str]:
+        """The GSM8K row format: worked answer ending in ``#### <number>``."""
+        return {"question": self.question, "answer": f"{self.working}\n#### {self.answer}"}
+
+
+def generate(
+    sizes: dict[str, int] | None = None,
+    seed: int = 0,
+    variant: str | Variant = DEFAULT_VARIANT,
+) -> dict[str, list[Problem]]:
+    """Draw ``sizes[part]`` problems for each of :data:`PARTS`, disjoint in ``(template, operands)``.
+
+    Parts are filled in the order heldout, dev, train from one seeded stream, so a larger train
+    part leaves the held-out and dev parts unchanged. Templates take turns (round robin, in a
+    seeded order), so each part holds them in near-equal numbers.
+
+    Args:
+        sizes: problems per part; default 500 train, 200 dev, 300 held-out (add_sub holds about 1100).
+        seed: the seed of the whole draw.
+        variant: a :data:`VARIANTS` name or a :class:`Variant`.
+    """
+    sizes = {"train": 500, "dev": 200, "heldout": 300} if sizes is None else dict(sizes)
+    if set(sizes) != set(PARTS) or any(n < 0 for n in sizes.values()):
+        raise ValueError(f"sizes needs a non-negative count for each of {PARTS}, got {sizes}")
+    spec = VARIANTS[variant] if isinstance(variant, str) else variant
+    unknown = [name for name in spec.templates if name not in TEMPLATES]
+    if unknown or not spec.templates:
+        raise ValueError(f"unknown or no templates: {unknown or spec.templates}")
+    rng = random.Random(seed)
+    order = list(spec.templates)
+    rng.shuffle(order)
+    seen: set[tuple[str, Operands]] = set()
+    parts: dict[str, list[Problem]] = {}
+    turn = 0
+    for part in ("heldout", "dev", "train"):
+        problems: list[Problem] = []
+        misses = 0
+        while len(problems) < sizes[part]:
+            template = TEMPLATES[order[turn % len(order)]]
+            turn += 1
+            operands = template.draw(rng, spec.scale)
+            if (template.name, operands) in seen:
+                misses += 1
+                if misses > 100 * (sizes[part] + 100):
+                    raise ValueError(f"the operand space is too small for {sum(sizes.values())} problems")
+                continue
+            seen.add((template.name, operands))
+            name, pronoun = _NAMES[rng.randrange(len(_NAMES))]
+            problems.append(
+                Problem(
+                    template.name,
+                    operands,
+                    template.question(operands, name, pronoun),
+                    template.solve(operands),
+                    template.working(operands),
+                )
+            )
+        parts[part] = problems
+    return {part: parts[part] for part in PARTS}
+
+
+def _write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    write_atomically(path, lambda staging: staging.write_text(text, encoding="utf-8"))
+
+
+def write_task(
+    out: str | Path,
+    sizes: dict[str, int] | None = None,
+    seed: int = 0,
+    variant: str = DEFAULT_VARIANT,
+) -> dict[str, Path]:
+    """Generate the task and write it under ``out`` (layout in the module docstring).
+
+    Returns the path of each part's file (``train``, ``dev``, ``heldout``).
+    """
+    out = Path(out)
+    parts = generate(sizes, seed, variant)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dev").mkdir(exist_ok=True)
+    files: dict[str, Path] = {}
+    for part, problems in parts.items():
+        rows = [p.gsm8k_row() for p in problems]
+        files[part] = out / f"{_FILE_STEM[part]}.jsonl"
+        _write_jsonl(files[part], rows)
+    _write_jsonl(out / "dev" / "train.jsonl", [p.gsm8k_row() for p in parts["train"]])
+    _write_jsonl(out / "dev" / "test.jsonl", [p.gsm8k_row() for p in parts["dev"]])
+    manifest = {
+        "seed": seed,
+        "variant": variant,
+        "scale": vars(VARIANTS[variant].scale),
+        "templates": {name: TEMPLATES[name].text for name in VARIANTS[variant].templates},
+        "sizes": {part: len(problems) for part, problems in parts.items()},
+        "files": {part: files[part].name for part in PARTS},
+        "regenerate": f"python -m forge_lightning.data.arithmetic --out {out} --seed {seed} "
+        f"--variant {variant} --train {len(parts['train'])} --dev {len(parts['dev'])} "
+        f"--heldout {len(parts['heldout'])}",
+    }
+    manifest_text = json.dumps(manifest, indent=2) + "\n"
+    write_atomically(out / "manifest.json", lambda s: s.write_text(manifest_text, encoding="utf-8"))
+    return files
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m forge_lightning.data.arithmetic",
+        description="Write the seeded arithmetic word-problem task as GSM8K-format JSON-lines files.",
+    )
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default=DEFAULT_VARIANT)
+    parser.add_argument("--train", type=int, default=500, help="train problems")
+    parser.add_argument("--dev", type=int, default=200, help="dev problems (for choosing settings)")
+    parser.add_argument("--heldout", type=int, default=300, help="held-out problems (test.jsonl)")
+    args = parser.parse_args(argv)
+    sizes = {"train": args.train, "dev": args.dev, "heldout": args.heldout}
+    files = write_task(args.out, sizes, args.seed, args.variant)
+    for part, path in files.items():
+        print(f"{part:8s} {sizes[part]:6d} problems -> {path}")
+
+
+if __name__ == "__main__":
+    main()

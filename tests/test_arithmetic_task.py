@@ -1,0 +1,118 @@
+"""The arithmetic word-problem task: seeded, leak-free parts, right answers, readable by the datamodule."""
+
+from __future__ import annotations
+
+import json
+import operator
+import re
+from pathlib import Path
+
+import pytest
+
+from forge_lightning.data import GSM8KDataModule, load_gsm8k, parse_reference
+from forge_lightning.data.arithmetic import PARTS, TEMPLATES, VARIANTS, generate, main, write_task
+
+SIZES = {"train": 300, "dev": 60, "heldout": 80}
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
+_STEP = re.compile(r"^(\d+) ([-+*/]) (\d+) = (\d+)$")
+
+
+def keys(problems):
+    return [p.key for p in problems]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_same_seed_same_problems_other_seed_differs(variant: str) -> None:
+    first, second = generate(SIZES, seed=3, variant=variant), generate(SIZES, seed=3, variant=variant)
+    assert first == second
+    other = generate(SIZES, seed=4, variant=variant)
+    assert keys(first["heldout"]) != keys(other["heldout"])
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_parts_have_their_sizes_and_share_no_template_operand_tuple(variant: str) -> None:
+    parts = generate(SIZES, seed=0, variant=variant)
+    assert {part: len(problems) for part, problems in parts.items()} == SIZES
+    seen: dict[tuple, str] = {}
+    for part in PARTS:
+        part_keys = keys(parts[part])
+        assert len(set(part_keys)) == len(part_keys), f"{part} repeats a problem"
+        for key in part_keys:
+            assert key not in seen, f"{key} is in both {seen[key]} and {part}"
+            seen[key] = part
+
+
+def test_held_out_and_dev_do_not_move_when_train_grows() -> None:
+    small = generate(SIZES, seed=1, variant="mixed")
+    large = generate({**SIZES, "train": 1000}, seed=1, variant="mixed")
+    assert small["heldout"] == large["heldout"] and small["dev"] == large["dev"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_answers_follow_from_the_question_numbers(variant: str) -> None:
+    for problems in generate(SIZES, seed=5, variant=variant).values():
+        for p in problems:
+            template = TEMPLATES[p.template]
+            numbers = [int(n) for n in re.findall(r"\d+", p.question)]
+            assert tuple(numbers) == p.operands, p.question  # the operands appear in order
+            assert isinstance(p.answer, int) and p.answer >= 0
+            # Re-derive the answer by running the worked solution's steps, independently of solve().
+            steps = [_STEP.match(line) for line in p.working.splitlines()]
+            assert all(steps) and len(steps) == template.ops, p.working
+            value = None
+            for step in steps:
+                left, op, right, result = step.groups()
+                if op == "/":
+                    assert int(left) % int(right) == 0
+                assert _OPS[op](int(left), int(right)) == int(result)
+                value = int(result)
+            assert value == p.answer == template.solve(p.operands)
+
+
+def test_one_step_and_two_step_templates_exist() -> None:
+    assert {t.ops for t in TEMPLATES.values()} == {1, 2}
+    assert sum(t.ops == 1 for t in TEMPLATES.values()) >= 4
+    assert sum(t.ops == 2 for t in TEMPLATES.values()) >= 4
+
+
+def test_files_are_gsm8k_rows_the_datamodule_reads(tmp_path: Path) -> None:
+    files = write_task(tmp_path, SIZES, seed=2)
+    parts = generate(SIZES, seed=2)
+    assert files["heldout"].name == "test.jsonl"
+    rows = [json.loads(line) for line in files["heldout"].read_text().splitlines()]
+    assert [parse_reference(r["answer"]) for r in rows] == [str(p.answer) for p in parts["heldout"]]
+
+    dm = GSM8KDataModule(source="local", path=str(tmp_path), max_samples=None, val_max_samples=None)
+    dm.setup("fit")
+    val_refs = [r for batch in dm.val_dataloader() for r in batch["reference"]]
+    assert dm.train_size == SIZES["train"]
+    assert val_refs == [str(p.answer) for p in parts["heldout"]]
+    assert "Problem: " + parts["heldout"][0].question in next(iter(dm.val_dataloader()))["prompt"][0]
+
+    dev_path = str(tmp_path / "dev")
+    dev_dm = GSM8KDataModule(source="local", path=dev_path, max_samples=None, val_max_samples=None)
+    dev_dm.setup("fit")
+    assert [r for batch in dev_dm.val_dataloader() for r in batch["reference"]] == [
+        str(p.answer) for p in parts["dev"]
+    ]
+    assert dev_dm.train_size == SIZES["train"]
+    dev_refs = [s["reference"] for s in load_gsm8k("dev", None, tmp_path)]
+    assert dev_refs == [str(p.answer) for p in parts["dev"]]
+
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["sizes"] == SIZES and manifest["seed"] == 2
+
+
+def test_command_line_writes_the_same_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--out", str(tmp_path / "a"), "--seed", "2", "--train", "300", "--dev", "60", "--heldout", "80"])
+    write_task(tmp_path / "b", SIZES, seed=2)
+    for name in ("train.jsonl", "dev.jsonl", "test.jsonl", "dev/test.jsonl"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert "heldout" in capsys.readouterr().out
+
+
+def test_bad_sizes_and_too_small_a_space_are_refused() -> None:
+    with pytest.raises(ValueError, match="sizes"):
+        generate({"train": 10, "dev": 10})
+    with pytest.raises(ValueError, match="too small"):
+        generate({"train": 10_000, "dev": 0, "heldout": 0}, variant="add_sub")
