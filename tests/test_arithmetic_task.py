@@ -116,3 +116,26 @@ def test_bad_sizes_and_too_small_a_space_are_refused() -> None:
         generate({"train": 10, "dev": 10})
     with pytest.raises(ValueError, match="too small"):
         generate({"train": 10_000, "dev": 0, "heldout": 0}, variant="add_sub")
+
+
+def test_the_arithmetic_source_serves_the_parts_in_memory_without_leakage() -> None:
+    data = GSM8KDataModule(source="arithmetic", max_samples=None, val_max_samples=None)
+    data.setup()
+    parts = generate(seed=0)
+    assert [r["reference"] for r in data._train] == [str(p.answer) for p in parts["train"]]
+    assert [r["reference"] for r in data._val] == [str(p.answer) for p in parts["heldout"]]
+    dev = GSM8KDataModule(source="arithmetic", val_part="dev", val_max_samples=None)
+    dev.setup()
+    assert [r["reference"] for r in dev._val] == [str(p.answer) for p in parts["dev"]]
+    train_prompts = {r["prompt"] for r in data._train}
+    assert not train_prompts & {r["prompt"] for r in data._val}
+    assert not train_prompts & {r["prompt"] for r in dev._val}
+    batch = next(iter(data.train_dataloader()))
+    assert batch["prompt"][0].rstrip().endswith("Solution:")
+
+
+def test_arithmetic_settings_belong_to_the_arithmetic_source() -> None:
+    with pytest.raises(ValueError, match="task_seed and val_part"):
+        GSM8KDataModule(source="mock", val_part="dev")
+    with pytest.raises(ValueError, match="val_part must be"):
+        GSM8KDataModule(source="arithmetic", val_part="test")

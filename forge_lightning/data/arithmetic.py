@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forge_lightning.data.gsm8k import format_prompt
 from forge_lightning.fileio import write_atomically
 
 DEFAULT_OUT = "runs/data/arith"
@@ -258,6 +259,10 @@ class Problem:
     def key(self) -> tuple[str, Operands]:
         """What must never repeat across parts: the template and its operand tuple."""
         return self.template, self.operands
+
+    def sample(self) -> dict[str, str]:
+        """The datamodule's record: the formatted prompt and the reference answer."""
+        return {"prompt": format_prompt(self.question), "reference": str(self.answer)}
 
     def gsm8k_row(self) -> dict[str, str]:
         """The GSM8K row format: worked answer ending in ``#### <number>``."""

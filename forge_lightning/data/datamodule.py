@@ -11,10 +11,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
+from forge_lightning.data.arithmetic import generate
 from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock
 from forge_lightning.data.sampler import EpochShuffleSampler
 
-Source = Literal["hub", "local", "mock"]
+Source = Literal["hub", "local", "mock", "arithmetic"]
 # The 20 mock problems split at a fixed point so train and validation never share a problem.
 MOCK_VAL_SIZE = 4
 
@@ -52,7 +53,10 @@ class GSM8KDataModule(L.LightningDataModule):
 
     Args:
         source: "hub" downloads ``openai/gsm8k``; "local" reads ``path``; "mock" uses the 20
-            built-in problems (last 4 for validation) and needs no network or files.
+            built-in problems (last 4 for validation) and needs no network or files;
+            "arithmetic" generates the seeded word problems of ``data/arithmetic.py`` in memory
+            (its default parts and variant, seeded by ``task_seed``): train on the train part,
+            validate on the held-out part, or on the dev part with ``val_part: dev``.
         path: folder with ``train``/``test`` ``.jsonl`` or ``.parquet`` files; only for source="local".
         max_samples: training prompts to keep (the first ones in file order); None keeps all.
         val_max_samples: validation prompts to keep (the first ones); None keeps all.
@@ -76,6 +80,8 @@ class GSM8KDataModule(L.LightningDataModule):
         seed: int = 42,
         skip_malformed: bool = False,
         num_workers: int = 0,
+        task_seed: int = 0,
+        val_part: Literal["heldout", "dev"] = "heldout",
     ) -> None:
         super().__init__()
         _validate(source, path, max_samples, val_max_samples, prompts_per_step, val_batch_size, num_workers)
@@ -89,6 +95,12 @@ class GSM8KDataModule(L.LightningDataModule):
         self.seed = seed
         self.skip_malformed = skip_malformed
         self.num_workers = num_workers
+        self.task_seed = task_seed
+        self.val_part = val_part
+        if source != "arithmetic" and (task_seed != 0 or val_part != "heldout"):
+            raise ValueError("task_seed and val_part are settings of source='arithmetic'")
+        if val_part not in ("heldout", "dev"):
+            raise ValueError(f"val_part must be 'heldout' or 'dev', got {val_part!r}")
         self._train: list[dict[str, str]] | None = None
         self._val: list[dict[str, str]] | None = None
         self._resume: dict[str, int] | None = None
@@ -101,6 +113,12 @@ class GSM8KDataModule(L.LightningDataModule):
             problems = load_gsm8k_mock()
             self._train = problems[:-MOCK_VAL_SIZE][: self.max_samples]
             self._val = problems[-MOCK_VAL_SIZE:][: self.val_max_samples]
+            return
+        if self.source == "arithmetic":
+            parts = generate(seed=self.task_seed)
+            records = {part: [p.sample() for p in problems] for part, problems in parts.items()}
+            self._train = records["train"][: self.max_samples]
+            self._val = records[self.val_part][: self.val_max_samples]
             return
         self._train = load_gsm8k("train", self.max_samples, self.path, self.skip_malformed)
         self._val = load_gsm8k("test", self.val_max_samples, self.path, self.skip_malformed)
@@ -148,7 +166,7 @@ class GSM8KDataModule(L.LightningDataModule):
             )
 
     def _settings(self) -> dict[str, Any]:
-        names = ("source", "path", "max_samples", "prompts_per_step", "shuffle", "seed")
+        names = ("source", "path", "max_samples", "prompts_per_step", "shuffle", "seed", "task_seed")
         return {name: getattr(self, name) for name in names}
 
     @override
