@@ -33,6 +33,15 @@ class ForgeCLI(LightningCLI):
 
     _run_folder: RunFolder | None = None
 
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        # GRPO has no test or predict step: only the subcommands that work are offered.
+        return {
+            "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+            "validate": {"model", "dataloaders", "datamodule"},
+        }
+
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -57,6 +66,7 @@ class ForgeCLI(LightningCLI):
             raise
 
     def _prepare_run_folder(self) -> None:
+        _refuse_automatic_optimization_settings(self.trainer)
         ckpt_path = self._get(self.config, "ckpt_path")
         dirs = _checkpoint_dirs(self.trainer.checkpoint_callbacks)
         if ckpt_path == "last" and not dirs:
@@ -129,7 +139,10 @@ class ForgeCLI(LightningCLI):
             kwargs["callbacks"] = [*callbacks, default_progress_bar()]
         root = Path(config.get("default_root_dir") or Path.cwd())
         if config.get("logger") in (None, True) and "logger" not in kwargs:
-            kwargs["logger"] = TensorBoardLogger(save_dir=str(root), name="tensorboard")
+            # No hp_metric: it is a constant -1 that only clutters the scalars.
+            kwargs["logger"] = TensorBoardLogger(
+                save_dir=str(root), name="tensorboard", default_hp_metric=False
+            )
         trainer = super().instantiate_trainer(**kwargs)
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
@@ -143,6 +156,21 @@ def default_progress_bar() -> ProgressBar:
         return RichProgressBar()
     except ModuleNotFoundError:
         return TQDMProgressBar()
+
+
+def _refuse_automatic_optimization_settings(trainer: Trainer) -> None:
+    """The module optimizes by hand; Lightning's own refusal of these says "switch to automatic
+    optimization", which is no help here: point to the module's settings instead."""
+    if trainer.gradient_clip_val:
+        raise SystemExit(
+            f"fit: trainer.gradient_clip_val={trainer.gradient_clip_val} does not apply here (the module "
+            "steps its optimizer itself); set model.max_grad_norm instead"
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise SystemExit(
+            f"fit: trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} does not apply here "
+            "(the module steps its optimizer itself); set model.gradient_accumulation_steps instead"
+        )
 
 
 def _checkpoint_dirs(callbacks: list[Any]) -> list[str]:

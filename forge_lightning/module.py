@@ -63,7 +63,7 @@ from forge_lightning.optim import total_optimizer_steps as count_optimizer_steps
 from forge_lightning.policy import prepare_policy
 from forge_lightning.preemption import Preemption, sigterm_interrupts
 from forge_lightning.profiler import PhaseProfiler
-from forge_lightning.rewards import GSM8KAnswerReward, component_names
+from forge_lightning.rewards import GSM8KAnswerReward, as_reward, component_names
 from forge_lightning.rollout import (
     PromptSettings,
     Rollout,
@@ -89,6 +89,7 @@ class GRPOLightningModule(pl.LightningModule):
     Args:
         model: a spec (``embedded``, hub id, folder, ``.gguf``, ``random:...``; models.py) or a built HF LM.
         reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``; GSM8K's if None.
+            A list of them (TRL's ``reward_funcs``) is their equally weighted CompositeReward.
         tokenizer: required when ``model`` is an object; loaded with the spec otherwise.
         group_size: completions per prompt (G), at least 2.
         clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
@@ -139,7 +140,7 @@ class GRPOLightningModule(pl.LightningModule):
     def __init__(
         self,
         model: str | PreTrainedModel = "embedded",
-        reward: Callable[..., Any] | None = None,
+        reward: Callable[..., Any] | list[Callable[..., Any]] | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         group_size: int = 8,
         clip_epsilon: float = 0.2,
@@ -197,7 +198,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.model_spec = model if isinstance(model, str) else None
         self.model: PreTrainedModel | None = None if isinstance(model, str) else model
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
-        self.reward = reward if reward is not None else GSM8KAnswerReward()
+        self.reward = as_reward(reward) if reward is not None else GSM8KAnswerReward()
         self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
         self.loss_settings = loss_settings(hp)
         self.sampling = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
@@ -329,7 +330,10 @@ class GRPOLightningModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         values = self.val_metrics.pop()
         if values:
-            self.log_dict({f"val/{k}": v for k, v in values.items()}, sync_dist=False)
+            # A "step" key is the x-axis Lightning gives the loggers: the optimizer step, as for the
+            # train/* metrics (its own step counts batches under manual optimization).
+            logged = {f"val/{k}": v for k, v in values.items()}
+            self.log_dict({**logged, "step": float(self.global_step)}, sync_dist=False)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:

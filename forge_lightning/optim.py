@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import Timer
 from torch import Tensor
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
@@ -51,6 +52,14 @@ def total_optimizer_steps(
     """Optimizer steps of the whole fit: ``max_steps`` when set, else counted from the batches."""
     if trainer.max_steps is not None and trainer.max_steps > 0:
         return trainer.max_steps
+    if any(isinstance(cb, Timer) and cb._duration is not None for cb in getattr(trainer, "callbacks", [])):
+        warnings.warn(
+            f"trainer.max_time is set but trainer.max_steps is not: the learning-rate schedule is sized "
+            f"from max_epochs ({trainer.max_epochs}), and a run stopped by max_time ends wherever it is "
+            "on it (with the default 1000 epochs the cosine barely moves). Set trainer.max_steps to "
+            "give the schedule its length",
+            stacklevel=2,
+        )
     if dynamic_sampling:
         raise ValueError(
             "dynamic_sampling needs trainer.max_steps: how many batches an optimizer step takes is "

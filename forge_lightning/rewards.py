@@ -317,3 +317,18 @@ def _unique_names(names: list[str]) -> list[str]:
             candidate = f"{base}_{suffix}"
         unique.append(candidate)
     return unique
+
+
+def as_reward(reward: RewardFn | Sequence[RewardFn | tuple]) -> RewardFn:
+    """``reward`` itself, or a list of rewards (TRL's ``reward_funcs``; entries may also be
+    ``(reward, weight[, name])``) as their CompositeReward, equally weighted where no weight is
+    given. Anything not callable is refused here, when the module is built, not at the first step."""
+    if isinstance(reward, (list, tuple)):
+        entries = [entry if isinstance(entry, tuple) else (entry, 1.0) for entry in reward]
+        return CompositeReward(entries)
+    if not callable(reward):
+        raise TypeError(
+            f"reward must be a callable (prompts, responses, **kwargs) -> scores, or a list of them; got "
+            f"{type(reward).__name__} {reward!r}"
+        )
+    return reward

@@ -83,6 +83,7 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path, t
     events.Reload()
     scalars = set(events.Tags()["scalars"])
     assert {"train/reward", "train/kl", "train/loss", "perf/tokens_per_s"} <= scalars
+    assert "hp_metric" not in scalars  # TensorBoard's constant -1 placeholder
     assert len(events.Scalars("train/reward")) == 3
     assert (out / "2" / "config.json").is_file()  # smoke.yaml saves every 2 steps
 

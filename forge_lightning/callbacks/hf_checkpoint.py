@@ -59,6 +59,8 @@ class HFCheckpoint(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         step = trainer.global_step
+        if trainer.fast_dev_run:
+            return  # a dry run writes no model files
         if self.save_steps and step > 0 and step % self.save_steps == 0 and step != self._last_saved_step:
             self._last_saved_step = step
             folder = self.save(trainer, pl_module, str(step))
@@ -78,7 +80,7 @@ class HFCheckpoint(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.save_final:
+        if self.save_final and not trainer.fast_dev_run:
             self.save(trainer, pl_module, "final")
 
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path:

@@ -113,14 +113,14 @@ class ReferenceModel(Callback):
             model = self._load(folder, policy)
         else:
             model = copy.deepcopy(policy)
+            if trainer.fast_dev_run:  # a dry run writes no model files
+                return _frozen(model)
             if trainer.is_global_zero:
                 write_folder_atomically(folder, model.save_pretrained)
             trainer.strategy.barrier("reference_written")
         if not resuming and trainer.is_global_zero:
             self.fingerprint = folder_fingerprint(folder)
-        model.eval()
-        model.requires_grad_(False)
-        return model
+        return _frozen(model)
 
     def _check_fingerprint(self, folder: Path) -> None:
         _check_folder(folder)
@@ -168,6 +168,12 @@ class ReferenceModel(Callback):
     def scope(self) -> AbstractContextManager[Any]:
         """The context the reference forward runs in: the policy's adapters off when it is the reference."""
         return adapter_disabled(self.model) if self.shares_policy else nullcontext()
+
+
+def _frozen(model: PreTrainedModel) -> PreTrainedModel:
+    model.eval()
+    model.requires_grad_(False)
+    return model
 
 
 def _weight_files(folder: Path) -> list[Path]:
