@@ -17,6 +17,8 @@ from forge_lightning.optim import LR_SCHEDULES
 
 log = logging.getLogger(__name__)
 
+MODEL_DTYPES = ("float32", "auto", "bfloat16", "float16")
+
 
 def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or check(v)
@@ -43,6 +45,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "on_reward_error": (lambda v: v in ("raise", "zero"), "'raise' or 'zero'"),
     "max_consecutive_bad_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "reward_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
+    "model_dtype": (lambda v: v in MODEL_DTYPES, f"one of {MODEL_DTYPES}"),
     "generation_backend": (lambda v: v in ("hf", "vllm"), "'hf' or 'vllm'"),
     "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
     "logprob_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
@@ -73,6 +76,7 @@ CHANGEABLE_ON_RESUME = frozenset(
         "max_consecutive_bad_steps",
         "on_reward_error",
         "reward_timeout",
+        "attn_implementation",
         "prefix_sharing",
         "logprob_chunk_size",
         "train_micro_batch_size",

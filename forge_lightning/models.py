@@ -63,13 +63,19 @@ def embedded_gguf_path() -> Path:
 
 
 def load_model(
-    spec: str, dtype: torch.dtype | str | None = None
+    spec: str, dtype: torch.dtype | str | None = None, attn_implementation: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``spec`` (see the module docstring) as ``(model, tokenizer)``.
 
     The tokenizer always has a pad token (its EOS when it had none). ``dtype`` None keeps the
     checkpoint's own dtype for folders and hub ids, float32 for GGUF (dequantized weights).
+    ``attn_implementation`` (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, ...) is passed to
+    ``from_pretrained``; None takes transformers' choice.
     """
+    if attn_implementation is not None:
+        model, tokenizer = load_model(spec, dtype)
+        model.set_attn_implementation(attn_implementation)
+        return model, tokenizer
     if not isinstance(spec, str) or not spec.strip():
         raise ModelLoadError(f"model spec must be a non-empty string, got {spec!r}")
     if spec.startswith("random:"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Literal
@@ -91,6 +92,12 @@ class GRPOLightningModule(pl.LightningModule):
         reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``; GSM8K's if None.
             A list of them (TRL's ``reward_funcs``) is their equally weighted CompositeReward.
         tokenizer: required when ``model`` is an object; loaded with the spec otherwise.
+        model_dtype: the dtype a model spec is loaded in. ``float32`` (the default) keeps the weights
+            and the AdamW state in full precision under ``bf16-mixed``/``16-mixed`` (autocast computes
+            in half precision), also when the checkpoint is stored in bf16, as most of the hub is;
+            ``auto`` keeps the checkpoint's dtype; ``bfloat16`` / ``float16`` train half-precision
+            weights, which a small learning rate barely moves (a warning says so).
+        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice.
         group_size: completions per prompt (G), at least 2.
         clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
         clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
@@ -142,6 +149,8 @@ class GRPOLightningModule(pl.LightningModule):
         model: str | PreTrainedModel = "embedded",
         reward: Callable[..., Any] | list[Callable[..., Any]] | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32",
+        attn_implementation: str | None = None,
         group_size: int = 8,
         clip_epsilon: float = 0.2,
         clip_epsilon_high: float | None = None,
@@ -227,7 +236,16 @@ class GRPOLightningModule(pl.LightningModule):
     def configure_model(self) -> None:
         hp = self.hparams
         if self.model is None:
-            self.model, tokenizer = load_model(self.model_spec)
+            dtype = None if hp.model_dtype == "auto" else hp.model_dtype
+            if hp.model_dtype in ("bfloat16", "float16"):
+                warnings.warn(
+                    f"model_dtype={hp.model_dtype}: the policy's weights and AdamW state are half "
+                    "precision, and updates smaller than their rounding step are lost (at lr 5e-6 "
+                    "most weights of a bf16 model never change); float32 with a *-mixed precision "
+                    "trains in half precision on full-precision weights",
+                    stacklevel=2,
+                )
+            self.model, tokenizer = load_model(self.model_spec, dtype, hp.attn_implementation)
             self.tokenizer = self.tokenizer or tokenizer
         self.model = prepare_policy(
             self.model,

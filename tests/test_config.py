@@ -32,6 +32,7 @@ BAD = {
     "on_reward_error": "ignore",
     "max_consecutive_bad_steps": 0,
     "reward_timeout": 0.0,
+    "model_dtype": "float64",
     "generation_backend": "sglang",
     "vllm_gpu_memory_utilization": 1.5,
     "logprob_chunk_size": 0,

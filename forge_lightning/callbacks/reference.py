@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from typing_extensions import override
@@ -42,10 +43,11 @@ class ReferenceModel(Callback):
     """Keeps a frozen copy of the policy as it was when training first started.
 
     On a first fit the initial policy is written once, in HF format, to ``{output_dir}/reference/``
-    and a frozen in-memory copy is kept (eval mode, no gradients, same device and dtype as the
-    policy). On a resumed fit (``ckpt_path`` given) that folder is loaded instead, so the reference
-    is always the original policy, never the resumed one. Its weights never enter Lightning
-    checkpoints: they live in the folder.
+    and a frozen in-memory copy is kept (eval mode, no gradients, on the policy's device, in the
+    compute dtype: bf16 under ``bf16-mixed``, fp16 under ``16-mixed``, else the policy's; a frozen
+    model needs no full-precision master copy). On a resumed fit (``ckpt_path`` given) that
+    folder is loaded instead, so the reference is always the original policy, never the resumed
+    one. Its weights never enter Lightning checkpoints: they live in the folder.
 
     A PEFT (LoRA) policy needs neither the copy nor the folder: its base weights are frozen, so the
     policy with its adapters switched off is the policy before training, on a first fit and on a
@@ -110,7 +112,7 @@ class ReferenceModel(Callback):
         if is_sharded(policy):
             model = self._sharded(trainer, folder, policy)
         elif resuming:
-            model = self._load(folder, policy)
+            model = self._load(folder, policy, _compute_dtype(trainer))
         else:
             model = copy.deepcopy(policy)
             if trainer.fast_dev_run:  # a dry run writes no model files
@@ -120,6 +122,8 @@ class ReferenceModel(Callback):
             trainer.strategy.barrier("reference_written")
         if not resuming and trainer.is_global_zero:
             self.fingerprint = folder_fingerprint(folder)
+        if not is_sharded(policy) and _compute_dtype(trainer) is not None:
+            model = model.to(_compute_dtype(trainer))
         return _frozen(model)
 
     def _check_fingerprint(self, folder: Path) -> None:
@@ -154,12 +158,12 @@ class ReferenceModel(Callback):
         return sharded_copy(policy, weights)
 
     @staticmethod
-    def _load(folder: Path, policy: PreTrainedModel) -> PreTrainedModel:
+    def _load(folder: Path, policy: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
         _check_folder(folder)
         param = next(policy.parameters())
         log.info("Loading the reference policy from %s", folder)
         try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=param.dtype)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or param.dtype)
         except Exception as err:
             files = ", ".join(str(p) for p in _weight_files(folder)) or "no weight files"
             raise RuntimeError(f"could not load the reference policy from {folder} ({files}): {err}") from err
@@ -168,6 +172,12 @@ class ReferenceModel(Callback):
     def scope(self) -> AbstractContextManager[Any]:
         """The context the reference forward runs in: the policy's adapters off when it is the reference."""
         return adapter_disabled(self.model) if self.shares_policy else nullcontext()
+
+
+def _compute_dtype(trainer: pl.Trainer) -> torch.dtype | None:
+    """The dtype autocast computes in under a mixed precision, else None."""
+    precision = str(trainer.precision)
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
 
 
 def _frozen(model: PreTrainedModel) -> PreTrainedModel:
