@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric, SumMetric
 
 from forge_lightning.profiler import PHASES
-from forge_lightning.rollout import Rollout
+from forge_lightning.rollout import Rollout, prompt_text
 
 # Every rank must hold the same metrics in the same order, or the cross-rank reduction in
 # ``compute`` would wait forever: so the keys are fixed when the module is built.
@@ -172,7 +172,7 @@ class StepRecord:
         phases: dict[str, float],
     ) -> StepRecord:
         samples = [
-            (prompts[i // rollout.group_size], rollout.completions[i], float(rewards[i]))
+            (prompt_text(prompts[i // rollout.group_size]), rollout.completions[i], float(rewards[i]))
             for i in range(min(len(rollout.completions), 8))
         ]
         lengths = rollout.completion_lengths.detach().float().cpu()

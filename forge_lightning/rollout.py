@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 from torch import Tensor
@@ -14,6 +14,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 if TYPE_CHECKING:
     from forge_lightning.generation import GenerationBackend
+
+# A prompt: the user message as text, or a whole conversation of {"role", "content"} messages.
+Prompt: TypeAlias = "str | list[dict[str, Any]]"
 
 
 @dataclass
@@ -139,7 +142,7 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, T
 
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[str],
+    prompts: Sequence[Prompt],
     *,
     use_chat_template: bool,
     system_prompt: str | None = None,
@@ -147,6 +150,10 @@ def encode_prompts(
     truncation: str = "left",
 ) -> tuple[Tensor, Tensor]:
     """Tokenize prompts (through the chat template when asked) into left-padded ``(ids, mask)``.
+
+    A prompt is a string (the user message) or a conversation, a list of ``{"role", "content"}``
+    messages (TRL's conversational format), which goes through the template as it is; its own
+    system message wins over ``system_prompt``.
 
     Prompts longer than ``max_prompt_length`` keep their last tokens (the question and the cue to
     answer sit at the end) with a warning, or raise when ``truncation="error"``.
@@ -160,6 +167,11 @@ def encode_prompts(
         ]
         token_lists = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     else:
+        if any(not isinstance(p, str) for p in prompts):
+            raise ValueError(
+                "a conversational prompt (a list of messages) needs the chat template: set "
+                "use_chat_template to true (the tokenizer must have one), or give prompts as text"
+            )
         token_lists = [tokenizer(p)["input_ids"] for p in prompts]
     if any(len(t) == 0 for t in token_lists):
         raise ValueError("a prompt encodes to zero tokens; empty prompts cannot be trained on")
@@ -180,9 +192,28 @@ def encode_prompts(
     return left_pad(token_lists, tokenizer.pad_token_id)
 
 
-def _messages(prompt: str, system_prompt: str | None) -> list[dict[str, str]]:
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return messages + [{"role": "user", "content": prompt}]
+def _messages(prompt: Prompt, system_prompt: str | None) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        conversation = [{"role": "user", "content": prompt}]
+    else:
+        conversation = list(prompt)
+        if not conversation or not all(
+            isinstance(m, dict) and {"role", "content"} <= set(m) for m in conversation
+        ):
+            raise ValueError(
+                f"a conversational prompt is a list of {{'role', 'content'}} messages, got {prompt!r:.200}"
+            )
+    if not system_prompt or conversation[0]["role"] == "system":
+        return conversation
+    return [{"role": "system", "content": system_prompt}, *conversation]
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """A prompt as text for logs and tables: a conversation's last user message."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m["content"] for m in prompt if m.get("role") == "user"]
+    return str(users[-1] if users else prompt[-1]["content"])
 
 
 def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: Tensor, mask: Tensor) -> list[str]:
@@ -222,7 +253,7 @@ class RolloutSampler:
     def __call__(
         self,
         model: PreTrainedModel,
-        prompts: list[str],
+        prompts: list[Prompt],
         params: SamplingParams,
         group_size: int,
         engine_logprobs: bool = False,

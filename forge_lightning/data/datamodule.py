@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
 from forge_lightning.data.arithmetic import generate
-from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock
+from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock, load_prompts
 from forge_lightning.data.sampler import EpochShuffleSampler
 
 Source = Literal["hub", "local", "mock", "arithmetic"]
@@ -49,7 +49,9 @@ def split_batch(batch: dict[str, Any]) -> tuple[list[str], dict[str, list[Any]]]
 
 
 class GSM8KDataModule(L.LightningDataModule):
-    """GSM8K prompts for GRPO: train from the train split, validation from the test split.
+    """Prompts for GRPO: train from the train split, validation from the test split. GSM8K's by
+    default; any prompt dataset with ``prompt_field`` (a local JSON-lines/parquet/CSV folder or
+    file, or a hub dataset by name).
 
     Args:
         source: "hub" downloads ``openai/gsm8k``; "local" reads ``path``; "mock" uses the 20
@@ -57,7 +59,8 @@ class GSM8KDataModule(L.LightningDataModule):
             "arithmetic" generates the seeded word problems of ``data/arithmetic.py`` in memory
             (its default parts and variant, seeded by ``task_seed``): train on the train part,
             validate on the held-out part, or on the dev part with ``val_part: dev``.
-        path: folder with ``train``/``test`` ``.jsonl`` or ``.parquet`` files; only for source="local".
+        path: folder with ``train``/``test`` ``.jsonl``, ``.parquet`` or ``.csv`` files (or one
+            file, used for both); only for source="local".
         max_samples: training prompts to keep (the first ones in file order); None keeps all.
         val_max_samples: validation prompts to keep (the first ones); None keeps all.
         prompts_per_step: prompts per training batch, i.e. per ``training_step``.
@@ -66,6 +69,13 @@ class GSM8KDataModule(L.LightningDataModule):
         seed: seed of the shuffle; epoch ``e`` uses ``seed + e``.
         skip_malformed: skip malformed rows with a warning instead of failing.
         num_workers: DataLoader worker processes.
+        prompt_field: read rows of any dataset instead of GSM8K's: this field is the prompt (text,
+            or a conversation as a list of ``{"role", "content"}`` messages, which goes through the
+            chat template as it is); every other field goes to the rewards under its name.
+        reference_field: with ``prompt_field``, a field to give the rewards as ``references`` (and
+            the ``val/accuracy`` check); None: a field named ``reference`` is that already.
+        dataset: with ``prompt_field`` and source="hub", the hub dataset's name.
+        val_split: the split (or file stem) validation reads; "test" by default.
     """
 
     def __init__(
@@ -82,6 +92,10 @@ class GSM8KDataModule(L.LightningDataModule):
         num_workers: int = 0,
         task_seed: int = 0,
         val_part: Literal["heldout", "dev"] = "heldout",
+        prompt_field: str | None = None,
+        reference_field: str | None = None,
+        dataset: str | None = None,
+        val_split: str = "test",
     ) -> None:
         super().__init__()
         _validate(source, path, max_samples, val_max_samples, prompts_per_step, val_batch_size, num_workers)
@@ -101,6 +115,16 @@ class GSM8KDataModule(L.LightningDataModule):
             raise ValueError("task_seed and val_part are settings of source='arithmetic'")
         if val_part not in ("heldout", "dev"):
             raise ValueError(f"val_part must be 'heldout' or 'dev', got {val_part!r}")
+        self.prompt_field = prompt_field
+        self.reference_field = reference_field
+        self.dataset = dataset
+        self.val_split = val_split
+        if prompt_field is None and dataset is not None:
+            raise ValueError("dataset names a hub dataset of prompts: set prompt_field too")
+        if prompt_field is not None and source not in ("local", "hub"):
+            raise ValueError(f"prompt_field reads a local or hub dataset, not source={source!r}")
+        if prompt_field is not None and source == "hub" and dataset is None:
+            raise ValueError("source='hub' with prompt_field needs dataset= (the hub dataset's name)")
         self._train: list[dict[str, str]] | None = None
         self._val: list[dict[str, str]] | None = None
         self._resume: dict[str, int] | None = None
@@ -120,8 +144,22 @@ class GSM8KDataModule(L.LightningDataModule):
             self._train = records["train"][: self.max_samples]
             self._val = records[self.val_part][: self.val_max_samples]
             return
+        if self.prompt_field is not None:
+            self._train, self._val = (
+                load_prompts(
+                    split,
+                    limit,
+                    prompt_field=self.prompt_field,
+                    reference_field=self.reference_field,
+                    path=self.path,
+                    dataset=self.dataset,
+                    skip_malformed=self.skip_malformed,
+                )
+                for split, limit in (("train", self.max_samples), (self.val_split, self.val_max_samples))
+            )
+            return
         self._train = load_gsm8k("train", self.max_samples, self.path, self.skip_malformed)
-        self._val = load_gsm8k("test", self.val_max_samples, self.path, self.skip_malformed)
+        self._val = load_gsm8k(self.val_split, self.val_max_samples, self.path, self.skip_malformed)
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -167,6 +205,7 @@ class GSM8KDataModule(L.LightningDataModule):
 
     def _settings(self) -> dict[str, Any]:
         names = ("source", "path", "max_samples", "prompts_per_step", "shuffle", "seed", "task_seed")
+        names += ("prompt_field", "dataset")
         return {name: getattr(self, name) for name in names}
 
     @override

@@ -6,10 +6,11 @@ formatted by :func:`format_prompt` and ``reference`` is a value-normalised numbe
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,12 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 yield f"line {number}", ValueError(f"invalid JSON ({err.msg})")
 
 
+def _csv_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(newline="", encoding="utf-8") as f:
+        for number, row in enumerate(csv.DictReader(f), start=2):  # line 1 is the header
+            yield f"line {number}", row
+
+
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
@@ -227,11 +234,16 @@ def _resolve_local_file(path: str | Path, split: str) -> Path:
     if path.is_file():
         return path
     if path.is_dir():
-        for candidate in (path / f"{split}.jsonl", path / f"{split}.parquet"):
+        for candidate in (path / f"{split}.jsonl", path / f"{split}.parquet", path / f"{split}.csv"):
             if candidate.is_file():
                 return candidate
-        raise FileNotFoundError(f"GSM8K folder {path} has neither {split}.jsonl nor {split}.parquet")
-    raise FileNotFoundError(f"GSM8K path does not exist: {path}")
+        raise FileNotFoundError(f"folder {path} has no {split}.jsonl, {split}.parquet or {split}.csv")
+    raise FileNotFoundError(f"data path does not exist: {path}")
+
+
+def _file_rows(file: Path) -> Iterator[tuple[str, Any]]:
+    readers = {".parquet": _parquet_rows, ".csv": _csv_rows}
+    return readers.get(file.suffix, _jsonl_rows)(file)
 
 
 def _hub_rows(split: str) -> Iterator[tuple[str, Any]]:
@@ -249,8 +261,14 @@ def _hub_rows(split: str) -> Iterator[tuple[str, Any]]:
 
 
 def _collect(
-    rows: Iterator[tuple[str, Any]], source: str, max_samples: int | None, skip_malformed: bool
-) -> list[dict[str, str]]:
+    rows: Iterator[tuple[str, Any]],
+    source: str,
+    max_samples: int | None,
+    skip_malformed: bool,
+    parse: Callable[[Any], dict[str, Any]] | None = None,
+    kind: str = "GSM8K",
+) -> list[dict[str, Any]]:
+    parse = parse or _sample_from_row
     samples: list[dict[str, str]] = []
     skipped: list[str] = []
     for where, row in rows:
@@ -259,17 +277,17 @@ def _collect(
         try:
             if isinstance(row, Exception):
                 raise row
-            samples.append(_sample_from_row(row))
+            samples.append(parse(row))
         except ValueError as err:
             if not skip_malformed:
-                raise ValueError(f"malformed GSM8K row in {source}, {where}: {err}") from err
+                raise ValueError(f"malformed {kind} row in {source}, {where}: {err}") from err
             skipped.append(f"{where}: {err}")
     if skipped:
         warnings.warn(
-            f"skipped {len(skipped)} malformed GSM8K row(s) in {source} (first: {skipped[0]})", stacklevel=3
+            f"skipped {len(skipped)} malformed {kind} row(s) in {source} (first: {skipped[0]})", stacklevel=3
         )
     if not samples:
-        raise ValueError(f"no GSM8K samples loaded from {source}")
+        raise ValueError(f"no {kind} samples loaded from {source}")
     return samples
 
 
@@ -295,9 +313,67 @@ def load_gsm8k(
         source, rows = f"{HUB_DATASET} ({HUB_CONFIG}/{split})", _hub_rows(split)
     else:
         file = _resolve_local_file(path, split)
-        source = str(file)
-        rows = _parquet_rows(file) if file.suffix == ".parquet" else _jsonl_rows(file)
+        source, rows = str(file), _file_rows(file)
     return _collect(rows, source, max_samples, skip_malformed)
+
+
+def load_prompts(
+    split: str,
+    max_samples: int | None,
+    *,
+    prompt_field: str,
+    reference_field: str | None = None,
+    path: str | Path | None = None,
+    dataset: str | None = None,
+    skip_malformed: bool = False,
+) -> list[dict[str, Any]]:
+    """Rows of any prompt dataset as ``[{"prompt", ...}]``: a local folder or file (JSON-lines,
+    parquet or CSV) or a hub dataset by name.
+
+    Each row's ``prompt_field`` is the prompt (text, or a conversation: a list of ``{"role",
+    "content"}`` messages); ``reference_field``, when given, becomes ``reference`` (the rewards'
+    ``references``); every other field travels with its prompt to the rewards under its own name.
+    """
+    if path is not None:
+        file = _resolve_local_file(path, split)
+        source, rows = str(file), _file_rows(file)
+    elif dataset is not None:
+        source, rows = f"{dataset} (split {split})", _named_hub_rows(dataset, split)
+    else:
+        raise ValueError("load_prompts needs a path or a hub dataset name")
+
+    def parse(row: Any) -> dict[str, Any]:
+        if not isinstance(row, dict):
+            raise ValueError(f"expected an object, got {type(row).__name__}")
+        for field in (prompt_field, reference_field):
+            if field is not None and field not in row:
+                raise ValueError(f"no {field!r} field (fields: {sorted(row)})")
+        prompt = row[prompt_field]
+        if not (isinstance(prompt, str) and prompt.strip()) and not (isinstance(prompt, list) and prompt):
+            raise ValueError(
+                f"{prompt_field!r} must be non-empty text or a list of messages, got {prompt!r:.100}"
+            )
+        sample = {"prompt": prompt}
+        if reference_field is not None:
+            sample["reference"] = row[reference_field]
+        sample.update((k, v) for k, v in row.items() if k not in (prompt_field, reference_field))
+        return sample
+
+    return _collect(rows, source, max_samples, skip_malformed, parse, kind="prompt")
+
+
+def _named_hub_rows(name: str, split: str) -> Iterator[tuple[str, Any]]:
+    try:
+        import datasets
+
+        table = datasets.load_dataset(name, split=split)
+    except Exception as err:
+        raise RuntimeError(
+            f"could not load the dataset {name!r} (split {split!r}) from the Hugging Face Hub: {err}. "
+            "Without network access, pass data.path pointing at local JSON-lines, parquet or CSV files."
+        ) from err
+    for number, row in enumerate(table, start=1):
+        yield f"row {number}", row
 
 
 def load_gsm8k_mock(n: int = 20) -> list[dict[str, str]]:
