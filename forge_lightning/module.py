@@ -64,8 +64,9 @@ from forge_lightning.optim import total_optimizer_steps as count_optimizer_steps
 from forge_lightning.policy import prepare_policy
 from forge_lightning.preemption import Preemption, sigterm_interrupts
 from forge_lightning.profiler import PhaseProfiler
-from forge_lightning.rewards import GSM8KAnswerReward, as_reward, component_names
+from forge_lightning.rewards import GSM8KAnswerReward, as_reward, component_names, require_arguments
 from forge_lightning.rollout import (
+    FACTS,
     PromptSettings,
     Rollout,
     RolloutSampler,
@@ -230,6 +231,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.rounds = SamplingRounds(max_sampling_rounds)  # dynamic sampling's rounds of the step
         self._nonfinite_guard = NonFiniteGuard(max_consecutive_bad_steps)
         self._preemption = Preemption()
+        self._rewards_checked = False
         self._stepped = False
 
     @override
@@ -274,6 +276,9 @@ class GRPOLightningModule(pl.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         hp, profile = self.hparams, self.trainer.profiler.profile
         prompts, batch_kwargs = split_batch(batch)
+        if not self._rewards_checked:  # before the first generation, so a mismatch costs nothing
+            require_arguments(self.reward, {*batch_kwargs, *FACTS})
+            self._rewards_checked = True
         with profile("generate"):
             rollout = self.sampler(
                 self.model, prompts, self.sampling, hp.group_size, engine_logprobs=hp.use_engine_logprobs
@@ -328,6 +333,10 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         prompts, batch_kwargs = split_batch(batch)
+        if batch_idx == 0:
+            require_arguments(self.reward, {*batch_kwargs, *FACTS})
+            if "references" in batch_kwargs:
+                require_arguments(self.accuracy, {*batch_kwargs, *FACTS}, role="accuracy check")
         greedy = SamplingParams(self.hparams.max_new_tokens, greedy=True)
         rollout = self.sampler(self.model, prompts, greedy, group_size=1)
         on_error, timeout = self.hparams.on_reward_error, self.hparams.reward_timeout

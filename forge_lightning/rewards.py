@@ -31,6 +31,10 @@ class RewardOutput:
 class BaseReward(ABC):
     """Base class for rewards. Subclasses may declare a narrower ``__call__`` (no ``**kwargs``)."""
 
+    #: Keyword arguments the reward cannot score without although its signature gives them a
+    #: default (``references=None``); checked against the batch before the first generation.
+    needs: tuple[str, ...] = ()
+
     @abstractmethod
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput: ...
 
@@ -49,6 +53,45 @@ def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str,
         return dict(kwargs)
     by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return {key: value for key, value in kwargs.items() if key in by_name}
+
+
+def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[str]]:
+    """For each component of ``reward`` (itself, or a CompositeReward's parts), the keyword
+    arguments it needs that are not in ``available``: its required parameters after the first two
+    (prompts, responses), and a :class:`BaseReward`'s ``needs``."""
+    parts = (
+        zip(reward.names, reward.rewards)
+        if isinstance(reward, CompositeReward)
+        else [(reward_name(reward), reward)]
+    )
+    missing: dict[str, list[str]] = {}
+    for name, part in parts:
+        try:
+            params = list(inspect.signature(part).parameters.values())[2:]
+        except (TypeError, ValueError):
+            params = []
+        required = [
+            p.name
+            for p in params
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+        required += list(getattr(part, "needs", ()))
+        absent = [key for key in dict.fromkeys(required) if key not in available]
+        if absent:
+            missing[name] = absent
+    return missing
+
+
+def require_arguments(reward: RewardFn, available: set[str], role: str = "reward") -> None:
+    """Raise ValueError naming each reward component's missing keyword arguments and what the
+    batch has (run before any generation, so a mismatch costs nothing)."""
+    missing = missing_arguments(reward, available)
+    if missing:
+        what = "; ".join(f"{name!r} needs {', '.join(keys)}" for name, keys in missing.items())
+        raise ValueError(
+            f"{role} {what}, but a batch gives {', '.join(sorted(available))}. Add the field to the data "
+            "(a 'reference' field arrives as references=), or use a reward that does without it"
+        )
 
 
 def reward_name(reward: RewardFn) -> str:
@@ -151,6 +194,7 @@ class ExactMatchReward(BaseReward):
 
     def __init__(self, references: list[str] | None = None) -> None:
         self.references = references
+        self.needs = ("references",) if references is None else ()
 
     def __call__(
         self, prompts: list[str], responses: list[str], references: list[str] | None = None, **kwargs: Any
@@ -251,6 +295,8 @@ class OverlongPenaltyReward(BaseReward):
 class GSM8KAnswerReward(BaseReward):
     """1.0 when the number extracted from the response equals the reference as a value
     ("$1,800.00" matches "1800"), else 0.0. Needs ``references=`` at call time."""
+
+    needs = ("references",)
 
     def __call__(
         self, prompts: list[str], responses: list[str], references: list[str] | None = None, **kwargs: Any

@@ -42,6 +42,8 @@ class MathVerifyReward(BaseReward):
             only the main thread may use, so off the main thread it is not applied.
     """
 
+    needs = ("references",)
+
     def __init__(self, float_rounding: int = 6, timeout_seconds: int | None = 5) -> None:
         _math_verify()  # fail when the config is built, not at the first step
         if float_rounding < 0:

@@ -15,6 +15,9 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 if TYPE_CHECKING:
     from forge_lightning.generation import GenerationBackend
 
+# What a reward may ask for by name about each completion (Rollout.facts).
+FACTS = ("completion_ids", "completion_lengths", "truncated")
+
 # A prompt: the user message as text, or a whole conversation of {"role", "content"} messages.
 Prompt: TypeAlias = "str | list[dict[str, Any]]"
 

@@ -179,3 +179,31 @@ def test_a_prompt_dataset_row_without_its_field_names_file_and_line(tmp_path):
         data.setup()
     with pytest.raises(ValueError, match="needs dataset="):
         GSM8KDataModule(source="hub", prompt_field="prompt")
+
+
+def test_a_reward_that_needs_a_key_the_batch_lacks_fails_before_any_generation(
+    tmp_path, module, trainer, loader
+):
+    from forge_lightning.rewards import GSM8KAnswerReward
+
+    def by_level(prompts, responses, level):
+        return [float(x) for x in level]
+
+    for reward, message in [
+        (by_level, r"reward 'by_level' needs level, but a batch gives completion_ids, .*, truncated"),
+        ([by_level, GSM8KAnswerReward()], r"'by_level' needs level; 'GSM8KAnswerReward' needs references"),
+    ]:
+        grpo = module(reward=reward, gradient_accumulation_steps=1, kl_beta=0.0)
+        grpo.configure_model()
+
+        def generate(*args, **kwargs):
+            raise AssertionError("generated before the check")
+
+        grpo.generator.generate = generate
+        with pytest.raises(ValueError, match=message):
+            trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "q"}]))
+    # With the key in the data, the same reward trains.
+    grpo = module(reward=by_level, gradient_accumulation_steps=1, kl_beta=0.0)
+    fit = trainer(tmp_path, max_steps=1)
+    fit.fit(grpo, loader([{"prompt": "q", "level": 2}]))
+    assert fit.global_step == 1
