@@ -106,7 +106,10 @@ class ForgeCLI(LightningCLI):
         """Refuse (before the config and logs are written) a resume with settings it cannot take."""
         if not Path(ckpt_path).is_file():
             raise SystemExit(f"fit: --ckpt_path {ckpt_path}: no such file")
-        saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+        try:
+            saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:
+            raise SystemExit(f"fit: --ckpt_path {ckpt_path} cannot be read as a checkpoint: {err}") from None
         try:
             check_resume_settings(saved.get("hyper_parameters", {}), self.model.hparams)
             data_state = saved.get(type(self.datamodule).__qualname__)

@@ -93,12 +93,6 @@ class GRPOLightningModule(pl.LightningModule):
         reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``; GSM8K's if None.
             A list of them (TRL's ``reward_funcs``) is their equally weighted CompositeReward.
         tokenizer: required when ``model`` is an object; loaded with the spec otherwise.
-        model_dtype: the dtype a model spec is loaded in. ``float32`` (the default) keeps the weights
-            and the AdamW state in full precision under ``bf16-mixed``/``16-mixed`` (autocast computes
-            in half precision), also when the checkpoint is stored in bf16, as most of the hub is;
-            ``auto`` keeps the checkpoint's dtype; ``bfloat16`` / ``float16`` train half-precision
-            weights, which a small learning rate barely moves (a warning says so).
-        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice.
         group_size: completions per prompt (G), at least 2.
         clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
         clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
@@ -143,6 +137,12 @@ class GRPOLightningModule(pl.LightningModule):
             enough (DAPO; see sampling_rounds.py); ``gradient_accumulation_steps`` then counts
             informative prompts. Needs ``trainer.max_steps`` and ``num_iterations`` 1.
         max_sampling_rounds: with dynamic sampling, the rounds after which a step trains on what it has.
+        model_dtype: the dtype a model spec is loaded in. ``float32`` (the default) keeps the weights
+            and the AdamW state in full precision under ``bf16-mixed``/``16-mixed`` (autocast computes
+            in half precision), also when the checkpoint is stored in bf16, as most of the hub is;
+            ``auto`` keeps the checkpoint's dtype; ``bfloat16`` / ``float16`` train half-precision
+            weights, which a small learning rate barely moves (a warning says so).
+        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice.
     """
 
     def __init__(
@@ -150,8 +150,6 @@ class GRPOLightningModule(pl.LightningModule):
         model: str | PreTrainedModel = "embedded",
         reward: Callable[..., Any] | list[Callable[..., Any]] | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32",
-        attn_implementation: str | None = None,
         group_size: int = 8,
         clip_epsilon: float = 0.2,
         clip_epsilon_high: float | None = None,
@@ -190,6 +188,8 @@ class GRPOLightningModule(pl.LightningModule):
         mask_truncated_completions: bool = False,
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
+        model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32",
+        attn_implementation: str | None = None,
     ) -> None:
         super().__init__()
         # Lightning checkpoints load with weights_only=True, which refuses custom classes: the
