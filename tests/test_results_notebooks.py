@@ -52,7 +52,7 @@ def has_png(cell) -> bool:
     return any("image/png" in o.get("data", {}) for o in cell.outputs)
 
 
-@pytest.mark.parametrize("name", ["learning.ipynb", "throughput.ipynb"])
+@pytest.mark.parametrize("name", ["learning.ipynb", "throughput.ipynb", "arithmetic.ipynb"])
 def test_committed_notebook_is_saved_executed(name):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
@@ -130,3 +130,21 @@ def test_throughput_notebook_tables_any_lines_and_gpu_runs(tmp_path, monkeypatch
     gpu_runs = tables(cells["gpu"])[0]
     assert gpu_runs[1][0] == "gpu-hf" and "cuda:0" in gpu_runs[1][2] and "GPU 12345" in gpu_runs[1][7]
     assert (tmp_path / "figures" / "throughput_phases.png").is_file()
+
+
+def test_arithmetic_notebook_shows_each_probe_and_attempt_from_its_files(tmp_path, monkeypatch):
+    data = NOTEBOOKS / "figures" / "arithmetic"
+    probes = [json.loads(line) for line in (data / "base_probes.jsonl").read_text().splitlines() if line]
+    evals = [json.loads(line) for line in (data / "evals.jsonl").read_text().splitlines() if line]
+    cells = execute("arithmetic.ipynb", monkeypatch, tmp_path)
+
+    [base] = tables(cells["base"])
+    assert [float(row[3]) for row in base[1:]] == [p["acc@128"] for p in probes]
+    assert "accuracy 0.11" in stdout(cells["base"])  # the 100-problem dump, recomputed
+    [log] = tables(cells["attempt1-log"])
+    assert len(log) == 1 + 20
+    [scores] = tables(cells["attempt1-eval"])
+    assert [float(row[3]) for row in scores[1:]] == [
+        pytest.approx(e["val/accuracy"], abs=0.005) for e in evals
+    ]
+    assert "attempt 1 against the base model on dev:" in stdout(cells["attempt1-eval"])
