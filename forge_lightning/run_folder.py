@@ -79,9 +79,9 @@ class RunFolder:
     # -- what is there ------------------------------------------------------------------------
 
     def contents(self) -> list[Path]:
-        """What an earlier run left here: its log, reference, HF folders, TensorBoard logs and
-        Lightning checkpoints (what ``--overwrite`` removes)."""
-        found = [self.root / name for name in (LOG_NAME, "reference", "final", "tensorboard")]
+        """What an earlier fit left here: its log, reference, HF folders and Lightning checkpoints
+        (TensorBoard logs alone do not count: a ``validate`` writes them too)."""
+        found = [self.root / name for name in (LOG_NAME, "reference", "final")]
         found = [p for p in found if p.exists()]
         if self.root.is_dir():  # HF step folders (a folder named 2024 of the user's is left alone)
             found += sorted(
@@ -151,9 +151,9 @@ class RunFolder:
                 "start this one in a new folder (--trainer.default_root_dir), or replace it with "
                 "--overwrite true"
             )
-        for path in existing:
-            _remove(path)
-        if existing:
+        if existing:  # --overwrite: that run's outputs go, its curves too
+            for path in [*existing, self.root / "tensorboard"]:
+                _remove(path)
             log.warning("--overwrite: removed the previous run's outputs in %s", self.root)
         return None
 

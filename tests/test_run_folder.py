@@ -332,3 +332,13 @@ def test_the_lock_file_names_its_holder(tmp_path):
     again = RunFolder(tmp_path)
     again.lock()  # released: taken again at once
     again.unlock()
+
+
+def test_tensorboard_logs_alone_are_no_run_and_overwrite_clears_them_with_one(tmp_path):
+    (tmp_path / "tensorboard" / "version_0").mkdir(parents=True)  # e.g. a validate before any fit
+    assert RunFolder(tmp_path).prepare(resume=False) is None
+    assert (tmp_path / "tensorboard" / "version_0").is_dir()
+    (tmp_path / "training_log.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "2024").mkdir()  # a folder of the user's, not an HF step folder
+    RunFolder(tmp_path).prepare(resume=False, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2024"]
