@@ -196,8 +196,11 @@ class GRPOLightningModule(pl.LightningModule):
         # hyperparameters keep the LoRA settings as a dict (load_from_checkpoint passes it back).
         lora = lora_settings(peft)
         peft = None if lora is None else asdict(lora)
+        # Objects cannot be stored; a spec string or None can (load_from_checkpoint checks this).
         objects = [
-            name for name, value in (("model", model), ("reward", reward)) if not isinstance(value, str)
+            name
+            for name, value in (("model", model), ("reward", reward))
+            if value is not None and not isinstance(value, str)
         ]
         self.save_hyperparameters(ignore=["tokenizer", "accuracy", *objects])
         validate_hparams(self.hparams)
@@ -379,6 +382,21 @@ class GRPOLightningModule(pl.LightningModule):
             fused=fused,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> GRPOLightningModule:
+        """Lightning's ``load_from_checkpoint``, refusing to stand the default model or reward in for
+        one the checkpoint could not store (an object): pass ``model=``/``tokenizer=``/``reward=``."""
+        saved = torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=True)
+        stored = saved.get("hyper_parameters", {})
+        missing = [name for name in ("model", "reward") if name not in stored and name not in kwargs]
+        if missing:
+            raise ValueError(
+                f"{checkpoint_path} was trained with a {' and a '.join(missing)} given as an object, which "
+                f"a checkpoint cannot store: pass {', '.join(f'{m}=' for m in missing)}"
+                f"{' (and tokenizer=)' if 'model' in missing else ''} to load_from_checkpoint"
+            )
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -233,3 +233,26 @@ def test_a_hub_prompt_dataset_offline_is_a_clear_error():
     data = GSM8KDataModule(source="hub", prompt_field="prompt", dataset="someone/prompts")
     with pytest.raises(RuntimeError, match="could not load the dataset 'someone/prompts'.*pass data.path"):
         data.setup()
+
+
+def test_load_from_checkpoint_never_stands_the_defaults_in_for_objects(
+    tmp_path, module, trainer, loader, count_a
+):
+    from conftest import make_model, make_tokenizer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from forge_lightning.module import GRPOLightningModule
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit = trainer(tmp_path, max_steps=1, callbacks=[saver], enable_checkpointing=True)
+    fit.fit(module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.0), loader([{"prompt": "q"}]))
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    with pytest.raises(
+        ValueError, match=r"a model and a reward given as an object.*pass model=, reward= \(and tokenizer=\)"
+    ):
+        GRPOLightningModule.load_from_checkpoint(ckpt)
+    tok = make_tokenizer()
+    loaded = GRPOLightningModule.load_from_checkpoint(
+        ckpt, model=make_model(len(tok)), tokenizer=tok, reward=count_a
+    )
+    assert loaded.reward is count_a and loaded.hparams.group_size == 4
