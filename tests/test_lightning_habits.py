@@ -256,3 +256,11 @@ def test_load_from_checkpoint_never_stands_the_defaults_in_for_objects(
         ckpt, model=make_model(len(tok)), tokenizer=tok, reward=count_a
     )
     assert loaded.reward is count_a and loaded.hparams.group_size == 4
+
+
+def test_the_model_argument_help_is_plain(capsys):
+    with pytest.raises(SystemExit):
+        build_cli(["fit", "--help"])
+    text = capsys.readouterr().out
+    assert "the model spec: embedded" in text
+    assert "PreTrainedModel" not in text and "--model.tokenizer" not in text
