@@ -149,6 +149,7 @@ class StepRecord:
         rewards: (P*G,) the batch's rewards.
         completion_lengths: (P*G,) its completions' lengths, in tokens.
         samples: up to 8 (prompt, completion, reward) triples of the batch.
+        sample_components: each sample's score from every reward component, by name.
         metrics: the optimizer step's metrics (means over its batches, reduced across ranks),
             under their logged names; empty for a batch that only accumulated gradients.
         phases: seconds per phase of the batch (empty without a PhaseProfiler).
@@ -160,6 +161,7 @@ class StepRecord:
     samples: list[tuple[str, str, float]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
+    sample_components: list[dict[str, float]] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -170,10 +172,13 @@ class StepRecord:
         rewards: Tensor,
         metrics: dict[str, float],
         phases: dict[str, float],
+        components: dict[str, Tensor] | None = None,
     ) -> StepRecord:
+        shown = range(min(len(rollout.completions), 8))
         samples = [
             (prompt_text(prompts[i // rollout.group_size]), rollout.completions[i], float(rewards[i]))
-            for i in range(min(len(rollout.completions), 8))
+            for i in shown
         ]
+        parts = [{name: float(v[i]) for name, v in (components or {}).items()} for i in shown]
         lengths = rollout.completion_lengths.detach().float().cpu()
-        return cls(step, rewards.detach().float().cpu(), lengths, samples, metrics, phases)
+        return cls(step, rewards.detach().float().cpu(), lengths, samples, metrics, phases, parts)

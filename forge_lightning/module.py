@@ -552,7 +552,9 @@ class GRPOLightningModule(pl.LightningModule):
                 self.log(key, value, on_step=True, on_epoch=False, prog_bar=key in shown, logger=False)
             for logger in self.loggers:
                 logger.log_metrics(logged, step=self.global_step)
-        self.last_step = StepRecord.of(self.global_step, prompts, rollout, rewards, logged, phases)
+        self.last_step = StepRecord.of(
+            self.global_step, prompts, rollout, rewards, logged, phases, components
+        )
 
     def _max_prompt_length(self) -> int | None:
         """``max_prompt_length``, or where unset the model's context less ``max_new_tokens``: a

@@ -264,3 +264,25 @@ def test_the_model_argument_help_is_plain(capsys):
     text = capsys.readouterr().out
     assert "the model spec: embedded" in text
     assert "PreTrainedModel" not in text and "--model.tokenizer" not in text
+
+
+def test_the_samples_table_shows_every_component_of_each_samples_reward(tmp_path, module, trainer, loader):
+    from forge_lightning.callbacks.reward_logger import _markdown_table
+
+    def length(prompts, responses):
+        return [len(r) / 10 for r in responses]
+
+    def has_a(prompts, responses):
+        return [float("a" in r) for r in responses]
+
+    grpo = module(
+        reward=[(length, 1.0, "length"), (has_a, 1.0, "a")], gradient_accumulation_steps=1, kl_beta=0.0
+    )
+    trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "q"}]))
+    record = grpo.last_step
+    first = record.sample_components[0]
+    assert set(first) == {"length", "a"}
+    assert record.samples[0][2] == pytest.approx((first["length"] + first["a"]) / 2)
+    table = _markdown_table(record.samples[:2], record.sample_components[:2]).splitlines()
+    assert table[0] == "| prompt | completion | reward | length | a |"
+    assert table[2].endswith(f"| {first['length']:.3f} | {first['a']:.3f} |")

@@ -15,6 +15,7 @@ from typing_extensions import override
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.config import check_setting
 from forge_lightning.fileio import append_jsonl, write_atomically
+from forge_lightning.metrics import StepRecord
 
 # The JSONL line carries these (plus one ``rewards/<name>`` per reward component); the Lightning
 # logger gets every metric the module tracks.
@@ -104,12 +105,12 @@ class RewardLogger(Callback):
         print(_console_line(line), flush=True)
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                self._tensorboard_views(logger, record.samples, rewards, lengths, step)
+                self._tensorboard_views(logger, record, rewards, lengths, step)
 
     def _tensorboard_views(
         self,
         logger: TensorBoardLogger,
-        samples: list[tuple[str, str, float]],
+        record: StepRecord,
         rewards: list[torch.Tensor],
         lengths: list[torch.Tensor],
         step: int,
@@ -121,9 +122,10 @@ class RewardLogger(Callback):
             logger.experiment.add_histogram(
                 "train/completion_length_hist", torch.cat(lengths), global_step=step
             )
-        samples = samples[: self.num_text_samples]
+        samples = record.samples[: self.num_text_samples]
         if samples:
-            logger.experiment.add_text("samples", _markdown_table(samples), global_step=step)
+            table = _markdown_table(samples, record.sample_components[: len(samples)])
+            logger.experiment.add_text("samples", table, global_step=step)
 
 
 def _means(window: list[dict[str, float]]) -> dict[str, float]:
@@ -148,12 +150,20 @@ def _console_line(record: dict[str, Any]) -> str:
     )
 
 
-def _markdown_table(samples: list[tuple[str, str, float]]) -> str:
+def _markdown_table(samples: list[tuple[str, str, float]], components: list[dict[str, float]]) -> str:
+    """Prompt, completion, reward, and each reward component's score when there are several."""
+
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", "<br>")
 
-    rows = ["| prompt | completion | reward |", "|---|---|---|"]
-    rows += [f"| {cell(p[-300:])} | {cell(c)} | {r:.3f} |" for p, c, r in samples]
+    names = list(components[0]) if components and len(components[0]) > 1 else []
+    rows = [
+        "| " + " | ".join(["prompt", "completion", "reward", *names]) + " |",
+        "|---" * (3 + len(names)) + "|",
+    ]
+    for i, (p, c, r) in enumerate(samples):
+        parts = [f"{components[i][n]:.3f}" for n in names]
+        rows.append("| " + " | ".join([cell(p[-300:]), cell(c), f"{r:.3f}", *parts]) + " |")
     return "\n".join(rows)
 
 
