@@ -72,7 +72,10 @@ class TrainMetrics(nn.Module):
         table = self.counts if key in self.counts else self.means
         if key not in table:
             raise KeyError(f"unknown metric {key!r}")
-        table[key].update(value.detach().float().reshape(-1).to(table[key].device))
+        value = value.detach().float().reshape(-1)
+        if key.startswith("rewards/"):
+            value = value[~value.isnan()]  # a component's None ("not applicable") counts nowhere
+        table[key].update(value.to(table[key].device))
 
     def pop(self) -> dict[str, float]:
         """Means since the last call (counters as totals), then reset. Metrics never updated, or
@@ -111,8 +114,9 @@ def batch_metrics(
         "reward_std": _std(rewards),
         "completion_length": lengths.mean(),
         "frac_zero_std_groups": (group_std == 0).float().mean(),
-        **{f"rewards/{name}": v.mean() for name, v in components.items()},
-        **{f"rewards/{name}_std": _std(v) for name, v in components.items()},
+        # A component's NaN is a None, "not applicable": out of its mean and std.
+        **{f"rewards/{name}": v.nanmean() for name, v in components.items()},
+        **{f"rewards/{name}_std": _std(v[~v.isnan()]) for name, v in components.items()},
         **stats,
     }
     if phases:

@@ -107,8 +107,12 @@ def component_names(reward: RewardFn) -> list[str]:
     return [reward_name(reward)]
 
 
-def checked_scores(output: Any, num_samples: int, name: str) -> list[float]:
-    """Turn a reward's output into ``num_samples`` finite floats; ValueError naming the reward otherwise."""
+def checked_scores(output: Any, num_samples: int, name: str, allow_none: bool = False) -> list[float]:
+    """Turn a reward's output into ``num_samples`` finite floats; ValueError naming the reward otherwise.
+
+    With ``allow_none`` (a CompositeReward's component) a None means "not applicable to this
+    sample", as in TRL, and becomes NaN: it counts 0 in the total and stays out of the component's
+    mean and std."""
     if isinstance(output, RewardOutput):
         output = output.scores
     elif hasattr(output, "tolist"):  # numpy arrays and tensors, without importing either
@@ -120,11 +124,18 @@ def checked_scores(output: Any, num_samples: int, name: str) -> list[float]:
     if len(output) != num_samples:
         raise ValueError(f"reward {name!r} returned {len(output)} scores for {num_samples} responses")
     for i, value in enumerate(output):
+        if value is None:
+            if allow_none:
+                continue
+            raise ValueError(
+                f"reward {name!r} returned None at index {i}: None ('not applicable') is for a component "
+                "of a CompositeReward whose other components score that sample"
+            )
         if not isinstance(value, numbers.Real):
             raise ValueError(f"reward {name!r} returned a non-number at index {i}: {value!r}")
         if not math.isfinite(value):
             raise ValueError(f"reward {name!r} returned a non-finite score at index {i}: {value!r}")
-    return [float(value) for value in output]
+    return [math.nan if value is None else float(value) for value in output]
 
 
 class RewardTimeout(TimeoutError):
@@ -342,13 +353,21 @@ class CompositeReward(BaseReward):
         )
 
     def combine(self, components: dict[str, list[float]]) -> list[float]:
-        """Weighted sum of per-component scores keyed by :attr:`names`."""
+        """Weighted sum of per-component scores keyed by :attr:`names`; a NaN (a component's None,
+        not applicable) counts 0. A sample no component scored is an error."""
         columns = [components[name] for name in self.names]
-        return [sum(w * s for w, s in zip(self.weights, row)) for row in zip(*columns)]
+        totals = []
+        for i, row in enumerate(zip(*columns)):
+            if all(math.isnan(s) for s in row):
+                raise ValueError(f"no reward component scored sample {i}: every one returned None")
+            totals.append(sum(w * s for w, s in zip(self.weights, row) if not math.isnan(s)))
+        return totals
 
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
         components = {
-            name: checked_scores(call_reward(reward, prompts, responses, kwargs), len(responses), name)
+            name: checked_scores(
+                call_reward(reward, prompts, responses, kwargs), len(responses), name, allow_none=True
+            )
             for name, reward in zip(self.names, self.rewards)
         }
         return RewardOutput(scores=self.combine(components), metadata={"components": components})

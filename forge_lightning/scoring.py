@@ -71,7 +71,9 @@ def score(
         raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
     if isinstance(reward, CompositeReward):
         parts = {
-            name: _score_one(part, name, prompts, responses, kwargs, on_error, reward_timeout)
+            name: _score_one(
+                part, name, prompts, responses, kwargs, on_error, reward_timeout, allow_none=True
+            )
             for name, part in zip(reward.names, reward.rewards)
         }
         components = {name: scores for name, (scores, _) in parts.items()}
@@ -90,6 +92,7 @@ def _score_one(
     kwargs: dict[str, Any],
     on_error: str,
     timeout: float | None = None,
+    allow_none: bool = False,
 ) -> tuple[list[float], list[int]]:
     """Checked scores of one reward and the indices of the samples that raised (only with "zero")."""
     try:
@@ -102,7 +105,7 @@ def _score_one(
     except Exception as err:
         batch_error = err
     else:
-        return checked_scores(output, len(responses), name), []
+        return checked_scores(output, len(responses), name, allow_none), []
     size = len(responses)
     scores: list[float] = []
     failures: list[tuple[int, Exception]] = []
@@ -117,7 +120,7 @@ def _score_one(
             failures.append((i, err))
             scores.append(0.0)
             continue
-        scores.extend(checked_scores(output, 1, name))
+        scores.extend(checked_scores(output, 1, name, allow_none))
     if failures:
         warnings.warn(
             f"reward {name!r} raised on {len(failures)} of {size} samples, which score 0.0 "

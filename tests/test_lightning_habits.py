@@ -286,3 +286,19 @@ def test_the_samples_table_shows_every_component_of_each_samples_reward(tmp_path
     table = _markdown_table(record.samples[:2], record.sample_components[:2]).splitlines()
     assert table[0] == "| prompt | completion | reward | length | a |"
     assert table[2].endswith(f"| {first['length']:.3f} | {first['a']:.3f} |")
+
+
+def test_a_component_that_is_not_applicable_stays_out_of_its_curve(tmp_path, module, trainer, loader):
+    def even_only(prompts, responses):
+        return [1.0 if i % 2 == 0 else None for i in range(len(responses))]
+
+    def zero(prompts, responses):
+        return [0.0] * len(responses)
+
+    grpo = module(
+        reward=[(even_only, 1.0, "even"), (zero, 1.0, "zero")], gradient_accumulation_steps=1, kl_beta=0.0
+    )
+    trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "q"}]))
+    metrics = grpo.last_step.metrics
+    assert metrics["train/rewards/even"] == 1.0 and metrics["train/rewards/even_std"] == 0.0
+    assert metrics["train/reward"] == pytest.approx(0.25)  # (1 + 0) / 2 on half the samples, 0 on the rest

@@ -203,7 +203,7 @@ def test_score_splits_composite_into_components() -> None:
     ("bad_scores", "message"),
     [
         ([1.0], "returned 1 scores for 2"),
-        ([1.0, None], "non-number"),
+        ([1.0, None], "returned None at index 1"),  # a lone reward: None scores nothing
         ([1.0, math.nan], "non-finite"),
         ([math.inf, 0.0], "non-finite"),
         ([1.0, "1"], "non-number"),
@@ -405,3 +405,27 @@ def test_a_reward_within_its_timeout_scores_as_usual_and_its_errors_surface():
 
     with pytest.raises(RuntimeError, match="KeyError"):
         score(broken, ["p"], ["a"], reward_timeout=5)
+
+
+def test_none_means_not_applicable_to_a_composites_component():
+    def only_even(prompts, responses):
+        return [1.0 if i % 2 == 0 else None for i in range(len(responses))]
+
+    def half(prompts, responses):
+        return [0.5] * len(responses)
+
+    composite = CompositeReward([(only_even, 1.0, "even"), (half, 1.0, "half")])
+    scored = score(composite, ["p"] * 4, ["a", "b", "c", "d"])
+    assert scored.total == [0.75, 0.25, 0.75, 0.25]  # None counts 0 (weights stay 1/2 each)
+    assert scored.components["even"][0] == 1.0 and math.isnan(scored.components["even"][1])
+    assert composite(["p"] * 2, ["a", "b"]).scores == [0.75, 0.25]
+
+
+def test_none_from_every_component_or_from_a_lone_reward_is_an_error():
+    def never(prompts, responses):
+        return [None] * len(responses)
+
+    with pytest.raises(ValueError, match="no reward component scored sample 0"):
+        score(CompositeReward([(never, 1.0, "a"), (never, 1.0, "b")]), ["p"], ["a"])
+    with pytest.raises(ValueError, match="returned None at index 0"):
+        score(never, ["p"], ["a"])
