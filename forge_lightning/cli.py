@@ -51,10 +51,9 @@ class ForgeCLI(LightningCLI):
             default=False,
             help="fit: remove the outputs of a run already in the run folder and start a new one",
         )
-        # The model spec is a name or a path, never a file whose text jsonargparse reads as YAML
-        # (it would for a text file named x.gguf, as the type also admits a model object).
-        # On the command line it is a string, and the help says so (not the hundreds of transformers
-        # classes a model object could be).
+        # On the command line the model is a spec string: never a file whose text jsonargparse reads
+        # as YAML (it would for a text file named x.gguf, since the type also admits a model
+        # object), and its help is one line, not the hundreds of transformers classes.
         spec = parser._option_string_actions.get("--model.model")
         if spec is not None and hasattr(spec, "_enable_path"):
             spec._enable_path = False
