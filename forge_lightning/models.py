@@ -67,8 +67,9 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load ``spec`` (see the module docstring) as ``(model, tokenizer)``.
 
-    The tokenizer always has a pad token (its EOS when it had none). ``dtype`` None keeps the
-    checkpoint's own dtype for folders and hub ids, float32 for GGUF (dequantized weights).
+    The tokenizer always has a pad token (its EOS when it had none). ``dtype``: a torch dtype or
+    its name; ``"auto"`` keeps the checkpoint's own for folders and hub ids; None leaves it to
+    transformers (float32 before 5.0, the checkpoint's from 5.0). GGUF weights load as float32.
     ``attn_implementation`` (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``, ...) is passed to
     ``from_pretrained``; None takes transformers' choice.
     """
@@ -84,7 +85,7 @@ def load_model(
         model, tokenizer = _load_folder(_embedded_cache(), dtype)
     elif spec.endswith(".gguf"):
         model, tokenizer = _load_gguf(Path(spec))
-        if dtype is not None:
+        if dtype not in (None, "auto"):  # dequantized weights are float32: "auto" keeps them
             model = model.to(_as_dtype(dtype))
     elif (Path(spec) / ADAPTER_CONFIG).is_file():
         model, tokenizer = _load_adapter(Path(spec), dtype)
@@ -106,8 +107,9 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerB
     return tokenizer
 
 
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    """A torch dtype from its name; ``"auto"`` (the checkpoint's own, for ``from_pretrained``) as is."""
+    return dtype if isinstance(dtype, torch.dtype) or dtype == "auto" else getattr(torch, dtype)
 
 
 def _load_folder(
@@ -217,5 +219,5 @@ def _load_random(
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not read the config and tokenizer of {spec!r}: {err}") from err
-    kwargs = {"dtype": _as_dtype(dtype)} if dtype is not None else {}
+    kwargs = {"dtype": _as_dtype(dtype)} if dtype not in (None, "auto") else {}
     return AutoModelForCausalLM.from_config(config, **kwargs), tokenizer

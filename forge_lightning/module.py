@@ -241,7 +241,6 @@ class GRPOLightningModule(pl.LightningModule):
     def configure_model(self) -> None:
         hp = self.hparams
         if self.model is None:
-            dtype = None if hp.model_dtype == "auto" else hp.model_dtype
             if hp.model_dtype in ("bfloat16", "float16"):
                 warnings.warn(
                     f"model_dtype={hp.model_dtype}: the policy's weights and AdamW state are half "
@@ -250,7 +249,7 @@ class GRPOLightningModule(pl.LightningModule):
                     "trains in half precision on full-precision weights",
                     stacklevel=2,
                 )
-            self.model, tokenizer = load_model(self.model_spec, dtype, hp.attn_implementation)
+            self.model, tokenizer = load_model(self.model_spec, hp.model_dtype, hp.attn_implementation)
             self.tokenizer = self.tokenizer or tokenizer
         self.model = prepare_policy(
             self.model,

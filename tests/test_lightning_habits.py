@@ -81,8 +81,8 @@ def test_validation_metrics_reach_loggers_on_the_optimizer_step_axis(
     records = [{"prompt": "q", "reference": "1"}] * 4  # 4 batches, 2 optimizer steps
     fit.fit(grpo, loader(records), loader(records[:2], batch_size=2))
     rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
-    train_steps = sorted({int(r["step"]) for r in rows if r.get("train/reward")})
-    val_steps = [int(r["step"]) for r in rows if r.get("val/accuracy")]
+    train_steps = sorted({int(float(r["step"])) for r in rows if r.get("train/reward")})
+    val_steps = [int(float(r["step"])) for r in rows if r.get("val/accuracy")]
     assert train_steps == [1, 2]
     assert val_steps == [2]  # at the epoch's end: optimizer step 2, not batch 3
     assert "val/accuracy" in fit.callback_metrics
