@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -16,7 +16,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from forge_lightning.config import check_resume_settings
-from forge_lightning.data.datamodule import GSM8KDataModule
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.preemption import EXIT_CODE
 from forge_lightning.run_folder import RunFolder, RunFolderError
@@ -45,6 +44,9 @@ class ForgeCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Any LightningDataModule (--data my_package.MyDataModule), GSM8KDataModule by default, so
+        # that a config's plain `data: {source: ...}` needs no class_path.
+        parser.set_defaults({"data": {"class_path": "forge_lightning.data.GSM8KDataModule"}})
         parser.add_argument(
             "--overwrite",
             type=bool,
@@ -204,7 +206,8 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
     }
     return ForgeCLI(
         GRPOLightningModule,
-        GSM8KDataModule,
+        LightningDataModule,
+        subclass_mode_data=True,
         trainer_defaults=trainer_defaults,
         # The saved config.yaml is the record of what ran; a resumed run in the same folder
         # writes the same file again instead of refusing to start.

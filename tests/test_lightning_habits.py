@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 
 from forge_lightning.callbacks import HFCheckpoint, ReferenceModel
@@ -302,3 +303,32 @@ def test_a_component_that_is_not_applicable_stays_out_of_its_curve(tmp_path, mod
     metrics = grpo.last_step.metrics
     assert metrics["train/rewards/even"] == 1.0 and metrics["train/rewards/even_std"] == 0.0
     assert metrics["train/reward"] == pytest.approx(0.25)  # (1 + 0) / 2 on half the samples, 0 on the rest
+
+
+class OwnData(pl.LightningDataModule):
+    """A user's own datamodule, as the CLI's --data takes it."""
+
+    def __init__(self, copies: int = 2) -> None:
+        super().__init__()
+        self.copies = copies
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        from forge_lightning.data.datamodule import collate_records
+
+        return DataLoader(
+            [{"prompt": "q", "reference": "1"}] * self.copies, batch_size=1, collate_fn=collate_records
+        )
+
+
+def test_the_cli_takes_any_lightning_datamodule(tmp_path, tiny_model_dir, tiny_overrides):
+    args = ["fit", "--config", str(SMOKE), *tiny_overrides(tiny_model_dir, tmp_path / "run")]
+    cli = build_cli(
+        [*args, "--data", "test_lightning_habits.OwnData", "--data.copies", "3", "--trainer.max_steps=3"]
+    )
+    assert isinstance(cli.datamodule, OwnData) and cli.trainer.global_step == 3
+    plain = build_cli(
+        [*args[1:3], *tiny_overrides(tiny_model_dir, tmp_path / "other"), "--data.source=mock"], run=False
+    )
+    assert type(plain.datamodule).__name__ == "GSM8KDataModule"  # the default, no class_path needed
