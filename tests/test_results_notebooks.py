@@ -148,3 +148,4 @@ def test_arithmetic_notebook_shows_each_probe_and_attempt_from_its_files(tmp_pat
         pytest.approx(e["val/accuracy"], abs=0.005) for e in evals
     ]
     assert "attempt 1 against the base model on dev:" in stdout(cells["attempt1-eval"])
+    assert "attempt 2 against the base model on dev:" in stdout(cells["attempt2-log"])
