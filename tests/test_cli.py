@@ -109,3 +109,20 @@ def test_gsm8k_recipe_runs_one_step_on_a_tiny_model_and_local_data(
         ]
     )
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_data_setting_may_be_null_on_the_command_line(capsys):
+    # jsonargparse before 4.40 crashed on a null init arg of the (subclass-mode) datamodule.
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "configs" / "smoke.yaml"),
+                "--data.max_samples",
+                "null",
+                "--print_config",
+            ]
+        )
+    assert exit_info.value.code == 0
+    assert yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["max_samples"] is None
