@@ -86,16 +86,19 @@ CHANGEABLE_ON_RESUME = frozenset(
 )
 
 
+def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, str]:
+    """``name -> "name: old -> new"`` for each setting that differs between what a checkpoint
+    recorded and this run. A setting only one side records (an older checkpoint) is not compared."""
+    names = sorted(set(saved) & set(current))
+    return {n: f"{n}: {saved[n]!r} -> {current[n]!r}" for n in names if saved[n] != current[n]}
+
+
 def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-    """The settings that differ between a checkpoint's hyperparameters and this run's, as
-    ``"name: old -> new"`` lines: (those that may not change on resume, those that may).
-    A setting only one side records (an older checkpoint) is not compared."""
-    fixed, changeable = [], []
-    for name in sorted(set(saved) & set(current)):
-        if saved[name] != current[name]:
-            line = f"{name}: {saved[name]!r} -> {current[name]!r}"
-            (changeable if name in CHANGEABLE_ON_RESUME else fixed).append(line)
-    return fixed, changeable
+    """:func:`changed_settings` of the module's hyperparameters, split into (those that may not
+    change on resume, those that may)."""
+    changed = changed_settings(saved, current)
+    fixed = [line for name, line in changed.items() if name not in CHANGEABLE_ON_RESUME]
+    return fixed, [line for name, line in changed.items() if name in CHANGEABLE_ON_RESUME]
 
 
 def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:

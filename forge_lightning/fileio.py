@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# The names of what a write leaves beside its target while it runs (run_folder.py cleans up after a
+# kill by them): the temporary sibling it writes, and the old folder a swap moves aside.
+TEMPORARY_NAME = re.compile(r"^\.(?P<name>.+)\.tmp-\d+-[0-9a-f]{8}$")
+MOVED_ASIDE_NAME = re.compile(r"^\.(?P<name>.+)\.old-\d+$")
+
+
+def temporary_sibling(target: Path) -> Path:
+    """A hidden, unique sibling of ``target`` (matching :data:`TEMPORARY_NAME`)."""
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def write_atomically(
@@ -26,7 +37,7 @@ def write_atomically(
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    staging = temporary_sibling(target)
     if folder:
         staging.mkdir()
     try:

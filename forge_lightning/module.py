@@ -19,9 +19,9 @@ from typing_extensions import override
 from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
 from forge_lightning.checkpoint_io import rng_states, set_rng_states
 from forge_lightning.config import (
+    changed_settings,
     check_resume_settings,
     loss_settings,
-    resume_differences,
     trainer_settings,
     validate_hparams,
 )
@@ -410,8 +410,8 @@ class GRPOLightningModule(pl.LightningModule):
             # Resuming a fit; validate or load_from_checkpoint may use other settings.
             check_resume_settings(checkpoint.get("hyper_parameters", {}), self.hparams)
             saved_trainer = checkpoint.get("forge_trainer_settings", {})
-            fixed, changeable = resume_differences(saved_trainer, trainer_settings(self.trainer))
-            for line in fixed + changeable:  # every trainer setting may change
+            # Every trainer setting may change (a longer run, another cadence): applied and logged.
+            for line in changed_settings(saved_trainer, trainer_settings(self.trainer)).values():
                 log.info("resumed with a changed trainer setting, applied: %s", line)
         if "forge_rng_states" in checkpoint:
             set_rng_states(checkpoint["forge_rng_states"])

@@ -19,13 +19,12 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from forge_lightning.fileio import MOVED_ASIDE_NAME, TEMPORARY_NAME
+
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".forge.lock"
 LOG_NAME = "training_log.jsonl"
-# write_atomically's temporary siblings, and the old folder it moves aside during a swap.
-_TMP = re.compile(r"^\.(?P<name>.+)\.tmp-\d+-[0-9a-f]{8}$")
-_OLD = re.compile(r"^\.(?P<name>.+)\.old-\d+$")
 _STEP = re.compile(r"step=(\d+)")
 
 
@@ -113,7 +112,7 @@ class RunFolder:
             if not folder.is_dir():
                 continue
             for path in sorted(folder.iterdir()):
-                if match := _OLD.match(path.name):
+                if match := MOVED_ASIDE_NAME.match(path.name):
                     target = folder / match["name"]
                     if target.exists():
                         _remove(path)
@@ -121,7 +120,7 @@ class RunFolder:
                     else:
                         os.replace(path, target)
                         done.append(f"restored {target} from {path.name}")
-                elif _TMP.match(path.name):
+                elif TEMPORARY_NAME.match(path.name):
                     _remove(path)
                     done.append(f"removed {path}")
         for line in done:

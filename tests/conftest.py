@@ -39,10 +39,10 @@ def make_tokenizer(chat_template: bool = False) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
+def make_model(vocab_size: int, seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """A 2-layer Llama seeded with ``seed``; ``overrides`` replace any of its LlamaConfig fields."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
+    settings = dict(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -54,7 +54,7 @@ def make_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
         pad_token_id=1,
         tie_word_embeddings=True,
     )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **{**settings, **overrides}))
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 
 import lightning.pytorch as pl
-import torch
+from conftest import make_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards import GSM8KAnswerReward
@@ -28,21 +28,10 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def addition_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(WORDS),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=16,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+    return make_model(
+        len(WORDS), hidden_size=64, intermediate_size=128, num_key_value_heads=4,
+        max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
 
 
 def problems(pairs: list[tuple[int, int]]) -> list[dict[str, str]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,7 +13,7 @@ from typing_extensions import override
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.model_card import model_card
 from forge_lightning.config import check_setting
-from forge_lightning.fileio import write_folder_atomically
+from forge_lightning.fileio import temporary_sibling, write_folder_atomically
 from forge_lightning.lora import has_adapter, lora_settings, save_merged
 from forge_lightning.sharding import full_state_dict, is_sharded, save_sharded_pretrained
 
@@ -75,7 +74,7 @@ class HFCheckpoint(Callback):
         for old in steps[: -self.save_total_limit]:
             # Renamed to a temporary name first: a kill mid-delete leaves a leftover the next
             # start removes (run_folder.py), never a half-deleted step folder.
-            trash = old.with_name(f".{old.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            trash = temporary_sibling(old)
             os.replace(old, trash)
             shutil.rmtree(trash, ignore_errors=True)
 

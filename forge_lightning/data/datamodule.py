@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
+from forge_lightning.config import changed_settings
 from forge_lightning.data.arithmetic import generate
 from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock, load_prompts
 from forge_lightning.data.sampler import EpochShuffleSampler
@@ -192,10 +193,7 @@ class GSM8KDataModule(L.LightningDataModule):
     def check_resume(self, state_dict: dict[str, Any]) -> None:
         """Raise ValueError naming each setting that differs from the checkpoint's ``state_dict``
         and would make its data position point at other prompts."""
-        saved = state_dict.get("settings", {})
-        changed = [
-            f"{k}: {saved[k]!r} -> {v!r}" for k, v in self._settings().items() if k in saved and saved[k] != v
-        ]
+        changed = list(changed_settings(state_dict.get("settings", {}), self._settings()).values())
         if changed:
             raise ValueError(
                 "resuming with data settings that differ from the checkpoint's (the data position "

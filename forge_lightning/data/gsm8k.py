@@ -246,15 +246,17 @@ def _file_rows(file: Path) -> Iterator[tuple[str, Any]]:
     return readers.get(file.suffix, _jsonl_rows)(file)
 
 
-def _hub_rows(split: str) -> Iterator[tuple[str, Any]]:
+def _hub_rows(
+    name: str, config: str | None, split: str, what: str, offline: str
+) -> Iterator[tuple[str, Any]]:
+    """Rows of a hub dataset; a failure to load says ``what`` could not be, and ``offline`` what to do."""
     try:
         import datasets
 
-        table = datasets.load_dataset(HUB_DATASET, HUB_CONFIG, split=split)
+        table = datasets.load_dataset(name, config, split=split)
     except Exception as err:
         raise RuntimeError(
-            f"could not load {HUB_DATASET} ({HUB_CONFIG}, split {split!r}) from the Hugging Face Hub: "
-            f"{err}. Without network access, pass path= pointing at local GSM8K JSON-lines or parquet files."
+            f"could not load {what} from the Hugging Face Hub: {err}. Without network access, {offline}"
         ) from err
     for number, row in enumerate(table, start=1):
         yield f"row {number}", row
@@ -310,7 +312,12 @@ def load_gsm8k(
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
     if path is None:
-        source, rows = f"{HUB_DATASET} ({HUB_CONFIG}/{split})", _hub_rows(split)
+        what = f"{HUB_DATASET} ({HUB_CONFIG}, split {split!r})"
+        offline = "pass path= pointing at local GSM8K JSON-lines or parquet files."
+        source, rows = (
+            f"{HUB_DATASET} ({HUB_CONFIG}/{split})",
+            _hub_rows(HUB_DATASET, HUB_CONFIG, split, what, offline),
+        )
     else:
         file = _resolve_local_file(path, split)
         source, rows = str(file), _file_rows(file)
@@ -338,7 +345,9 @@ def load_prompts(
         file = _resolve_local_file(path, split)
         source, rows = str(file), _file_rows(file)
     elif dataset is not None:
-        source, rows = f"{dataset} (split {split})", _named_hub_rows(dataset, split)
+        what = f"the dataset {dataset!r} (split {split!r})"
+        offline = "pass data.path pointing at local JSON-lines, parquet or CSV files."
+        source, rows = f"{dataset} (split {split})", _hub_rows(dataset, None, split, what, offline)
     else:
         raise ValueError("load_prompts needs a path or a hub dataset name")
 
@@ -360,20 +369,6 @@ def load_prompts(
         return sample
 
     return _collect(rows, source, max_samples, skip_malformed, parse, kind="prompt")
-
-
-def _named_hub_rows(name: str, split: str) -> Iterator[tuple[str, Any]]:
-    try:
-        import datasets
-
-        table = datasets.load_dataset(name, split=split)
-    except Exception as err:
-        raise RuntimeError(
-            f"could not load the dataset {name!r} (split {split!r}) from the Hugging Face Hub: {err}. "
-            "Without network access, pass data.path pointing at local JSON-lines, parquet or CSV files."
-        ) from err
-    for number, row in enumerate(table, start=1):
-        yield f"row {number}", row
 
 
 def load_gsm8k_mock(n: int = 20) -> list[dict[str, str]]:
