@@ -71,6 +71,7 @@ from forge_lightning.rollout import (
     Rollout,
     RolloutSampler,
     SamplingParams,
+    prompt_text,
     warn_when_few_tokens_count,
 )
 from forge_lightning.sampling_rounds import SamplingRounds
@@ -227,8 +228,12 @@ class GRPOLightningModule(pl.LightningModule):
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
         self.train_metrics = TrainMetrics(component_names(self.reward))
         self.val_metrics = TrainMetrics(
-            component_names(self.reward), keys=("accuracy", "reward", "completion_length")
+            component_names(self.reward),
+            keys=("accuracy", "reward", "completion_length", "truncated_fraction"),
         )
+        # This rank's validation answers since the epoch began: one dict per prompt (prompt,
+        # completion, reference, reward, correct, completion_length, truncated); RewardLogger writes them.
+        self.validation_samples: list[dict[str, Any]] = []
         self.last_step: StepRecord | None = None
         self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
         self.rounds = SamplingRounds(max_sampling_rounds)  # dynamic sampling's rounds of the step
@@ -258,6 +263,7 @@ class GRPOLightningModule(pl.LightningModule):
             prefix_sharing=hp.prefix_sharing,
             mesh=self.device_mesh,
             generation_backend=hp.generation_backend,
+            precision=None if self._trainer is None else str(self.trainer.precision),
         )
         if self.generator is None:
             self.generator = generation_backend(
@@ -350,10 +356,26 @@ class GRPOLightningModule(pl.LightningModule):
         for name, values in components.items():
             self.val_metrics.update(f"rewards/{name}", values)
         self.val_metrics.update("completion_length", rollout.completion_lengths.float())
+        self.val_metrics.update("truncated_fraction", rollout.truncation.float())
+        correct = None
         if "references" in batch_kwargs:
             with sigterm_interrupts():
                 correct, _, _ = score_groups(self.accuracy, prompts, rollout, batch_kwargs, on_error, timeout)
             self.val_metrics.update("accuracy", correct)
+        for i, prompt in enumerate(prompts):
+            sample = {"prompt": prompt_text(prompt), "completion": rollout.completions[i]}
+            if "references" in batch_kwargs:
+                sample["reference"] = batch_kwargs["references"][i]
+            sample["reward"] = float(rewards[i])
+            if correct is not None:
+                sample["correct"] = float(correct[i])
+            sample["completion_length"] = int(rollout.completion_lengths[i])
+            sample["truncated"] = bool(rollout.truncation[i])
+            self.validation_samples.append(sample)
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self.validation_samples = []
 
     @override
     def on_validation_epoch_end(self) -> None:

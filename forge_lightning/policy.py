@@ -23,9 +23,11 @@ def prepare_policy(
     prefix_sharing: bool = True,
     mesh: DeviceMesh | None = None,
     generation_backend: str = "hf",
+    precision: str | None = None,
 ) -> PreTrainedModel:
     """The policy to train: LoRA adapters added (``peft``), train mode, activation checkpointing,
-    and FSDP2 sharding over ``mesh`` when ModelParallelStrategy gave one. Each step is skipped
+    and FSDP2 sharding over ``mesh`` when ModelParallelStrategy gave one (mixed precision per
+    the trainer's ``precision``, see sharding.py). Each step is skipped
     when already done, so calling this again (a second fit) changes nothing."""
     if peft is not None:
         model = apply_lora(model, lora_settings(peft))  # no-op once wrapped
@@ -39,5 +41,7 @@ def prepare_policy(
             "prefix sharing is off for this model (no KV cache in training); using the full forward"
         )
     if mesh is not None and not is_sharded(model):
-        shard_for_training(model, mesh, generation_backend=generation_backend, lora=peft is not None)
+        shard_for_training(
+            model, mesh, generation_backend=generation_backend, lora=peft is not None, precision=precision
+        )
     return model

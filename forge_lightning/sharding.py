@@ -21,6 +21,9 @@ What sharding changes elsewhere:
 - ``HFCheckpoint`` gathers the whole policy onto rank 0 (in CPU memory) for each folder: every rank
   takes part in that collective. Lightning checkpoints are whole files
   (``save_distributed_checkpoint: false`` in ``configs/overlays/fsdp.yaml``).
+- Precision: under ``bf16-mixed`` / ``16-mixed`` each unit gets FSDP2's ``MixedPrecisionPolicy``:
+  the shards (the master weights AdamW updates) stay float32, a unit's gathered weights are cast
+  to half precision for its forward and backward, and gradients are reduced in float32.
 - Refused: tensor parallelism, LoRA (an adapter is small enough for DDP) and vLLM (the engine
   would need the gathered weights after every step).
 """
@@ -35,13 +38,25 @@ from torch import nn
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import PreTrainedModel
 
 
-def shard_policy(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Apply ``fully_shard`` over ``mesh`` to each transformer block of ``model``, then to ``model``."""
+def mixed_precision_policy(precision: str | None) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for a Lightning ``precision``: half-precision compute on float32 shards, with
+    float32 gradient reduction, under ``bf16-mixed`` / ``16-mixed``; None for any other."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+    return None if dtype is None else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard_policy(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
+    """Apply ``fully_shard`` over ``mesh`` to each transformer block of ``model``, then to ``model``,
+    each with ``mp_policy`` when one is given."""
     from torch.distributed.fsdp import fully_shard  # public from torch 2.6
 
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     if not blocks:
         raise ValueError(
@@ -50,13 +65,15 @@ def shard_policy(model: nn.Module, mesh: DeviceMesh) -> None:
         )
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
 
 
-def shard_for_training(model: nn.Module, mesh: DeviceMesh, *, generation_backend: str, lora: bool) -> None:
-    """FSDP2 over the data-parallel dimension of the mesh ModelParallelStrategy hands over, after
-    refusing what a sharded policy cannot do."""
+def shard_for_training(
+    model: nn.Module, mesh: DeviceMesh, *, generation_backend: str, lora: bool, precision: str | None = None
+) -> None:
+    """FSDP2 over the data-parallel dimension of the mesh ModelParallelStrategy hands over (with
+    the mixed-precision policy of ``precision``), after refusing what a sharded policy cannot do."""
     if mesh["tensor_parallel"].size() > 1:
         raise ValueError("tensor parallelism is not supported: set tensor_parallel_size=1")
     if generation_backend != "hf":
@@ -66,7 +83,7 @@ def shard_for_training(model: nn.Module, mesh: DeviceMesh, *, generation_backend
             "LoRA is not supported with a sharded policy; train the adapter with DDP (its "
             "gradients are small) or drop model.peft"
         )
-    shard_policy(model, mesh["data_parallel"])
+    shard_policy(model, mesh["data_parallel"], mixed_precision_policy(precision))
 
 
 def is_sharded(model: nn.Module) -> bool:

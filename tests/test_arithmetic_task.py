@@ -42,6 +42,27 @@ def test_parts_have_their_sizes_and_share_no_template_operand_tuple(variant: str
             seen[key] = part
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_each_variant_draws_its_default_sizes_without_leakage(variant: str) -> None:
+    parts = generate(seed=0, variant=variant)
+    assert {part: len(problems) for part, problems in parts.items()} == dict(VARIANTS[variant].sizes)
+    all_keys = [key for problems in parts.values() for key in keys(problems)]
+    assert len(set(all_keys)) == len(all_keys)
+
+
+def test_the_small_add_sub_variant_keeps_its_numbers_up_to_twelve() -> None:
+    parts = generate(seed=0, variant="add_sub_small")
+    assert {part: len(problems) for part, problems in parts.items()} == {
+        "train": 250,
+        "dev": 100,
+        "heldout": 200,
+    }
+    problems = [p for part in parts.values() for p in part]
+    assert {p.template for p in problems} == set(VARIANTS["add_sub_small"].templates)
+    assert all(0 < n <= 12 for p in problems for n in p.operands)
+    assert {t.ops for t in map(TEMPLATES.get, VARIANTS["add_sub_small"].templates)} == {1}
+
+
 def test_held_out_and_dev_do_not_move_when_train_grows() -> None:
     small = generate(SIZES, seed=1, variant="mixed")
     large = generate({**SIZES, "train": 1000}, seed=1, variant="mixed")
@@ -109,6 +130,10 @@ def test_command_line_writes_the_same_files(tmp_path: Path, capsys: pytest.Captu
     for name in ("train.jsonl", "dev.jsonl", "test.jsonl", "dev/test.jsonl"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     assert "heldout" in capsys.readouterr().out
+    main(["--out", str(tmp_path / "c"), "--variant", "add_sub_small"])  # the variant's own sizes
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["sizes"] == dict(VARIANTS["add_sub_small"].sizes)
+    assert "--variant add_sub_small --train 250 --dev 100 --heldout 200" in manifest["regenerate"]
 
 
 def test_bad_sizes_and_too_small_a_space_are_refused() -> None:
@@ -134,8 +159,23 @@ def test_the_arithmetic_source_serves_the_parts_in_memory_without_leakage() -> N
     assert batch["prompt"][0].rstrip().endswith("Solution:")
 
 
+def test_the_arithmetic_source_serves_the_task_variant() -> None:
+    data = GSM8KDataModule(
+        source="arithmetic", task_variant="add_sub_small", max_samples=None, val_max_samples=None
+    )
+    data.setup()
+    parts = generate(seed=0, variant="add_sub_small")
+    assert [r["reference"] for r in data._train] == [str(p.answer) for p in parts["train"]]
+    assert [r["reference"] for r in data._val] == [str(p.answer) for p in parts["heldout"]]
+    assert data._settings()["task_variant"] == "add_sub_small"  # a resume with another variant is refused
+
+
 def test_arithmetic_settings_belong_to_the_arithmetic_source() -> None:
-    with pytest.raises(ValueError, match="task_seed and val_part"):
+    with pytest.raises(ValueError, match="task_seed, task_variant and val_part"):
         GSM8KDataModule(source="mock", val_part="dev")
+    with pytest.raises(ValueError, match="task_seed, task_variant and val_part"):
+        GSM8KDataModule(source="mock", task_variant="add_sub_small")
+    with pytest.raises(ValueError, match="task_variant must be one of"):
+        GSM8KDataModule(source="arithmetic", task_variant="nope")
     with pytest.raises(ValueError, match="val_part must be"):
         GSM8KDataModule(source="arithmetic", val_part="test")

@@ -63,7 +63,7 @@ def test_ckpt_path_last_finds_the_checkpoint_under_every_config_and_overlay(file
     assert folder.newest_checkpoint() == root / "checkpoints" / "last.ckpt"
 
 
-def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path, tiny_overrides):
+def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path, tiny_overrides, capsys):
     out = tmp_path / "run"
     build_cli(
         [
@@ -88,6 +88,14 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path, t
     assert "hp_metric" not in scalars  # TensorBoard's constant -1 placeholder
     assert len(events.Scalars("train/reward")) == 3
     assert (out / "2" / "config.json").is_file()  # smoke.yaml saves every 2 steps
+    # The summary printed at the end says what happened and where everything is.
+    summary = capsys.readouterr().out.split("Training finished at step 3.")[1]
+    first, last = records[0]["reward"], records[-1]["reward"]
+    assert f"reward       {first:.3f} (step 1) -> {last:.3f} (step 3)" in summary
+    assert f"log          {out / 'training_log.jsonl'}" in summary
+    assert f"checkpoints  {out / 'checkpoints'}  (resume with --ckpt_path last)" in summary
+    assert f"model        {out / 'final'}" in summary
+    assert f"tensorboard  tensorboard --logdir {out / 'tensorboard'}" in summary
 
 
 def test_gsm8k_recipe_runs_one_step_on_a_tiny_model_and_local_data(

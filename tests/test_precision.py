@@ -81,3 +81,30 @@ def test_half_precision_weights_are_possible_with_a_warning(bf16_folder):
     with pytest.warns(UserWarning, match="model_dtype=bfloat16"):
         grpo.configure_model()
     assert next(grpo.model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("precision", "compute"), [("bf16-mixed", torch.bfloat16), ("32-true", torch.float32)]
+)
+def test_fsdp2_under_mixed_precision_computes_in_half_on_float32_shards(tmp_path, precision, compute):
+    """FSDP2's MixedPrecisionPolicy (what prepare_policy applies under ModelParallelStrategy): the
+    shards AdamW updates and their gradients stay float32; the forward runs in the compute dtype."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from forge_lightning.policy import prepare_policy
+    from forge_lightning.sharding import is_sharded
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        model = prepare_policy(make_model(len(make_tokenizer())), mesh=mesh, precision=precision)
+        assert is_sharded(model)
+        logits = model(torch.tensor([[3, 4, 5, 6]])).logits
+        assert logits.dtype == compute
+        logits.float().logsumexp(-1).sum().backward()
+        params = list(model.parameters())
+        assert all(p.dtype == torch.float32 for p in params)
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
+    finally:
+        dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,13 @@ from forge_lightning.lora import LoraSettings
 from forge_lightning.module import GRPOLightningModule
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
-VAL_KEYS = {"val/accuracy", "val/reward", "val/rewards/GSM8KAnswerReward", "val/completion_length"}
+VAL_KEYS = {
+    "val/accuracy",
+    "val/reward",
+    "val/rewards/GSM8KAnswerReward",
+    "val/completion_length",
+    "val/truncated_fraction",
+}
 
 
 @pytest.fixture
@@ -38,6 +45,29 @@ def test_validate_reports_accuracy_reward_and_length(validate, tiny_model_dir, t
     assert metrics["val/accuracy"] == metrics["val/rewards/GSM8KAnswerReward"]
     assert 1.0 <= metrics["val/completion_length"] <= 6.0  # smoke.yaml's length cut to 6 by the overrides
     assert "val/accuracy" in capsys.readouterr().out  # Lightning's results table
+
+
+def test_validate_writes_every_answer_beside_the_metrics(validate, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "val"
+    metrics = validate(tiny_model_dir, out)
+    rows = [json.loads(line) for line in (out / "validation" / "step-0.jsonl").read_text().splitlines()]
+    assert len(rows) == 16  # smoke.yaml validates on 16 dev problems, one batch
+    assert set(rows[0]) == {
+        "prompt",
+        "completion",
+        "reference",
+        "reward",
+        "correct",
+        "completion_length",
+        "truncated",
+    }
+    assert sum(r["correct"] for r in rows) / len(rows) == pytest.approx(metrics["val/accuracy"])
+    assert sum(r["truncated"] for r in rows) / len(rows) == pytest.approx(metrics["val/truncated_fraction"])
+    assert sum(r["completion_length"] for r in rows) / len(rows) == pytest.approx(
+        metrics["val/completion_length"]
+    )
+    assert all(r["prompt"].rstrip().endswith("Solution:") for r in rows)
+    assert f"-> {out / 'validation' / 'step-0.jsonl'}" in capsys.readouterr().out
 
 
 def val_metrics(trainer: Any, root: Path, grpo: GRPOLightningModule, data: Any) -> dict[str, float]:

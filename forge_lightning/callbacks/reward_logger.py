@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
+from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.config import check_setting
 from forge_lightning.fileio import append_jsonl, write_atomically
 from forge_lightning.metrics import StepRecord
@@ -47,6 +48,10 @@ class RewardLogger(Callback):
     ``train/completion_length_hist`` (every reward and completion length since the previous
     report, rank zero's) and the samples table. On a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
+    After each validation it writes rank zero's answers (prompt, completion, reference, reward,
+    correct, length, truncated) to ``{output_dir}/validation/step-{global_step}.jsonl`` and prints
+    the accuracy. When training ends it prints a summary: the reward at the first and last reports (and the
+    means of the first and last two), and where the log, checkpoints and TensorBoard files are.
 
     Args:
         output_dir: run folder; ``trainer.default_root_dir`` when None.
@@ -107,6 +112,26 @@ class RewardLogger(Callback):
             if isinstance(logger, TensorBoardLogger):
                 self._tensorboard_views(logger, record, rewards, lengths, step)
 
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        samples = getattr(pl_module, "validation_samples", None)
+        if trainer.sanity_checking or not trainer.is_global_zero or not samples:
+            return
+        path = output_dir(trainer, self.output_dir) / "validation" / f"step-{trainer.global_step}.jsonl"
+        text = "".join(json.dumps(sample) + "\n" for sample in samples)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        scored = [s["correct"] for s in samples if "correct" in s]
+        result = f"accuracy {sum(scored) / len(scored):.4f} on {len(scored)} problems" if scored else ""
+        print(f"validation at step {trainer.global_step} | {result or 'answers'} -> {path}", flush=True)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and not trainer.fast_dev_run and not trainer.interrupted:
+            path = self.log_path(trainer)
+            if path.is_file():
+                print(run_summary(trainer, _read_jsonl(path), path), flush=True)
+
     def _tensorboard_views(
         self,
         logger: TensorBoardLogger,
@@ -126,6 +151,42 @@ class RewardLogger(Callback):
         if samples:
             table = _markdown_table(samples, record.sample_components[: len(samples)])
             logger.experiment.add_text("samples", table, global_step=step)
+
+
+def run_summary(trainer: pl.Trainer, records: list[dict[str, Any]], log: Path) -> str:
+    """What a run did and where its outputs are, for the end of ``fit``."""
+    rewards = [(r["step"], r["reward"]) for r in records if r.get("reward") is not None]
+    lines = [f"Training finished at step {trainer.global_step}."]
+    if rewards:
+        (first_step, first), (last_step, last) = rewards[0], rewards[-1]
+        lines.append(f"  reward       {first:.3f} (step {first_step}) -> {last:.3f} (step {last_step})")
+        if len(rewards) >= 4:
+            head = sum(v for _, v in rewards[:2]) / 2
+            tail = sum(v for _, v in rewards[-2:]) / 2
+            lines.append(f"               mean of the first two reports {head:.3f} -> last two {tail:.3f}")
+    lines.append(f"  log          {log}")
+    for callback in trainer.checkpoint_callbacks:
+        folder = getattr(callback, "dirpath", None)
+        if folder:
+            lines.append(f"  checkpoints  {folder}  (resume with --ckpt_path last)")
+    for callback in trainer.callbacks:
+        if isinstance(callback, HFCheckpoint) and callback.save_final:
+            final = output_dir(trainer, callback.output_dir) / "final"
+            lines.append(f"  model        {final}  (transformers' from_pretrained, or --model.model)")
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            lines.append(f"  tensorboard  tensorboard --logdir {Path(logger.save_dir) / (logger.name or '')}")
+    return "\n".join(lines)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash mid-write
+    return records
 
 
 def _means(window: list[dict[str, float]]) -> dict[str, float]:

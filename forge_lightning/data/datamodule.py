@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
 from forge_lightning.config import changed_settings
-from forge_lightning.data.arithmetic import generate
+from forge_lightning.data.arithmetic import DEFAULT_VARIANT, VARIANTS, generate
 from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock, load_prompts
 from forge_lightning.data.sampler import EpochShuffleSampler
 
@@ -58,7 +58,7 @@ class GSM8KDataModule(L.LightningDataModule):
         source: "hub" downloads ``openai/gsm8k``; "local" reads ``path``; "mock" uses the 20
             built-in problems (last 4 for validation) and needs no network or files;
             "arithmetic" generates the seeded word problems of ``data/arithmetic.py`` in memory
-            (its default parts and variant, seeded by ``task_seed``): train on the train part,
+            (the parts of ``task_variant``, seeded by ``task_seed``): train on the train part,
             validate on the held-out part, or on the dev part with ``val_part: dev``.
         path: folder with ``train``/``test`` ``.jsonl``, ``.parquet`` or ``.csv`` files (or one
             file, used for both); only for source="local".
@@ -77,6 +77,7 @@ class GSM8KDataModule(L.LightningDataModule):
             the ``val/accuracy`` check); None: a field named ``reference`` is that already.
         dataset: with ``prompt_field`` and source="hub", the hub dataset's name.
         val_split: the split (or file stem) validation reads; "test" by default.
+        task_variant: with source="arithmetic", which problems (a ``data.arithmetic.VARIANTS`` name).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class GSM8KDataModule(L.LightningDataModule):
         reference_field: str | None = None,
         dataset: str | None = None,
         val_split: str = "test",
+        task_variant: str = DEFAULT_VARIANT,
     ) -> None:
         super().__init__()
         _validate(source, path, max_samples, val_max_samples, prompts_per_step, val_batch_size, num_workers)
@@ -112,8 +114,12 @@ class GSM8KDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.task_seed = task_seed
         self.val_part = val_part
-        if source != "arithmetic" and (task_seed != 0 or val_part != "heldout"):
-            raise ValueError("task_seed and val_part are settings of source='arithmetic'")
+        self.task_variant = task_variant
+        arithmetic = (task_seed, val_part, task_variant) != (0, "heldout", DEFAULT_VARIANT)
+        if source != "arithmetic" and arithmetic:
+            raise ValueError("task_seed, task_variant and val_part are settings of source='arithmetic'")
+        if task_variant not in VARIANTS:
+            raise ValueError(f"task_variant must be one of {sorted(VARIANTS)}, got {task_variant!r}")
         if val_part not in ("heldout", "dev"):
             raise ValueError(f"val_part must be 'heldout' or 'dev', got {val_part!r}")
         self.prompt_field = prompt_field
@@ -140,7 +146,7 @@ class GSM8KDataModule(L.LightningDataModule):
             self._val = problems[-MOCK_VAL_SIZE:][: self.val_max_samples]
             return
         if self.source == "arithmetic":
-            parts = generate(seed=self.task_seed)
+            parts = generate(seed=self.task_seed, variant=self.task_variant)
             records = {part: [p.sample() for p in problems] for part, problems in parts.items()}
             self._train = records["train"][: self.max_samples]
             self._val = records[self.val_part][: self.val_max_samples]
@@ -203,7 +209,7 @@ class GSM8KDataModule(L.LightningDataModule):
 
     def _settings(self) -> dict[str, Any]:
         names = ("source", "path", "max_samples", "prompts_per_step", "shuffle", "seed", "task_seed")
-        names += ("prompt_field", "dataset")
+        names += ("prompt_field", "dataset", "task_variant")
         return {name: getattr(self, name) for name in names}
 
     @override
