@@ -149,3 +149,43 @@ def test_arithmetic_notebook_shows_each_probe_and_attempt_from_its_files(tmp_pat
     ]
     assert "attempt 1 against the base model on dev:" in stdout(cells["attempt1-eval"])
     assert "attempt 2 against the base model on dev:" in stdout(cells["attempt2-log"])
+
+
+def test_arithmetic_notebook_final_runs_raise_held_out_accuracy_and_smoke_learns(tmp_path, monkeypatch):
+    small = NOTEBOOKS / "figures" / "arithmetic" / "small"
+    evals = {e["label"]: e for e in map(json.loads, (small / "evals.jsonl").read_text().splitlines()) if e}
+    cells = execute("arithmetic.ipynb", monkeypatch, tmp_path)
+
+    # Held-out: every figure is the validate run's val/accuracy, and both seeds beat the base
+    # model by at least 0.20 at the training budget and at 256 tokens.
+    [held] = tables(cells["small-heldout"])
+    rows = {(row[0], row[1]): row for row in held[1:]}
+    for budget in ("96", "256"):
+        for label in ("base", "seed42", "seed7"):
+            row = rows[(label, budget)]
+            assert row[2] == "200"
+            measured = evals[f"{label}_heldout_{budget}"]["val/accuracy"]
+            assert float(row[3]) == pytest.approx(measured, abs=5e-4)
+            if label != "base":
+                assert float(row[4]) >= 0.20
+    assert stdout(cells["small-heldout"]).count("at least +0.20: True") == 4
+    base_answers = (small / "evals" / "base_heldout_256" / "validation" / "step-0.jsonl").read_text()
+    ended = sum(not json.loads(line)["truncated"] for line in base_answers.splitlines())
+    expected = f"ending with EOS at 256 tokens: {ended} of 200; at least 90%: True"
+    assert expected in stdout(cells["small-heldout"])
+
+    # GSM8K: paired counts from the per-problem answers; lost - gained below 3 on both seeds.
+    [gsm8k] = tables(cells["small-gsm8k"])
+    assert [row[0] for row in gsm8k[1:]] == ["seed 42", "seed 7"]
+    assert all(row[1] == "100" and row[-1] == "True" for row in gsm8k[1:])
+
+    assert "seed 42: dev greedy accuracy by step 0:" in stdout(cells["small-curves"])
+    assert (tmp_path / "arithmetic_small_curves.png").is_file()
+
+    # The main job (smoke.yaml): a gradient from step 1; the reward rises on the shipped seed and
+    # on at least two of the three seeds.
+    [smoke] = tables(cells["smoke"])
+    rows = {row[0]: row for row in smoke[1:]}
+    assert set(rows) == {"42", "7", "0"}
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows.values())  # signal from step 1
+    assert rows["42"][-1] == "True" and sum(row[-1] == "True" for row in rows.values()) >= 2
