@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,14 @@ class ForgeCLI(LightningCLI):
             action = parser._option_string_actions.get(name)
             if action is not None:
                 action.help = argparse.SUPPRESS  # loaded with the spec; an object only from Python
+
+    @override
+    def _prepare_subcommand_parser(
+        self, klass: type, subcommand: str, **kwargs: Any
+    ) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        _shorten_help(parser)  # after the subcommand's own arguments (ckpt_path, ...) are added
+        return parser
 
     @override
     def before_fit(self) -> None:
@@ -164,6 +173,28 @@ class ForgeCLI(LightningCLI):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(root / "checkpoints")
         return trainer
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :class:`~a.b.C` and friends
+
+
+def _plain(text: str) -> str:
+    """A docstring fragment as plain text: no reST roles or double backquotes, one line."""
+    text = _ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1), text)
+    return " ".join(text.replace("``", "").split())
+
+
+def _shorten_help(parser: LightningArgumentParser) -> None:
+    """Help that fits a screen: every option's text cut to its first sentence, in plain text (the
+    type and default jsonargparse adds stay), and a one-line usage instead of every flag."""
+    for action in parser._actions:
+        if action.help and action.help is not argparse.SUPPRESS:
+            first = re.split(r"(?<=[.:;])\s+(?=[A-Z])", _plain(action.help), maxsplit=1)[0]
+            action.help = first
+    parser.usage = (
+        "%(prog)s [-h] [-c CONFIG] [--print_config] [--trainer.<setting> VALUE ...] "
+        "[--model.<setting> VALUE ...] [--data.<setting> VALUE ...] [--ckpt_path CKPT_PATH]"
+    )
 
 
 def default_progress_bar() -> ProgressBar:

@@ -267,6 +267,17 @@ def test_the_model_argument_help_is_plain(capsys):
     assert "PreTrainedModel" not in text and "--model.tokenizer" not in text
 
 
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_help_is_short_plain_text(subcommand, capsys):
+    with pytest.raises(SystemExit):
+        build_cli([subcommand, "--help"])
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) < 500  # 683 before: every docstring paragraph of every option
+    assert not any(mark in text for mark in ("``", ":class:", ":func:", ":meth:", ".. note"))
+    assert text.splitlines()[0].startswith("usage:") and len(text.split("\n\n")[0].splitlines()) == 1
+    assert "completions per prompt (G), at least 2. (type: int, default: 8)" in " ".join(text.split())
+
+
 def test_the_samples_table_shows_every_component_of_each_samples_reward(tmp_path, module, trainer, loader):
     from forge_lightning.callbacks.reward_logger import _markdown_table
 
