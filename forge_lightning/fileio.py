@@ -84,3 +84,15 @@ def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """The ``(line, record)`` pairs of a file :func:`append_jsonl` wrote, each line with its
+    newline; a line cut by a crash mid-write carries no record and is left out."""
+    pairs = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            pairs.append((line, json.loads(line)))
+        except json.JSONDecodeError:
+            continue
+    return pairs

@@ -357,17 +357,17 @@ class GRPOLightningModule(pl.LightningModule):
             self.val_metrics.update(f"rewards/{name}", values)
         self.val_metrics.update("completion_length", rollout.completion_lengths.float())
         self.val_metrics.update("truncated_fraction", rollout.truncation.float())
-        correct = None
-        if "references" in batch_kwargs:
+        references = batch_kwargs.get("references")
+        if references is not None:
             with sigterm_interrupts():
                 correct, _, _ = score_groups(self.accuracy, prompts, rollout, batch_kwargs, on_error, timeout)
             self.val_metrics.update("accuracy", correct)
         for i, prompt in enumerate(prompts):
             sample = {"prompt": prompt_text(prompt), "completion": rollout.completions[i]}
-            if "references" in batch_kwargs:
-                sample["reference"] = batch_kwargs["references"][i]
+            if references is not None:
+                sample["reference"] = references[i]
             sample["reward"] = float(rewards[i])
-            if correct is not None:
+            if references is not None:
                 sample["correct"] = float(correct[i])
             sample["completion_length"] = int(rollout.completion_lengths[i])
             sample["truncated"] = bool(rollout.truncation[i])

@@ -15,7 +15,7 @@ from typing_extensions import override
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.config import check_setting
-from forge_lightning.fileio import append_jsonl, write_atomically
+from forge_lightning.fileio import append_jsonl, read_jsonl, write_atomically
 from forge_lightning.metrics import StepRecord
 
 # The JSONL line carries these (plus one ``rewards/<name>`` per reward component); the Lightning
@@ -130,7 +130,7 @@ class RewardLogger(Callback):
         if trainer.is_global_zero and not trainer.fast_dev_run and not trainer.interrupted:
             path = self.log_path(trainer)
             if path.is_file():
-                print(run_summary(trainer, _read_jsonl(path), path), flush=True)
+                print(run_summary(trainer, [r for _, r in read_jsonl(path)], path), flush=True)
 
     def _tensorboard_views(
         self,
@@ -179,16 +179,6 @@ def run_summary(trainer: pl.Trainer, records: list[dict[str, Any]], log: Path) -
     return "\n".join(lines)
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash mid-write
-    return records
-
-
 def _means(window: list[dict[str, float]]) -> dict[str, float]:
     """The JSONL keys' means over the window's optimizer steps, under their short names."""
     out: dict[str, float] = {}
@@ -230,11 +220,5 @@ def _markdown_table(samples: list[tuple[str, str, float]], components: list[dict
 
 def _truncate_after(path: Path, step: int) -> None:
     """Drop records whose step is past ``step`` (written after the checkpoint we resume from)."""
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash mid-write carries nothing to keep
+    kept = [line for line, record in read_jsonl(path) if record.get("step", 0) <= step]
     write_atomically(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
