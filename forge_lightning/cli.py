@@ -10,16 +10,31 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import (
+    Callback,
+    ModelCheckpoint,
+    ProgressBar,
+    RichProgressBar,
+    TQDMProgressBar,
+)
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from forge_lightning.callbacks import HFCheckpoint, RewardLogger
 from forge_lightning.config import check_resume_settings
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.preemption import EXIT_CODE
 from forge_lightning.run_folder import RunFolder, RunFolderError
+
+# The run's own callbacks, each a top-level group of the config and the command line
+# (``--hf_checkpoint.save_steps 7``), on by default, off with ``--<group> null``.
+CALLBACK_GROUPS: dict[str, type[Callback]] = {
+    "checkpoint": ModelCheckpoint,
+    "hf_checkpoint": HFCheckpoint,
+    "reward_logger": RewardLogger,
+}
 
 
 class ForgeCLI(LightningCLI):
@@ -30,6 +45,13 @@ class ForgeCLI(LightningCLI):
     is refused (unless ``--overwrite true``), ``--ckpt_path last`` resumes from this run's newest
     complete checkpoint (a fresh run when there is none), and a resume whose settings differ from
     the checkpoint's in ones a run cannot change is refused before anything is written.
+
+    The run's callbacks have groups of their own (``CALLBACK_GROUPS``): ``checkpoint`` (Lightning's
+    ModelCheckpoint; left out under ``trainer.enable_checkpointing: false``), ``hf_checkpoint`` and
+    ``reward_logger``, set in a config as ``hf_checkpoint: {save_steps: 10}`` or on the command line
+    as ``--hf_checkpoint.save_steps 10``, and switched off with ``--hf_checkpoint null``. Any other
+    callback goes in ``trainer.callbacks`` as usual; one of these three classes listed there instead
+    is used as it is, in place of its group.
     """
 
     _run_folder: RunFolder | None = None
@@ -69,6 +91,9 @@ class ForgeCLI(LightningCLI):
             action = parser._option_string_actions.get(name)
             if action is not None:
                 action.help = argparse.SUPPRESS  # loaded with the spec; an object only from Python
+        for key, callback in CALLBACK_GROUPS.items():
+            parser.add_lightning_class_args(callback, key, subclass_mode=True, required=False)
+            parser.set_defaults({key: {"class_path": f"{callback.__module__}.{callback.__qualname__}"}})
 
     @override
     def _prepare_subcommand_parser(
@@ -93,8 +118,8 @@ class ForgeCLI(LightningCLI):
         dirs = _checkpoint_dirs(self.trainer.checkpoint_callbacks)
         if ckpt_path == "last" and not dirs:
             raise SystemExit(
-                "--ckpt_path last needs a ModelCheckpoint callback (trainer.callbacks) with save_last, so "
-                "the checkpoint can be found again"
+                "--ckpt_path last needs a ModelCheckpoint callback with save_last (--checkpoint.save_last "
+                "true), so the checkpoint can be found again"
             )
         folder = RunFolder(self.trainer.default_root_dir, dirs)
         if self.trainer.is_global_zero:
@@ -149,6 +174,30 @@ class ForgeCLI(LightningCLI):
                 "pass --trainer.limit_val_batches 1.0 for the whole validation split (or a batch count)"
             )
 
+    def _group_callbacks(self, trainer_config: dict[str, Any]) -> list[Callback]:
+        """The callbacks of ``CALLBACK_GROUPS`` this run gets: not the switched-off ones (null),
+        not ``checkpoint`` without checkpointing, and none whose class ``trainer.callbacks`` lists
+        itself (refused if its group was set too: two would write the same files)."""
+        listed = trainer_config.get("callbacks") or []
+        listed = listed if isinstance(listed, list) else [listed]
+        defaults = self._parser(self.subcommand).get_defaults()
+        chosen = []
+        for key, kind in CALLBACK_GROUPS.items():
+            callback = self._get(self.config_init, key)
+            if callback is None:
+                continue
+            if any(isinstance(c, kind) for c in listed):
+                if self._get(self.config, key) != defaults.get(key):
+                    raise SystemExit(
+                        f"{self.subcommand}: {kind.__name__} is configured twice, in trainer.callbacks "
+                        f"and as {key}: keep one (the {key} group is the one --{key}.* overrides reach)"
+                    )
+                continue
+            if kind is ModelCheckpoint and trainer_config.get("enable_checkpointing") is False:
+                continue
+            chosen.append(callback)
+        return chosen
+
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with every folder of the run derived from ``trainer.default_root_dir``
@@ -168,7 +217,8 @@ class ForgeCLI(LightningCLI):
             kwargs["logger"] = TensorBoardLogger(
                 save_dir=str(root), name="tensorboard", default_hp_metric=False
             )
-        trainer = super().instantiate_trainer(**kwargs)
+        trainer_config = {**config, **kwargs}
+        trainer = self._instantiate_trainer(trainer_config, self._group_callbacks(trainer_config))
         for callback in trainer.checkpoint_callbacks:
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(root / "checkpoints")

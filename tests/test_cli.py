@@ -17,10 +17,15 @@ from forge_lightning.run_folder import RunFolder
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 OVERLAYS = sorted((ROOT / "configs" / "overlays").glob("*.yaml"))
-# Every config and overlay combination README shows: each config alone, gsm8k.yaml with each overlay.
+ABLATIONS = sorted((ROOT / "configs" / "ablations").glob("*.yaml"))
+# Every config and overlay combination README shows: each config alone, gsm8k.yaml with each
+# overlay, and arithmetic_cpu.yaml with each of its ablations.
 COMBINATIONS = [[c] for c in CONFIGS] + [[ROOT / "configs" / "gsm8k.yaml", o] for o in OVERLAYS]
+COMBINATIONS += [[ROOT / "configs" / "arithmetic_cpu.yaml", a] for a in ABLATIONS]
 # Those that keep Lightning checkpoints to resume from.
-RESUMABLE = [c for c in COMBINATIONS if "ModelCheckpoint" in c[0].read_text()]
+RESUMABLE = [
+    c for c in COMBINATIONS if (yaml.safe_load(c[0].read_text()).get("checkpoint") or {}).get("save_last")
+]
 
 
 def config_args(files: list[Path]) -> list[str]:
@@ -117,6 +122,51 @@ def test_gsm8k_recipe_runs_one_step_on_a_tiny_model_and_local_data(
         ]
     )
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def callbacks_of(cli, kind):
+    return [cb for cb in cli.trainer.callbacks if isinstance(cb, kind)]
+
+
+def test_each_run_callback_is_set_from_the_command_line_by_name(tiny_model_dir, tmp_path, tiny_overrides):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from forge_lightning.callbacks import HFCheckpoint, RewardLogger
+
+    args = ["--config", str(ROOT / "configs" / "smoke.yaml"), *tiny_overrides(tiny_model_dir, tmp_path)]
+
+    def settings(cli):
+        kinds = (ModelCheckpoint, HFCheckpoint, RewardLogger)
+        (saver,), (hf,), (logger,) = (callbacks_of(cli, k) for k in kinds)
+        return saver._every_n_train_steps, saver.save_last, hf.save_steps, logger.logging_steps
+
+    cli = build_cli(args, run=False)
+    assert settings(cli) == (2, True, 2, 1)  # smoke.yaml's
+
+    overrides = ["--checkpoint.every_n_train_steps=3", "--hf_checkpoint.save_steps=7"]
+    cli = build_cli([*args, *overrides, "--reward_logger.logging_steps=5"], run=False)
+    assert settings(cli) == (3, True, 7, 5)
+    assert cli.trainer.checkpoint_callback.dirpath == str(tmp_path / "checkpoints")
+
+    cli = build_cli([*args, "--hf_checkpoint=null", "--reward_logger=null"], run=False)
+    assert callbacks_of(cli, HFCheckpoint) == callbacks_of(cli, RewardLogger) == []
+    cli = build_cli([*args, "--trainer.enable_checkpointing=false"], run=False)
+    assert callbacks_of(cli, ModelCheckpoint) == [] and len(callbacks_of(cli, HFCheckpoint)) == 1
+
+
+def test_a_run_callback_listed_in_trainer_callbacks_replaces_its_group(
+    tiny_model_dir, tmp_path, tiny_overrides
+):
+    from forge_lightning.callbacks import HFCheckpoint
+
+    listed = '[{"class_path": "forge_lightning.callbacks.HFCheckpoint", "init_args": {"save_steps": 4}}]'
+    config = ROOT / "configs" / "custom_reward.yaml"
+    args = ["--config", str(config), *tiny_overrides(tiny_model_dir, tmp_path)]
+    cli = build_cli([*args, "--hf_checkpoint=null", f"--trainer.callbacks={listed}"], run=False)
+    assert [cb.save_steps for cb in callbacks_of(cli, HFCheckpoint)] == [4]
+    # custom_reward.yaml sets the group (save_steps 0): configured twice, refused by name.
+    with pytest.raises(SystemExit, match="HFCheckpoint is configured twice.*hf_checkpoint"):
+        build_cli([*args, f"--trainer.callbacks={listed}"], run=False)
 
 
 def test_a_data_setting_may_be_null_on_the_command_line(capsys):
