@@ -241,6 +241,9 @@ def _shorten_help(parser: LightningArgumentParser) -> None:
         if action.help and action.help is not argparse.SUPPRESS:
             first = re.split(r"(?<=[.:;])\s+(?=[A-Z])", _plain(action.help), maxsplit=1)[0]
             action.help = first
+    for group in parser._action_groups:  # a callback group's heading is its class's docstring
+        group.title = group.title and _plain(group.title)
+        group.description = group.description and _plain(group.description)
     parser.usage = (
         "%(prog)s [-h] [-c CONFIG] [--print_config] [--trainer.<setting> VALUE ...] "
         "[--model.<setting> VALUE ...] [--data.<setting> VALUE ...] [--ckpt_path CKPT_PATH]"

@@ -55,6 +55,16 @@ def logged_name(key: str) -> str:
     return f"perf/{key}" if key in PERF_KEYS else f"train/{key}"
 
 
+def window_values(window: list[dict[str, float]]) -> dict[str, float]:
+    """One report of several optimizer steps' logged metrics: each mean's mean over the steps
+    that have it, each counter's total."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for metrics in window for k in metrics):
+        values = [m[key] for m in window if key in m]
+        out[key] = sum(values) if key.split("/", 1)[-1] in COUNT_KEYS else sum(values) / len(values)
+    return out
+
+
 class TrainMetrics(nn.Module):
     """Named means (and counters) since the last :meth:`pop`."""
 
@@ -156,6 +166,8 @@ class StepRecord:
         sample_components: each sample's score from every reward component, by name.
         metrics: the optimizer step's metrics (means over its batches, reduced across ranks),
             under their logged names; empty for a batch that only accumulated gradients.
+        report: at a reporting step (every ``logging_steps``), what the loggers got: the
+            metrics of the steps since the previous report, as :func:`window_values`; else empty.
         phases: seconds per phase of the batch (empty without a PhaseProfiler).
     """
 
@@ -166,6 +178,7 @@ class StepRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
     sample_components: list[dict[str, float]] = field(default_factory=list)
+    report: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -177,6 +190,7 @@ class StepRecord:
         metrics: dict[str, float],
         phases: dict[str, float],
         components: dict[str, Tensor] | None = None,
+        report: dict[str, float] | None = None,
     ) -> StepRecord:
         shown = range(min(len(rollout.completions), 8))
         samples = [
@@ -185,4 +199,5 @@ class StepRecord:
         ]
         parts = [{name: float(v[i]) for name, v in (components or {}).items()} for i in shown]
         lengths = rollout.completion_lengths.detach().float().cpu()
-        return cls(step, rewards.detach().float().cpu(), lengths, samples, metrics, phases, parts)
+        rewards = rewards.detach().float().cpu()
+        return cls(step, rewards, lengths, samples, metrics, phases, parts, report or {})

@@ -49,6 +49,7 @@ from forge_lightning.metrics import (
     add_micro_batch,
     batch_metrics,
     logged_name,
+    window_values,
 )
 from forge_lightning.models import ensure_pad_token, load_model
 from forge_lightning.optim import (
@@ -235,6 +236,7 @@ class GRPOLightningModule(pl.LightningModule):
         # completion, reference, reward, correct, completion_length, truncated); RewardLogger writes them.
         self.validation_samples: list[dict[str, Any]] = []
         self.last_step: StepRecord | None = None
+        self._report_window: list[dict[str, float]] = []  # logged steps since the last report
         self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
         self.rounds = SamplingRounds(max_sampling_rounds)  # dynamic sampling's rounds of the step
         self._nonfinite_guard = NonFiniteGuard(max_consecutive_bad_steps)
@@ -337,6 +339,7 @@ class GRPOLightningModule(pl.LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             rescale_schedule(scheduler, self.hparams.learning_rate)
+        self._report_window = []
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -563,19 +566,35 @@ class GRPOLightningModule(pl.LightningModule):
         for key, value in batch_metrics(rollout, rewards, components, stats, phases).items():
             self.train_metrics.update(key, value)
         logged: dict[str, float] = {}
+        report: dict[str, float] = {}
         if stepped:
             logged = {logged_name(k): v for k, v in self.train_metrics.pop().items()}
             # self.log puts them where Lightning's callbacks look (callback_metrics, the progress
-            # bar). The loggers get them here, once per optimizer step, at the optimizer step:
-            # Lightning would re-send a logged value after every later batch of an accumulation.
+            # bar), every optimizer step. The loggers get them here, every logging_steps optimizer
+            # steps, at the optimizer step: Lightning would count batches, and re-send a logged
+            # value after every later batch of an accumulation.
             shown = {"train/reward", "train/kl"}
             for key, value in logged.items():
                 self.log(key, value, on_step=True, on_epoch=False, prog_bar=key in shown, logger=False)
-            for logger in self.loggers:
-                logger.log_metrics(logged, step=self.global_step)
+            self._report_window.append(logged)
+            if self.global_step % self._logging_steps() == 0:
+                report, self._report_window = window_values(self._report_window), []
+                for logger in self.loggers:
+                    logger.log_metrics(report, step=self.global_step)
         self.last_step = StepRecord.of(
-            self.global_step, prompts, rollout, rewards, logged, phases, components
+            self.global_step, prompts, rollout, rewards, logged, phases, components, report
         )
+
+    def _logging_steps(self) -> int:
+        """Optimizer steps between reports to the loggers: a RewardLogger's ``logging_steps``, so
+        that its JSONL and every logger hold the same values at the same steps, else the
+        trainer's ``log_every_n_steps`` (counted in optimizer steps)."""
+        from forge_lightning.callbacks.reward_logger import RewardLogger
+
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RewardLogger):
+                return callback.logging_steps
+        return max(self.trainer.log_every_n_steps, 1)
 
     def _max_prompt_length(self) -> int | None:
         """``max_prompt_length``, or where unset the model's context less ``max_new_tokens``: a

@@ -78,7 +78,7 @@ def test_validation_metrics_reach_loggers_on_the_optimizer_step_axis(
 
     grpo = module(reward=count_a, gradient_accumulation_steps=2, kl_beta=0.0)
     logger = CSVLogger(tmp_path, name="csv")
-    fit = trainer(tmp_path, logger=logger, limit_val_batches=1.0, num_sanity_val_steps=0)
+    fit = trainer(tmp_path, logger=logger, limit_val_batches=1.0, num_sanity_val_steps=0, log_every_n_steps=1)
     records = [{"prompt": "q", "reference": "1"}] * 4  # 4 batches, 2 optimizer steps
     fit.fit(grpo, loader(records), loader(records[:2], batch_size=2))
     rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))

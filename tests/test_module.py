@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from typing import Any
@@ -169,6 +170,51 @@ def test_metrics_reach_loggers_once_per_optimizer_step_at_that_step(tmp_path, mo
     # Lightning's own callbacks (ModelCheckpoint(monitor=...), EarlyStopping) read these.
     assert "train/reward" in fit.callback_metrics
     assert float(fit.callback_metrics["train/reward"]) == float(rows[-1]["train/reward"])
+
+
+def test_reward_loggers_logging_steps_is_the_cadence_of_every_logger(tmp_path, module, loader):
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from forge_lightning.callbacks import RewardLogger
+
+    def fit(callbacks, **kwargs):
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            logger=CSVLogger(out),
+            callbacks=callbacks,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            default_root_dir=out,
+            **kwargs,
+        )
+        trainer.fit(module(gradient_accumulation_steps=1), loader([{"prompt": f"q{i}"} for i in range(6)]))
+        rows = list(csv.DictReader(open(next(out.rglob("metrics.csv")))))
+        return out, [r for r in rows if r.get("train/reward")]
+
+    class Steps(pl.Callback):  # each optimizer step's own metrics
+        seen: list[dict[str, float]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            self.seen.append(pl_module.last_step.metrics)
+
+    # A RewardLogger's logging_steps wins over log_every_n_steps: its JSONL and the CSV agree, each
+    # report the mean of two steps' means and the total of their counts.
+    out, rows = fit([RewardLogger(logging_steps=2), Steps()], log_every_n_steps=1)
+    records = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
+    assert [int(r["step"]) for r in rows] == [r["step"] for r in records] == [2, 4, 6]
+    for i, (row, record) in enumerate(zip(rows, records)):
+        pair = Steps.seen[2 * i : 2 * i + 2]
+        reward = sum(m["train/reward"] for m in pair) / 2
+        assert float(row["train/reward"]) == pytest.approx(record["reward"]) == pytest.approx(reward)
+        tokens = sum(m["train/num_tokens"] for m in pair)
+        assert float(row["train/num_tokens"]) == record["num_tokens"] == tokens
+    # Without one, log_every_n_steps counts optimizer steps (6 batches, 6 steps).
+    _, rows = fit([], log_every_n_steps=3)
+    assert [int(r["step"]) for r in rows] == [3, 6]
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "forge"])

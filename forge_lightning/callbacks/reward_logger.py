@@ -41,10 +41,11 @@ class RewardLogger(Callback):
     """Every ``logging_steps`` optimizer steps: a console line, a JSONL record, a reward histogram
     and a table of sample completions.
 
-    The scalars reach every Lightning logger from the module itself (once per optimizer step, at
-    that step); this callback adds what a logger's scalars do not: ``{output_dir}/
-    training_log.jsonl``, one record per report with each value's mean over the optimizer steps
-    since the previous report, and, for a TensorBoard logger, ``train/reward_hist`` and
+    ``logging_steps`` is the run's one cadence: the module sends its scalars to every Lightning
+    logger at the same steps, with the same values (each mean's mean over the optimizer steps since
+    the previous report, each counter's total). This callback adds what a logger's scalars do not:
+    ``{output_dir}/training_log.jsonl``, one record per report with those values under their short
+    names, and, for a TensorBoard logger, ``train/reward_hist`` and
     ``train/completion_length_hist`` (every reward and completion length since the previous
     report, rank zero's) and the samples table. On a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
@@ -69,7 +70,6 @@ class RewardLogger(Callback):
         self._last_step = -1
         self._rewards: list[torch.Tensor] = []
         self._lengths: list[torch.Tensor] = []
-        self._window: list[dict[str, float]] = []
 
     def log_path(self, trainer: pl.Trainer) -> Path:
         return output_dir(trainer, self.output_dir) / "training_log.jsonl"
@@ -78,7 +78,7 @@ class RewardLogger(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Not on_fit_start: the restored global_step is only known once training state is loaded.
         self._last_step = trainer.global_step
-        self._rewards, self._lengths, self._window = [], [], []
+        self._rewards, self._lengths = [], []
         path = self.log_path(trainer)
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,19 +93,16 @@ class RewardLogger(Callback):
         if record.rewards.numel():
             self._rewards.append(record.rewards)
             self._lengths.append(record.completion_lengths)
-        if record.metrics:
-            self._window.append(record.metrics)
         step = trainer.global_step
-        if step == self._last_step or step % self.logging_steps or not self._window:
+        if step == self._last_step or not record.report:  # the module reports every logging_steps
             return
         self._last_step = step
-        window, self._window = self._window, []
         rewards, self._rewards = self._rewards, []
         lengths, self._lengths = self._lengths, []
         if not trainer.is_global_zero:
             return
         line: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch}
-        line.update(_means(window))
+        line.update(_short_names(record.report))
         append_jsonl(self.log_path(trainer), line)
         print(_console_line(line), flush=True)
         for logger in trainer.loggers:
@@ -179,14 +176,13 @@ def run_summary(trainer: pl.Trainer, records: list[dict[str, Any]], log: Path) -
     return "\n".join(lines)
 
 
-def _means(window: list[dict[str, float]]) -> dict[str, float]:
-    """The JSONL keys' means over the window's optimizer steps, under their short names."""
+def _short_names(report: dict[str, float]) -> dict[str, float]:
+    """A report's JSONL keys, under their short names."""
     out: dict[str, float] = {}
-    for logged in dict.fromkeys(key for metrics in window for key in metrics):
+    for logged, value in report.items():
         key = logged.split("/", 1)[1]
         if key in JSONL_KEYS or key.startswith("rewards/"):
-            values = [m[logged] for m in window if logged in m]
-            out[key] = sum(values) / len(values)
+            out[key] = value
     return out
 
 
