@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,45 @@ def test_disabled_progress_bar_stays_disabled(tiny_model_dir, tmp_path):
 def test_progress_bar_falls_back_to_tqdm_without_rich(monkeypatch):
     monkeypatch.setattr(rich_progress, "_RICH_AVAILABLE", False)
     assert isinstance(default_progress_bar(), TQDMProgressBar)
+
+
+def test_wandb_gets_histograms_and_a_samples_table_with_each_reward_component(
+    tmp_path, module, trainer, loader, monkeypatch
+):
+    pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    from forge_lightning.callbacks import RewardLogger
+
+    def count_a(prompts, responses):
+        return [float(r.count("a")) for r in responses]
+
+    def length(prompts, responses):
+        return [len(r) / 10 for r in responses]
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(save_dir=str(tmp_path), project="forge-test", offline=True)
+    sent: list[tuple[int, dict]] = []
+    log_metrics = logger.log_metrics
+
+    def spy(metrics, step=None):
+        sent.append((step, metrics))
+        log_metrics(metrics, step)
+
+    monkeypatch.setattr(logger, "log_metrics", spy)
+    grpo = module(reward=[(count_a, 1.0, "a"), (length, 1.0, "length")], gradient_accumulation_steps=1)
+    fit = trainer(tmp_path, max_steps=2, logger=logger, callbacks=[RewardLogger(logging_steps=1)])
+    fit.fit(grpo, loader([{"prompt": "q"}] * 2))
+    logger.experiment.finish()
+
+    hists = [(step, m) for step, m in sent if "train/reward_hist" in m]
+    assert [step for step, _ in hists] == [1, 2]
+    assert all(type(m["train/completion_length_hist"]).__name__ == "Histogram" for _, m in hists)
+    tables = sorted(tmp_path.rglob("files/media/table/samples_*.table.json"))
+    assert len(tables) == 2
+    table = json.loads(tables[-1].read_text())
+    assert table["columns"] == ["prompt", "completion", "reward", "a", "length"]
+    assert len(table["data"]) == 4  # group_size 4 samples of the step's one prompt
+    prompt, completion, total, a, length_score = table["data"][0]
+    assert a == completion.count("a") and length_score == pytest.approx(len(completion) / 10)

@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
@@ -45,7 +45,7 @@ class RewardLogger(Callback):
     logger at the same steps, with the same values (each mean's mean over the optimizer steps since
     the previous report, each counter's total). This callback adds what a logger's scalars do not:
     ``{output_dir}/training_log.jsonl``, one record per report with those values under their short
-    names, and, for a TensorBoard logger, ``train/reward_hist`` and
+    names, and, for a TensorBoard or W&B logger, ``train/reward_hist`` and
     ``train/completion_length_hist`` (every reward and completion length since the previous
     report, rank zero's) and the samples table. On a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
@@ -108,6 +108,8 @@ class RewardLogger(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 self._tensorboard_views(logger, record, rewards, lengths, step)
+            elif isinstance(logger, WandbLogger):
+                self._wandb_views(logger, record, rewards, lengths, step)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -148,6 +150,35 @@ class RewardLogger(Callback):
         if samples:
             table = _markdown_table(samples, record.sample_components[: len(samples)])
             logger.experiment.add_text("samples", table, global_step=step)
+
+    def _wandb_views(
+        self,
+        logger: WandbLogger,
+        record: StepRecord,
+        rewards: list[torch.Tensor],
+        lengths: list[torch.Tensor],
+        step: int,
+    ) -> None:
+        """The same views for Weights & Biases: two histograms and a ``samples`` table (prompt,
+        completion, reward and each reward component's score)."""
+        import wandb
+
+        if rewards:
+            hists = {
+                "train/reward_hist": wandb.Histogram(torch.cat(rewards).cpu().numpy()),
+                "train/completion_length_hist": wandb.Histogram(torch.cat(lengths).numpy()),
+            }
+            logger.log_metrics(hists, step=step)
+        samples = record.samples[: self.num_text_samples]
+        if samples:
+            parts = record.sample_components
+            names = list(parts[0]) if parts and len(parts[0]) > 1 else []  # as TensorBoard's
+            rows = [
+                [prompt, completion, reward, *(scores[n] for n in names)]
+                for (prompt, completion, reward), scores in zip(samples, parts)
+            ]
+            columns = ["prompt", "completion", "reward", *names]
+            logger.log_table("samples", columns=columns, data=rows, step=step)
 
 
 def run_summary(trainer: pl.Trainer, records: list[dict[str, Any]], log: Path) -> str:
