@@ -27,6 +27,11 @@ class HFCheckpoint(Callback):
     ``peft.merge_on_save`` the adapter folded into the base weights goes to ``merged/`` as a plain
     model as well, built beside the training model without changing it. Every folder holds the
     tokenizer too, and a model card (README.md: base model, training settings, last rewards).
+    The adapter config's ``base_model_name_or_path`` is what the base was loaded from: the hub id
+    for a hub model, the folder for a local one, and for ``embedded`` the converted folder in the
+    local cache, so that ``AutoPeftModelForCausalLM`` loads the adapter offline on this machine;
+    the model card's ``base_model`` names the hub model (``HuggingFaceTB/SmolLM2-135M-Instruct``
+    for ``embedded``), which is what the hub links an adapter to.
 
     Each folder is written to a temporary sibling and renamed, so a crash never leaves a
     half-written checkpoint. Only global rank 0 writes; a policy sharded with FSDP2 is gathered onto
