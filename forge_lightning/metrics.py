@@ -55,13 +55,23 @@ def logged_name(key: str) -> str:
     return f"perf/{key}" if key in PERF_KEYS else f"train/{key}"
 
 
+# Logged as running totals (the module adds each step's count): a report takes the latest.
+RUNNING_TOTALS = ("num_tokens",)
+
+
 def window_values(window: list[dict[str, float]]) -> dict[str, float]:
     """One report of several optimizer steps' logged metrics: each mean's mean over the steps
-    that have it, each counter's total."""
+    that have it, each counter's total, each running total's latest value."""
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for metrics in window for k in metrics):
         values = [m[key] for m in window if key in m]
-        out[key] = sum(values) if key.split("/", 1)[-1] in COUNT_KEYS else sum(values) / len(values)
+        name = key.split("/", 1)[-1]
+        if name in RUNNING_TOTALS:
+            out[key] = values[-1]
+        elif name in COUNT_KEYS:
+            out[key] = sum(values)
+        else:
+            out[key] = sum(values) / len(values)
     return out
 
 

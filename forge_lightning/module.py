@@ -237,6 +237,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.validation_samples: list[dict[str, Any]] = []
         self.last_step: StepRecord | None = None
         self._report_window: list[dict[str, float]] = []  # logged steps since the last report
+        self._tokens_trained = 0.0  # train/num_tokens, kept in checkpoints
         self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
         self.rounds = SamplingRounds(max_sampling_rounds)  # dynamic sampling's rounds of the step
         self._nonfinite_guard = NonFiniteGuard(max_consecutive_bad_steps)
@@ -428,6 +429,7 @@ class GRPOLightningModule(pl.LightningModule):
         # completions than the uninterrupted one from the same step on.
         checkpoint["forge_rng_states"] = rng_states()
         checkpoint["forge_trainer_settings"] = trainer_settings(self.trainer)
+        checkpoint["forge_tokens_trained"] = self._tokens_trained
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -438,6 +440,7 @@ class GRPOLightningModule(pl.LightningModule):
             # Every trainer setting may change (a longer run, another cadence): applied and logged.
             for line in changed_settings(saved_trainer, trainer_settings(self.trainer)).values():
                 log.info("resumed with a changed trainer setting, applied: %s", line)
+            self._tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
         if "forge_rng_states" in checkpoint:
             set_rng_states(checkpoint["forge_rng_states"])
 
@@ -569,6 +572,9 @@ class GRPOLightningModule(pl.LightningModule):
         report: dict[str, float] = {}
         if stepped:
             logged = {logged_name(k): v for k, v in self.train_metrics.pop().items()}
+            # Completion tokens trained on so far (the step's count, summed over every rank).
+            self._tokens_trained += logged.get("train/num_tokens", 0.0)
+            logged["train/num_tokens"] = self._tokens_trained
             # self.log puts them where Lightning's callbacks look (callback_metrics, the progress
             # bar), every optimizer step. The loggers get them here, every logging_steps optimizer
             # steps, at the optimizer step: Lightning would count batches, and re-send a logged

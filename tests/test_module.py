@@ -202,7 +202,7 @@ def test_reward_loggers_logging_steps_is_the_cadence_of_every_logger(tmp_path, m
             self.seen.append(pl_module.last_step.metrics)
 
     # A RewardLogger's logging_steps wins over log_every_n_steps: its JSONL and the CSV agree, each
-    # report the mean of two steps' means and the total of their counts.
+    # report the mean of two steps' means and the latest running total.
     out, rows = fit([RewardLogger(logging_steps=2), Steps()], log_every_n_steps=1)
     records = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
     assert [int(r["step"]) for r in rows] == [r["step"] for r in records] == [2, 4, 6]
@@ -210,8 +210,10 @@ def test_reward_loggers_logging_steps_is_the_cadence_of_every_logger(tmp_path, m
         pair = Steps.seen[2 * i : 2 * i + 2]
         reward = sum(m["train/reward"] for m in pair) / 2
         assert float(row["train/reward"]) == pytest.approx(record["reward"]) == pytest.approx(reward)
-        tokens = sum(m["train/num_tokens"] for m in pair)
-        assert float(row["train/num_tokens"]) == record["num_tokens"] == tokens
+        assert float(row["train/num_tokens"]) == record["num_tokens"] == pair[-1]["train/num_tokens"]
+    # num_tokens counts every completion token trained on so far: it only grows.
+    totals = [m["train/num_tokens"] for m in Steps.seen]
+    assert totals[0] > 0 and all(later > earlier for earlier, later in zip(totals, totals[1:]))
     # Without one, log_every_n_steps counts optimizer steps (6 batches, 6 steps).
     _, rows = fit([], log_every_n_steps=3)
     assert [int(r["step"]) for r in rows] == [3, 6]

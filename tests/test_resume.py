@@ -82,7 +82,7 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(tiny_model_dir,
     after, expected = records(killed), records(straight)
     assert [r["step"] for r in after] == [1, 2, 3, 4, 5]  # no duplicates, never backwards
     for got, want in zip(after, expected):
-        for key in ("loss", "reward", "kl", "lr", "grad_norm", "completion_length"):
+        for key in ("loss", "reward", "kl", "lr", "grad_norm", "completion_length", "num_tokens"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
     # The reference the resumed run used is the original policy, not the step-3 one.
     original = load_file(tiny_model_dir / "model.safetensors")
