@@ -55,10 +55,31 @@ def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str,
     return {key: value for key, value in kwargs.items() if key in by_name}
 
 
+def takes_completions(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a TRL-style reward: a parameter named ``completions`` and none named
+    ``responses``. Such a reward is called by keyword (``prompts=``, ``completions=`` and the
+    batch's fields), as TRL calls it, so ``def f(completions, **kwargs)`` works too."""
+    try:
+        names = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "completions" in names and "responses" not in names
+
+
+def completion_messages(prompts: list[Any], responses: list[str]) -> list[Any]:
+    """What a TRL-style reward gets as ``completions``: each response as text, or, where its prompt
+    is a conversation (a list of messages), as TRL's ``[{"role": "assistant", "content": text}]``."""
+    return [
+        [{"role": "assistant", "content": response}] if isinstance(prompt, list) else response
+        for prompt, response in zip(prompts, responses)
+    ]
+
+
 def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[str]]:
     """For each component of ``reward`` (itself, or a CompositeReward's parts), the keyword
-    arguments it needs that are not in ``available``: its required parameters after the first two
-    (prompts, responses), and a :class:`BaseReward`'s ``needs``."""
+    arguments it needs that are not in ``available``: its required parameters besides the prompts
+    and responses (the first two, or for a TRL-style reward ``prompts`` and ``completions``), and a
+    :class:`BaseReward`'s ``needs``."""
     parts = (
         zip(reward.names, reward.rewards)
         if isinstance(reward, CompositeReward)
@@ -67,9 +88,13 @@ def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[s
     missing: dict[str, list[str]] = {}
     for name, part in parts:
         try:
-            params = list(inspect.signature(part).parameters.values())[2:]
+            params = list(inspect.signature(part).parameters.values())
         except (TypeError, ValueError):
             params = []
+        if takes_completions(part):
+            params = [p for p in params if p.name not in ("prompts", "completions")]
+        else:
+            params = params[2:]
         required = [
             p.name
             for p in params
@@ -152,6 +177,10 @@ def call_reward(
     """Call ``reward`` with its own copies of the lists: a reward that rewrites or empties its
     inputs changes nothing for the next reward, the log or the samples table.
 
+    A reward is called as ``reward(prompts, responses, **fields)``, or, when it names a
+    ``completions`` parameter and no ``responses`` one (TRL's signature), as
+    ``reward(prompts=..., completions=..., **fields)`` (:func:`takes_completions`).
+
     With ``timeout`` (seconds) the call runs in a daemon thread and is abandoned, raising
     :class:`RewardTimeout`, when it takes longer; the abandoned thread is left to finish alone
     (a thread cannot be killed), and a process exit does not wait for it.
@@ -159,6 +188,9 @@ def call_reward(
     own = {key: list(value) if isinstance(value, list) else value for key, value in kwargs.items()}
 
     def call() -> Any:
+        if takes_completions(reward):  # TRL's convention: everything by keyword
+            trl = {**own, "prompts": list(prompts), "completions": completion_messages(prompts, responses)}
+            return reward(**accepted_kwargs(reward, trl))
         return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
 
     if timeout is None:

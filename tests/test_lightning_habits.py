@@ -134,6 +134,40 @@ def test_training_on_conversational_prompts(tmp_path, module, trainer, loader):
     assert grpo.last_step.samples[0][0] == "count"  # the samples table shows its user message
 
 
+def test_trl_style_rewards_get_completions_by_keyword_in_trls_form():
+    from forge_lightning.rewards import missing_arguments
+    from forge_lightning.scoring import score
+
+    seen = {}
+
+    def completions_only(completions, **kwargs):  # TRL passes everything by keyword
+        seen["completions"], seen["kwargs"] = completions, set(kwargs)
+        return [1.0] * len(completions)
+
+    def with_answer(prompts, completions, answer):
+        seen["prompts"], seen["answer"] = prompts, answer
+        return [
+            float(a in (c if isinstance(c, str) else c[0]["content"])) for c, a in zip(completions, answer)
+        ]
+
+    def text(prompts, responses):
+        seen["responses"] = responses
+        return [0.5] * len(responses)
+
+    conversation = [{"role": "user", "content": "say 4"}]
+    prompts, responses = [conversation, "say 5"], ["4", "6"]
+    parts = CompositeReward([(completions_only, 1.0), (with_answer, 1.0), (text, 1.0)])
+    scored = score(parts, prompts, responses, answer=["4", "5"])
+    assert seen["completions"] == [[{"role": "assistant", "content": "4"}], "6"]
+    assert seen["kwargs"] == {"prompts", "answer"}
+    assert seen["prompts"] == prompts and seen["answer"] == ["4", "5"]
+    assert seen["responses"] == ["4", "6"]  # a (prompts, responses) reward gets the text
+    assert scored.components["with_answer"] == [1.0, 0.0]
+    # A TRL-style reward's fields are checked before any generation, as every reward's are.
+    assert missing_arguments(with_answer, {"prompts"}) == {"with_answer": ["answer"]}
+    assert missing_arguments(completions_only, set()) == {}
+
+
 def test_any_prompt_dataset_from_the_cli_with_conversations_and_extra_fields(
     tmp_path, tiny_model_dir, tiny_overrides
 ):
