@@ -484,3 +484,79 @@ def test_entropy_comes_with_the_log_probs_and_matches_the_softmax(chunk_size):
     assert not entropy.requires_grad
     logp.sum().backward()  # the entropy output does not get in the way of the gradient
     assert torch.isfinite(logits.grad).all()
+
+
+# -- the decoupled objective of asynchronous rollouts (AReaL) ----------------------------------
+
+
+def test_decoupled_loss_on_hand_made_tensors():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
+    prox = torch.tensor([[-1.1, -2.0], [-0.5, -1.0]])  # the weights before this update
+    behav = torch.tensor([[-1.3, -2.5], [-0.4, -1.0]])  # the older weights that sampled
+    advantages = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[True, True], [True, False]])
+    settings = LossSettings(kl_beta=0.0, behav_imp_weight_cap=1.5)
+    loss, metrics = grpo_loss(logp, prox, None, advantages, mask, settings, behav_logp=behav)
+
+    def term(i, t):  # -w * min(r A, clip(r) A), by the formula
+        r = math.exp(logp[i, t].item() - prox[i, t].item())
+        w = math.exp(prox[i, t].item() - behav[i, t].item())
+        a = advantages[i].item()
+        return 0.0 if w > 1.5 else -w * min(r * a, min(max(r, 0.8), 1.2) * a)
+
+    # grpo: each completion's mean over its tokens, then the mean over completions.
+    expected = ((term(0, 0) + term(0, 1)) / 2 + term(1, 0)) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert term(0, 1) == 0.0  # w = e^0.5 > 1.5: masked, but still counted in its mean
+    loss.backward()
+    # The weight is a constant: d/dlogp of -w r A is -w r A inside the clip range.
+    w00, r00 = math.exp(0.2), math.exp(0.1)
+    assert logp.grad[0, 0].item() == pytest.approx(-w00 * r00 * 1.0 / 4, rel=1e-5)
+    assert logp.grad[0, 1].item() == 0.0
+    assert logp.grad[1, 0].item() == pytest.approx(-math.exp(-0.1) * -2.0 / 2, rel=1e-5)
+    assert metrics["behav_imp_weight"].item() == pytest.approx((math.exp(0.2) + math.exp(-0.1)) / 2, rel=1e-6)
+    assert metrics["behav_masked_fraction"].item() == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_decoupled_loss_at_lag_zero_is_the_loss_bit_for_bit(loss_type):
+    torch.manual_seed(0)
+    logp = torch.randn(4, 6, requires_grad=True)
+    old, ref = logp.detach() + 0.1 * torch.randn(4, 6), logp.detach() + 0.1 * torch.randn(4, 6)
+    advantages, mask = torch.randn(4), torch.rand(4, 6) > 0.3
+    settings = LossSettings(loss_type=loss_type, kl_beta=0.05, behav_imp_weight_cap=5.0)
+    plain, plain_metrics = grpo_loss(logp, old, ref, advantages, mask, settings)
+    (plain_grad,) = torch.autograd.grad(plain, logp)
+    # Sampled by the proximal policy itself: w = exp(0) = 1 on every token.
+    same, metrics = grpo_loss(logp, old, ref, advantages, mask, settings, behav_logp=old.clone())
+    (same_grad,) = torch.autograd.grad(same, logp)
+    assert torch.equal(plain, same) and torch.equal(plain_grad, same_grad)
+    assert metrics["behav_imp_weight"].item() == 1.0 and metrics["behav_masked_fraction"].item() == 0.0
+    assert torch.equal(metrics["kl"], plain_metrics["kl"])
+
+
+def test_decoupled_loss_leaves_the_kl_term_unweighted():
+    torch.manual_seed(1)
+    logp = torch.randn(3, 4, requires_grad=True)
+    old, ref = logp.detach() + 0.1, logp.detach() - 0.2
+    behav = old - 0.3  # w = e^0.3 on every token
+    advantages, mask = torch.tensor([1.0, -1.0, 0.5]), torch.ones(3, 4, dtype=torch.bool)
+    with_kl = LossSettings(kl_beta=0.1)
+    loss, metrics = grpo_loss(logp, old, ref, advantages, mask, with_kl, behav_logp=behav)
+    unweighted, _ = grpo_loss(logp, old, None, advantages, mask, LossSettings(kl_beta=0.0))
+    # policy term scaled by w, plus the same KL term as without behav_logp
+    assert loss.item() == pytest.approx(
+        math.exp(0.3) * unweighted.item() + 0.1 * metrics["kl"].item(), rel=1e-5
+    )
+
+
+def test_decoupled_loss_settings_are_checked():
+    with pytest.raises(ValueError, match="behav_imp_weight_cap must be None or > 1"):
+        LossSettings(behav_imp_weight_cap=1.0)
+    logp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="behav_logp must match"):
+        grpo_loss(
+            logp, None, None, torch.zeros(1), torch.ones(1, 2), LossSettings(kl_beta=0.0), torch.zeros(1, 3)
+        )
+    with pytest.raises(ValueError, match="does not go with loss_type 'forge'"):
+        grpo_loss(logp, None, logp, torch.zeros(1), torch.ones(1, 2), LossSettings(loss_type="forge"), logp)

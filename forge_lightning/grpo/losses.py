@@ -50,6 +50,10 @@ class LossSettings:
             is that of KL(policy || ref); ``k3 = exp(x) - x - 1`` (the default, as DeepSeekMath
             and TRL), unbiased for KL(policy || ref) and never negative, whose gradient is that
             of the forward KL(ref || policy). ``forge`` keeps Forge's k3 on its sequence ratio.
+        behav_imp_weight_cap: with a rollout sampled by an older policy (``behav_logp`` given to
+            :func:`grpo_loss`: asynchronous rollouts), tokens whose behaviour importance weight
+            ``exp(old_logp - behav_logp)`` exceeds this are left out of the policy term (AReaL's
+            ``behav_imp_weight_cap``); > 1, or None for no cap.
     """
 
     loss_type: LossType = "grpo"
@@ -59,6 +63,7 @@ class LossSettings:
     max_completion_length: int | None = None
     importance_sampling_level: ImportanceSampling = "token"
     kl_estimator: KLEstimator = "k3"
+    behav_imp_weight_cap: float | None = None
 
     def __post_init__(self) -> None:
         checks = {
@@ -80,6 +85,11 @@ class LossSettings:
                 f"one of {get_args(ImportanceSampling)}",
             ),
             "kl_estimator": (self.kl_estimator in _KL_ESTIMATORS, f"one of {get_args(KLEstimator)}"),
+            "behav_imp_weight_cap": (
+                self.behav_imp_weight_cap is None
+                or (_number(self.behav_imp_weight_cap) and self.behav_imp_weight_cap > 1),
+                "None or > 1",
+            ),
         }
         for field, (ok, words) in checks.items():
             if not ok:
@@ -116,10 +126,16 @@ class _LossInputs:
     advantages: Tensor
     mask: Tensor  # bool
     settings: LossSettings
+    behav_logp: Tensor | None = None
 
     def __post_init__(self) -> None:
         # A (B, 1) advantage would silently broadcast to (B, B, T) below; fail loudly instead.
-        per_token = {"old_logp": self.old_logp, "ref_logp": self.ref_logp, "mask": self.mask}
+        per_token = {
+            "old_logp": self.old_logp,
+            "ref_logp": self.ref_logp,
+            "mask": self.mask,
+            "behav_logp": self.behav_logp,
+        }
         for name, tensor in per_token.items():
             if tensor is not None and tensor.shape != self.logp.shape:
                 raise ValueError(
@@ -130,6 +146,8 @@ class _LossInputs:
                 f"expected logp (B, T) and advantages (B,), got {tuple(self.logp.shape)} and "
                 f"{tuple(self.advantages.shape)}"
             )
+        if self.behav_logp is not None and self.settings.loss_type == "forge":
+            raise ValueError("behav_logp (a rollout of an older policy) does not go with loss_type 'forge'")
         if self.ref_logp is None and self.settings.needs_reference:
             raise ValueError(
                 f"ref_logp is required when kl_beta > 0 or loss_type == 'forge' "
@@ -206,6 +224,9 @@ def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         log_ratio = masked_mean(log_ratio, x.mask, dim=1).unsqueeze(-1)  # (B, 1): one per completion
     ratio = torch.exp(log_ratio)
     policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high).expand_as(x.logp)  # (B, T)
+    behaviour: dict[str, Tensor] = {}
+    if x.behav_logp is not None:
+        policy, behaviour = _behaviour_weighted(policy, x)
     per_token = policy
     kl_metric = x.logp.new_zeros(())
     if x.ref_logp is not None:
@@ -218,8 +239,28 @@ def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         "kl": kl_metric,
         "clip_fraction_low": masked_mean(low.float(), x.mask),
         "clip_fraction_high": masked_mean(high.float(), x.mask),
+        **behaviour,
     }
     return x.reduce(per_token), metrics
+
+
+def _behaviour_weighted(policy: Tensor, x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """AReaL's decoupled objective: the (B, T) policy term of a rollout sampled by an older
+    (behaviour) policy, each token weighted by ``w = stop_grad(exp(old_logp - behav_logp))``, where
+    ``old_logp`` is the proximal policy (the weights before this update) the ratio is clipped
+    around; tokens with ``w`` above ``behav_imp_weight_cap`` get weight 0 (they stay in the
+    normaliser). Also the metrics ``behav_imp_weight`` (mean over kept tokens) and
+    ``behav_masked_fraction``."""
+    assert x.behav_logp is not None
+    weight = torch.exp(torch.where(x.mask, x.old_logp - x.behav_logp, 0)).detach()  # (B, T)
+    cap = x.settings.behav_imp_weight_cap
+    kept = x.mask if cap is None else x.mask & (weight <= cap)
+    weighted = policy * torch.where(kept, weight, 0)
+    metrics = {
+        "behav_imp_weight": masked_mean(weight, kept),
+        "behav_masked_fraction": masked_mean((x.mask & ~kept).float(), x.mask),
+    }
+    return weighted, metrics
 
 
 def _sequence_means(values: Tensor, mask: Tensor) -> Tensor:
@@ -318,8 +359,17 @@ def grpo_loss(
     advantages: Tensor,
     mask: Tensor,
     settings: LossSettings = LossSettings(),  # frozen, so a shared default is safe
+    behav_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss with a k3 KL penalty towards the reference policy.
+
+    Per token, with ``r = exp(logp - old_logp)`` and the completion's advantage ``A``, the policy
+    term is ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``. For a rollout sampled by an
+    older policy than ``old_logp``'s (``behav_logp`` given; asynchronous rollouts, AReaL's
+    decoupled PPO objective), ``old_logp`` is the proximal policy and the term becomes
+    ``-w * min(r * A, clip(r) * A)`` with ``w = stop_grad(exp(old_logp - behav_logp))``, 0 where
+    ``w`` exceeds ``settings.behav_imp_weight_cap``; the KL term is not weighted. When the
+    rollout was sampled by the proximal policy itself, ``w`` is 1 and the loss is the same.
 
     Args:
         logp: (B, T) per-token log-probs of the completions under the policy being trained.
@@ -330,10 +380,13 @@ def grpo_loss(
         advantages: (B,) one advantage per completion.
         mask: (B, T) 1 on completion tokens, 0 on padding; bool or float.
         settings: the loss type and its constants.
+        behav_logp: (B, T) the same under the policy that sampled the rollout, when that is older
+            than ``old_logp``'s; None: the rollout was sampled by ``old_logp``'s policy.
 
     Returns:
         The scalar loss and detached scalar metrics ``policy_loss``, ``kl``, ``clip_fraction_low``
-        and ``clip_fraction_high`` (fractions of masked tokens, or of sequences for ``forge``).
+        and ``clip_fraction_high`` (fractions of masked tokens, or of sequences for ``forge``),
+        and with ``behav_logp`` ``behav_imp_weight`` and ``behav_masked_fraction``.
     """
     inputs = _LossInputs(
         logp=logp,
@@ -342,6 +395,7 @@ def grpo_loss(
         advantages=advantages,
         mask=mask.bool(),
         settings=settings,
+        behav_logp=behav_logp,
     )
     loss, metrics = _KINDS[settings.loss_type].loss(inputs)
     return loss, {name: value.detach() for name, value in metrics.items()}
