@@ -43,7 +43,8 @@ class RewardLogger(Callback):
 
     ``logging_steps`` is the run's one cadence: the module sends its scalars to every Lightning
     logger at the same steps, with the same values (each mean's mean over the optimizer steps since
-    the previous report, each counter's total). This callback adds what a logger's scalars do not:
+    the previous report, each count's total, and ``num_tokens``, a running total, as it stands).
+    This callback adds what a logger's scalars do not:
     ``{output_dir}/training_log.jsonl``, one record per report with those values under their short
     names, and, for a TensorBoard or W&B logger, ``train/reward_hist`` and
     ``train/completion_length_hist`` (every reward and completion length since the previous
