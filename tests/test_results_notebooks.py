@@ -182,6 +182,37 @@ def test_arithmetic_notebook_final_runs_raise_held_out_accuracy_and_smoke_learns
     assert "seed 42: dev greedy accuracy by step 0:" in stdout(cells["small-curves"])
     assert (tmp_path / "arithmetic_small_curves.png").is_file()
 
+    # The ablation: one row per variant, each figure from its run's files and validate record.
+    ablation = NOTEBOOKS / "figures" / "arithmetic" / "ablation"
+    abl_evals = {
+        e["label"]: e for e in map(json.loads, (ablation / "evals.jsonl").read_text().splitlines()) if e
+    }
+    [table] = tables(cells["ablation"])
+    variants = {
+        "plain grpo": ("seed42", small / "seed42"),
+        "dynamic sampling": ("dyn", ablation / "dyn"),
+        "truncation masking": ("mask", ablation / "mask"),
+        "overlong penalty": ("overlong", ablation / "overlong"),
+        "GSPO, 2 passes a rollout": ("gspo", ablation / "gspo"),
+    }
+    assert [row[0] for row in table[1:]] == list(variants)
+    for row in table[1:]:
+        prefix, folder = variants[row[0]]
+        record = evals if prefix == "seed42" else abl_evals
+        log = [json.loads(line) for line in (folder / "training_log.jsonl").read_text().splitlines()]
+        assert int(row[2]) == log[-1]["step"]
+        for column, budget in ((7, 96), (8, 256)):
+            measured = record[f"{prefix}_heldout_{budget}"]["val/accuracy"]
+            assert float(row[column].split()[0]) == pytest.approx(measured, abs=5e-4)
+    changed = {row[0]: row[1] for row in table[1:]}
+    assert changed["plain grpo"] == "(the shipped config)"
+    assert "model.dynamic_sampling: True" in changed["dynamic sampling"]
+    assert "model.mask_truncated_completions: True" in changed["truncation masking"]
+    assert "OverlongPenaltyReward" in changed["overlong penalty"]
+    assert "model.num_iterations: 2" in changed["GSPO, 2 passes a rollout"]
+    assert stdout(cells["ablation"]).count("against plain grpo") == 4
+    assert (tmp_path / "arithmetic_ablation.png").is_file()
+
     # The main job (smoke.yaml): a gradient from step 1; the reward rises on the shipped seed and
     # on at least two of the three seeds.
     [smoke] = tables(cells["smoke"])
