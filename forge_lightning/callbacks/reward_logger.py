@@ -16,7 +16,6 @@ from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.config import check_setting
 from forge_lightning.fileio import append_jsonl, read_jsonl, write_atomically
-from forge_lightning.metrics import StepRecord
 
 # The JSONL line carries these (plus one ``rewards/<name>`` per reward component); the Lightning
 # logger gets every metric the module tracks.
@@ -106,11 +105,16 @@ class RewardLogger(Callback):
         line.update(_short_names(record.report))
         append_jsonl(self.log_path(trainer), line)
         print(_console_line(line), flush=True)
+        # What a scalar cannot show, for the loggers that can show it: the spread of the rewards
+        # and completion lengths since the previous report, and what the completions look like.
+        hists = (torch.cat(rewards).cpu(), torch.cat(lengths)) if rewards else None
+        samples = record.samples[: self.num_text_samples]
+        table = _sample_table(samples, record.sample_components[: len(samples)])
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                self._tensorboard_views(logger, record, rewards, lengths, step)
+                _tensorboard_views(logger, hists, table, step)
             elif isinstance(logger, WandbLogger):
-                self._wandb_views(logger, record, rewards, lengths, step)
+                _wandb_views(logger, hists, table, step)
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -132,54 +136,32 @@ class RewardLogger(Callback):
             if path.is_file():
                 print(run_summary(trainer, [r for _, r in read_jsonl(path)], path), flush=True)
 
-    def _tensorboard_views(
-        self,
-        logger: TensorBoardLogger,
-        record: StepRecord,
-        rewards: list[torch.Tensor],
-        lengths: list[torch.Tensor],
-        step: int,
-    ) -> None:
-        """What a scalar cannot show: the spread of the rewards and of the completion lengths, and
-        what the completions look like."""
-        if rewards:
-            logger.experiment.add_histogram("train/reward_hist", torch.cat(rewards).cpu(), global_step=step)
-            logger.experiment.add_histogram(
-                "train/completion_length_hist", torch.cat(lengths), global_step=step
-            )
-        samples = record.samples[: self.num_text_samples]
-        if samples:
-            table = _markdown_table(samples, record.sample_components[: len(samples)])
-            logger.experiment.add_text("samples", table, global_step=step)
 
-    def _wandb_views(
-        self,
-        logger: WandbLogger,
-        record: StepRecord,
-        rewards: list[torch.Tensor],
-        lengths: list[torch.Tensor],
-        step: int,
-    ) -> None:
-        """The same views for Weights & Biases: two histograms and a ``samples`` table (prompt,
-        completion, reward and each reward component's score)."""
-        import wandb
+Histograms = tuple[torch.Tensor, torch.Tensor] | None  # (rewards, completion lengths) of a report
+SampleTable = tuple[list[str], list[list[Any]]]  # columns and rows
 
-        if rewards:
-            hists = {
-                "train/reward_hist": wandb.Histogram(torch.cat(rewards).cpu().numpy()),
-                "train/completion_length_hist": wandb.Histogram(torch.cat(lengths).numpy()),
-            }
-            logger.log_metrics(hists, step=step)
-        samples = record.samples[: self.num_text_samples]
-        if samples:
-            parts = record.sample_components
-            names = list(parts[0]) if parts and len(parts[0]) > 1 else []  # as TensorBoard's
-            rows = [
-                [prompt, completion, reward, *(scores[n] for n in names)]
-                for (prompt, completion, reward), scores in zip(samples, parts)
-            ]
-            columns = ["prompt", "completion", "reward", *names]
-            logger.log_table("samples", columns=columns, data=rows, step=step)
+
+def _tensorboard_views(logger: TensorBoardLogger, hists: Histograms, table: SampleTable, step: int) -> None:
+    if hists is not None:
+        logger.experiment.add_histogram("train/reward_hist", hists[0], global_step=step)
+        logger.experiment.add_histogram("train/completion_length_hist", hists[1], global_step=step)
+    if table[1]:
+        logger.experiment.add_text("samples", _markdown(*table), global_step=step)
+
+
+def _wandb_views(logger: WandbLogger, hists: Histograms, table: SampleTable, step: int) -> None:
+    import wandb
+
+    if hists is not None:
+        logger.log_metrics(
+            {
+                "train/reward_hist": wandb.Histogram(hists[0].numpy()),
+                "train/completion_length_hist": wandb.Histogram(hists[1].numpy()),
+            },
+            step=step,
+        )
+    if table[1]:
+        logger.log_table("samples", columns=table[0], data=table[1], step=step)
 
 
 def run_summary(trainer: pl.Trainer, records: list[dict[str, Any]], log: Path) -> str:
@@ -229,21 +211,30 @@ def _console_line(record: dict[str, Any]) -> str:
     )
 
 
-def _markdown_table(samples: list[tuple[str, str, float]], components: list[dict[str, float]]) -> str:
-    """Prompt, completion, reward, and each reward component's score when there are several."""
+def _sample_table(samples: list[tuple[str, str, float]], components: list[dict[str, float]]) -> SampleTable:
+    """Columns and rows of the samples table: prompt, completion, reward, and each reward
+    component's score when there are several."""
+    names = list(components[0]) if components and len(components[0]) > 1 else []
+    rows = [[p, c, r, *(components[i][n] for n in names)] for i, (p, c, r) in enumerate(samples)]
+    return ["prompt", "completion", "reward", *names], rows
+
+
+def _markdown(columns: list[str], rows: list[list[Any]]) -> str:
+    """The samples table as markdown (TensorBoard's text view): long prompts keep their end."""
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", "<br>")
 
-    names = list(components[0]) if components and len(components[0]) > 1 else []
-    rows = [
-        "| " + " | ".join(["prompt", "completion", "reward", *names]) + " |",
-        "|---" * (3 + len(names)) + "|",
-    ]
-    for i, (p, c, r) in enumerate(samples):
-        parts = [f"{components[i][n]:.3f}" for n in names]
-        rows.append("| " + " | ".join([cell(p[-300:]), cell(c), f"{r:.3f}", *parts]) + " |")
-    return "\n".join(rows)
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    for prompt, completion, *scores in rows:
+        values = [cell(prompt[-300:]), cell(completion), *(f"{v:.3f}" for v in scores)]
+        lines.append("| " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def _markdown_table(samples: list[tuple[str, str, float]], components: list[dict[str, float]]) -> str:
+    """Prompt, completion, reward, and each reward component's score when there are several."""
+    return _markdown(*_sample_table(samples, components))
 
 
 def _truncate_after(path: Path, step: int) -> None:
