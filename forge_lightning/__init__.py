@@ -1,22 +1,37 @@
-"""forge_lightning: GRPO fine-tuning of HuggingFace causal LMs with PyTorch Lightning."""
+"""forge_lightning: GRPO fine-tuning of HuggingFace causal LMs with PyTorch Lightning.
 
-from forge_lightning.callbacks import HFCheckpoint, ReferenceModel, RewardLogger
-from forge_lightning.compat import GRPOConfig, GRPOTrainer
-from forge_lightning.data import GSM8KDataModule, load_gsm8k, load_gsm8k_mock
-from forge_lightning.module import GRPOLightningModule
-from forge_lightning.profiler import PhaseProfiler
-from forge_lightning.rewards import (
-    BaseReward,
-    CompositeReward,
-    ExactMatchReward,
-    FormatReward,
-    GSM8KAnswerReward,
-    LengthPenaltyReward,
-    OverlongPenaltyReward,
-    RewardOutput,
-)
+The names below are imported on first use, so that a process needing one submodule (the
+asynchronous rollout worker) does not pay for importing all of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "HFCheckpoint": "forge_lightning.callbacks",
+    "ReferenceModel": "forge_lightning.callbacks",
+    "RewardLogger": "forge_lightning.callbacks",
+    "GRPOConfig": "forge_lightning.compat",
+    "GRPOTrainer": "forge_lightning.compat",
+    "GSM8KDataModule": "forge_lightning.data",
+    "load_gsm8k": "forge_lightning.data",
+    "load_gsm8k_mock": "forge_lightning.data",
+    "GRPOLightningModule": "forge_lightning.module",
+    "PhaseProfiler": "forge_lightning.profiler",
+    "BaseReward": "forge_lightning.rewards",
+    "CompositeReward": "forge_lightning.rewards",
+    "ExactMatchReward": "forge_lightning.rewards",
+    "FormatReward": "forge_lightning.rewards",
+    "GSM8KAnswerReward": "forge_lightning.rewards",
+    "LengthPenaltyReward": "forge_lightning.rewards",
+    "OverlongPenaltyReward": "forge_lightning.rewards",
+    "RewardOutput": "forge_lightning.rewards",
+}
 
 __all__ = [
     "BaseReward",
@@ -38,3 +53,33 @@ __all__ = [
     "load_gsm8k",
     "load_gsm8k_mock",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'forge_lightning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from forge_lightning.callbacks import HFCheckpoint, ReferenceModel, RewardLogger
+    from forge_lightning.compat import GRPOConfig, GRPOTrainer
+    from forge_lightning.data import GSM8KDataModule, load_gsm8k, load_gsm8k_mock
+    from forge_lightning.module import GRPOLightningModule
+    from forge_lightning.profiler import PhaseProfiler
+    from forge_lightning.rewards import (
+        BaseReward,
+        CompositeReward,
+        ExactMatchReward,
+        FormatReward,
+        GSM8KAnswerReward,
+        LengthPenaltyReward,
+        OverlongPenaltyReward,
+        RewardOutput,
+    )

@@ -53,6 +53,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "num_train_epochs": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "save_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "logging_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "rollout_mode": (lambda v: v in ("sync", "async"), "'sync' or 'async'"),
+    "max_staleness": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "rollout_worker_threads": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
 }
 
 
@@ -64,6 +67,7 @@ LOSS_FIELDS = (
     "kl_beta",
     "importance_sampling_level",
     "kl_estimator",
+    "behav_imp_weight_cap",
 )
 
 
@@ -82,6 +86,7 @@ CHANGEABLE_ON_RESUME = frozenset(
         "train_micro_batch_size",
         "gradient_checkpointing",
         "vllm_gpu_memory_utilization",
+        "rollout_worker_threads",
     }
 )
 
@@ -159,6 +164,35 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
         )
     if values.get("use_engine_logprobs"):
         _check_engine_logprobs(values)
+    if values.get("rollout_mode") == "async":
+        _check_async(values)
+
+
+# Settings asynchronous rollouts do not take yet, each with the value they need.
+ASYNC_NEEDS = {
+    "top_p": 1.0,  # the worker's log-probs and the loss's must be of one distribution
+    "top_k": 0,
+    "peft": None,
+    "generation_backend": "hf",
+    "use_engine_logprobs": False,
+    "dynamic_sampling": False,  # its steps depend on the rewards: no fixed version per batch
+    "num_iterations": 1,
+}
+
+
+def _check_async(values: Mapping[str, Any]) -> None:
+    wrong = [
+        f"{name}={values[name]!r}"
+        for name, need in ASYNC_NEEDS.items()
+        if name in values and values[name] != need
+    ]
+    if wrong:
+        needs = ", ".join(f"{name}={need!r}" for name, need in ASYNC_NEEDS.items())
+        raise ValueError(
+            f"rollout_mode='async' does not support {', '.join(wrong)} yet: it needs {needs} "
+            "(top_p/top_k so that the worker and the loss score the same distribution); use "
+            "rollout_mode='sync' for the others"
+        )
 
 
 def _check_engine_logprobs(values: Mapping[str, Any]) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torchmetrics import MeanMetric, SumMetric
+from torchmetrics import MaxMetric, MeanMetric, SumMetric
 
 from forge_lightning.profiler import PHASES
 from forge_lightning.rollout import Rollout, prompt_text
@@ -34,10 +34,18 @@ TRAIN_KEYS = (
     "entropy",
     "lr",
     "grad_norm",
+    # Asynchronous rollouts: the optimizer steps between the weights that sampled a trained
+    # rollout and the weights it trained, and the decoupled loss's behaviour weights.
+    "staleness",
+    "behav_imp_weight",
+    "behav_masked_fraction",
 )
+# Maxima over the step's batches (and a report's steps).
+MAX_KEYS = ("staleness_max",)
 # Seconds per phase (from the PhaseProfiler) and completion tokens per second of those seconds.
-PERF_KEYS = (*(f"{phase}_s" for phase in PHASES), "step_s", "tokens_per_s")
-COUNT_KEYS = ("reward_errors", "skipped_steps", "num_tokens", "empty_steps")
+# With asynchronous rollouts, the seconds the trainer waited for a rollout and the worker for a batch.
+PERF_KEYS = (*(f"{phase}_s" for phase in PHASES), "step_s", "tokens_per_s", "rollout_wait_s", "worker_wait_s")
+COUNT_KEYS = ("reward_errors", "skipped_steps", "num_tokens", "empty_steps", "regenerated")
 # The loss statistics of a backward pass (add_micro_batch).
 LOSS_STATS = (
     "loss",
@@ -70,6 +78,8 @@ def window_values(window: list[dict[str, float]]) -> dict[str, float]:
             out[key] = values[-1]
         elif name in COUNT_KEYS:
             out[key] = sum(values)
+        elif name in MAX_KEYS:
+            out[key] = max(values)
         else:
             out[key] = sum(values) / len(values)
     return out
@@ -86,10 +96,11 @@ class TrainMetrics(nn.Module):
         # Module names may not contain '.', which reward names may; '/' is fine.
         self.means = nn.ModuleDict({n.replace(".", "_"): MeanMetric() for n in names})
         self.counts = nn.ModuleDict({n: SumMetric() for n in COUNT_KEYS}) if counted else nn.ModuleDict()
+        self.maxima = nn.ModuleDict({n: MaxMetric() for n in MAX_KEYS}) if counted else nn.ModuleDict()
 
     def update(self, key: str, value: Tensor) -> None:
         key = key.replace(".", "_")
-        table = self.counts if key in self.counts else self.means
+        table = self.counts if key in self.counts else self.maxima if key in self.maxima else self.means
         if key not in table:
             raise KeyError(f"unknown metric {key!r}")
         value = value.detach().float().reshape(-1)
@@ -102,7 +113,7 @@ class TrainMetrics(nn.Module):
         updated with no value at all (the length of truncated completions when none was), are left
         out. Every rank updates the same metrics, so every rank joins the same reductions."""
         out: dict[str, float] = {}
-        for table in (self.means, self.counts):
+        for table in (self.means, self.counts, self.maxima):
             for key, metric in table.items():
                 if metric.update_count:
                     value = float(metric.compute())
@@ -157,7 +168,14 @@ def add_micro_batch(
     """Add one micro-batch's loss statistics to ``totals``: the losses by their share of the loss,
     the per-token statistics (KL, clip fractions) by their share of the tokens."""
     parts = {"loss": loss.detach() * weight, "policy_loss": metrics["policy_loss"] * weight}
-    per_token = ("kl", "clip_fraction_low", "clip_fraction_high", "entropy")
+    per_token = (
+        "kl",
+        "clip_fraction_low",
+        "clip_fraction_high",
+        "entropy",
+        "behav_imp_weight",
+        "behav_masked_fraction",
+    )
     parts.update({k: metrics[k] * token_share for k in per_token if k in metrics})
     for key, value in parts.items():
         totals[key] = totals.get(key, 0) + value.detach()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -16,6 +18,15 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from typing_extensions import override
 
+from forge_lightning.async_rollout import (
+    InFlight,
+    RolloutWorker,
+    WorkerSettings,
+    restored_in_flight,
+    rollout_seed,
+    saved_in_flight,
+    split_threads,
+)
 from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
 from forge_lightning.checkpoint_io import rng_states, set_rng_states
 from forge_lightning.config import (
@@ -145,6 +156,16 @@ class GRPOLightningModule(pl.LightningModule):
             ``auto`` keeps the checkpoint's dtype; ``bfloat16`` / ``float16`` train half-precision
             weights, which a small learning rate barely moves (a warning says so).
         attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice.
+        rollout_mode: ``sync`` (sample, then train) or ``async``: a worker process samples the next
+            batches while the trainer trains (async_rollout.py; one device, no LoRA/vLLM/dynamic
+            sampling, ``top_p`` 1, ``top_k`` 0, ``num_iterations`` 1).
+        max_staleness: with ``async``, the optimizer steps a rollout's sampling weights may lag the
+            weights it trains (k): the rollout trained at step s is sampled with those of step
+            max(0, s - k). 0 samples each batch with the weights it trains (no overlap).
+        rollout_worker_threads: the worker's CPU threads; the trainer keeps the rest of torch's
+            threads. None: half of them.
+        behav_imp_weight_cap: the decoupled loss's cap on a stale token's behaviour weight (see
+            grpo.LossSettings); None: no cap.
     """
 
     def __init__(
@@ -192,6 +213,10 @@ class GRPOLightningModule(pl.LightningModule):
         max_sampling_rounds: int = 4,
         model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32",
         attn_implementation: str | None = None,
+        rollout_mode: Literal["sync", "async"] = "sync",
+        max_staleness: int = 1,
+        rollout_worker_threads: int | None = None,
+        behav_imp_weight_cap: float | None = 5.0,
     ) -> None:
         super().__init__()
         # Lightning checkpoints load with weights_only=True, which refuses custom classes: the
@@ -244,6 +269,16 @@ class GRPOLightningModule(pl.LightningModule):
         self._preemption = Preemption()
         self._rewards_checked = False
         self._stepped = False
+        # Asynchronous rollouts: the batches handed to the worker and not trained yet, oldest
+        # first; how many were handed in the run (the index that seeds each one's sampling); the
+        # run's seed; the thread count the trainer had before the split.
+        self._in_flight: deque[InFlight] = deque()
+        self._batches_handed = 0
+        self._rollout_seed: int | None = None
+        self._threads_before: int | None = None
+        # The StepRecords of the optimizer steps the latest training batch took (an async batch at
+        # the end of an epoch trains every rollout still in flight); last_step is the last of them.
+        self.batch_records: list[StepRecord] = []
 
     @override
     def configure_model(self) -> None:
@@ -268,6 +303,17 @@ class GRPOLightningModule(pl.LightningModule):
             generation_backend=hp.generation_backend,
             precision=None if self._trainer is None else str(self.trainer.precision),
         )
+        eos = eos_token_ids(self.tokenizer, self.model)
+        if self.generator is None and hp.rollout_mode == "async":
+            worker = WorkerSettings(
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_ids=tuple(eos),
+                scoring_temperature=self.scorer.temperature,
+                prefix_sharing=hp.prefix_sharing,
+                logprob_chunk_size=hp.logprob_chunk_size,
+                threads=split_threads(torch.get_num_threads(), hp.rollout_worker_threads)[1],
+            )
+            self.generator = RolloutWorker(worker, hp.max_staleness)
         if self.generator is None:
             self.generator = generation_backend(
                 hp.generation_backend, self.tokenizer, self.model, hp.vllm_gpu_memory_utilization
@@ -275,7 +321,6 @@ class GRPOLightningModule(pl.LightningModule):
         prompts = PromptSettings(
             self.use_chat_template, hp.system_prompt, self._max_prompt_length(), hp.prompt_truncation
         )
-        eos = eos_token_ids(self.tokenizer, self.model)
         self.sampler = RolloutSampler(self.tokenizer, self.generator, eos, prompts)
 
     @override
@@ -285,15 +330,36 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        hp, profile = self.hparams, self.trainer.profiler.profile
         prompts, batch_kwargs = split_batch(batch)
         if not self._rewards_checked:  # before the first generation, so a mismatch costs nothing
             require_arguments(self.reward, {*batch_kwargs, *FACTS})
             self._rewards_checked = True
-        with profile("generate"):
-            rollout = self.sampler(
-                self.model, prompts, self.sampling, hp.group_size, engine_logprobs=hp.use_engine_logprobs
+        self._stepped, self.batch_records = False, []
+        for item in self._rollouts(InFlight(prompts, batch_kwargs, batch_idx)):
+            self._train_on(item)
+
+    def _rollouts(self, batch: InFlight) -> Iterator[InFlight]:
+        """The rollouts this training step trains on. Synchronous: the batch's own, sampled now.
+        Asynchronous: the batch goes to the worker, and what comes back are the rollouts due, the
+        batch handed ``max_staleness`` optimizer steps ago (all of them at the epoch's end)."""
+        hp = self.hparams
+        if hp.rollout_mode == "async":
+            yield from self._async_rollouts(batch)
+            return
+        with self.trainer.profiler.profile("generate"):
+            batch.rollout = self.sampler(
+                self.model,
+                batch.prompts,
+                self.sampling,
+                hp.group_size,
+                engine_logprobs=hp.use_engine_logprobs,
             )
+        yield batch
+
+    def _train_on(self, item: InFlight) -> None:
+        """Score one rollout, backpropagate its loss and step the optimizer at the step's end."""
+        hp, profile = self.hparams, self.trainer.profiler.profile
+        prompts, batch_kwargs, rollout = item.prompts, item.batch_kwargs, item.rollout
         with profile("reward"), sigterm_interrupts():
             rewards, components, errors = score_groups(
                 self.reward, prompts, rollout, batch_kwargs, hp.on_reward_error, hp.reward_timeout
@@ -303,16 +369,18 @@ class GRPOLightningModule(pl.LightningModule):
             keep = informative_groups(rewards, hp.group_size)  # (P,)
             trained = rollout.select_groups(keep)
             advantages = advantages.view(-1, hp.group_size)[keep].reshape(-1)
-            last = batch_idx + 1 == self.trainer.num_training_batches
+            last = item.batch_idx + 1 == self.trainer.num_training_batches
             target = self.trainer.world_size * keep.numel() * hp.gradient_accumulation_steps
             stepped = self.rounds.add_round(keep, self.trainer.strategy, target=target, last_batch=last)
         else:
-            trained, stepped = rollout, self._accumulation_boundary(batch_idx)  # always, when mu > 1
+            trained, stepped = rollout, self._accumulation_boundary(item.batch_idx)  # always, when mu > 1
         if hp.mask_truncated_completions:
             warn_when_few_tokens_count(rollout)
         with profile("logprob"):
             # Both fixed before any update. With one pass the old policy is the policy itself, whose
-            # detached log-probs grpo_loss takes when old_logp is None: no extra forward.
+            # detached log-probs grpo_loss takes when old_logp is None: no extra forward. (It is
+            # also the proximal policy of a stale async rollout, whose sampling policy's log-probs,
+            # trained.behav_logp, came back with it.)
             ref_logp = self._reference_log_probs(trained)
             old_logp = trained.old_logp
             if old_logp is None and hp.num_iterations > 1:
@@ -326,12 +394,106 @@ class GRPOLightningModule(pl.LightningModule):
         self.train_metrics.update(
             "num_tokens", trained.loss_mask(hp.mask_truncated_completions).sum().float().reshape(1)
         )
+        for key, value in item.metrics.items():
+            self.train_metrics.update(key, torch.tensor([value]))
         self._record(prompts, rollout, rewards, components, stats, stepped)
-        self._stepped = stepped
+        self.batch_records.append(self.last_step)
+        self._stepped = self._stepped or stepped
+
+    def _async_rollouts(self, batch: InFlight) -> Iterator[InFlight]:
+        """Hand ``batch`` to the worker, sampled from the newest weights with the seed of its
+        index in the run; then yield the rollouts due, oldest first. A rollout trains once the
+        ``max_staleness x gradient_accumulation_steps`` batches after it are handed, so it is at
+        most ``max_staleness`` optimizer steps old; an older one (an epoch whose last
+        accumulation window is short) is sampled again from the newest weights, and counted. A
+        batch that would train after ``max_steps`` is not handed."""
+        hp, worker = self.hparams, self.generator
+        last = batch.batch_idx + 1 == self.trainer.num_training_batches
+        ahead = sum(self._accumulation_boundary(e.batch_idx) for e in self._in_flight)
+        handed = self.trainer.max_steps < 0 or self.global_step + ahead < self.trainer.max_steps
+        with self.trainer.profiler.profile("generate"):
+            if handed:
+                batch.index = self._batches_handed
+                batch.prompt_ids, batch.prompt_mask = self.sampler.encode(batch.prompts, self.device)
+                batch.ticket = worker.submit(
+                    batch.prompt_ids,
+                    batch.prompt_mask,
+                    hp.group_size,
+                    self.sampling,
+                    seed=self._seed_of(batch),
+                )
+                self._in_flight.append(batch)
+                self._batches_handed += 1
+        depth = hp.max_staleness * hp.gradient_accumulation_steps
+        due = len(self._in_flight) if last else max(len(self._in_flight) - depth, 0 if handed else 1)
+        for _ in range(min(due, len(self._in_flight))):
+            item = self._in_flight.popleft()
+            with self.trainer.profiler.profile("generate"):
+                finished = item.finished or worker.collect(item.ticket)
+                regenerated = 0
+                if worker.version - finished.version > hp.max_staleness:  # never trained on
+                    ticket = worker.submit(
+                        item.prompt_ids,
+                        item.prompt_mask,
+                        hp.group_size,
+                        self.sampling,
+                        seed=self._seed_of(item),
+                    )
+                    finished, regenerated = worker.collect(ticket), 1
+            lag = worker.version - finished.version
+            item.rollout = self.sampler.assemble(
+                item.prompt_ids.to(self.device),
+                item.prompt_mask.to(self.device),
+                finished.completion_ids.to(self.device),
+                hp.group_size,
+                self.sampling,
+                # At lag 0 the sampling weights are the trained ones: the loss is the synchronous one.
+                behav_logp=finished.behav_logp.to(self.device) if lag else None,
+            )
+            item.metrics = {
+                "staleness": float(lag),
+                "staleness_max": float(lag),
+                "regenerated": float(regenerated),
+                "rollout_wait_s": finished.trainer_wait_s,
+                "worker_wait_s": finished.worker_wait_s,
+            }
+            yield item
+
+    def _seed_of(self, item: InFlight) -> int:
+        if self._rollout_seed is None:
+            self._rollout_seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        return rollout_seed(self._rollout_seed, item.index)
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._preemption.at_batch_end(self.trainer, self._stepped)
+
+    @override
+    def on_fit_start(self) -> None:
+        if self.hparams.rollout_mode != "async":
+            return
+        if self.trainer.world_size > 1 or self.device_mesh is not None:
+            raise ValueError(
+                "rollout_mode='async' runs on one device for now: it does not support DDP or FSDP "
+                f"(world_size {self.trainer.world_size}); use rollout_mode='sync' with several devices"
+            )
+        total = torch.get_num_threads()
+        trainer_threads, _ = split_threads(total, self.hparams.rollout_worker_threads)
+        self._threads_before = total
+        torch.set_num_threads(trainer_threads)
+        self.generator.start(self.model, self.generator.version)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        self.stop_rollout_worker()
+
+    def stop_rollout_worker(self) -> None:
+        """Stop the asynchronous rollout worker, if one runs, and give the trainer its threads back."""
+        if isinstance(self.generator, RolloutWorker):
+            self.generator.close()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     @override
     def on_train_start(self) -> None:
@@ -430,6 +592,18 @@ class GRPOLightningModule(pl.LightningModule):
         checkpoint["forge_rng_states"] = rng_states()
         checkpoint["forge_trainer_settings"] = trainer_settings(self.trainer)
         checkpoint["forge_tokens_trained"] = self._tokens_trained
+        if self.hparams.rollout_mode == "async":
+            # The rollouts in flight are finished and kept: regenerating them after a resume would
+            # need the older weights that sampled them. The data position is Lightning's, the
+            # batch after the last one handed.
+            for item in self._in_flight:
+                item.finished = item.finished or self.generator.collect(item.ticket)
+            checkpoint["forge_async"] = {
+                "version": self.generator.version,
+                "batches_handed": self._batches_handed,
+                "seed": self._rollout_seed,
+                "in_flight": saved_in_flight(self._in_flight),
+            }
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -441,6 +615,12 @@ class GRPOLightningModule(pl.LightningModule):
             for line in changed_settings(saved_trainer, trainer_settings(self.trainer)).values():
                 log.info("resumed with a changed trainer setting, applied: %s", line)
             self._tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
+            saved = checkpoint.get("forge_async")
+            if saved is not None and isinstance(self.generator, RolloutWorker):
+                self.generator.version = saved["version"]
+                self._batches_handed = saved["batches_handed"]
+                self._rollout_seed = saved["seed"]
+                self._in_flight = deque(restored_in_flight(saved["in_flight"]))
         if "forge_rng_states" in checkpoint:
             set_rng_states(checkpoint["forge_rng_states"])
 
@@ -449,9 +629,12 @@ class GRPOLightningModule(pl.LightningModule):
         # A callback returned here would replace the trainer's own of the same type (and its
         # settings, e.g. output_dir): add the reference only when the trainer has none.
         given = self._trainer.callbacks if self._trainer is not None else []
-        if not self.needs_reference or any(isinstance(c, ReferenceModel) for c in given):
-            return []
-        return [ReferenceModel()]
+        callbacks: list[pl.Callback] = []
+        if self.hparams.rollout_mode == "async":
+            callbacks.append(_StopWorkerOnError())
+        if self.needs_reference and not any(isinstance(c, ReferenceModel) for c in given):
+            callbacks.append(ReferenceModel())
+        return callbacks
 
     # -- the pieces of a step -------------------------------------------------------------------
 
@@ -509,6 +692,7 @@ class GRPOLightningModule(pl.LightningModule):
                     advantages[rows],
                     mask[rows],
                     self.loss_settings,
+                    behav_logp=_rows(rollout.behav_logp, rows),
                 )
             weight = backward_weight(self.loss_settings, mask[rows], mask).to(loss.device)
             with profile("backward"):
@@ -626,3 +810,12 @@ class GRPOLightningModule(pl.LightningModule):
 
 def _rows(values: Tensor | None, rows: slice) -> Tensor | None:
     return None if values is None else values[rows]
+
+
+class _StopWorkerOnError(pl.Callback):
+    """Stops the asynchronous rollout worker when a fit fails (teardown stops it otherwise)."""
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        pl_module.stop_rollout_worker()

@@ -52,6 +52,9 @@ class Rollout:
     old_logp: Tensor | None = None
     # (P*G,) True for a completion cut off at max_new_tokens, with no EOS; None: none is.
     truncated: Tensor | None = None
+    # (P*G, Lc) log-probs under the older weights that sampled the rollout (asynchronous rollouts,
+    # async_rollout.py), for the loss's behaviour weight; None: sampled by the weights trained.
+    behav_logp: Tensor | None = None
 
     @property
     def completion_lengths(self) -> Tensor:  # (P*G,)
@@ -84,6 +87,7 @@ class Rollout:
             completions=[self.completions[i] for i in picked],
             old_logp=None if self.old_logp is None else self.old_logp[rows],
             truncated=None if self.truncated is None else self.truncated[rows],
+            behav_logp=None if self.behav_logp is None else self.behav_logp[rows],
         )
 
     def facts(self) -> dict[str, list]:
@@ -262,6 +266,18 @@ class RolloutSampler:
         engine_logprobs: bool = False,
     ) -> Rollout:
         """Sample ``group_size`` completions per prompt (with the engine's log-probs if asked)."""
+        prompt_ids, prompt_mask = self.encode(prompts, next(model.parameters()).device)
+        old_logp = None
+        if engine_logprobs:
+            completion_ids, old_logp = self.generator.generate_with_logprobs(  # type: ignore[attr-defined]
+                model, prompt_ids, prompt_mask, group_size, params
+            )
+        else:
+            completion_ids = self.generator.generate(model, prompt_ids, prompt_mask, group_size, params)
+        return self.assemble(prompt_ids, prompt_mask, completion_ids, group_size, params, old_logp=old_logp)
+
+    def encode(self, prompts: list[Prompt], device: torch.device) -> tuple[Tensor, Tensor]:
+        """The prompts as left-padded ``(ids, mask)`` on ``device``, per the prompt settings."""
         s = self.prompts
         prompt_ids, prompt_mask = encode_prompts(
             self.tokenizer,
@@ -271,15 +287,20 @@ class RolloutSampler:
             max_prompt_length=s.max_prompt_length,
             truncation=s.truncation,
         )
-        device = next(model.parameters()).device
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        old_logp = None
-        if engine_logprobs:
-            completion_ids, old_logp = self.generator.generate_with_logprobs(  # type: ignore[attr-defined]
-                model, prompt_ids, prompt_mask, group_size, params
-            )
-        else:
-            completion_ids = self.generator.generate(model, prompt_ids, prompt_mask, group_size, params)
+        return prompt_ids.to(device), prompt_mask.to(device)
+
+    def assemble(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        completion_ids: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        *,
+        old_logp: Tensor | None = None,
+        behav_logp: Tensor | None = None,
+    ) -> Rollout:
+        """The :class:`Rollout` of sampled ``completion_ids``: masked at the first EOS, decoded."""
         mask = completion_mask(completion_ids, self.eos_ids)
         return Rollout(
             prompt_ids=prompt_ids,
@@ -290,4 +311,5 @@ class RolloutSampler:
             completions=decode_completions(self.tokenizer, completion_ids, mask),
             old_logp=old_logp,
             truncated=truncated_rows(completion_ids, self.eos_ids, params.max_new_tokens),
+            behav_logp=behav_logp,
         )

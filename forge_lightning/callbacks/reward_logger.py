@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -16,6 +16,9 @@ from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.config import check_setting
 from forge_lightning.fileio import append_jsonl, read_jsonl, write_atomically
+
+if TYPE_CHECKING:
+    from forge_lightning.metrics import StepRecord
 
 # The JSONL line carries these (plus one ``rewards/<name>`` per reward component); the Lightning
 # logger gets every metric the module tracks.
@@ -33,6 +36,13 @@ JSONL_KEYS = (
     "num_tokens",
     "lr",
     "grad_norm",
+    # asynchronous rollouts
+    "staleness",
+    "staleness_max",
+    "regenerated",
+    "behav_imp_weight",
+    "rollout_wait_s",
+    "worker_wait_s",
 )
 
 
@@ -87,13 +97,20 @@ class RewardLogger(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
-        record = getattr(pl_module, "last_step", None)
-        if record is None:
-            return
+        # The batch's records: one, or none (an async batch filling the pipeline), or several (an
+        # async batch at an epoch's end, which trains every rollout still in flight).
+        records = getattr(pl_module, "batch_records", None)
+        if records is None:
+            last = getattr(pl_module, "last_step", None)
+            records = [] if last is None else [last]
+        for record in records:
+            self._take(trainer, record)
+
+    def _take(self, trainer: pl.Trainer, record: StepRecord) -> None:
         if record.rewards.numel():
             self._rewards.append(record.rewards)
             self._lengths.append(record.completion_lengths)
-        step = trainer.global_step
+        step = record.step
         if step == self._last_step or not record.report:  # the module reports every logging_steps
             return
         self._last_step = step

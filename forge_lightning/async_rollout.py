@@ -1,0 +1,416 @@
+"""Asynchronous rollouts: a worker process samples the next batches while the trainer trains.
+
+AReaL's design on one machine. The worker holds its own copy of the policy and samples the
+prompts the trainer hands it, in order; the trainer trains on the rollouts as they come back,
+``max_staleness`` optimizer steps behind at most. After each optimizer step the trainer writes
+the new weights into a ring of shared-memory copies (:class:`WeightRing`), each tagged with its
+version, the number of weight updates before it. A rollout is sampled from exactly the version
+the trainer asked for, with a sampling seed the trainer chose, so timing never decides which
+weights sampled what: a run is repeatable, and a rollout's log-probs are those of its version.
+
+:class:`RolloutWorker` is a :class:`~forge_lightning.generation.GenerationBackend` (``generate``
+and ``sync_weights``, what validation and the sync path use) with two calls more, ``submit`` and
+``collect``, for the pipeline the module runs (see ``GRPOLightningModule``, ``rollout_mode``).
+Inside the worker the sampling is :class:`~forge_lightning.generation.HFGenerate`, the engine the
+synchronous path uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from forge_lightning.generation import HFGenerate
+from forge_lightning.logprobs import LogProbScorer
+from forge_lightning.rollout import Rollout, SamplingParams, completion_mask
+
+# Seconds between checks that the other side is still alive while waiting on a queue.
+POLL_S = 0.5
+
+
+def rollout_seed(seed: int, index: int) -> int:
+    """The sampling seed of the ``index``-th batch handed to the worker in a run seeded ``seed``."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class WeightRing:
+    """Version-tagged copies of a model's parameters in shared memory, ``slots`` of them.
+
+    Version ``v`` lives in slot ``v % slots``. A slot's tag is -1 while it is written and ``v``
+    once it holds version ``v`` whole; a reader checks the tag before and after copying, so it
+    never takes a half-written copy for a whole one. With ``max_staleness`` k, the worker reads
+    versions at most k behind the newest written, so k + 1 slots (and at least 2, a double
+    buffer) keep every version it may still read.
+    """
+
+    def __init__(self, model: PreTrainedModel, slots: int) -> None:
+        if slots < 2:
+            raise ValueError(f"a weight ring needs at least 2 slots, got {slots}")
+        self.slots = slots
+        # name -> (dtype, offset, shape); one flat buffer per dtype and slot.
+        self.layout: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+        sizes: dict[str, int] = {}
+        for name, param in model.named_parameters():
+            dtype = str(param.dtype).removeprefix("torch.")
+            self.layout[name] = (dtype, sizes.get(dtype, 0), tuple(param.shape))
+            sizes[dtype] = sizes.get(dtype, 0) + param.numel()
+        self.buffers = [
+            {dtype: torch.empty(n, dtype=getattr(torch, dtype)).share_memory_() for dtype, n in sizes.items()}
+            for _ in range(slots)
+        ]
+        self.tags = torch.full((slots,), -1, dtype=torch.long).share_memory_()
+
+    def _views(self, slot: int) -> dict[str, Tensor]:
+        buffers = self.buffers[slot]
+        return {
+            name: buffers[dtype][offset : offset + _numel(shape)].view(shape)
+            for name, (dtype, offset, shape) in self.layout.items()
+        }
+
+    @torch.no_grad()
+    def write(self, model: PreTrainedModel, version: int) -> None:
+        """Copy ``model``'s parameters in as ``version``."""
+        slot = version % self.slots
+        self.tags[slot] = -1
+        views = self._views(slot)
+        for name, param in model.named_parameters():
+            views[name].copy_(param.detach())
+        self.tags[slot] = version
+
+    @torch.no_grad()
+    def read_into(self, model: PreTrainedModel, version: int) -> None:
+        """Copy ``version`` into ``model``'s parameters; raise when the ring no longer (or does not
+        yet) hold it whole."""
+        slot = version % self.slots
+        found = int(self.tags[slot])
+        if found != version:
+            raise RuntimeError(f"weights version {version} is not in the ring (slot {slot} holds {found})")
+        views = self._views(slot)
+        for name, param in model.named_parameters():
+            param.copy_(views[name])
+        if int(self.tags[slot]) != version:
+            raise RuntimeError(f"weights version {version} was overwritten while the worker read it")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass
+class Job:
+    """One batch for the worker: its prompts, how to sample them, from which version, with which seed."""
+
+    ticket: int
+    prompt_ids: Tensor  # (P, Lp)
+    prompt_mask: Tensor  # (P, Lp)
+    group_size: int
+    params: SamplingParams
+    version: int
+    seed: int
+    logprobs: bool  # also return the sampling policy's log-probs (behaviour log-probs)
+
+
+@dataclass
+class Finished:
+    """A job's result: the completions, their log-probs under the version that sampled them, and
+    the waits on either side."""
+
+    completion_ids: Tensor  # (P*G, Lc)
+    behav_logp: Tensor | None  # (P*G, Lc)
+    version: int
+    worker_wait_s: float = 0.0  # the worker idle before this job reached it
+    trainer_wait_s: float = 0.0  # the trainer blocked in collect for it
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InFlight:
+    """A training batch on its way to being trained: the batch as Lightning gave it (every key
+    travels with its rollout), and once handed to the worker, its index in the run, its ticket,
+    its encoded prompts and, when back, the worker's result and the rollout built from it."""
+
+    prompts: list[Any]
+    batch_kwargs: dict[str, list[Any]]
+    batch_idx: int
+    index: int = -1
+    ticket: int | None = None
+    prompt_ids: Tensor | None = None
+    prompt_mask: Tensor | None = None
+    finished: Finished | None = None
+    rollout: Rollout | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # what the module logs of it
+
+
+def saved_in_flight(items: Any) -> list[dict[str, Any]]:
+    """Finished in-flight batches as plain data, for a checkpoint (``weights_only`` loads it)."""
+    saved = []
+    for item in items:
+        assert item.finished is not None, "collect every in-flight rollout before saving"
+        saved.append(
+            {
+                "prompts": item.prompts,
+                "batch_kwargs": item.batch_kwargs,
+                "batch_idx": item.batch_idx,
+                "index": item.index,
+                "prompt_ids": item.prompt_ids.cpu(),
+                "prompt_mask": item.prompt_mask.cpu(),
+                "completion_ids": item.finished.completion_ids,
+                "behav_logp": item.finished.behav_logp,
+                "version": item.finished.version,
+            }
+        )
+    return saved
+
+
+def restored_in_flight(saved: list[dict[str, Any]]) -> list[InFlight]:
+    """The in-flight batches :func:`saved_in_flight` kept, finished."""
+    return [
+        InFlight(
+            prompts=d["prompts"],
+            batch_kwargs=d["batch_kwargs"],
+            batch_idx=d["batch_idx"],
+            index=d["index"],
+            prompt_ids=d["prompt_ids"],
+            prompt_mask=d["prompt_mask"],
+            finished=Finished(d["completion_ids"], d["behav_logp"], d["version"]),
+        )
+        for d in saved
+    ]
+
+
+def split_threads(total: int, worker: int | None) -> tuple[int, int]:
+    """(trainer, worker) CPU threads out of ``total``: the worker's ``worker`` (None: half), the
+    trainer the rest, each at least 1."""
+    worker = max(1, total // 2) if worker is None else worker
+    return max(1, total - worker), worker
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the worker process needs besides the weights."""
+
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    scoring_temperature: float
+    prefix_sharing: bool
+    logprob_chunk_size: int | None
+    threads: int
+
+
+class RolloutWorker:
+    """The trainer's side of the rollout worker process (a GenerationBackend).
+
+    ``start(model, version)`` spawns the process and writes the weights; ``sync_weights(model)``
+    (after every optimizer step) writes the next version; ``submit`` hands over a batch sampled
+    from the newest version written (or an older one), ``collect`` waits for its result. A worker
+    that dies or fails is an error naming it; ``close`` stops it, and a worker whose trainer has
+    gone (killed) stops by itself within a second.
+    """
+
+    def __init__(self, settings: WorkerSettings, max_staleness: int) -> None:
+        self.settings = settings
+        self.max_staleness = max_staleness
+        self.version = 0  # the newest version written
+        self.process: Any = None
+        self._ring: WeightRing | None = None
+        self._requests: Any = None
+        self._results: Any = None
+        self._tickets = 0
+        self._done: dict[int, Finished] = {}
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None
+
+    def start(self, model: PreTrainedModel, version: int = 0) -> None:
+        """Spawn the worker with ``model``'s architecture and write its weights as ``version``."""
+        if self.running:
+            self.close()
+        context = mp.get_context("spawn")
+        self._ring = WeightRing(model, slots=max(2, self.max_staleness + 1))
+        self.version = version
+        self._ring.write(model, version)
+        self._requests, self._results = context.Queue(), context.Queue()
+        self._done = {}
+        spec = (type(model), model.config, getattr(model, "generation_config", None), _dtype(model))
+        self.process = context.Process(
+            target=_worker_main,
+            args=(self._requests, self._results, self._ring, spec, self.settings, os.getpid()),
+            name="forge-rollout-worker",
+            daemon=True,
+        )
+        self.process.start()
+
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        """Write ``model``'s weights as the next version (called after every optimizer step)."""
+        if self._ring is None:
+            return
+        self.version += 1
+        self._ring.write(model, self.version)
+
+    def submit(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+        version: int | None = None,
+        logprobs: bool = True,
+    ) -> int:
+        """Hand a batch to the worker; its ticket for :meth:`collect`. ``version`` (default: the
+        newest) must be one the ring still holds."""
+        if not self.running:
+            raise RuntimeError("the rollout worker is not running: start() it first")
+        version = self.version if version is None else version
+        if not self.version - self.max_staleness <= version <= self.version:
+            raise ValueError(
+                f"weights version {version} is outside the ring (newest {self.version}, "
+                f"max_staleness {self.max_staleness})"
+            )
+        self._tickets += 1
+        job = Job(
+            self._tickets, prompt_ids.cpu(), prompt_mask.cpu(), group_size, params, version, seed, logprobs
+        )
+        self._requests.put(("job", job))
+        return job.ticket
+
+    def collect(self, ticket: int) -> Finished:
+        """Wait for ``ticket``'s result (results come back in submission order)."""
+        started = time.perf_counter()
+        while ticket not in self._done:
+            try:
+                message = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    code = self.process.exitcode
+                    self.close()
+                    raise RuntimeError(
+                        f"the rollout worker process (forge-rollout-worker) died with exit code {code} "
+                        f"while the trainer waited for batch {ticket}; its output above may say why "
+                        "(out of memory: a killed process exits with -9)"
+                    ) from None
+                continue
+            if message[0] == "error":
+                self.close()
+                raise RuntimeError(f"the rollout worker failed on batch {message[1]}:\n{message[2]}")
+            _, done_ticket, finished = message
+            self._done[done_ticket] = finished
+        finished = self._done.pop(ticket)
+        finished.trainer_wait_s = time.perf_counter() - started
+        return finished
+
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+    ) -> Tensor:
+        """Sample with the newest weights and wait (validation; the GenerationBackend call). The
+        worker starts here, from ``model``, when nothing started it before."""
+        if not self.running:
+            self.start(model, self.version)
+        ticket = self.submit(prompt_ids, prompt_mask, group_size, params, seed=0, logprobs=False)
+        return self.collect(ticket).completion_ids.to(prompt_ids.device)
+
+    def close(self) -> None:
+        """Stop the worker (waits a few seconds, then kills it)."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.is_alive():
+            try:
+                self._requests.put(("stop", None))
+            except (OSError, ValueError):
+                pass
+            process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+        for q in (self._requests, self._results):
+            q.close()
+            q.cancel_join_thread()
+        self._ring = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _dtype(model: PreTrainedModel) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _worker_main(
+    requests: Any, results: Any, ring: WeightRing, spec: tuple, settings: WorkerSettings, parent: int
+) -> None:
+    """The worker process: build the model, then sample each job from its version, in order."""
+    torch.set_num_threads(settings.threads)
+    model_cls, config, generation_config, dtype = spec
+    model = model_cls(config).to(dtype)
+    if generation_config is not None:
+        model.generation_config = generation_config
+    model.eval()
+    engine = HFGenerate(settings.pad_token_id, settings.eos_token_ids)
+    scorer = LogProbScorer(
+        temperature=settings.scoring_temperature,
+        shared_prefix=settings.prefix_sharing,
+        chunk_size=settings.logprob_chunk_size,
+    )
+    loaded = None
+    idle_since = time.perf_counter()
+    while True:
+        try:
+            kind, job = requests.get(timeout=POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # the trainer is gone (killed): no orphan
+                return
+            continue
+        if kind == "stop":
+            return
+        waited = time.perf_counter() - idle_since
+        try:
+            if loaded != job.version:
+                ring.read_into(model, job.version)
+                loaded = job.version
+            torch.manual_seed(job.seed)
+            completion_ids = engine.generate(
+                model, job.prompt_ids, job.prompt_mask, job.group_size, job.params
+            )
+            behav = None
+            if job.logprobs:
+                rollout = Rollout(
+                    prompt_ids=job.prompt_ids,
+                    prompt_mask=job.prompt_mask,
+                    completion_ids=completion_ids,
+                    completion_mask=completion_mask(completion_ids, settings.eos_token_ids),
+                    group_size=job.group_size,
+                    completions=[],
+                )
+                behav = scorer.log_probs_no_grad(model, rollout)
+            results.put(
+                ("done", job.ticket, Finished(completion_ids, behav, job.version, worker_wait_s=waited))
+            )
+        except BaseException:
+            results.put(("error", job.ticket, traceback.format_exc()))
+            return
+        idle_since = time.perf_counter()
