@@ -17,7 +17,9 @@ synchronous path uses.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import os
 import queue
 import time
@@ -96,8 +98,13 @@ class WeightRing:
         found = int(self.tags[slot])
         if found != version:
             raise RuntimeError(f"weights version {version} is not in the ring (slot {slot} holds {found})")
-        views = self._views(slot)
-        for name, param in model.named_parameters():
+        views, params = self._views(slot), dict(model.named_parameters())
+        if set(params) != set(views):
+            raise RuntimeError(
+                f"the worker's model has other parameters than the trainer's: "
+                f"{sorted(set(params) ^ set(views))[:5]}"
+            )
+        for name, param in params.items():
             param.copy_(views[name])
         if int(self.tags[slot]) != version:
             raise RuntimeError(f"weights version {version} was overwritten while the worker read it")
@@ -360,13 +367,25 @@ def _dtype(model: PreTrainedModel) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def _skipped_init() -> Any:
+    """transformers' context that skips weight initialisation, where this version has one."""
+    for where in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            return getattr(importlib.import_module(where), "no_init_weights")()
+        except (ImportError, AttributeError):
+            continue
+    return contextlib.nullcontext()
+
+
 def _worker_main(
     requests: Any, results: Any, ring: WeightRing, spec: tuple, settings: WorkerSettings, parent: int
 ) -> None:
     """The worker process: build the model, then sample each job from its version, in order."""
     torch.set_num_threads(settings.threads)
     model_cls, config, generation_config, dtype = spec
-    model = model_cls(config).to(dtype)
+    with _skipped_init():  # the weights come from the ring: a random init would be wasted seconds
+        model = model_cls(config).to(dtype)
+    model.tie_weights()  # tied as in the trainer's model, whose ring holds the tied tensor once
     if generation_config is not None:
         model.generation_config = generation_config
     model.eval()
@@ -393,11 +412,15 @@ def _worker_main(
                 ring.read_into(model, job.version)
                 loaded = job.version
             torch.manual_seed(job.seed)
-            completion_ids = engine.generate(
-                model, job.prompt_ids, job.prompt_mask, job.group_size, job.params
-            )
+            args = (model, job.prompt_ids, job.prompt_mask, job.group_size, job.params)
+            # The sampling scores are the loss's distribution when both take one temperature.
+            from_scores = job.logprobs and job.params.temperature == settings.scoring_temperature
             behav = None
-            if job.logprobs:
+            if from_scores:
+                completion_ids, behav = engine.generate_with_logprobs(*args)
+            else:
+                completion_ids = engine.generate(*args)
+            if job.logprobs and not from_scores:
                 rollout = Rollout(
                     prompt_ids=job.prompt_ids,
                     prompt_mask=job.prompt_mask,

@@ -16,6 +16,14 @@ timed step, two references are measured on the very sequences that step sampled:
 
 Exactly one JSON line goes to stdout (medians over the timed steps, peak memory during the
 steps, the settings); every log goes to stderr.
+
+``--rollout-mode async`` times asynchronous rollouts instead (async_rollout.py: a worker process
+samples while the trainer trains; ``--threads`` is split between them by ``--worker-threads``):
+after the warm-up step, which also fills the pipeline, each timed step trains one rollout the
+worker sampled during the step before. The references are skipped; the line adds the trainer's
+and the worker's idle shares. ``--rollout-mode compare`` runs sync, then async, at the same
+settings, and prints both lines, the async one with ``vs_sync`` (its completion tokens/s over
+sync's). ``--sync-threads`` gives sync its own thread count there.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ log = logging.getLogger("forge_lightning.bench")
 # Generation engines the benchmark can drive, as the module's ``generation_backend`` names them
 # (``vllm`` needs a GPU and the vllm extra).
 BACKENDS = ("hf", "vllm")
+ROLLOUT_MODES = ("sync", "async", "compare")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -75,6 +84,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--no-references", action="store_true", help="skip the references (memory-only runs)")
     add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add("--seed", type=int, default=0)
+    add("--rollout-mode", choices=ROLLOUT_MODES, default="sync", help="sync, async, or both (compare)")
+    add("--max-staleness", type=int, default=1, help="async: optimizer steps a rollout may lag")
+    add("--worker-threads", type=int, default=None, help="async: the worker's threads (default: half)")
+    add("--sync-threads", type=int, default=None, help="compare: sync's threads (default: --threads)")
     args = parser.parse_args(argv)
     if not Path(args.data).exists():
         parser.error(f"--data {args.data}: no such file or folder (give a GSM8K folder or .jsonl file)")
@@ -89,10 +102,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     stdout = sys.stdout
     # Lightning and transformers print to stdout in places; the JSON line must stand alone there.
+    if not logging.getLogger().handlers:
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+    if args.rollout_mode != "compare":
+        with contextlib.redirect_stdout(sys.stderr):
+            result = run(args)
+        print(json.dumps(result), file=stdout, flush=True)
+        return result
+    sync_args = argparse.Namespace(**{**vars(args), "rollout_mode": "sync"})
+    sync_args.threads = args.sync_threads or args.threads
     with contextlib.redirect_stdout(sys.stderr):
-        if not logging.getLogger().handlers:
-            logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
-        result = run(args)
+        sync = run(sync_args)
+    print(json.dumps(sync), file=stdout, flush=True)
+    with contextlib.redirect_stdout(sys.stderr):
+        result = run(argparse.Namespace(**{**vars(args), "rollout_mode": "async"}))
+    result["vs_sync"] = result["completion_tokens_per_s"] / sync["completion_tokens_per_s"]
     print(json.dumps(result), file=stdout, flush=True)
     return result
 
@@ -104,7 +128,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pl.seed_everything(args.seed, verbose=False)
-    records = _prompts(args.data, args.prompts_per_step * (args.steps + 1))
+    asynchronous = args.rollout_mode == "async"
+    # Async trains each batch max_staleness batches after it is handed: that many more batches.
+    batches = args.steps + 1 + (args.max_staleness if asynchronous else 0)
+    records = _prompts(args.data, args.prompts_per_step * batches)
     model, tokenizer = load_model(args.model, dtype=dtype)
     if args.fixed_length:
         # generate() takes unset settings from the model's generation config: no EOS before the end.
@@ -120,8 +147,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         train_micro_batch_size=args.train_micro_batch_size,
         prefix_sharing=not args.no_prefix_sharing,
         generation_backend=args.backend,
+        rollout_mode="async" if asynchronous else "sync",
+        max_staleness=args.max_staleness,
+        rollout_worker_threads=args.worker_threads,
     )
-    module.rollouts = []
+    module.rollouts, module.waits = [], []
     setup_rss = _current_rss_mb()
     timer = StepTimer(args)
     with tempfile.TemporaryDirectory(prefix="forge-bench-") as root:
@@ -140,25 +170,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         loader = DataLoader(records, batch_size=args.prompts_per_step, collate_fn=collate_records)
         trainer.fit(module, loader)
-    steps, rollouts = timer.steps[1:], module.rollouts[1:]  # the first is the warm-up
+    # The first batch that trains is the warm-up (and, async, the ones before it fill the pipeline).
+    first = next(i for i, step in enumerate(timer.steps) if step["trained"])
+    steps, rollouts = timer.steps[first + 1 :], module.rollouts[1:]
     memory = {"setup_rss_mb": setup_rss, "peak_rss_mb": timer.peak_rss_mb, "peak_gpu_mb": timer.peak_gpu_mb}
-    return _summary(args, steps, rollouts, timer.references, memory, device, dtype)
+    result = _summary(args, steps, rollouts, timer.references, memory, device, dtype)
+    if asynchronous:
+        seconds = sum(s["seconds"] for s in steps)
+        waits = module.waits[1:]
+        result["trainer_wait_share"] = sum(w["rollout_wait_s"] for w in waits) / seconds
+        result["worker_wait_share"] = sum(w["worker_wait_s"] for w in waits) / seconds
+        result["settings"]["worker_threads"] = module.generator.settings.threads
+    return result
 
 
 class _RecordingModule(GRPOLightningModule):
-    """The real module; it also keeps each step's rollout so the references can replay it."""
+    """The real module; it also keeps each trained rollout (so the references can replay it)
+    and, async, the waits on either side of it."""
 
     rollouts: list[Rollout]
+    waits: list[dict[str, float]]
 
-    def configure_model(self) -> None:
-        super().configure_model()
-        sample = self.sampler
-
-        def recording(*args: Any, **kwargs: Any) -> Rollout:
-            self.rollouts.append(sample(*args, **kwargs))
-            return self.rollouts[-1]
-
-        self.sampler = recording  # type: ignore[assignment]
+    def _train_on(self, item: Any) -> None:
+        self.rollouts.append(item.rollout)
+        if item.metrics:
+            self.waits.append(item.metrics)
+        super()._train_on(item)
 
 
 class StepTimer(pl.Callback):
@@ -194,14 +231,17 @@ class StepTimer(pl.Callback):
         if pl_module.device.type == "cuda":
             gpu = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
             self.peak_gpu_mb = max(self.peak_gpu_mb or 0.0, gpu)
-        phases = {phase: pl_module.last_step.phases.get(phase, 0.0) for phase in PHASES}
-        self.steps.append({"seconds": seconds, **phases})
-        tokens = int(pl_module.rollouts[-1].completion_mask.sum())
+        records = pl_module.batch_records  # none while an async run fills its pipeline
+        phases = {phase: records[-1].phases.get(phase, 0.0) if records else 0.0 for phase in PHASES}
+        self.steps.append({"seconds": seconds, "trained": len(records), **phases})
+        tokens = int(pl_module.rollouts[-1].completion_mask.sum()) if records else 0
         log.info(
             "step %d: %.2f s, %d completion tokens, peak RSS %.0f MB, %s",
             *(len(self.steps) - 1, seconds, tokens, self.peak_rss_mb, _rounded(phases)),
         )
-        if len(self.steps) > 1 and not self.args.no_references:  # the first step is the warm-up
+        trained = [s for s in self.steps if s["trained"]]
+        timed = len(trained) > 1 and records  # the first step that trains is the warm-up
+        if timed and not self.args.no_references and self.args.rollout_mode == "sync":
             self.references.append(_references(pl_module, pl_module.rollouts[-1], self.args))
 
 
@@ -260,7 +300,10 @@ def _summary(
         "temperature": args.temperature,
         "kl_beta": args.kl_beta,
         "seed": args.seed,
+        "rollout_mode": args.rollout_mode,
     }
+    if args.rollout_mode == "async":
+        result["settings"]["max_staleness"] = args.max_staleness
     return result
 
 

@@ -71,6 +71,39 @@ class HFGenerate:
         group_size: int,
         params: SamplingParams,
     ) -> Tensor:
+        return self._generate(model, prompt_ids, prompt_mask, group_size, params, scores=False)[0]
+
+    def generate_with_logprobs(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+    ) -> tuple[Tensor, Tensor]:
+        """Completions and the log-prob each token was sampled with, from the scores ``generate``
+        sampled from (after its temperature and any top-k/top-p cut): with ``top_p`` 1 and
+        ``top_k`` 0, the policy's log-probs at ``params.temperature``, without another forward."""
+        completion_ids, scores = self._generate(
+            model, prompt_ids, prompt_mask, group_size, params, scores=True
+        )
+        logp = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+        for t, step in enumerate(scores):  # (P*G, V) per generated position
+            picked = completion_ids[:, t : t + 1]
+            logp[:, t] = (
+                step.float().gather(1, picked) - torch.logsumexp(step.float(), dim=-1, keepdim=True)
+            )[:, 0]
+        return completion_ids, logp
+
+    def _generate(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        scores: bool,
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
         was_training = model.training
         # Gradient checkpointing switches the KV cache off; generation without a cache is
         # quadratic, so checkpointing is paused while sampling and restored afterwards.
@@ -84,7 +117,7 @@ class HFGenerate:
                 repeats = group_size if inputs is None else 1
                 out = model.generate(
                     **(inputs or {"input_ids": prompt_ids, "attention_mask": prompt_mask}),
-                    generation_config=self._config(params, repeats),
+                    generation_config=self._config(params, repeats, scores),
                     # A sharded model gathers its weights from every rank in each forward: all
                     # ranks must run the same number of decoding steps, so a rank whose
                     # completions have all ended keeps stepping until every rank's have.
@@ -94,9 +127,9 @@ class HFGenerate:
             if checkpointing:
                 set_checkpointing(model, True)
             model.train(was_training)
-        return out[:, prompt_ids.shape[1] :]
+        return out.sequences[:, prompt_ids.shape[1] :], tuple(out.scores or ()) if scores else ()
 
-    def _config(self, params: SamplingParams, num_return_sequences: int) -> GenerationConfig:
+    def _config(self, params: SamplingParams, num_return_sequences: int, scores: bool) -> GenerationConfig:
         return GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             do_sample=not params.greedy,
@@ -107,6 +140,8 @@ class HFGenerate:
             pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_ids,
             use_cache=True,
+            output_scores=scores,
+            return_dict_in_generate=True,
         )
 
     @staticmethod

@@ -65,16 +65,30 @@ def run_dir(tmp_path: Path, name: str, model: Path) -> tuple[Path, Path]:
     return out, config
 
 
-def test_resume_after_sigkill_continues_exactly_where_it_stopped(tiny_model_dir, tmp_path):
-    straight, straight_cfg = run_dir(tmp_path, "straight", tiny_model_dir)
+@pytest.mark.parametrize("rollout_mode", ["sync", "async"])
+def test_resume_after_sigkill_continues_exactly_where_it_stopped(tiny_model_dir, tmp_path, rollout_mode):
+    def config(name: str) -> tuple[Path, Path]:
+        out, path = run_dir(tmp_path, name, tiny_model_dir)
+        path.write_text(
+            path.read_text().replace(
+                "  kl_beta: 0.05\n", f"  kl_beta: 0.05\n  rollout_mode: {rollout_mode}\n"
+            )
+        )
+        return out, path
+
+    straight, straight_cfg = config("straight")
     done = fit(straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")})
     assert done.returncode == 0, done.stderr[-3000:]
 
-    killed, killed_cfg = run_dir(tmp_path, "killed", tiny_model_dir)
-    env = {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4"}
+    killed, killed_cfg = config("killed")
+    tag = f"forge-resume-{os.getpid()}-{rollout_mode}"
+    env = {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4", "FORGE_TEST_TAG": tag}
     crash = fit(killed_cfg, env)
-    assert crash.returncode == -9  # SIGKILL inside step 4's reward
+    # SIGKILL inside step 4's reward (async: step 4 trains the rollout of batch 4, handed at step 3;
+    # the checkpoint of step 3 holds that rollout, finished)
+    assert crash.returncode == -9
     assert [r["step"] for r in records(killed)] == [1, 2, 3]
+    assert no_process_with(tag, seconds=30), "a process of the killed run outlived it (the rollout worker?)"
 
     resumed = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_c")}, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -89,6 +103,27 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(tiny_model_dir,
     reference = load_file(killed / "reference" / "model.safetensors")
     for key, value in original.items():
         torch.testing.assert_close(reference[key], value)
+
+
+def no_process_with(tag: str, seconds: float) -> bool:
+    """Whether, within ``seconds``, no live process has ``FORGE_TEST_TAG={tag}`` in its environment."""
+    import time
+
+    needle = f"FORGE_TEST_TAG={tag}".encode()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and needle in (proc / "environ").read_bytes():
+                    state = (proc / "stat").read_text().split(") ")[1].split()[0]
+                    alive += [] if state == "Z" else [proc.name]
+            except (OSError, IndexError):
+                continue
+        if not alive:
+            return True
+        time.sleep(0.3)
+    return False
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):

@@ -1,0 +1,273 @@
+"""Asynchronous rollouts: the worker process, the weight ring, the module's pipeline, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import make_model
+
+from forge_lightning.async_rollout import RolloutWorker, WeightRing, WorkerSettings, rollout_seed
+from forge_lightning.callbacks import RewardLogger
+from forge_lightning.config import validate_hparams
+from forge_lightning.logprobs import LogProbScorer
+from forge_lightning.rollout import Rollout, SamplingParams, completion_mask, encode_prompts
+
+TEMPERATURE = 0.9
+
+
+def worker_for(tokenizer, max_staleness: int = 1) -> RolloutWorker:
+    settings = WorkerSettings(
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=(tokenizer.eos_token_id,),
+        scoring_temperature=TEMPERATURE,
+        prefix_sharing=True,
+        logprob_chunk_size=8,
+        threads=1,
+    )
+    return RolloutWorker(settings, max_staleness)
+
+
+def log_probs(model, tokenizer, prompt_ids, prompt_mask, completion_ids, group_size) -> torch.Tensor:
+    mask = completion_mask(completion_ids, [tokenizer.eos_token_id])
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, mask, group_size, [])
+    return LogProbScorer(temperature=TEMPERATURE).log_probs_no_grad(model, rollout) * mask
+
+
+def test_the_ring_refuses_a_version_it_no_longer_holds(tiny_model):
+    ring = WeightRing(tiny_model, slots=2)
+    for version in range(3):
+        with torch.no_grad():
+            next(tiny_model.parameters()).fill_(float(version))
+        ring.write(tiny_model, version)
+    reader = make_model(tiny_model.config.vocab_size, seed=1)
+    ring.read_into(reader, 2)
+    assert float(next(reader.parameters()).detach().flatten()[0]) == 2.0
+    ring.read_into(reader, 1)
+    with pytest.raises(RuntimeError, match="version 0 is not in the ring"):
+        ring.read_into(reader, 0)  # slot 0 holds version 2 now
+    with pytest.raises(ValueError, match="at least 2 slots"):
+        WeightRing(tiny_model, slots=1)
+
+
+def test_each_rollout_is_sampled_from_the_version_asked_for_with_its_seed(tiny_model, tokenizer):
+    worker = worker_for(tokenizer)
+    params = SamplingParams(10, temperature=TEMPERATURE)
+    ids, mask = encode_prompts(tokenizer, ["abc", "de"], use_chat_template=False)
+    version0 = make_model(len(tokenizer))
+    version0.load_state_dict(tiny_model.state_dict())
+    try:
+        worker.start(tiny_model, version=0)
+        first = worker.collect(worker.submit(ids, mask, 4, params, seed=rollout_seed(7, 0)))
+        with torch.no_grad():
+            for p in tiny_model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        worker.sync_weights(tiny_model)  # version 1 in the other slot; version 0 stays whole
+        again = worker.collect(worker.submit(ids, mask, 4, params, seed=rollout_seed(7, 0), version=0))
+        newer = worker.collect(worker.submit(ids, mask, 4, params, seed=rollout_seed(7, 0)))
+        other_seed = worker.collect(worker.submit(ids, mask, 4, params, seed=rollout_seed(7, 1), version=0))
+    finally:
+        worker.close()
+    assert (first.version, again.version, newer.version) == (0, 0, 1)
+    torch.testing.assert_close(again.completion_ids, first.completion_ids, rtol=0, atol=0)
+    assert not torch.equal(other_seed.completion_ids, first.completion_ids)
+    # Each rollout's log-probs are those of the version that sampled it, not of the newest.
+    for done, weights in ((first, version0), (newer, tiny_model)):
+        expected = log_probs(weights, tokenizer, ids, mask, done.completion_ids, 4)
+        got = done.behav_logp * completion_mask(done.completion_ids, [tokenizer.eos_token_id])
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    stale = log_probs(tiny_model, tokenizer, ids, mask, first.completion_ids, 4)
+    assert not torch.allclose(first.behav_logp * (stale != 0), stale, atol=1e-3)
+
+
+def test_a_worker_that_dies_is_an_error_that_names_it(tiny_model, tokenizer):
+    worker = worker_for(tokenizer)
+    ids, mask = encode_prompts(tokenizer, ["abc"], use_chat_template=False)
+    worker.start(tiny_model)
+    worker.collect(worker.submit(ids, mask, 2, SamplingParams(4), seed=1))  # up and running
+    os.kill(worker.process.pid, signal.SIGKILL)
+    ticket = worker.submit(ids, mask, 2, SamplingParams(4), seed=2)
+    with pytest.raises(RuntimeError, match=r"rollout worker process .* died with exit code -9"):
+        worker.collect(ticket)
+    assert not worker.running
+
+
+def test_a_failure_inside_the_worker_comes_back_with_its_traceback(tiny_model, tokenizer):
+    worker = worker_for(tokenizer)
+    worker.start(tiny_model)
+    too_big = torch.full((1, 3), tiny_model.config.vocab_size + 5)  # no such token
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)rollout worker failed on batch 1.*Traceback"):
+            worker.collect(worker.submit(too_big, torch.ones_like(too_big), 2, SamplingParams(4), seed=1))
+    finally:
+        worker.close()
+    assert not worker.running
+
+
+def test_the_worker_exits_when_its_trainer_is_killed(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from conftest import make_model, make_tokenizer\n"
+        "from test_async_rollout import worker_for\n"
+        "if __name__ == '__main__':\n"
+        "    tok = make_tokenizer()\n"
+        "    worker = worker_for(tok)\n"
+        "    worker.start(make_model(len(tok)))\n"
+        "    print(worker.process.pid, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr[-2000:]
+    pid = int(done.stdout.split()[0])
+    assert wait_until_gone(pid, seconds=30), f"worker {pid} outlived its killed trainer"
+
+
+def wait_until_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists() or "Z" in _state(pid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
+# -- the module's pipeline ---------------------------------------------------------------------
+
+
+def fit_async(tmp_path, module, loader, records: int, callbacks=(), **settings):
+    """A fit of ``records`` one-prompt batches in async mode; the module and its JSONL records."""
+    pl.seed_everything(3)
+    grpo = module(rollout_mode="async", gradient_accumulation_steps=1, kl_beta=0.0, **settings)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[RewardLogger(logging_steps=1), *callbacks],
+    )
+    trainer.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(records)]))
+    lines = (tmp_path / "training_log.jsonl").read_text().splitlines()
+    return grpo, trainer, [json.loads(line) for line in lines]
+
+
+def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(tmp_path, module, loader):
+    pids: list[int] = []
+
+    class WorkerPid(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pids.append(pl_module.generator.process.pid)
+
+    grpo, trainer, logged = fit_async(tmp_path, module, loader, records=5, callbacks=[WorkerPid()])
+    assert trainer.global_step == 5  # the epoch's last batch also trains the one still in flight
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
+    # The first rollout is sampled by the weights it trains; every later one, one step older.
+    assert [r["staleness"] for r in logged] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert "behav_imp_weight" not in logged[0]
+    assert all(0.5 < r["behav_imp_weight"] < 2.0 for r in logged[1:])
+    assert sum(r["num_tokens"] > 0 for r in logged) == 5
+    assert all(r["regenerated"] == 0 for r in logged)
+    assert not grpo.generator.running
+    assert wait_until_gone(pids[0], seconds=10)
+
+
+def test_stale_rollouts_are_sampled_again_and_counted(tmp_path, module, loader):
+    class SkipVersions(pl.Callback):
+        """Writes two extra weight versions after batch 1, so that the rollout in flight, sampled
+        before them, is three versions old when due: beyond max_staleness 1."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                worker = pl_module.generator
+                for item in pl_module._in_flight:
+                    item.finished = item.finished or worker.collect(item.ticket)
+                worker.sync_weights(pl_module.model)
+                worker.sync_weights(pl_module.model)
+
+    _, _, logged = fit_async(tmp_path, module, loader, records=4, callbacks=[SkipVersions()])
+    # Step 2 trains batch 1, handed before the extra versions: sampled again, from the newest.
+    assert [r["regenerated"] for r in logged] == [0.0, 1.0, 0.0, 0.0]
+    assert logged[1]["staleness"] == 0.0
+    assert max(r["staleness_max"] for r in logged) <= 1
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"top_p": 0.9},
+        {"top_k": 5},
+        {"generation_backend": "vllm"},
+        {"dynamic_sampling": True},
+        {"num_iterations": 2},
+    ],
+)
+def test_async_refuses_what_it_does_not_support_yet(setting):
+    with pytest.raises(ValueError, match="rollout_mode='async' does not support"):
+        validate_hparams({"rollout_mode": "async", **setting})
+
+
+def test_async_refuses_several_devices(module):
+    grpo = module(rollout_mode="async")
+
+    class TwoRanks:
+        world_size = 2
+
+    grpo._trainer = TwoRanks()  # what on_fit_start reads
+    with pytest.raises(ValueError, match="one device for now: it does not support DDP or FSDP"):
+        grpo.on_fit_start()
+    assert not grpo.generator or not grpo.generator.running
+
+
+def test_a_failing_fit_stops_the_worker(tmp_path, module, loader):
+    calls = []
+
+    def fails_on_second_call(prompts, responses):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("reward exploded")
+        return [0.5] * len(responses)
+
+    grpo = module(
+        rollout_mode="async", reward=fails_on_second_call, kl_beta=0.0, gradient_accumulation_steps=1
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(Exception, match="reward exploded"):
+        trainer.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(4)]))
+    assert not grpo.generator.running
+
+
+def test_worker_threads_split_the_trainers(module):
+    from forge_lightning.async_rollout import split_threads
+
+    assert split_threads(2, None) == (1, 1)
+    assert split_threads(16, 4) == (12, 4)
+    assert split_threads(1, None) == (1, 1)
+    with pytest.raises(ValueError, match="rollout_worker_threads"):
+        module(rollout_mode="async", rollout_worker_threads=0)
