@@ -47,6 +47,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
+from forge_lightning.async_rollout import split_threads
 from forge_lightning.bench_references import plain_generate_seconds, straightforward_update_seconds
 from forge_lightning.data import collate_records, load_gsm8k
 from forge_lightning.models import load_model
@@ -180,7 +181,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         waits = module.waits[1:]
         result["trainer_wait_share"] = sum(w["rollout_wait_s"] for w in waits) / seconds
         result["worker_wait_share"] = sum(w["worker_wait_s"] for w in waits) / seconds
-        result["settings"]["worker_threads"] = module.generator.settings.threads
+        worker = module.generator.settings.threads
+        result["settings"]["trainer_threads"] = split_threads(result["settings"]["threads"], worker)[0]
+        result["settings"]["worker_threads"] = worker
     return result
 
 

@@ -491,6 +491,9 @@ class GRPOLightningModule(pl.LightningModule):
         """Stop the asynchronous rollout worker, if one runs, and give the trainer its threads back."""
         if isinstance(self.generator, RolloutWorker):
             self.generator.close()
+        # What was in flight when a fit ended early (max_time, an error) is not trained: the
+        # checkpoint it resumes from holds its own in-flight rollouts.
+        self._in_flight.clear()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None

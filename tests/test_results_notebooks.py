@@ -15,6 +15,7 @@ pytest.importorskip("ipykernel")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 CPU_BENCH = NOTEBOOKS / "figures" / "bench" / "cpu.jsonl"
+ASYNC_BENCH = NOTEBOOKS / "figures" / "bench" / "async_cpu.jsonl"
 
 
 def execute(name: str, monkeypatch, figures: Path, results: Path | None = None):
@@ -103,6 +104,20 @@ def test_throughput_notebook_has_one_row_per_bench_line(tmp_path, monkeypatch):
     assert (tmp_path / "throughput_phases.png").read_bytes().startswith(b"\x89PNG")
     if not (NOTEBOOKS / "figures" / "gpu").is_dir():
         assert "No GPU run is committed" in stdout(cells["gpu"])
+
+
+def test_throughput_notebook_pairs_each_sync_line_with_its_async_line(tmp_path, monkeypatch):
+    lines = {r["label"]: r for r in map(json.loads, ASYNC_BENCH.read_text().splitlines())}
+    cells = execute("throughput.ipynb", monkeypatch, tmp_path)
+
+    pairs = tables(cells["async-table"])[0][1:]
+    assert [f"sync-{row[0]}" for row in pairs] == [k for k in lines if k.startswith("sync-")]
+    for row in pairs:
+        sync, asyn = lines[f"sync-{row[0]}"], lines[f"async-{row[0]}"]
+        assert asyn["settings"]["rollout_mode"] == "async" and sync["settings"]["rollout_mode"] == "sync"
+        assert float(row[4]) == pytest.approx(sync["completion_tokens_per_s"], abs=0.05)
+        assert float(row[5]) == pytest.approx(asyn["completion_tokens_per_s"], abs=0.05)
+        assert float(row[6]) == pytest.approx(asyn["vs_sync"], abs=0.005)  # the bench's own ratio
 
 
 def test_throughput_notebook_tables_any_lines_and_gpu_runs(tmp_path, monkeypatch):
@@ -194,6 +209,7 @@ def test_arithmetic_notebook_final_runs_raise_held_out_accuracy_and_smoke_learns
         "truncation masking": ("mask", ablation / "mask"),
         "overlong penalty": ("overlong", ablation / "overlong"),
         "GSPO, 2 passes a rollout": ("gspo", ablation / "gspo"),
+        "async rollouts, k = 1": ("async", ablation / "async"),
     }
     assert [row[0] for row in table[1:]] == list(variants)
     for row in table[1:]:
@@ -210,7 +226,18 @@ def test_arithmetic_notebook_final_runs_raise_held_out_accuracy_and_smoke_learns
     assert "model.mask_truncated_completions: True" in changed["truncation masking"]
     assert "OverlongPenaltyReward" in changed["overlong penalty"]
     assert "model.num_iterations: 2" in changed["GSPO, 2 passes a rollout"]
-    assert stdout(cells["ablation"]).count("against plain grpo") == 4
+    assert "model.rollout_mode: async" in changed["async rollouts, k = 1"]
+    assert stdout(cells["ablation"]).count("against plain grpo") == 5
+    # (M): the async run meets (J)'s bar at both budgets, every rollout at most one step stale.
+    base = {b: evals[f"base_heldout_{b}"]["val/accuracy"] for b in (96, 256)}
+    for budget in (96, 256):
+        assert abl_evals[f"async_heldout_{budget}"]["val/accuracy"] >= base[budget] + 0.20
+    printed = stdout(cells["async-bar"])
+    assert printed.count("meets the +0.20 bar") == 2
+    async_log = [
+        json.loads(line) for line in (ablation / "async" / "training_log.jsonl").read_text().splitlines()
+    ]
+    assert max(r["staleness_max"] for r in async_log) == 1.0 and async_log[0]["staleness"] == 0.0
     assert (tmp_path / "arithmetic_ablation.png").is_file()
 
     # The main job (smoke.yaml): a gradient from step 1; the reward rises on the shipped seed and

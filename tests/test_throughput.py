@@ -206,3 +206,19 @@ def test_bench_without_data_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--data", str(tmp_path / "missing")])
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_bench_compare_prints_a_sync_and_an_async_line(tiny_model_dir, tmp_path, capsys):
+    write_gsm8k(tmp_path)
+    args = ["--model", str(tiny_model_dir), "--data", str(tmp_path), "--steps", "2", "--group", "2"]
+    result = bench.main([*args, "--max-new-tokens", "4", "--rollout-mode", "compare", "--threads", "2"])
+
+    sync, asyn = map(json.loads, capsys.readouterr().out.strip().splitlines())
+    assert asyn == result
+    assert sync["settings"]["rollout_mode"] == "sync" and asyn["settings"]["rollout_mode"] == "async"
+    assert asyn["settings"]["threads"] == 2  # split between the trainer and the worker:
+    assert asyn["settings"]["trainer_threads"] == 1 and asyn["settings"]["worker_threads"] == 1
+    assert asyn["vs_sync"] == pytest.approx(asyn["completion_tokens_per_s"] / sync["completion_tokens_per_s"])
+    for key in ("trainer_wait_share", "worker_wait_share"):
+        assert 0 <= asyn[key] <= 1, key
+    assert "generate_seconds_per_step" in sync and "generate_seconds_per_step" not in asyn
