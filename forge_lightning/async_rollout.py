@@ -141,7 +141,6 @@ class Finished:
     version: int
     worker_wait_s: float = 0.0  # the worker idle before this job reached it
     trainer_wait_s: float = 0.0  # the trainer blocked in collect for it
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
