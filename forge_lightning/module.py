@@ -156,16 +156,10 @@ class GRPOLightningModule(pl.LightningModule):
             ``auto`` keeps the checkpoint's dtype; ``bfloat16`` / ``float16`` train half-precision
             weights, which a small learning rate barely moves (a warning says so).
         attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice.
-        rollout_mode: ``sync`` (sample, then train) or ``async``: a worker process samples the next
-            batches while the trainer trains (async_rollout.py; one device, no LoRA/vLLM/dynamic
-            sampling, ``top_p`` 1, ``top_k`` 0, ``num_iterations`` 1).
-        max_staleness: with ``async``, the optimizer steps a rollout's sampling weights may lag the
-            weights it trains (k): the rollout trained at step s is sampled with those of step
-            max(0, s - k). 0 samples each batch with the weights it trains (no overlap).
-        rollout_worker_threads: the worker's CPU threads; the trainer keeps the rest of torch's
-            threads. None: half of them.
-        behav_imp_weight_cap: the decoupled loss's cap on a stale token's behaviour weight (see
-            grpo.LossSettings); None: no cap.
+        rollout_mode: ``sync``, or ``async``: a worker process samples while the trainer trains.
+        max_staleness: async: optimizer steps a rollout may lag the weights it trains (k >= 0).
+        rollout_worker_threads: async: the worker's CPU threads, the trainer the rest; None: half.
+        behav_imp_weight_cap: async: tokens whose behaviour weight exceeds it get none (> 1; None).
     """
 
     def __init__(

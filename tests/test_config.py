@@ -46,6 +46,10 @@ BAD = {
     "importance_sampling_level": "group",
     "kl_estimator": "k4",
     "max_sampling_rounds": 0,
+    "rollout_mode": "threads",
+    "max_staleness": -1,
+    "rollout_worker_threads": 0,
+    "behav_imp_weight_cap": 1.0,
 }
 
 

@@ -37,9 +37,9 @@ def test_only_informative_groups_are_trained_and_rounds_are_counted(
     trained_rows: list[int] = []
     original = module_module.grpo_loss
 
-    def spy(logp, old_logp, ref_logp, advantages, mask, settings):
+    def spy(logp, old_logp, ref_logp, advantages, mask, settings, behav_logp=None):
         trained_rows.append(advantages.numel())
-        return original(logp, old_logp, ref_logp, advantages, mask, settings)
+        return original(logp, old_logp, ref_logp, advantages, mask, settings, behav_logp)
 
     monkeypatch.setattr(module_module, "grpo_loss", spy)
     kinds = ["flat", "flat", "flat", "live", "live", "live", "live", "flat", "live", "live"]

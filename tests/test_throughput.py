@@ -122,8 +122,8 @@ def test_two_iterations_step_twice_per_batch_and_move_the_ratio_on_the_second_pa
     original_loss = module_module.grpo_loss
     original_no_grad = LogProbScorer.log_probs_no_grad
 
-    def loss_spy(logp, old_logp, ref_logp, advantages, mask, settings):
-        loss, metrics = original_loss(logp, old_logp, ref_logp, advantages, mask, settings)
+    def loss_spy(logp, old_logp, ref_logp, advantages, mask, settings, behav_logp=None):
+        loss, metrics = original_loss(logp, old_logp, ref_logp, advantages, mask, settings, behav_logp)
         log_ratio = (logp.detach() - old_logp)[mask.bool()]
         passes.append({"max_log_ratio": log_ratio.abs().max(), "clip": metrics["clip_fraction_low"]})
         return loss, metrics

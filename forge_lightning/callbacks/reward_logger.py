@@ -36,7 +36,9 @@ JSONL_KEYS = (
     "num_tokens",
     "lr",
     "grad_norm",
-    # asynchronous rollouts
+)
+# Logged with asynchronous rollouts only.
+ASYNC_JSONL_KEYS = (
     "staleness",
     "staleness_max",
     "regenerated",
@@ -44,6 +46,7 @@ JSONL_KEYS = (
     "rollout_wait_s",
     "worker_wait_s",
 )
+JSONL_KEYS += ASYNC_JSONL_KEYS
 
 
 class RewardLogger(Callback):
