@@ -398,9 +398,9 @@ class GRPOLightningModule(pl.LightningModule):
         """Hand ``batch`` to the worker, sampled from the newest weights with the seed of its
         index in the run; then yield the rollouts due, oldest first. A rollout trains once the
         ``max_staleness x gradient_accumulation_steps`` batches after it are handed, so it is at
-        most ``max_staleness`` optimizer steps old; an older one (an epoch whose last
-        accumulation window is short) is sampled again from the newest weights, and counted. A
-        batch that would train after ``max_steps`` is not handed."""
+        most ``max_staleness`` optimizer steps old. One older than that (this cadence makes none;
+        versions written from elsewhere could) is never trained on: it is sampled again from the
+        newest weights, and counted. A batch that would train after ``max_steps`` is not handed."""
         hp, worker = self.hparams, self.generator
         last = batch.batch_idx + 1 == self.trainer.num_training_batches
         ahead = sum(self._accumulation_boundary(e.batch_idx) for e in self._in_flight)

@@ -151,33 +151,30 @@ def _state(pid: int) -> str:
 # -- the module's pipeline ---------------------------------------------------------------------
 
 
-def fit_async(tmp_path, module, loader, records: int, callbacks=(), **settings):
-    """A fit of ``records`` one-prompt batches in async mode; the module and its JSONL records."""
-    pl.seed_everything(3)
-    grpo = module(rollout_mode="async", gradient_accumulation_steps=1, kl_beta=0.0, **settings)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        callbacks=[RewardLogger(logging_steps=1), *callbacks],
-    )
-    trainer.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(records)]))
-    lines = (tmp_path / "training_log.jsonl").read_text().splitlines()
-    return grpo, trainer, [json.loads(line) for line in lines]
+@pytest.fixture
+def fit_async(tmp_path, module, trainer, loader):
+    """``fit_async(records, callbacks, **settings)``: a fit of ``records`` one-prompt batches in
+    async mode; the module, the trainer and its JSONL records."""
+
+    def fit(records: int, callbacks=(), **settings):
+        pl.seed_everything(3)
+        grpo = module(rollout_mode="async", gradient_accumulation_steps=1, kl_beta=0.0, **settings)
+        fitted = trainer(tmp_path, callbacks=[RewardLogger(logging_steps=1), *callbacks])
+        fitted.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(records)]))
+        lines = (tmp_path / "training_log.jsonl").read_text().splitlines()
+        return grpo, fitted, [json.loads(line) for line in lines]
+
+    return fit
 
 
-def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(tmp_path, module, loader):
+def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(fit_async):
     pids: list[int] = []
 
     class WorkerPid(pl.Callback):
         def on_train_start(self, trainer, pl_module):
             pids.append(pl_module.generator.process.pid)
 
-    grpo, trainer, logged = fit_async(tmp_path, module, loader, records=5, callbacks=[WorkerPid()])
+    grpo, trainer, logged = fit_async(records=5, callbacks=[WorkerPid()])
     assert trainer.global_step == 5  # the epoch's last batch also trains the one still in flight
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
     # The first rollout is sampled by the weights it trains; every later one, one step older.
@@ -190,7 +187,7 @@ def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(tmp_
     assert wait_until_gone(pids[0], seconds=10)
 
 
-def test_stale_rollouts_are_sampled_again_and_counted(tmp_path, module, loader):
+def test_stale_rollouts_are_sampled_again_and_counted(fit_async):
     class SkipVersions(pl.Callback):
         """Writes two extra weight versions after batch 1, so that the rollout in flight, sampled
         before them, is three versions old when due: beyond max_staleness 1."""
@@ -203,7 +200,7 @@ def test_stale_rollouts_are_sampled_again_and_counted(tmp_path, module, loader):
                 worker.sync_weights(pl_module.model)
                 worker.sync_weights(pl_module.model)
 
-    _, _, logged = fit_async(tmp_path, module, loader, records=4, callbacks=[SkipVersions()])
+    _, _, logged = fit_async(records=4, callbacks=[SkipVersions()])
     # Step 2 trains batch 1, handed before the extra versions: sampled again, from the newest.
     assert [r["regenerated"] for r in logged] == [0.0, 1.0, 0.0, 0.0]
     assert logged[1]["staleness"] == 0.0
@@ -237,7 +234,7 @@ def test_async_refuses_several_devices(module):
     assert not grpo.generator or not grpo.generator.running
 
 
-def test_a_failing_fit_stops_the_worker(tmp_path, module, loader):
+def test_a_failing_fit_stops_the_worker(tmp_path, module, trainer, loader):
     calls = []
 
     def fails_on_second_call(prompts, responses):
@@ -249,17 +246,8 @@ def test_a_failing_fit_stops_the_worker(tmp_path, module, loader):
     grpo = module(
         rollout_mode="async", reward=fails_on_second_call, kl_beta=0.0, gradient_accumulation_steps=1
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
     with pytest.raises(Exception, match="reward exploded"):
-        trainer.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(4)]))
+        trainer(tmp_path).fit(grpo, loader([{"prompt": f"q{i}"} for i in range(4)]))
     assert not grpo.generator.running
 
 
