@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import math
 import os
 import queue
 import time
@@ -76,7 +77,7 @@ class WeightRing:
     def _views(self, slot: int) -> dict[str, Tensor]:
         buffers = self.buffers[slot]
         return {
-            name: buffers[dtype][offset : offset + _numel(shape)].view(shape)
+            name: buffers[dtype][offset : offset + math.prod(shape)].view(shape)
             for name, (dtype, offset, shape) in self.layout.items()
         }
 
@@ -108,13 +109,6 @@ class WeightRing:
             param.copy_(views[name])
         if int(self.tags[slot]) != version:
             raise RuntimeError(f"weights version {version} was overwritten while the worker read it")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclass

@@ -105,21 +105,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # Lightning and transformers print to stdout in places; the JSON line must stand alone there.
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
-    if args.rollout_mode != "compare":
+    compare = args.rollout_mode == "compare"
+    results: list[dict[str, Any]] = []
+    for mode in ("sync", "async") if compare else (args.rollout_mode,):
+        mode_args = argparse.Namespace(**{**vars(args), "rollout_mode": mode})
+        if compare and mode == "sync":
+            mode_args.threads = args.sync_threads or args.threads
         with contextlib.redirect_stdout(sys.stderr):
-            result = run(args)
+            result = run(mode_args)
+        if results:  # compare: async against the sync line before it
+            result["vs_sync"] = result["completion_tokens_per_s"] / results[0]["completion_tokens_per_s"]
         print(json.dumps(result), file=stdout, flush=True)
-        return result
-    sync_args = argparse.Namespace(**{**vars(args), "rollout_mode": "sync"})
-    sync_args.threads = args.sync_threads or args.threads
-    with contextlib.redirect_stdout(sys.stderr):
-        sync = run(sync_args)
-    print(json.dumps(sync), file=stdout, flush=True)
-    with contextlib.redirect_stdout(sys.stderr):
-        result = run(argparse.Namespace(**{**vars(args), "rollout_mode": "async"}))
-    result["vs_sync"] = result["completion_tokens_per_s"] / sync["completion_tokens_per_s"]
-    print(json.dumps(result), file=stdout, flush=True)
-    return result
+        results.append(result)
+    return results[-1]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

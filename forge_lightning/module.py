@@ -409,13 +409,7 @@ class GRPOLightningModule(pl.LightningModule):
             if handed:
                 batch.index = self._batches_handed
                 batch.prompt_ids, batch.prompt_mask = self.sampler.encode(batch.prompts, self.device)
-                batch.ticket = worker.submit(
-                    batch.prompt_ids,
-                    batch.prompt_mask,
-                    hp.group_size,
-                    self.sampling,
-                    seed=self._seed_of(batch),
-                )
+                batch.ticket = self._hand_to_worker(batch)
                 self._in_flight.append(batch)
                 self._batches_handed += 1
         depth = hp.max_staleness * hp.gradient_accumulation_steps
@@ -426,14 +420,7 @@ class GRPOLightningModule(pl.LightningModule):
                 finished = item.finished or worker.collect(item.ticket)
                 regenerated = 0
                 if worker.version - finished.version > hp.max_staleness:  # never trained on
-                    ticket = worker.submit(
-                        item.prompt_ids,
-                        item.prompt_mask,
-                        hp.group_size,
-                        self.sampling,
-                        seed=self._seed_of(item),
-                    )
-                    finished, regenerated = worker.collect(ticket), 1
+                    finished, regenerated = worker.collect(self._hand_to_worker(item)), 1
             lag = worker.version - finished.version
             item.rollout = self.sampler.assemble(
                 item.prompt_ids.to(self.device),
@@ -453,10 +440,15 @@ class GRPOLightningModule(pl.LightningModule):
             }
             yield item
 
-    def _seed_of(self, item: InFlight) -> int:
+    def _hand_to_worker(self, item: InFlight) -> int:
+        """Submit ``item``'s prompts, sampled from the newest weights with the seed of its index
+        in the run (the run's seed: Lightning's ``seed_everything``); the worker's ticket."""
         if self._rollout_seed is None:
             self._rollout_seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
-        return rollout_seed(self._rollout_seed, item.index)
+        seed = rollout_seed(self._rollout_seed, item.index)
+        return self.generator.submit(
+            item.prompt_ids, item.prompt_mask, self.hparams.group_size, self.sampling, seed=seed
+        )
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
