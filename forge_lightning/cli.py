@@ -59,7 +59,8 @@ class ForgeCLI(LightningCLI):
     @staticmethod
     @override
     def subcommands() -> dict[str, set[str]]:
-        # GRPO has no test or predict step: only the subcommands that work are offered.
+        # GRPO has no test step, and predict (the module's predict_step) wants a dataloader of
+        # prompts that the datamodules do not give: only the subcommands that work are offered.
         return {
             "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
             "validate": {"model", "dataloaders", "datamodule"},

@@ -254,6 +254,7 @@ class GRPOLightningModule(pl.LightningModule):
         # This rank's validation answers since the epoch began: one dict per prompt (prompt,
         # completion, reference, reward, correct, completion_length, truncated); RewardLogger writes them.
         self.validation_samples: list[dict[str, Any]] = []
+        self._checkpoint_step: int | None = None  # the global_step of a checkpoint loaded outside fit
         self.last_step: StepRecord | None = None
         self._report_window: list[dict[str, float]] = []  # logged steps since the last report
         self._tokens_trained = 0.0  # train/num_tokens, kept in checkpoints
@@ -320,6 +321,11 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Logits of the policy, ``(B, T, V)``."""
+        if self.model is None:
+            raise RuntimeError(
+                f"the model {self.model_spec!r} is not loaded yet: call configure_model() first "
+                "(trainer.fit, validate and predict do)"
+            )
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
     @override
@@ -492,6 +498,7 @@ class GRPOLightningModule(pl.LightningModule):
         if scheduler is not None:
             rescale_schedule(scheduler, self.hparams.learning_rate)
         self._report_window = []
+        self._checkpoint_step = None  # the trainer's global_step counts these weights' steps now
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -529,17 +536,39 @@ class GRPOLightningModule(pl.LightningModule):
             self.validation_samples.append(sample)
 
     @override
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        raise NotImplementedError(_NO_TEST_STEP)
+
+    @override
+    def setup(self, stage: str) -> None:
+        if stage == "test":  # before Lightning asks the data for a test_dataloader
+            raise NotImplementedError(_NO_TEST_STEP)
+
+    @override
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
+        """The greedy completion of each of the batch's prompts (``trainer.predict`` returns a
+        list of these lists, one per batch)."""
+        prompts, _ = split_batch(batch)
+        greedy = SamplingParams(self.hparams.max_new_tokens, greedy=True)
+        return self.sampler(self.model, prompts, greedy, group_size=1).completions
+
+    @override
     def on_validation_epoch_start(self) -> None:
         self.validation_samples = []
 
     @override
     def on_validation_epoch_end(self) -> None:
-        values = self.val_metrics.pop()
-        if values:
-            # A "step" key is the x-axis Lightning gives the loggers: the optimizer step, as for the
-            # train/* metrics (its own step counts batches under manual optimization).
-            logged = {f"val/{k}": v for k, v in values.items()}
-            self.log_dict({**logged, "step": float(self.global_step)}, sync_dist=False)
+        values = {f"val/{k}": v for k, v in self.val_metrics.pop().items()}
+        if not values:
+            return
+        # trainer.validate returns and prints what Lightning sends the loggers, at the "step" given
+        # (the checkpoint's). In a fit the loggers get it as train/* (_record), at the optimizer
+        # step: there a "step" key would stay in callback_metrics and name ModelCheckpoint's files.
+        fitting = self.trainer.state.fn == TrainerFn.FITTING
+        step = {} if fitting else {"step": float(self.evaluated_step or 0)}
+        self.log_dict({**values, **step}, sync_dist=False, logger=not fitting)
+        for logger in self.loggers if fitting else []:
+            logger.log_metrics(values, step=self.global_step)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
@@ -596,6 +625,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._checkpoint_step = checkpoint.get("global_step")
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
             # Resuming a fit; validate or load_from_checkpoint may use other settings.
             check_resume_settings(checkpoint.get("hyper_parameters", {}), self.hparams)
@@ -624,6 +654,15 @@ class GRPOLightningModule(pl.LightningModule):
         if self.needs_reference and not any(isinstance(c, ReferenceModel) for c in given):
             callbacks.append(ReferenceModel())
         return callbacks
+
+    @property
+    def evaluated_step(self) -> int | None:
+        """The optimizer step of the weights validated: the trainer's in a fit, else a loaded
+        checkpoint's (Lightning restores no global_step outside fit); None if unknown (a model spec)."""
+        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        if not fitting and self._checkpoint_step is not None:
+            return self._checkpoint_step
+        return self.global_step if fitting or self.global_step > 0 else None
 
     # -- the pieces of a step -------------------------------------------------------------------
 
@@ -795,6 +834,13 @@ class GRPOLightningModule(pl.LightningModule):
     def _accumulation_boundary(self, batch_idx: int) -> bool:
         last = batch_idx + 1 == self.trainer.num_training_batches
         return (batch_idx + 1) % self.hparams.gradient_accumulation_steps == 0 or last
+
+
+# Lightning's own refusal (no test_step) says nothing of where the evaluation is.
+_NO_TEST_STEP = (
+    "GRPOLightningModule has no test step: evaluate with trainer.validate (forge-lightning validate), "
+    "which scores one greedy completion per prompt, or trainer.predict for the completions alone"
+)
 
 
 def _rows(values: Tensor | None, rows: slice) -> Tensor | None:

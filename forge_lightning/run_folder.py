@@ -150,8 +150,8 @@ class RunFolder:
                 "start this one in a new folder (--trainer.default_root_dir), or replace it with "
                 "--overwrite true"
             )
-        if existing:  # --overwrite: that run's outputs go, its curves too
-            for path in [*existing, self.root / "tensorboard"]:
+        if existing:  # --overwrite: that run's outputs go, its curves and validation answers too
+            for path in [*existing, self.root / "tensorboard", self.root / "validation"]:
                 _remove(path)
             log.warning("--overwrite: removed the previous run's outputs in %s", self.root)
         return None

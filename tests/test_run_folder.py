@@ -334,6 +334,14 @@ def test_the_lock_file_names_its_holder(tmp_path):
     again.unlock()
 
 
+def test_overwrite_removes_the_previous_runs_validation_answers(tmp_path):
+    (tmp_path / "training_log.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "validation").mkdir()
+    (tmp_path / "validation" / "step-0.jsonl").write_text('{"prompt": "q"}\n')
+    RunFolder(tmp_path).prepare(resume=False, overwrite=True)
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_tensorboard_logs_alone_are_no_run_and_overwrite_clears_them_with_one(tmp_path):
     (tmp_path / "tensorboard" / "version_0").mkdir(parents=True)  # e.g. a validate before any fit
     assert RunFolder(tmp_path).prepare(resume=False) is None

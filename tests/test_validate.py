@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from forge_lightning.callbacks import HFCheckpoint
+from forge_lightning.callbacks import HFCheckpoint, RewardLogger
 from forge_lightning.cli import build_cli
 from forge_lightning.lora import LoraSettings
 from forge_lightning.module import GRPOLightningModule
@@ -50,7 +51,9 @@ def test_validate_reports_accuracy_reward_and_length(validate, tiny_model_dir, t
 def test_validate_writes_every_answer_beside_the_metrics(validate, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "val"
     metrics = validate(tiny_model_dir, out)
-    rows = [json.loads(line) for line in (out / "validation" / "step-0.jsonl").read_text().splitlines()]
+    (answers,) = (out / "validation").iterdir()  # named for the model spec's last two path parts
+    assert answers.name == f"validate-{tiny_model_dir.parent.name}-{tiny_model_dir.name}.jsonl"
+    rows = [json.loads(line) for line in answers.read_text().splitlines()]
     assert len(rows) == 16  # smoke.yaml validates on 16 dev problems, one batch
     assert set(rows[0]) == {
         "prompt",
@@ -67,7 +70,27 @@ def test_validate_writes_every_answer_beside_the_metrics(validate, tiny_model_di
         metrics["val/completion_length"]
     )
     assert all(r["prompt"].rstrip().endswith("Solution:") for r in rows)
-    assert f"-> {out / 'validation' / 'step-0.jsonl'}" in capsys.readouterr().out
+    assert f"validation of {tiny_model_dir} | accuracy" in capsys.readouterr().out
+
+
+def test_each_validate_keeps_its_own_answers_named_for_the_checkpoints_step(
+    module, trainer, loader, tiny_model_dir, tmp_path, capsys
+):
+    records = [{"prompt": "q", "reference": "1"}] * 2
+    grpo = module(gradient_accumulation_steps=1, kl_beta=0.0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
+    trainer(tmp_path, max_steps=2, callbacks=[ckpt], enable_checkpointing=True).fit(grpo, loader(records))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    for _ in range(2):  # the same checkpoint twice: two files
+        trainer(tmp_path, callbacks=[RewardLogger()]).validate(grpo, loader(records), ckpt_path=last)
+    baseline = GRPOLightningModule(model=str(tiny_model_dir), group_size=2, max_new_tokens=4)
+    trainer(tmp_path, callbacks=[RewardLogger()]).validate(baseline, loader(records))
+    assert sorted(p.name for p in (tmp_path / "validation").iterdir()) == [
+        f"validate-{tiny_model_dir.parent.name}-{tiny_model_dir.name}.jsonl",  # no step known
+        "validate-step-2-last-2.jsonl",
+        "validate-step-2-last.jsonl",
+    ]
+    assert f"validation of {last} at step 2 | accuracy" in capsys.readouterr().out
 
 
 def val_metrics(trainer: Any, root: Path, grpo: GRPOLightningModule, data: Any) -> dict[str, float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
@@ -63,9 +65,13 @@ class RewardLogger(Callback):
     report, rank zero's) and the samples table. On a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
     After each validation it writes rank zero's answers (prompt, completion, reference, reward,
-    correct, length, truncated) to ``{output_dir}/validation/step-{global_step}.jsonl`` and prints
-    the accuracy. When training ends it prints a summary: the reward at the first and last reports (and the
-    means of the first and last two), and where the log, checkpoints and TensorBoard files are.
+    correct, length, truncated) to ``{output_dir}/validation/``: ``step-{global_step}.jsonl`` in a
+    fit; for a ``validate``, ``validate-step-{step}-{model}.jsonl``, named for the checkpoint
+    evaluated (its step and file name) or else the model spec (and no step), with ``-2``, ``-3``,
+    ... added rather than overwrite an earlier one; and prints the accuracy. Under
+    ``fast_dev_run`` it writes no file, as Lightning's ModelCheckpoint. When training ends it
+    prints a summary: the reward at the first and last reports (and the means of the first and
+    last two), and where the log, checkpoints and TensorBoard files are.
 
     Args:
         output_dir: run folder; ``trainer.default_root_dir`` when None.
@@ -93,7 +99,7 @@ class RewardLogger(Callback):
         self._last_step = trainer.global_step
         self._rewards, self._lengths = [], []
         path = self.log_path(trainer)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and not trainer.fast_dev_run:
             path.parent.mkdir(parents=True, exist_ok=True)
             if trainer.ckpt_path is not None and path.exists():
                 _truncate_after(path, trainer.global_step)
@@ -123,7 +129,8 @@ class RewardLogger(Callback):
             return
         line: dict[str, Any] = {"step": step, "epoch": trainer.current_epoch}
         line.update(_short_names(record.report))
-        append_jsonl(self.log_path(trainer), line)
+        if not trainer.fast_dev_run:
+            append_jsonl(self.log_path(trainer), line)
         print(_console_line(line), flush=True)
         # What a scalar cannot show, for the loggers that can show it: the spread of the rewards
         # and completion lengths since the previous report, and what the completions look like.
@@ -141,13 +148,20 @@ class RewardLogger(Callback):
         samples = getattr(pl_module, "validation_samples", None)
         if trainer.sanity_checking or not trainer.is_global_zero or not samples:
             return
-        path = output_dir(trainer, self.output_dir) / "validation" / f"step-{trainer.global_step}.jsonl"
+        # Outside fit Lightning restores no global_step: the module knows the checkpoint's.
+        step = getattr(pl_module, "evaluated_step", trainer.global_step)
+        scored = [s["correct"] for s in samples if "correct" in s]
+        result = (
+            f"accuracy {sum(scored) / len(scored):.4f} on {len(scored)} problems" if scored else "answers"
+        )
+        what, path = _validation_file(trainer, pl_module, output_dir(trainer, self.output_dir), step)
+        if trainer.fast_dev_run:
+            print(f"validation {what} | {result} (fast_dev_run: not written)", flush=True)
+            return
         text = "".join(json.dumps(sample) + "\n" for sample in samples)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-        scored = [s["correct"] for s in samples if "correct" in s]
-        result = f"accuracy {sum(scored) / len(scored):.4f} on {len(scored)} problems" if scored else ""
-        print(f"validation at step {trainer.global_step} | {result or 'answers'} -> {path}", flush=True)
+        print(f"validation {what} | {result} -> {path}", flush=True)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -255,6 +269,41 @@ def _markdown(columns: list[str], rows: list[list[Any]]) -> str:
 def _markdown_table(samples: list[tuple[str, str, float]], components: list[dict[str, float]]) -> str:
     """Prompt, completion, reward, and each reward component's score when there are several."""
     return _markdown(*_sample_table(samples, components))
+
+
+def _validation_file(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, root: Path, step: int | None
+) -> tuple[str, Path]:
+    """What a validation evaluated (for its print line) and the file for its answers: in a fit
+    ``step-{step}.jsonl``; in a ``validate``, ``validate-step-{step}-{model}.jsonl``, the model
+    being the checkpoint's file name or a model spec's last two path parts (``runs/smoke/final``:
+    ``smoke-final``), with no step for weights of no known step, and never an existing file's name."""
+    folder = root / "validation"
+    if trainer.state.fn == TrainerFn.FITTING:
+        return f"at step {step}", folder / f"step-{step}.jsonl"
+    spec = _model_spec(pl_module)
+    if trainer.ckpt_path:
+        model = Path(trainer.ckpt_path).stem
+    else:
+        model = "-".join(p for p in Path(spec or "model").parts[-2:] if p.strip("/"))
+    model = re.sub(r"[^A-Za-z0-9._-]+", "_", model)
+    name = f"validate-{model}" if step is None else f"validate-step-{step}-{model}"
+    what = f"of {trainer.ckpt_path or spec or 'the model'}" + ("" if step is None else f" at step {step}")
+    return what, _new_path(folder, name)
+
+
+def _model_spec(pl_module: pl.LightningModule) -> str | None:
+    spec = getattr(pl_module, "hparams", {}).get("model")
+    return spec if isinstance(spec, str) else None
+
+
+def _new_path(folder: Path, name: str) -> Path:
+    """``folder/name.jsonl``, or ``name-2.jsonl``, ``name-3.jsonl``, ...: the first not taken."""
+    path, n = folder / f"{name}.jsonl", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{name}-{n}.jsonl"
+    return path
 
 
 def _truncate_after(path: Path, step: int) -> None:
