@@ -11,7 +11,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from forge_lightning.fileio import write_atomically
+from forge_lightning.fileio import SpaceCheck, write_atomically
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -20,8 +20,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     A process killed mid-save leaves the previous file at that path untouched (and at worst a
     stray ``.tmp`` file, removed when the run next starts), so ``last.ckpt`` is always loadable.
     The checkpoint goes straight to that sibling: not through an in-memory copy nor ``$TMPDIR``
-    (Lightning's own save passes through both), and a failed write names the file.
+    (Lightning's own save passes through both). A failed write names the file and says when the
+    disk is full; a warning comes first (once) when less space is left than the previous one took.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._space = SpaceCheck("Lightning checkpoint")
 
     @override
     def save_checkpoint(
@@ -29,7 +34,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
+        self._space.before(Path(path))
         write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
+        self._space.after(Path(path))
 
 
 def rng_states() -> dict[str, Any]:

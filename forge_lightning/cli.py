@@ -158,11 +158,12 @@ class ForgeCLI(LightningCLI):
             saved = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as err:
             raise SystemExit(f"fit: --ckpt_path {ckpt_path} cannot be read as a checkpoint: {err}") from None
-        try:
-            check_resume_settings(saved.get("hyper_parameters", {}), self.model.hparams)
-            data_state = saved.get(type(self.datamodule).__qualname__)
-            if data_state and hasattr(self.datamodule, "check_resume"):
-                self.datamodule.check_resume(data_state)
+        data_state = saved.get(type(self.datamodule).__qualname__)
+        data_changes = []
+        if data_state and hasattr(self.datamodule, "resume_changes"):
+            data_changes = self.datamodule.resume_changes(data_state)
+        try:  # one error naming every change, the module's and the data's
+            check_resume_settings(saved.get("hyper_parameters", {}), self.model.hparams, data_changes)
         except ValueError as err:
             raise SystemExit(f"fit: {err}") from None
 

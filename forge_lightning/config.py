@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from forge_lightning.grpo import ADVANTAGE_SCALES, LossSettings
@@ -106,14 +106,20 @@ def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     return fixed, [line for name, line in changed.items() if name in CHANGEABLE_ON_RESUME]
 
 
-def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+def check_resume_settings(
+    saved: Mapping[str, Any], current: Mapping[str, Any], data_changes: Sequence[str] = ()
+) -> None:
     """Raise ValueError naming every setting that differs from the checkpoint's and may not change
-    on resume; log the ones that may (the learning rate is applied by the module)."""
+    on resume: the module's, and the data's ``data_changes`` (``name: old -> new`` lines, e.g. a
+    datamodule's ``resume_changes``) in the same error; log the ones that may (the learning rate is
+    applied by the module)."""
     fixed, changeable = resume_differences(saved, current)
-    if fixed:
+    if fixed or data_changes:
+        lines = [f"model.{line}" for line in fixed]
+        lines += [f"data.{line} (the data position would point at other prompts)" for line in data_changes]
         raise ValueError(
             "resuming with settings that differ from the checkpoint's, which a run cannot change "
-            "midway:\n  " + "\n  ".join(fixed) + "\nRun with the original settings, or start a new run in "
+            "midway:\n  " + "\n  ".join(lines) + "\nRun with the original settings, or start a new run in "
             "a new folder"
         )
     for line in changeable:

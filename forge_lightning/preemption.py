@@ -26,6 +26,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143
 
+# Set on an exception a SIGINT or SIGTERM handler raised within :func:`signals_marked`.
+_FROM_SIGNAL = "_forge_from_signal"
+
 
 class Preemption:
     """The module's handling of a SIGTERM; :meth:`at_batch_end` runs after every training batch."""
@@ -101,3 +104,40 @@ def sigterm_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def signals_marked() -> Iterator[None]:
+    """Within the block an exception raised by a SIGINT or SIGTERM handler (Python's
+    KeyboardInterrupt on Ctrl-C, the stop of :func:`sigterm_interrupts`) is marked, so that
+    :func:`raised_by_signal` tells it from the same exception raised by the code the block runs
+    (a reward's). The handlers are otherwise unchanged; a signal with no Python handler is left
+    alone. Main thread only (signals are delivered there); elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {signum: handler for signum, handler in handlers.items() if callable(handler)}
+    for signum, handler in handlers.items():
+        signal.signal(signum, _marking(handler))
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def raised_by_signal(err: BaseException) -> bool:
+    """Whether a signal handler raised ``err`` within :func:`signals_marked`."""
+    return getattr(err, _FROM_SIGNAL, False)
+
+
+def _marking(handler: Any) -> Any:
+    def marked(signum: int, frame: Any) -> None:
+        try:
+            handler(signum, frame)
+        except BaseException as err:
+            setattr(err, _FROM_SIGNAL, True)
+            raise
+
+    return marked

@@ -12,12 +12,17 @@ import inspect
 import math
 import numbers
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from forge_lightning.data.gsm8k import extract_answer, normalize_number
+from forge_lightning.preemption import raised_by_signal, signals_marked
+
+# A reward call without reward_timeout that runs longer than this many seconds is warned about.
+SLOW_REWARD_SECONDS = 60.0
 
 
 @dataclass
@@ -167,6 +172,11 @@ class RewardTimeout(TimeoutError):
     """A reward call ran past ``reward_timeout``; it was abandoned."""
 
 
+class RewardExit(SystemExit):
+    """A reward's own code raised SystemExit or KeyboardInterrupt (no signal did): the run stops
+    with an error that names the reward."""
+
+
 def call_reward(
     reward: RewardFn,
     prompts: list[str],
@@ -183,7 +193,11 @@ def call_reward(
 
     With ``timeout`` (seconds) the call runs in a daemon thread and is abandoned, raising
     :class:`RewardTimeout`, when it takes longer; the abandoned thread is left to finish alone
-    (a thread cannot be killed), and a process exit does not wait for it.
+    (a thread cannot be killed), and a process exit does not wait for it. Without one, a call
+    running past :data:`SLOW_REWARD_SECONDS` is warned about (once) and left to run.
+
+    A SystemExit or KeyboardInterrupt that the reward's code raises becomes :class:`RewardExit`
+    naming the reward; one that a signal raised (Ctrl-C, a SIGTERM) passes through unchanged.
     """
     own = {key: list(value) if isinstance(value, list) else value for key, value in kwargs.items()}
 
@@ -193,8 +207,45 @@ def call_reward(
             return reward(**accepted_kwargs(reward, trl))
         return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
 
-    if timeout is None:
+    name = reward_name(reward)
+    try:
+        with signals_marked():
+            if timeout is None:
+                return _call_watched(call, name)
+            return _call_within(call, f"reward {name!r}", len(responses), timeout)
+    except (SystemExit, KeyboardInterrupt) as err:
+        if isinstance(err, RewardExit) or raised_by_signal(err):
+            raise
+        raise RewardExit(
+            f"reward {name!r} raised {err!r} from its own code (no signal did): the run stops. A "
+            "reward that cannot score raises an Exception instead (model.on_reward_error decides "
+            "what then happens)"
+        ) from err
+
+
+def _call_watched(call: Callable[[], Any], name: str) -> Any:
+    """``call()``, with one warning if it runs past :data:`SLOW_REWARD_SECONDS` (a hang with no
+    timeout set would otherwise be silent)."""
+    message = (
+        f"reward {name!r} has run for more than {SLOW_REWARD_SECONDS:g}s in one call, with no "
+        "reward_timeout set; if it hangs, set model.reward_timeout (seconds, e.g. "
+        "--model.reward_timeout 300) to abandon a call that takes longer"
+    )
+
+    def warn() -> None:
+        warnings.warn(message, stacklevel=1)
+
+    watchdog = threading.Timer(SLOW_REWARD_SECONDS, warn)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
         return call()
+    finally:
+        watchdog.cancel()
+
+
+def _call_within(call: Callable[[], Any], what: str, size: int, timeout: float) -> Any:
+    """``call()`` in a daemon thread, abandoned with :class:`RewardTimeout` after ``timeout`` s."""
     outcome: dict[str, Any] = {}
     done = threading.Event()
 
@@ -206,11 +257,10 @@ def call_reward(
         finally:
             done.set()
 
-    threading.Thread(target=run, name=f"reward {reward_name(reward)}", daemon=True).start()
+    threading.Thread(target=run, name=what, daemon=True).start()
     if not done.wait(timeout):
         raise RewardTimeout(
-            f"reward {reward_name(reward)!r} took longer than reward_timeout={timeout:g}s on "
-            f"{len(responses)} responses; the call was abandoned"
+            f"{what} took longer than reward_timeout={timeout:g}s on {size} responses; the call was abandoned"
         )
     if "error" in outcome:
         raise outcome["error"]

@@ -129,14 +129,20 @@ def _score_one(
         )
     elif on_error == "raise":
         # A failure that no single sample reproduces (e.g. out of memory) has no sample to blame.
-        raise RuntimeError(
-            f"reward {name!r} failed on the batch but on no single sample: {batch_error!r}"
-        ) from batch_error
+        raise RuntimeError(_batch_only(name, size, batch_error)) from batch_error
     else:
         warnings.warn(
-            f"reward {name!r} failed on the batch but on no single sample: {batch_error!r}", stacklevel=3
+            f"{_batch_only(name, size, batch_error)}; each sample keeps its own score", stacklevel=3
         )
     return scores, [i for i, _ in failures]
+
+
+def _batch_only(name: str, size: int, error: Exception) -> str:
+    return (
+        f"reward {name!r} failed on the batch of {size} but on no single sample when retried one by "
+        f"one: it depends on the batch as a whole, e.g. on its size (a batch too big for memory or a "
+        f"service's limit) or on the samples together: {error!r}"
+    )
 
 
 def score_groups(

@@ -59,6 +59,18 @@ def test_reward_that_raises_names_reward_and_sample(tmp_path, module, trainer, l
     assert "sample 4" in str(err.value)
 
 
+def test_a_reward_that_calls_sys_exit_ends_the_fit_with_a_message_naming_it(
+    tmp_path, module, trainer, loader
+):
+    def quitter(prompts, responses):
+        raise SystemExit(3)
+
+    with pytest.raises(SystemExit) as stop:
+        trainer(tmp_path, max_steps=1).fit(module(reward=quitter), loader([{"prompt": "q"}]))
+    assert isinstance(stop.value.code, str)  # exit status 1, the message printed
+    assert stop.value.code.startswith("reward 'quitter' raised SystemExit(3) from its own code")
+
+
 def test_reward_errors_score_zero_and_are_counted_when_asked(tmp_path, module, trainer, loader):
     def flaky(prompts, responses, tag):
         if "bad" in tag:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+import signal
 import time
 import warnings
 from typing import Any
@@ -266,9 +269,12 @@ def test_score_batch_only_failure_raises_or_falls_back_to_per_sample_scores() ->
             raise MemoryError("batch too large")
         return [2.0]
 
-    with pytest.raises(RuntimeError, match="no single sample"):
+    says = (
+        r"on the batch of 2 but on no single sample .*: it depends on the batch as a whole, e.g. on its size"
+    )
+    with pytest.raises(RuntimeError, match=says):
         score(batch_of_one_only, ["p", "p"], ["a", "b"])
-    with pytest.warns(UserWarning, match="no single sample"):
+    with pytest.warns(UserWarning, match=says):
         scored = score(batch_of_one_only, ["p", "p"], ["a", "b"], on_error="zero")
     assert (scored.total, scored.num_errors) == ([2.0, 2.0], 0)
 
@@ -405,6 +411,75 @@ def test_a_reward_within_its_timeout_scores_as_usual_and_its_errors_surface():
 
     with pytest.raises(RuntimeError, match="KeyError"):
         score(broken, ["p"], ["a"], reward_timeout=5)
+
+
+def quits(prompts, responses):
+    raise SystemExit(3)
+
+
+def interrupts(prompts, responses):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("reward_timeout", [None, 5])
+def test_a_rewards_own_exit_or_interrupt_stops_with_an_error_naming_it(reward_timeout):
+    composite = CompositeReward([(has_digit, 1.0), (quits, 1.0)])
+    for reward, raised in (
+        (quits, r"SystemExit\(3\)"),
+        (interrupts, r"KeyboardInterrupt\(\)"),
+        (composite, ""),
+    ):
+        for on_error in ("raise", "zero"):  # not a sample's error: never scored 0
+            with pytest.raises(SystemExit) as stop:
+                score(reward, ["p", "q"], ["1", "b"], on_error=on_error, reward_timeout=reward_timeout)
+            message = stop.value.code  # a message, so the process exits 1 and prints it
+            assert isinstance(message, str), message
+            assert re.match(rf"reward '(quits|interrupts)' raised {raised}.* from its own code", message)
+
+
+def test_a_signal_during_a_reward_call_passes_through_unchanged():
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from forge_lightning.preemption import sigterm_interrupts
+
+    def signals(signum):
+        def reward(prompts, responses):
+            os.kill(os.getpid(), signum)
+            time.sleep(5)  # the handler raises in here
+            return [1.0] * len(responses)
+
+        return reward
+
+    with pytest.raises(KeyboardInterrupt):  # a Ctrl-C, as Python raises it
+        score(signals(signal.SIGINT), ["p"], ["a"])
+    with sigterm_interrupts(), pytest.raises(SIGTERMException) as stop:  # the module's reward calls
+        score(signals(signal.SIGTERM), ["p"], ["a"])
+    assert type(stop.value) is SIGTERMException and stop.value.code == 143
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+
+def test_a_slow_reward_without_a_timeout_is_warned_about_once(monkeypatch):
+    from forge_lightning import rewards
+
+    monkeypatch.setattr(rewards, "SLOW_REWARD_SECONDS", 0.1)
+
+    def slow(prompts, responses):
+        time.sleep(0.5)
+        return [1.0] * len(responses)
+
+    with pytest.warns(UserWarning) as seen:
+        assert score(slow, ["p"], ["a"]).total == [1.0]
+    assert [str(w.message) for w in seen] == [
+        "reward 'slow' has run for more than 0.1s in one call, with no reward_timeout set; if it "
+        "hangs, set model.reward_timeout (seconds, e.g. --model.reward_timeout 300) to abandon a "
+        "call that takes longer"
+    ]
+    with warnings.catch_warnings(record=True) as later:  # (the watchdog warns from its own thread)
+        warnings.simplefilter("always")
+        score(lambda p, r: [1.0] * len(r), ["p"], ["a"])  # a fast one: no warning, even later
+        time.sleep(0.3)
+        score(slow, ["p"], ["a"], reward_timeout=5)  # a timeout set: no warning either
+    assert later == []
 
 
 def test_none_means_not_applicable_to_a_composites_component():

@@ -167,6 +167,8 @@ def test_resume_refuses_settings_a_run_cannot_change_and_names_each(run, tmp_pat
         run("--ckpt_path", "last", "--model.group_size", "2", "--model.kl_beta", "0.2", steps=3)
     with pytest.raises(SystemExit, match=r"seed: 42 -> 3"):
         run("--ckpt_path", "last", "--data.seed", "3", steps=3)
+    with pytest.raises(SystemExit, match=r"(?s)model.group_size: 4 -> 2.*data.seed: 42 -> 3 \(the data pos"):
+        run("--ckpt_path", "last", "--model.group_size", "2", "--data.seed", "3", steps=3)  # both at once
     assert sorted((out / "tensorboard").iterdir()) == versions  # no config.yaml of a run that never ran
     assert steps_logged(out) == [1, 2]
 

@@ -13,7 +13,7 @@ from typing_extensions import override
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.model_card import model_card
 from forge_lightning.config import check_setting
-from forge_lightning.fileio import temporary_sibling, write_folder_atomically
+from forge_lightning.fileio import SpaceCheck, temporary_sibling, write_folder_atomically
 from forge_lightning.lora import has_adapter, lora_settings, save_merged
 from forge_lightning.sharding import full_state_dict, is_sharded, save_sharded_pretrained
 
@@ -34,8 +34,10 @@ class HFCheckpoint(Callback):
     for ``embedded``), which is what the hub links an adapter to.
 
     Each folder is written to a temporary sibling and renamed, so a crash never leaves a
-    half-written checkpoint. Only global rank 0 writes; a policy sharded with FSDP2 is gathered onto
-    it first (every rank takes part, so the callback must be configured on all of them).
+    half-written checkpoint; a failed write names the folder and says when the disk is full, and
+    a warning comes first (once) when less space is left than the previous folder took. Only
+    global rank 0 writes; a policy sharded with FSDP2 is gathered onto it first (every rank takes
+    part, so the callback must be configured on all of them).
 
     Args:
         output_dir: run folder; ``trainer.default_root_dir`` when None.
@@ -60,6 +62,7 @@ class HFCheckpoint(Callback):
         self.save_final = save_final
         self.save_total_limit = save_total_limit
         self._last_saved_step = -1
+        self._space = SpaceCheck("HF checkpoint folder")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
@@ -106,7 +109,9 @@ class HFCheckpoint(Callback):
                     save_merged(pl_module.model, tmp / "merged")
                     pl_module.tokenizer.save_pretrained(tmp / "merged")
 
+            self._space.before(folder)
             write_folder_atomically(folder, write)
+            self._space.after(folder)
         trainer.strategy.barrier("hf_checkpoint")
         return folder
 

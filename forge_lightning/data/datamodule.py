@@ -203,10 +203,14 @@ class GSM8KDataModule(L.LightningDataModule):
             self.check_resume(state_dict)  # validate may read other data
         self._resume = {"epoch": state_dict["epoch"], "batches_done": state_dict["batches_done"]}
 
-    def check_resume(self, state_dict: dict[str, Any]) -> None:
-        """Raise ValueError naming each setting that differs from the checkpoint's ``state_dict``
+    def resume_changes(self, state_dict: dict[str, Any]) -> list[str]:
+        """``name: old -> new`` for each setting that differs from the checkpoint's ``state_dict``
         and would make its data position point at other prompts."""
-        changed = list(changed_settings(state_dict.get("settings", {}), self._settings()).values())
+        return list(changed_settings(state_dict.get("settings", {}), self._settings()).values())
+
+    def check_resume(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError naming each of :meth:`resume_changes`."""
+        changed = self.resume_changes(state_dict)
         if changed:
             raise ValueError(
                 "resuming with data settings that differ from the checkpoint's (the data position "
