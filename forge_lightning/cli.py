@@ -109,7 +109,8 @@ class ForgeCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        # Validated once the loggers have their folders: CSVLogger's save_dir is required.
+        # Validated only once the loggers have their folders (CSVLogger's save_dir is required), with
+        # parse_args' _skip_validation, jsonargparse's private keyword (--print_config shows save_dir unset).
         if isinstance(args, (dict, Namespace)):
             return super().parse_arguments(parser, args)
         self.config = parser.parse_args(args, _skip_validation=True)
@@ -118,7 +119,7 @@ class ForgeCLI(LightningCLI):
         _default_logger_folders(trainer, Path(trainer.get("default_root_dir") or Path.cwd()))
         try:
             parser.validate(self.config)
-        except Exception as err:
+        except (TypeError, ValueError, KeyError) as err:
             parser.error(str(err))
 
     @override
