@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import (
     Callback,
@@ -23,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
-from forge_lightning.config import check_resume_settings
+from forge_lightning.config import check_resume_settings, refuse_automatic_optimization_settings
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.preemption import EXIT_CODE
 from forge_lightning.run_folder import RunFolder, RunFolderError
@@ -105,6 +109,30 @@ class ForgeCLI(LightningCLI):
         return parser
 
     @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # Validated only once the loggers have their folders (CSVLogger's save_dir is required), with
+        # parse_args' _skip_validation, jsonargparse's private keyword (--print_config shows save_dir unset).
+        if isinstance(args, (dict, Namespace)):
+            return super().parse_arguments(parser, args)
+        self.config = parser.parse_args(args, _skip_validation=True)
+        subcommand = self.config.get("subcommand")
+        trainer = (self.config[subcommand] if subcommand else self.config)["trainer"]
+        _default_logger_folders(trainer, Path(trainer.get("default_root_dir") or Path.cwd()))
+        try:
+            parser.validate(self.config)
+        except (TypeError, ValueError, KeyError) as err:
+            parser.error(str(err))
+
+    @override
+    def instantiate_classes(self) -> None:
+        # An out-of-range setting is refused by the class that owns it (validate_hparams, in the
+        # module's __init__): one line, as every other CLI error, not a traceback.
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            raise SystemExit(f"{self.subcommand or 'fit'}: {err}") from None
+
+    @override
     def before_fit(self) -> None:
         try:
             self._prepare_run_folder()
@@ -114,7 +142,10 @@ class ForgeCLI(LightningCLI):
             raise
 
     def _prepare_run_folder(self) -> None:
-        _refuse_automatic_optimization_settings(self.trainer)
+        try:  # the module refuses them too (configure_callbacks), but only once the folder is taken
+            refuse_automatic_optimization_settings(self.trainer)
+        except ValueError as err:
+            raise SystemExit(f"fit: {err}") from None
         ckpt_path = self._get(self.config, "ckpt_path")
         dirs = _checkpoint_dirs(self.trainer.checkpoint_callbacks)
         if ckpt_path == "last" and not dirs:
@@ -145,7 +176,11 @@ class ForgeCLI(LightningCLI):
     def fit(self, model: GRPOLightningModule, **kwargs: Any) -> None:
         """``trainer.fit``, releasing the run folder's lock however it ends."""
         try:
-            self.trainer.fit(model, **kwargs)
+            with warnings.catch_warnings():
+                # Lightning's ModelCheckpoint asks a manually optimized module to keep its weights
+                # from before each step: here a checkpoint is meant to hold the state after it.
+                warnings.filterwarnings("ignore", message=_PRE_STEP_STATE_WARNING, category=UserWarning)
+                self.trainer.fit(model, **kwargs)
         finally:
             if self._run_folder is not None:
                 self._run_folder.unlock()
@@ -213,6 +248,10 @@ class ForgeCLI(LightningCLI):
         wanted = config.get("enable_progress_bar") is not False
         if wanted and "callbacks" not in kwargs and not any(isinstance(c, ProgressBar) for c in callbacks):
             kwargs["callbacks"] = [*callbacks, default_progress_bar()]
+        if self._get(self.config_init, "checkpoint") is None and not any(
+            isinstance(c, ModelCheckpoint) for c in callbacks
+        ):
+            kwargs["enable_checkpointing"] = False  # else Lightning adds a ModelCheckpoint of its own
         root = Path(config.get("default_root_dir") or Path.cwd())
         if config.get("logger") in (None, True) and "logger" not in kwargs:
             # No hp_metric: it is a constant -1 that only clutters the scalars.
@@ -236,43 +275,116 @@ def _plain(text: str) -> str:
     return " ".join(text.replace("``", "").split())
 
 
+_SENTENCE_END = re.compile(r"(?<=\.)\s+(?=[A-Z])")
+_CLASS_PATH = re.compile(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)")
+
+
+def _first_sentence(text: str) -> str:
+    """The first sentence of ``text``, in plain text, and a next one that says what None means
+    (``None trains every weight.``): what a null setting does is part of what the setting is."""
+    first, *rest = _SENTENCE_END.split(_plain(text))
+    if rest and rest[0].startswith("None"):
+        first = f"{first} {rest[0]}"
+    return first
+
+
+def _group_headings(parser: LightningArgumentParser) -> None:
+    """A heading of whole sentences for each group that takes a class (``--data`` and the callback
+    groups), saying how to list its settings: those of a class chosen by ``--<group> CLASS`` are
+    not in this help."""
+    titles = {
+        "data": "The datamodule: GSM8KDataModule unless --data names another LightningDataModule",
+        "checkpoint": "Lightning's ModelCheckpoint: the training state that --ckpt_path last resumes",
+    }
+    for key in ("data", *CALLBACK_GROUPS):
+        group = parser.groups.get(key)
+        if group is None:
+            continue
+        kind = CALLBACK_GROUPS.get(key)
+        if kind is None:
+            group.description = (
+                f"Its settings (--{key}.<setting>): --{key}.help forge_lightning.data.GSM8KDataModule"
+            )
+        else:
+            summary = _first_sentence(inspect.getdoc(kind).split("\n\n")[0]).rstrip(".")
+            titles.setdefault(key, summary)
+            group.description = (
+                f"Its settings (--{key}.<setting>): --{key}.help {kind.__name__}; off with --{key} null"
+            )
+        group.title = titles[key]
+
+
+def _short_subclass_list(action: argparse.Action) -> None:
+    """The "known subclasses" jsonargparse lists after a class option, by class name (which the
+    option accepts too), not by dotted path: the Trainer's callbacks and plugins alone took 60 lines."""
+    extra_help = getattr(action, "extra_help", None)
+    if extra_help is not None:
+        action.extra_help = lambda: _CLASS_PATH.sub(r"\1", extra_help())
+
+
 def _shorten_help(parser: LightningArgumentParser) -> None:
-    """Help that fits a screen: every option's text cut to its first sentence, in plain text (the
-    type and default jsonargparse adds stay), and a one-line usage instead of every flag."""
+    """Help that fits a screen: every option's text cut to its first sentence (and what None means),
+    in plain text (the type and default jsonargparse adds stay), group headings of whole sentences,
+    and a one-line usage instead of every flag."""
     for action in parser._actions:
         if action.help and action.help is not argparse.SUPPRESS:
-            first = re.split(r"(?<=[.:;])\s+(?=[A-Z])", _plain(action.help), maxsplit=1)[0]
-            action.help = first
-    for group in parser._action_groups:  # a callback group's heading is its class's docstring
+            action.help = _first_sentence(action.help)
+        _short_subclass_list(action)
+    for group in parser._action_groups:
         group.title = group.title and _plain(group.title)
         group.description = group.description and _plain(group.description)
+    _group_headings(parser)
     parser.usage = (
         "%(prog)s [-h] [-c CONFIG] [--print_config] [--trainer.<setting> VALUE ...] "
         "[--model.<setting> VALUE ...] [--data.<setting> VALUE ...] [--ckpt_path CKPT_PATH]"
     )
 
 
+class _WithoutVersion:
+    """A progress bar without the logger's version number (``v_num``), which says nothing about
+    training; the reward and kl the module puts on the bar stay."""
+
+    def get_metrics(self, trainer: Trainer, pl_module: Any) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)  # type: ignore[misc]
+        metrics.pop("v_num", None)
+        return metrics
+
+
+class _RichBar(_WithoutVersion, RichProgressBar):
+    pass
+
+
+class _TQDMBar(_WithoutVersion, TQDMProgressBar):
+    pass
+
+
 def default_progress_bar() -> ProgressBar:
     """Rich's progress bar (reward and kl beside it) when ``rich`` imports, else Lightning's TQDM one."""
     try:
-        return RichProgressBar()
+        return _RichBar()
     except ModuleNotFoundError:
-        return TQDMProgressBar()
+        return _TQDMBar()
 
 
-def _refuse_automatic_optimization_settings(trainer: Trainer) -> None:
-    """The module optimizes by hand; Lightning's own refusal of these says "switch to automatic
-    optimization", which is no help here: point to the module's settings instead."""
-    if trainer.gradient_clip_val:
-        raise SystemExit(
-            f"fit: trainer.gradient_clip_val={trainer.gradient_clip_val} does not apply here (the module "
-            "steps its optimizer itself); set model.max_grad_norm instead"
-        )
-    if trainer.accumulate_grad_batches != 1:
-        raise SystemExit(
-            f"fit: trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} does not apply here "
-            "(the module steps its optimizer itself); set model.gradient_accumulation_steps instead"
-        )
+# Lightning's ModelCheckpoint warning under manual optimization with every_n_train_steps.
+_PRE_STEP_STATE_WARNING = r"Using ModelCheckpoint with manual optimization and every_n_train_steps"
+
+
+def _default_logger_folders(trainer_config: Any, root: Path) -> None:
+    """Each logger of the config (class_path form) whose ``save_dir`` is unset or its class's
+    default (CSVLogger's is required, W&B's is the current directory) writes under the run folder
+    instead: ``<root>`` for ``"."``/None, ``<root>/mlruns`` for MLflow's ``./mlruns``."""
+    loggers = trainer_config.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        init_args = getattr(logger, "init_args", None)
+        if init_args is None or "save_dir" not in init_args:
+            continue
+        module, _, name = logger.class_path.rpartition(".")
+        kind = getattr(importlib.import_module(module), name)
+        default = inspect.signature(kind).parameters.get("save_dir")
+        default = None if default is None or default.default is inspect.Parameter.empty else default.default
+        if init_args.save_dir is None or init_args.save_dir == default:
+            init_args.save_dir = str(root / default) if isinstance(default, str) else str(root)
 
 
 def _checkpoint_dirs(callbacks: list[Any]) -> list[str]:
@@ -300,6 +412,9 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
         save_config_kwargs={"overwrite": True},
         # The module owns its optimizer and warmup-cosine schedule (configure_optimizers).
         auto_configure_optimizers=False,
+        # --model.lr would otherwise be taken for --model.lr_schedule, and --model.temp for
+        # --model.temperature, without a word.
+        parser_kwargs={"allow_abbrev": False},
         args=args,
         run=run,
     )

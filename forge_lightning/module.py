@@ -33,6 +33,7 @@ from forge_lightning.config import (
     changed_settings,
     check_resume_settings,
     loss_settings,
+    refuse_automatic_optimization_settings,
     trainer_settings,
     validate_hparams,
 )
@@ -648,6 +649,8 @@ class GRPOLightningModule(pl.LightningModule):
         # A callback returned here would replace the trainer's own of the same type (and its
         # settings, e.g. output_dir): add the reference only when the trainer has none.
         given = self._trainer.callbacks if self._trainer is not None else []
+        if self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING:
+            refuse_automatic_optimization_settings(self._trainer)  # the one hook before Lightning's
         callbacks: list[pl.Callback] = []
         if self.hparams.rollout_mode == "async":
             callbacks.append(_StopWorkerOnError())

@@ -143,6 +143,12 @@ class RunFolder:
                 log.warning("no last.ckpt: resuming from this run's newest checkpoint, %s", found)
             return found
         existing = self.contents()
+        if existing == [self.root / "reference"]:
+            # All a fit that failed before its first optimizer step leaves (no log, no checkpoint
+            # needs it): no run to protect, and this run writes its own reference.
+            _remove(existing[0])
+            log.warning("removed %s, left by a fit that took no optimizer step", existing[0])
+            return None
         if existing and not overwrite:
             shown = ", ".join(str(p) for p in existing[:4]) + (" ..." if len(existing) > 4 else "")
             raise RunFolderError(

@@ -68,7 +68,9 @@ def test_ckpt_path_last_finds_the_checkpoint_under_every_config_and_overlay(file
     assert folder.newest_checkpoint() == root / "checkpoints" / "last.ckpt"
 
 
-def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path, tiny_overrides, capsys):
+def test_fit_writes_checkpoint_jsonl_and_tensorboard(
+    tiny_model_dir, tmp_path, tiny_overrides, capsys, recwarn
+):
     out = tmp_path / "run"
     build_cli(
         [
@@ -102,6 +104,9 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(tiny_model_dir, tmp_path, t
     assert f"checkpoints  {out / 'checkpoints'}  (resume with --ckpt_path last)" in summary
     assert f"model        {out / 'final'}" in summary
     assert f"tensorboard  tensorboard --logdir {out / 'tensorboard'}" in summary
+    # ModelCheckpoint's advice to keep the weights from before each step does not apply here.
+    assert (out / "checkpoints" / "epoch=0-step=2.ckpt").is_file()
+    assert not [w for w in recwarn if "pre-optimization state" in str(w.message)]
 
 
 def test_gsm8k_recipe_runs_one_step_on_a_tiny_model_and_local_data(
@@ -185,3 +190,52 @@ def test_a_data_setting_may_be_null_on_the_command_line(capsys):
         )
     assert exit_info.value.code == 0
     assert yaml.safe_load(capsys.readouterr().out)["data"]["init_args"]["max_samples"] is None
+
+
+def smoke_args(model_dir, out, tiny_overrides) -> list[str]:
+    return ["--config", str(ROOT / "configs" / "smoke.yaml"), *tiny_overrides(model_dir, out)]
+
+
+def test_checkpoint_null_keeps_no_lightning_checkpoint(tiny_model_dir, tmp_path, tiny_overrides):
+    cli = build_cli([*smoke_args(tiny_model_dir, tmp_path, tiny_overrides), "--checkpoint=null"], run=False)
+    assert cli.trainer.checkpoint_callbacks == []  # not Lightning's default ModelCheckpoint instead
+
+
+def test_other_loggers_write_into_the_run_folder(tiny_model_dir, tmp_path, tiny_overrides, monkeypatch):
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    args = smoke_args(tiny_model_dir, tmp_path / "run", tiny_overrides)
+    cli = build_cli([*args, "--trainer.logger+=CSVLogger", "--trainer.logger+=WandbLogger"], run=False)
+    csv, wandb = cli.trainer.loggers
+    assert isinstance(csv, CSVLogger) and isinstance(wandb, WandbLogger)
+    assert csv.save_dir == wandb.save_dir == str(tmp_path / "run")  # not ./ (W&B) or an error (CSV)
+    chosen = tmp_path / "elsewhere"
+    cli = build_cli([*args, "--trainer.logger=CSVLogger", f"--trainer.logger.save_dir={chosen}"], run=False)
+    assert cli.trainer.logger.save_dir == str(chosen)
+
+
+def test_an_out_of_range_setting_is_one_line(tiny_model_dir, tmp_path, tiny_overrides):
+    with pytest.raises(SystemExit, match=r"^fit: group_size must be an integer >= 2, got 1$"):
+        build_cli([*smoke_args(tiny_model_dir, tmp_path, tiny_overrides), "--model.group_size=1"], run=False)
+
+
+def test_abbreviated_flags_are_refused_and_exact_ones_parse(tiny_model_dir, tmp_path, tiny_overrides, capsys):
+    args = smoke_args(tiny_model_dir, tmp_path, tiny_overrides)
+    with pytest.raises(SystemExit) as stopped:
+        build_cli([*args, "--model.temp", "0.5"], run=False)  # was taken for --model.temperature
+    assert stopped.value.code == 2 and "--model.temp" in capsys.readouterr().err
+    extra = ["--model.temperature", "0.5", "--trainer.callbacks+=LearningRateMonitor"]
+    cli = build_cli([*args, *extra], run=False)
+    assert cli.model.hparams.temperature == 0.5
+    assert any(type(c).__name__ == "LearningRateMonitor" for c in cli.trainer.callbacks)
+
+
+def test_the_progress_bar_shows_no_logger_version(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    from forge_lightning.cli import default_progress_bar
+
+    trainer = Trainer(logger=CSVLogger(tmp_path), default_root_dir=tmp_path, enable_checkpointing=False)
+    assert "v_num" not in default_progress_bar().get_metrics(trainer, None)

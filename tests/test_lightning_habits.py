@@ -29,6 +29,7 @@ def test_the_cli_offers_no_subcommand_without_a_step(subcommand, capsys):
     [
         ("--trainer.gradient_clip_val=1.0", "model.max_grad_norm"),
         ("--trainer.accumulate_grad_batches=4", "model.gradient_accumulation_steps"),
+        ("--trainer.gradient_clip_algorithm=value", "model.max_grad_norm"),
     ],
 )
 def test_lightnings_automatic_settings_point_to_the_modules_own(
@@ -38,6 +39,23 @@ def test_lightnings_automatic_settings_point_to_the_modules_own(
     with pytest.raises(SystemExit, match=f"set {pointer} instead"):
         build_cli(args)
     assert not (tmp_path / "run" / "training_log.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("setting", "pointer"),
+    [
+        ({"gradient_clip_val": 1.0}, "model.max_grad_norm"),
+        ({"accumulate_grad_batches": 4}, "model.gradient_accumulation_steps"),
+        ({"gradient_clip_algorithm": "value"}, "model.max_grad_norm"),
+    ],
+)
+def test_a_python_trainer_with_automatic_settings_is_refused_before_the_model_loads(
+    setting, pointer, tmp_path, module, trainer, loader, tiny_model_dir
+):
+    grpo = module(model=str(tiny_model_dir))
+    with pytest.raises(ValueError, match=f"set {pointer} instead"):
+        trainer(tmp_path, **setting).fit(grpo, loader([{"prompt": "q"}]))
+    assert grpo.model is None  # refused before configure_model, before any rollout
 
 
 def test_a_schedule_sized_without_max_steps_under_max_time_warns(tmp_path, module, trainer, loader, count_a):
@@ -309,7 +327,17 @@ def test_help_is_short_plain_text(subcommand, capsys):
     assert len(text.splitlines()) < 500  # 683 before: every docstring paragraph of every option
     assert not any(mark in text for mark in ("``", ":class:", ":func:", ":meth:", ".. note"))
     assert text.splitlines()[0].startswith("usage:") and len(text.split("\n\n")[0].splitlines()) == 1
-    assert "completions per prompt (G), at least 2. (type: int, default: 8)" in " ".join(text.split())
+    joined = " ".join(text.split())
+    assert "completions per prompt (G), at least 2. (type: int, default: 8)" in joined
+    # What a null setting means is kept, and headings are whole sentences.
+    assert (
+        "train a LoRA adapter (lora.LoraSettings or a dict of its fields); None trains every weight."
+        in joined
+    )
+    assert "optimizer steps and:" not in text and "The main advantage is:" not in text
+    # --data takes any datamodule, so its settings are not listed: the help says how to see them.
+    assert "--data.help forge_lightning.data.GSM8KDataModule" in joined
+    assert "--hf_checkpoint.help HFCheckpoint; off with --hf_checkpoint null" in joined
 
 
 def test_the_samples_table_shows_every_component_of_each_samples_reward(tmp_path, module, trainer, loader):

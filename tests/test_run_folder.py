@@ -124,6 +124,19 @@ def test_a_fresh_fit_over_a_run_is_refused_and_overwrite_replaces_it(run):
     assert steps_logged(out) == [1, 2, 3]  # one run's steps, not 1, 2, 1, 2, 3
 
 
+def needs_difficulty(prompts: list[str], responses: list[str], difficulty: list[str]) -> list[float]:
+    return [0.0] * len(responses)
+
+
+def test_a_fit_that_took_no_step_leaves_the_folder_free(run):
+    # Refused at the first batch (the data has no difficulty column), after reference/ is written.
+    with pytest.raises(ValueError, match="needs difficulty"):
+        run("--model.reward", "test_run_folder.needs_difficulty")
+    assert (run.config.parent / "run" / "reference").is_dir()
+    out = run()  # the corrected command is a fresh run, not "already holds a run"
+    assert steps_logged(out) == [1, 2]
+
+
 def test_checkpoint_folders_outside_the_run_folder_are_owned_too(tmp_path, tiny_model_dir):
     shared = tmp_path / "shared_ckpts"
     first = RunFolder(tmp_path / "a", [shared])
