@@ -19,6 +19,7 @@ _EXPORTS = {
     "GRPOConfig": "forge_lightning.compat",
     "GRPOTrainer": "forge_lightning.compat",
     "GSM8KDataModule": "forge_lightning.data",
+    "collate_records": "forge_lightning.data",
     "load_gsm8k": "forge_lightning.data",
     "load_gsm8k_mock": "forge_lightning.data",
     "GRPOLightningModule": "forge_lightning.module",
@@ -50,6 +51,7 @@ __all__ = [
     "ReferenceModel",
     "RewardLogger",
     "RewardOutput",
+    "collate_records",
     "load_gsm8k",
     "load_gsm8k_mock",
 ]
@@ -70,7 +72,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from forge_lightning.callbacks import HFCheckpoint, ReferenceModel, RewardLogger
     from forge_lightning.compat import GRPOConfig, GRPOTrainer
-    from forge_lightning.data import GSM8KDataModule, load_gsm8k, load_gsm8k_mock
+    from forge_lightning.data import GSM8KDataModule, collate_records, load_gsm8k, load_gsm8k_mock
     from forge_lightning.module import GRPOLightningModule
     from forge_lightning.profiler import PhaseProfiler
     from forge_lightning.rewards import (

@@ -152,6 +152,16 @@ def test_malformed_row_error_names_file_line_and_problem(tmp_path: Path, bad_lin
     assert str(file) in str(info.value) and "line 2" in str(info.value)
 
 
+def test_another_datasets_rows_read_as_gsm8k_name_their_fields_and_prompt_field(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "train.jsonl", [{"text": "Say cat", "label": "cat"}])
+    with pytest.raises(
+        ValueError,
+        match=r"line 1: no 'question' field \(fields: \['label', 'text'\]\).*"
+        r"data\.prompt_field \(and data\.reference_field\)",
+    ):
+        load_gsm8k(path=tmp_path)
+
+
 def test_skip_malformed_skips_and_warns_with_count(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "train.jsonl", [good_row(1), "{oops", {"question": "Q"}, good_row(2)])
     with pytest.warns(UserWarning, match="skipped 2 malformed"):
@@ -162,6 +172,28 @@ def test_skip_malformed_skips_and_warns_with_count(tmp_path: Path) -> None:
 def test_max_samples_stops_before_later_malformed_rows(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "train.jsonl", [good_row(1), good_row(2), "{oops"])
     assert len(load_gsm8k(path=tmp_path, max_samples=2)) == 2
+
+
+def test_csv_columns_of_numbers_arrive_as_numbers_like_jsonl_and_parquet(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from forge_lightning.data.gsm8k import load_prompts
+
+    rows = [
+        {"prompt": "Say 7", "level": 1, "score": 0.5, "code": "7", "rank": 3},
+        {"prompt": "Say x", "level": -2, "score": 2.0, "code": "x", "rank": None},
+    ]
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    # "code" mixes a number with text, so it stays text; an empty cell of a number column is None.
+    (tmp_path / "rows.csv").write_text("prompt,level,score,code,rank\nSay 7,1,0.5,7,3\nSay x,-2,2.0,x,\n")
+    read = {
+        suffix: load_prompts("train", None, prompt_field="prompt", path=tmp_path / f"rows.{suffix}")
+        for suffix in ("jsonl", "parquet", "csv")
+    }
+    assert read["csv"] == read["jsonl"] == read["parquet"]
+    assert read["csv"][0]["level"] == 1 and read["csv"][1]["code"] == "x"
 
 
 def test_missing_path_or_split_file_is_a_clear_error(tmp_path: Path) -> None:

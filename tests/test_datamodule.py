@@ -158,3 +158,93 @@ def test_lightning_sets_the_epoch_on_the_sampler(tmp_path: Path) -> None:
     reference = mock_module(seed=11)
     assert model.seen[0] == epoch_order(reference, 0)
     assert model.seen[1] == epoch_order(reference, 1)
+
+
+def test_a_batch_default_collate_transposed_or_left_unbatched_names_collate_records() -> None:
+    import forge_lightning
+    from forge_lightning.data.datamodule import split_batch
+
+    conversations = [
+        {"prompt": [{"role": "user", "content": "hi"}], "reference": "a"},
+        {"prompt": [{"role": "user", "content": "yo"}], "reference": "b"},
+    ]
+    hint = r"DataLoader\(dataset, batch_size=N, collate_fn=forge_lightning\.data\.collate_records\)"
+    transposed = next(iter(torch.utils.data.DataLoader(conversations, batch_size=2)))
+    with pytest.raises(ValueError, match="default collate transposed a batch of conversations.*" + hint):
+        split_batch(transposed)
+    with pytest.raises(ValueError, match="is one conversation.*" + hint):
+        split_batch(conversations[0])
+    with pytest.raises(ValueError, match="is one str.*" + hint):
+        split_batch({"prompt": "What is 2 + 2?"})
+    prompts, kwargs = split_batch(forge_lightning.collate_records(conversations))
+    assert prompts == [row["prompt"] for row in conversations] and kwargs == {"references": ["a", "b"]}
+
+
+class RecordValidation(RecordPrompts):
+    def __init__(self) -> None:
+        super().__init__()
+        self.validated: list[str] = []
+
+    def validation_step(self, batch: dict[str, list[str]], batch_idx: int) -> None:
+        self.validated.extend(batch["prompt"])
+
+
+def quiet_trainer(root: Path, **kwargs: Any) -> L.Trainer:
+    quiet = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    return L.Trainer(accelerator="cpu", default_root_dir=root, num_sanity_val_steps=0, **{**quiet, **kwargs})
+
+
+def test_a_datasets_dataset_trains_validates_and_resumes_only_on_the_same_rows(tmp_path: Path) -> None:
+    import datasets
+
+    rows = [{"text": f"Say {i}", "label": i} for i in range(4)]
+    prompts = [row["text"] for row in rows]
+
+    def data(rows: list[dict[str, Any]]) -> GSM8KDataModule:
+        return GSM8KDataModule(dataset=datasets.Dataset.from_list(rows), prompt_field="text", shuffle=False)
+
+    first, model = data(rows), RecordValidation()
+    every_2 = L.pytorch.callbacks.ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=2, save_top_k=-1)
+    quiet_trainer(tmp_path, max_epochs=1, enable_checkpointing=True, callbacks=[every_2]).fit(
+        model, datamodule=first
+    )
+    assert model.seen[0] == model.validated == prompts  # one Dataset serves train and validation
+    assert first._train[0] == {"prompt": "Say 0", "label": 0}
+    # The same rows loaded again resume where the checkpoint was written; other rows are refused.
+    resumed, step_2 = RecordValidation(), tmp_path / "step=2.ckpt"
+    quiet_trainer(tmp_path, max_epochs=1).fit(resumed, datamodule=data(rows), ckpt_path=step_2)
+    assert resumed.seen == {0: prompts[2:]}
+    with pytest.raises(ValueError, match=r"data settings that differ.*\n  dataset: 'datasets.Dataset "):
+        quiet_trainer(tmp_path, max_epochs=1).fit(
+            RecordValidation(), datamodule=data(rows[:3]), ckpt_path=step_2
+        )
+
+
+def test_a_gsm8k_datasetdict_gives_its_train_and_test_splits() -> None:
+    import datasets
+
+    splits = {
+        split: datasets.Dataset.from_list(
+            [{"question": f"{split} {i}?", "answer": f"#### {i}"} for i in range(n)]
+        )
+        for split, n in (("train", 3), ("test", 2))
+    }
+    data = GSM8KDataModule(dataset=datasets.DatasetDict(splits))
+    data.setup("fit")
+    assert data.train_size == 3 and [r for b in data.val_dataloader() for r in b["reference"]] == ["0", "1"]
+    assert "Problem: test 0?" in data._val[0]["prompt"]
+    with pytest.raises(ValueError, match=r"no 'dev' split \(splits: \['test', 'train'\]\)"):
+        GSM8KDataModule(dataset=datasets.DatasetDict(splits), val_split="dev").setup("fit")
+
+
+def test_a_dataset_that_cannot_be_read_is_refused_by_name() -> None:
+    import datasets
+
+    with pytest.raises(
+        TypeError, match=r"datasets\.Dataset or a datasets\.DatasetDict, got list.*collate_records"
+    ):
+        GSM8KDataModule(dataset=[{"prompt": "a"}])
+    with pytest.raises(ValueError, match=r"leave source at 'hub', got 'mock'"):
+        GSM8KDataModule(dataset=datasets.Dataset.from_list([{"prompt": "a"}]), source="mock")

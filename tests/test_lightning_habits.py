@@ -152,6 +152,21 @@ def test_training_on_conversational_prompts(tmp_path, module, trainer, loader):
     assert grpo.last_step.samples[0][0] == "count"  # the samples table shows its user message
 
 
+def test_a_datasets_dataset_given_to_fit_unbatched_is_refused_before_training(tmp_path, module, trainer):
+    import datasets
+
+    seen = []
+
+    def reward(prompts, responses):
+        seen.extend(prompts)
+        return [0.0] * len(responses)
+
+    rows = datasets.Dataset.from_list([{"prompt": "What is 2 + 2?"}])
+    with pytest.raises(ValueError, match=r"is one str.*DataLoader\(dataset, batch_size=N, collate_fn="):
+        trainer(tmp_path, max_steps=1).fit(module(reward=reward, gradient_accumulation_steps=1), rows)
+    assert seen == []  # refused before a reward saw a prompt split into characters
+
+
 def test_trl_style_rewards_get_completions_by_keyword_in_trls_form():
     from forge_lightning.rewards import missing_arguments
     from forge_lightning.scoring import score

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import lightning as L
 import torch
@@ -14,8 +14,11 @@ from typing_extensions import override
 
 from forge_lightning.config import changed_settings
 from forge_lightning.data.arithmetic import DEFAULT_VARIANT, VARIANTS, generate
-from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock, load_prompts
+from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock, load_prompts, require_in_memory
 from forge_lightning.data.sampler import EpochShuffleSampler
+
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict
 
 Source = Literal["hub", "local", "mock", "arithmetic"]
 # The 20 mock problems split at a fixed point so train and validation never share a problem.
@@ -38,7 +41,7 @@ def split_batch(batch: dict[str, Any]) -> tuple[list[str], dict[str, list[Any]]]
     """Prompts, and the keyword arguments each reward may take (``reference`` -> ``references``)."""
     if "prompt" not in batch:
         raise KeyError(f"a batch needs a 'prompt' key (list of str); got keys {sorted(batch)}")
-    prompts = list(batch["prompt"])
+    prompts = _batched_prompts(batch["prompt"])
     kwargs: dict[str, list[Any]] = {}
     for key, values in batch.items():
         if key == "prompt":
@@ -48,6 +51,35 @@ def split_batch(batch: dict[str, Any]) -> tuple[list[str], dict[str, list[Any]]]
             raise ValueError(f"batch key {key!r} has {len(values)} values for {len(prompts)} prompts")
         kwargs["references" if key == "reference" else key] = values
     return prompts, kwargs
+
+
+_COLLATE_HINT = "DataLoader(dataset, batch_size=N, collate_fn=forge_lightning.data.collate_records)"
+
+
+def _batched_prompts(value: Any) -> list[Any]:
+    """The batch's prompts, each text or a conversation; ValueError when the dataloader did not
+    batch rows the way the module reads them (the mistakes that would otherwise train on garbage)."""
+    if isinstance(value, str):
+        # Iterating it would make each character a prompt.
+        raise ValueError(
+            f"batch['prompt'] is one str, not a list of prompts: the dataloader yields single rows "
+            f"(a dataset passed to trainer.fit as it is). Batch it: {_COLLATE_HINT}"
+        )
+    prompts = list(value)
+    for prompt in prompts:
+        if isinstance(prompt, dict) and any(isinstance(v, (list, tuple)) for v in prompt.values()):
+            # torch's default_collate turns a batch of conversations into one list of messages
+            # whose fields are lists (one entry per prompt).
+            raise ValueError(
+                "batch['prompt'] holds messages whose fields are lists: torch's default collate "
+                f"transposed a batch of conversations. Use {_COLLATE_HINT}"
+            )
+        if isinstance(prompt, dict):
+            raise ValueError(
+                "batch['prompt'] is one conversation, not a list of prompts: the dataloader yields "
+                f"single rows. Batch it: {_COLLATE_HINT}"
+            )
+    return prompts
 
 
 class GSM8KDataModule(L.LightningDataModule):
@@ -76,7 +108,10 @@ class GSM8KDataModule(L.LightningDataModule):
             chat template as it is); every other field goes to the rewards under its name.
         reference_field: with ``prompt_field``, a field to give the rewards as ``references`` (and
             the ``val/accuracy`` check); None: a field named ``reference`` is that already.
-        dataset: with ``prompt_field`` and source="hub", the hub dataset's name.
+        dataset: with source="hub" (the default), rows other than the hub's GSM8K: a hub
+            dataset's name (with ``prompt_field``), or a ``datasets.Dataset`` (read for train and
+            validation, as a single local file is) or ``datasets.DatasetDict`` (its ``train`` and
+            ``val_split`` splits) already loaded, with GSM8K's fields or ``prompt_field``'s.
         val_split: the split (or file stem) validation reads; "test" by default.
         task_variant: with source="arithmetic", which problems (a ``data.arithmetic.VARIANTS`` name).
     """
@@ -97,7 +132,7 @@ class GSM8KDataModule(L.LightningDataModule):
         val_part: Literal["heldout", "dev"] = "heldout",
         prompt_field: str | None = None,
         reference_field: str | None = None,
-        dataset: str | None = None,
+        dataset: str | Dataset | DatasetDict | None = None,
         val_split: str = "test",
         task_variant: str = DEFAULT_VARIANT,
     ) -> None:
@@ -133,7 +168,8 @@ class GSM8KDataModule(L.LightningDataModule):
         self.reference_field = reference_field
         self.dataset = dataset
         self.val_split = val_split
-        if prompt_field is None and dataset is not None:
+        _check_dataset(dataset, source)
+        if prompt_field is None and isinstance(dataset, str):
             raise ValueError("dataset names a hub dataset of prompts: set prompt_field too")
         if prompt_field is not None and source not in ("local", "hub"):
             raise ValueError(f"prompt_field reads a local or hub dataset, not source={source!r}")
@@ -172,8 +208,10 @@ class GSM8KDataModule(L.LightningDataModule):
                 for split, limit in (("train", self.max_samples), (self.val_split, self.val_max_samples))
             )
             return
-        self._train = load_gsm8k("train", self.max_samples, self.path, self.skip_malformed)
-        self._val = load_gsm8k(self.val_split, self.val_max_samples, self.path, self.skip_malformed)
+        self._train, self._val = (
+            load_gsm8k(split, limit, self.path, self.skip_malformed, dataset=self.dataset)
+            for split, limit in (("train", self.max_samples), (self.val_split, self.val_max_samples))
+        )
 
     @override
     def train_dataloader(self) -> DataLoader:
@@ -220,8 +258,8 @@ class GSM8KDataModule(L.LightningDataModule):
 
     def _settings(self) -> dict[str, Any]:
         names = ("source", "path", "max_samples", "prompts_per_step", "shuffle", "seed", "task_seed")
-        names += ("prompt_field", "dataset", "task_variant")
-        return {name: getattr(self, name) for name in names}
+        names += ("prompt_field", "task_variant")
+        return {name: getattr(self, name) for name in names} | {"dataset": _dataset_setting(self.dataset)}
 
     @override
     def val_dataloader(self) -> DataLoader:
@@ -251,6 +289,29 @@ class GSM8KDataModule(L.LightningDataModule):
             # resumed run would sample different completions from an uninterrupted one.
             generator=torch.Generator().manual_seed(self.seed),
         )
+
+
+def _check_dataset(dataset: Any, source: str) -> None:
+    if dataset is None or isinstance(dataset, str):
+        return
+    require_in_memory(dataset)
+    if source != "hub":
+        raise ValueError(
+            f"dataset= a {type(dataset).__name__} is read in memory: leave source at 'hub', got {source!r}"
+        )
+
+
+def _dataset_setting(dataset: Any) -> str | None:
+    """What a checkpoint records of ``dataset``: its name, or the content fingerprint of each
+    in-memory split (datasets' own hash of the rows), so resuming on other rows is refused."""
+    if dataset is None or isinstance(dataset, str):
+        return dataset
+    import datasets
+
+    if isinstance(dataset, datasets.DatasetDict):
+        splits = ", ".join(f"{name}: {split._fingerprint}" for name, split in sorted(dataset.items()))
+        return f"datasets.DatasetDict {splits}"
+    return f"datasets.Dataset {dataset._fingerprint}"
 
 
 def _validate(

@@ -26,6 +26,9 @@ _NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
 _ANSWER_LINE = re.compile(r"answer\s*:(.*)", re.IGNORECASE)
 _BOXED = "\\boxed{"
+# A CSV cell that is a number (no thousands separators, no "nan"/"inf": those stay text).
+_CSV_INT = re.compile(r"[-+]?[0-9]+")
+_CSV_FLOAT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 # Hand-written problems: (question, answer, arithmetic that derives the answer from the question).
 # The expression lets a test re-derive each answer independently of the number typed beside it.
@@ -192,8 +195,14 @@ def _sample_from_row(row: Any) -> dict[str, str]:
     if not isinstance(row, dict):
         raise ValueError(f"expected an object with 'question' and 'answer', got {type(row).__name__}")
     for field in ("question", "answer"):
-        if not isinstance(row.get(field), str):
-            raise ValueError(f"missing or non-string field {field!r}")
+        if field not in row:
+            # Most often another dataset read as GSM8K: say which fields it has and how to name them.
+            raise ValueError(
+                f"no {field!r} field (fields: {sorted(row)}); for a dataset other than GSM8K, set "
+                "data.prompt_field (and data.reference_field) to the fields of its prompt (and reference)"
+            )
+        if not isinstance(row[field], str):
+            raise ValueError(f"field {field!r} is not text: {row[field]!r:.100}")
     if not row["question"].strip():
         raise ValueError("empty question")
     return {"prompt": format_prompt(row["question"]), "reference": parse_reference(row["answer"])}
@@ -218,8 +227,31 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _csv_rows(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open(newline="", encoding="utf-8") as f:
-        for number, row in enumerate(csv.DictReader(f), start=2):  # line 1 is the header
-            yield f"line {number}", row
+        rows = list(csv.DictReader(f))
+    for number, row in enumerate(_typed_columns(rows), start=2):  # line 1 is the header
+        yield f"line {number}", row
+
+
+def _typed_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """CSV cells are all text: a column whose every filled cell is a number becomes ints (or floats),
+    as JSON-lines and parquet give it (and as pandas reads CSV); its empty cells become None."""
+    columns = {key for row in rows for key in row if key is not None}
+    converters: dict[str, Callable[[str], Any]] = {}
+    for column in columns:
+        filled = [row[column] for row in rows if isinstance(row.get(column), str) and row[column] != ""]
+        if filled and all(_CSV_INT.fullmatch(cell) for cell in filled):
+            converters[column] = int
+        elif filled and all(_CSV_FLOAT.fullmatch(cell) for cell in filled):
+            converters[column] = float
+    if not converters:
+        return rows
+    return [{key: _convert(converters.get(key), value) for key, value in row.items()} for row in rows]
+
+
+def _convert(converter: Callable[[str], Any] | None, value: Any) -> Any:
+    if converter is None or not isinstance(value, str):
+        return value  # text columns, and csv's None/list for a row with too few/many cells
+    return converter(value) if value != "" else None
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -258,8 +290,39 @@ def _hub_rows(
         raise RuntimeError(
             f"could not load {what} from the Hugging Face Hub: {err}. Without network access, {offline}"
         ) from err
+    yield from _table_rows(table)
+
+
+def _table_rows(table: Any) -> Iterator[tuple[str, Any]]:
     for number, row in enumerate(table, start=1):
         yield f"row {number}", row
+
+
+def require_in_memory(data: Any) -> None:
+    """TypeError unless ``data`` is a ``datasets.Dataset`` or ``DatasetDict``."""
+    import datasets  # only here: importing it costs a second, and most runs never pass an object
+
+    if not isinstance(data, datasets.Dataset | datasets.DatasetDict):
+        raise TypeError(
+            f"dataset must be a hub dataset's name, a datasets.Dataset or a datasets.DatasetDict, got "
+            f"{type(data).__name__}; other rows go to trainer.fit as a DataLoader(rows, batch_size=N, "
+            "collate_fn=forge_lightning.data.collate_records)"
+        )
+
+
+def in_memory_rows(data: Any, split: str) -> tuple[str, Iterator[tuple[str, Any]]]:
+    """Where rows come from and the rows, of a ``datasets.Dataset`` (every split reads it, as a
+    single file serves both) or of a ``datasets.DatasetDict``'s ``split``."""
+    import datasets
+
+    require_in_memory(data)
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise ValueError(
+                f"the DatasetDict has no {split!r} split (splits: {sorted(data)}); see data.val_split"
+            )
+        return f"the DatasetDict's {split!r} split", _table_rows(data[split])
+    return "the datasets.Dataset", _table_rows(data)
 
 
 def _collect(
@@ -298,6 +361,7 @@ def load_gsm8k(
     max_samples: int | None = 500,
     path: str | Path | None = None,
     skip_malformed: bool = False,
+    dataset: Any = None,
 ) -> list[dict[str, str]]:
     """Load GSM8K as ``[{"prompt", "reference"}]``, the first ``max_samples`` rows in file order.
 
@@ -308,10 +372,14 @@ def load_gsm8k(
         path: local folder or file with GSM8K's ``question``/``answer`` fields; None loads
             ``openai/gsm8k`` (config ``main``) with ``datasets``.
         skip_malformed: skip bad rows with one warning instead of raising on the first.
+        dataset: instead of ``path``, GSM8K's rows already loaded: a ``datasets.Dataset`` or
+            ``DatasetDict`` (see :func:`in_memory_rows`).
     """
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
-    if path is None:
+    if dataset is not None:
+        source, rows = in_memory_rows(dataset, split)
+    elif path is None:
         what = f"{HUB_DATASET} ({HUB_CONFIG}, split {split!r})"
         offline = "pass path= pointing at local GSM8K JSON-lines or parquet files."
         source, rows = (
@@ -331,11 +399,11 @@ def load_prompts(
     prompt_field: str,
     reference_field: str | None = None,
     path: str | Path | None = None,
-    dataset: str | None = None,
+    dataset: Any = None,
     skip_malformed: bool = False,
 ) -> list[dict[str, Any]]:
     """Rows of any prompt dataset as ``[{"prompt", ...}]``: a local folder or file (JSON-lines,
-    parquet or CSV) or a hub dataset by name.
+    parquet or CSV), a hub dataset by name, or a ``datasets.Dataset``/``DatasetDict`` in memory.
 
     Each row's ``prompt_field`` is the prompt (text, or a conversation: a list of ``{"role",
     "content"}`` messages); ``reference_field``, when given, becomes ``reference`` (the rewards'
@@ -344,6 +412,8 @@ def load_prompts(
     if path is not None:
         file = _resolve_local_file(path, split)
         source, rows = str(file), _file_rows(file)
+    elif dataset is not None and not isinstance(dataset, str):
+        source, rows = in_memory_rows(dataset, split)
     elif dataset is not None:
         what = f"the dataset {dataset!r} (split {split!r})"
         offline = "pass data.path pointing at local JSON-lines, parquet or CSV files."
