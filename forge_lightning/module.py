@@ -226,8 +226,9 @@ class GRPOLightningModule(pl.LightningModule):
         # hyperparameters keep the LoRA settings as a dict (load_from_checkpoint passes it back).
         lora = lora_settings(peft)
         peft = None if lora is None else asdict(lora)
-        # The reward as plain data (specs.py), and back from it; an object that has none (a lambda)
-        # is not stored, nor is a model object (load_from_checkpoint asks for them).
+        # save_hyperparameters stores this frame's `reward` (under the CLI, its config's): plain data
+        # (specs.py) that load_reward turns back into the reward. One with none (a lambda) is left
+        # out, as a model object is (load_from_checkpoint asks for them).
         reward_object = load_reward(reward)
         reward = reward_spec(reward_object)
         objects = ["model"] if model is not None and not isinstance(model, str) else []

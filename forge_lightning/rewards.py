@@ -464,4 +464,12 @@ def reward_spec(reward: RewardFn | Sequence[RewardFn | tuple] | None) -> Spec:
 def load_reward(reward: Any) -> Any:
     """``reward`` itself, or where it is a stored form (:func:`reward_spec`; an import path) the
     reward, or list of rewards, it describes."""
-    return from_spec(reward, RewardArgument) if reward is not None and is_spec(reward) else reward
+    if reward is None or not is_spec(reward):
+        return reward
+    try:
+        return from_spec(reward, RewardArgument)
+    except ValueError as err:
+        raise TypeError(
+            "reward must be a callable (prompts, responses, **kwargs) -> scores, a list of them, or the "
+            f"import path of one: {err}"
+        ) from None

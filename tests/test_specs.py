@@ -99,4 +99,6 @@ def test_specs_are_plain_data_and_building_one_leaves_it_as_it_was():
     load_reward(spec)
     assert spec == ["conftest._count_a"]  # a checkpoint's hyperparameters are not rewritten
     with pytest.raises(ValueError, match="cannot build an object from its stored form 'conftest.nothing'"):
+        from_spec("conftest.nothing", Callable[..., Any])
+    with pytest.raises(TypeError, match="reward must be a callable .* or the import path of one"):
         load_reward("conftest.nothing")
