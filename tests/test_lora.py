@@ -169,10 +169,12 @@ def test_hf_checkpoint_writes_the_adapter_and_a_loadable_merged_model(
     for name in ("adapter_model.safetensors", "adapter_config.json", "tokenizer.json"):
         assert (final / name).is_file(), name
     assert not (final / "model.safetensors").exists()  # the adapter only, not the base weights
-    # The adapter names the base it was loaded from, and so does the model card beside it.
+    # The adapter names the base it was loaded from; the model card beside it says it loads with
+    # peft, and names no base_model (only a hub id belongs there, never a local folder).
     adapter = json.loads((final / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(tiny_model_dir)
-    assert f"base_model: {tiny_model_dir}" in (final / "README.md").read_text()
+    card = (final / "README.md").read_text()
+    assert "library_name: peft\n" in card and "base_model" not in card
     assert (tmp_path / "1" / "merged" / "model.safetensors").is_file()
     assert has_adapter(grpo.model)  # merging worked on the side: the policy keeps its adapter
 

@@ -186,6 +186,19 @@ def test_resume_refuses_settings_a_run_cannot_change_and_names_each(run, tmp_pat
     assert steps_logged(out) == [1, 2]
 
 
+def test_resume_refuses_another_reward_and_loading_needs_none(run):
+    from forge_lightning.module import GRPOLightningModule
+
+    out = run()
+    with pytest.raises(SystemExit, match=r"reward: 'faults.kill_on_call' -> 'faults.flat_on_odd_calls'"):
+        run("--ckpt_path", "last", reward="flat_on_odd_calls", steps=3)
+    assert steps_logged(out) == [1, 2]
+    import faults
+
+    loaded = GRPOLightningModule.load_from_checkpoint(out / "checkpoints" / "last.ckpt")
+    assert loaded.reward is faults.kill_on_call  # the checkpoint holds it by import path
+
+
 def test_validate_from_a_checkpoint_may_use_other_settings(run):
     out = run()
     ckpt = str(out / "checkpoints" / "last.ckpt")

