@@ -28,6 +28,7 @@ from forge_lightning.async_rollout import (
     split_threads,
 )
 from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
+from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
 from forge_lightning.checkpoint_io import rng_states, set_rng_states
 from forge_lightning.config import (
     changed_settings,
@@ -450,6 +451,11 @@ class GRPOLightningModule(pl.LightningModule):
             item.prompt_ids, item.prompt_mask, self.hparams.group_size, self.sampling, seed=seed
         )
 
+    @property
+    def stepped(self) -> bool:
+        """Whether the latest training batch ended an optimizer step (checkpoints wait for one)."""
+        return self._stepped
+
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._preemption.at_batch_end(self.trainer, self._stepped)
@@ -618,7 +624,7 @@ class GRPOLightningModule(pl.LightningModule):
         # A callback returned here would replace the trainer's own of the same type (and its
         # settings, e.g. output_dir): add the reference only when the trainer has none.
         given = self._trainer.callbacks if self._trainer is not None else []
-        callbacks: list[pl.Callback] = []
+        callbacks: list[pl.Callback] = [SaveAtStepBoundaries()]  # checkpoints only between steps
         if self.hparams.rollout_mode == "async":
             callbacks.append(_StopWorkerOnError())
         if self.needs_reference and not any(isinstance(c, ReferenceModel) for c in given):
