@@ -22,6 +22,7 @@ from forge_lightning.async_rollout import (
     InFlight,
     RolloutWorker,
     WorkerSettings,
+    fit_ends_with,
     restored_in_flight,
     rollout_seed,
     saved_in_flight,
@@ -272,7 +273,7 @@ class GRPOLightningModule(pl.LightningModule):
         self._rollout_seed: int | None = None
         self._threads_before: int | None = None
         # The StepRecords of the optimizer steps the latest training batch took (an async batch at
-        # the end of an epoch trains every rollout still in flight); last_step is the last of them.
+        # the end of the fit trains every rollout still in flight); last_step is the last of them.
         self.batch_records: list[StepRecord] = []
 
     @override
@@ -336,7 +337,7 @@ class GRPOLightningModule(pl.LightningModule):
     def _rollouts(self, batch: InFlight) -> Iterator[InFlight]:
         """The rollouts this training step trains on. Synchronous: the batch's own, sampled now.
         Asynchronous: the batch goes to the worker, and what comes back are the rollouts due, the
-        batch handed ``max_staleness`` optimizer steps ago (all of them at the epoch's end)."""
+        batch handed ``max_staleness`` optimizer steps ago (all of them at the fit's end)."""
         hp = self.hparams
         if hp.rollout_mode == "async":
             yield from self._async_rollouts(batch)
@@ -403,7 +404,7 @@ class GRPOLightningModule(pl.LightningModule):
         versions written from elsewhere could) is never trained on: it is sampled again from the
         newest weights, and counted. A batch that would train after ``max_steps`` is not handed."""
         hp, worker = self.hparams, self.generator
-        last = batch.batch_idx + 1 == self.trainer.num_training_batches
+        last = fit_ends_with(self.trainer, batch.batch_idx)  # an epoch's end carries them over
         ahead = sum(self._accumulation_boundary(e.batch_idx) for e in self._in_flight)
         handed = self.trainer.max_steps < 0 or self.global_step + ahead < self.trainer.max_steps
         with self.trainer.profiler.profile("generate"):
