@@ -192,6 +192,15 @@ def restored_in_flight(saved: list[dict[str, Any]]) -> list[InFlight]:
     ]
 
 
+def fit_ends_with(trainer: Any, batch_idx: int) -> bool:
+    """Whether training batch ``batch_idx`` is the fit's last by its epoch limit. Only there are the
+    rollouts still in flight all trained at once (a step each, in one batch); at any other epoch's
+    end they carry over into the next, one optimizer step per batch, so that every step-cadence
+    callback sees every step. (A fit ending on ``max_steps`` hands nothing it cannot train.)"""
+    last_epoch = 0 < (trainer.max_epochs or 0) <= trainer.current_epoch + 1
+    return last_epoch and batch_idx + 1 == trainer.num_training_batches
+
+
 def split_threads(total: int, worker: int | None) -> tuple[int, int]:
     """(trainer, worker) CPU threads out of ``total``: the worker's ``worker`` (None: half), the
     trainer the rest, each at least 1."""

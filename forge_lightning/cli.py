@@ -30,7 +30,7 @@ from forge_lightning.callbacks import HFCheckpoint, RewardLogger
 from forge_lightning.config import check_resume_settings, refuse_automatic_optimization_settings
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.preemption import EXIT_CODE
-from forge_lightning.run_folder import RunFolder, RunFolderError
+from forge_lightning.run_folder import RunFolder, RunFolderError, remove_untracked_checkpoints
 
 # The run's own callbacks, each a top-level group of the config and the command line
 # (``--hf_checkpoint.save_steps 7``), on by default, off with ``--<group> null``.
@@ -172,6 +172,8 @@ class ForgeCLI(LightningCLI):
             self.config_init[self.subcommand]["ckpt_path"] = ckpt_path
         if ckpt_path is not None:
             self._check_resume(ckpt_path)
+            if self._run_folder is not None and self._get(self.config, "ckpt_path") == "last":
+                remove_untracked_checkpoints(ckpt_path, self.trainer.checkpoint_callbacks)
 
     def fit(self, model: GRPOLightningModule, **kwargs: Any) -> None:
         """``trainer.fit``, releasing the run folder's lock however it ends."""

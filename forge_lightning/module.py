@@ -22,12 +22,14 @@ from forge_lightning.async_rollout import (
     InFlight,
     RolloutWorker,
     WorkerSettings,
+    fit_ends_with,
     restored_in_flight,
     rollout_seed,
     saved_in_flight,
     split_threads,
 )
 from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
+from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
 from forge_lightning.checkpoint_io import rng_states, set_rng_states
 from forge_lightning.config import (
     changed_settings,
@@ -283,7 +285,7 @@ class GRPOLightningModule(pl.LightningModule):
         self._rollout_seed: int | None = None
         self._threads_before: int | None = None
         # The StepRecords of the optimizer steps the latest training batch took (an async batch at
-        # the end of an epoch trains every rollout still in flight); last_step is the last of them.
+        # the end of the fit trains every rollout still in flight); last_step is the last of them.
         self.batch_records: list[StepRecord] = []
 
     @override
@@ -352,7 +354,7 @@ class GRPOLightningModule(pl.LightningModule):
     def _rollouts(self, batch: InFlight) -> Iterator[InFlight]:
         """The rollouts this training step trains on. Synchronous: the batch's own, sampled now.
         Asynchronous: the batch goes to the worker, and what comes back are the rollouts due, the
-        batch handed ``max_staleness`` optimizer steps ago (all of them at the epoch's end)."""
+        batch handed ``max_staleness`` optimizer steps ago (all of them at the fit's end)."""
         hp = self.hparams
         if hp.rollout_mode == "async":
             yield from self._async_rollouts(batch)
@@ -419,7 +421,7 @@ class GRPOLightningModule(pl.LightningModule):
         versions written from elsewhere could) is never trained on: it is sampled again from the
         newest weights, and counted. A batch that would train after ``max_steps`` is not handed."""
         hp, worker = self.hparams, self.generator
-        last = batch.batch_idx + 1 == self.trainer.num_training_batches
+        last = fit_ends_with(self.trainer, batch.batch_idx)  # an epoch's end carries them over
         ahead = sum(self._accumulation_boundary(e.batch_idx) for e in self._in_flight)
         handed = self.trainer.max_steps < 0 or self.global_step + ahead < self.trainer.max_steps
         with self.trainer.profiler.profile("generate"):
@@ -466,6 +468,11 @@ class GRPOLightningModule(pl.LightningModule):
         return self.generator.submit(
             item.prompt_ids, item.prompt_mask, self.hparams.group_size, self.sampling, seed=seed
         )
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the latest training batch ended an optimizer step (checkpoints wait for one)."""
+        return self._stepped
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -661,7 +668,7 @@ class GRPOLightningModule(pl.LightningModule):
         given = self._trainer.callbacks if self._trainer is not None else []
         if self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING:
             refuse_automatic_optimization_settings(self._trainer)  # the one hook before Lightning's
-        callbacks: list[pl.Callback] = []
+        callbacks: list[pl.Callback] = [SaveAtStepBoundaries()]  # checkpoints only between steps
         if self.hparams.rollout_mode == "async":
             callbacks.append(_StopWorkerOnError())
         if self.needs_reference and not any(isinstance(c, ReferenceModel) for c in given):

@@ -195,3 +195,53 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
+
+
+def remove_untracked_checkpoints(resumed: str | Path, callbacks: Iterable[object]) -> list[Path]:
+    """Remove the step checkpoints of each ``ModelCheckpoint`` in ``callbacks`` that the state it
+    resumes from ``resumed`` no longer tracks: left by a kill between a step's checkpoint and its
+    ``last.ckpt`` (the redone step then writes ``-v1`` beside it, and the old one stays for ever).
+    Only files named by that callback's own pattern (``epoch=0-step=4.ckpt``, ``-vN`` versions) go,
+    never ``resumed`` or a user's file; kept are its tracked ones (best, top-k, last) and, when it
+    keeps every checkpoint, all up to the resumed step. Call on rank 0 while holding the lock."""
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saved = torch.load(resumed, map_location="cpu", mmap=True, weights_only=True)
+    step, states = int(saved.get("global_step", -1)), saved.get("callbacks", {})
+    removed: list[Path] = []
+    for callback in callbacks:
+        if not isinstance(callback, ModelCheckpoint) or not callback.dirpath:
+            continue
+        folder, state = Path(callback.dirpath), states.get(callback.state_key)
+        if state is None or Path(state.get("dirpath") or folder).resolve() != folder.resolve():
+            continue  # not the state this callback resumes (it starts afresh): nothing to judge by
+        tracked = {state.get(k) for k in ("best_model_path", "kth_best_model_path", "last_model_path")}
+        tracked = {Path(p).name for p in [*tracked, *state.get("best_k_models", {})] if p}
+        keeps_all = callback.monitor is None and callback.save_top_k == -1
+        pattern = _checkpoint_name(callback)
+        for path in checkpoints(folder):
+            if path.name in tracked or path.resolve() == Path(resumed).resolve():
+                continue
+            if pattern.match(path.name) and not (keeps_all and 0 <= _step_of(path) <= step):
+                path.unlink()
+                removed.append(path)
+                log.info("run folder: removed %s (a checkpoint the resumed state does not track)", path)
+    return removed
+
+
+def _checkpoint_name(callback: object) -> re.Pattern[str]:
+    """The names ``callback`` (a ModelCheckpoint) gives its step checkpoints, as a pattern: its
+    ``filename`` template with every ``{metric}`` a value, an optional version, the extension."""
+    template = callback.filename or "{epoch}-{step}"
+    parts = []
+    for i, piece in enumerate(re.split(r"(\{[^}]*\})", template)):
+        if i % 2 == 0:
+            parts.append(re.escape(piece))
+        else:
+            name = piece[1:-1].split(":")[0]
+            parts.append((re.escape(name) + "=" if callback.auto_insert_metric_name else "") + r"[^/]+?")
+    version = re.escape(callback.CHECKPOINT_JOIN_CHAR) + r"v\d+"
+    last = re.escape(callback.CHECKPOINT_NAME_LAST)
+    extension = re.escape(callback.FILE_EXTENSION)
+    return re.compile(rf"^(?!{last}(?:{version})?\.)" + "".join(parts) + rf"(?:{version})?{extension}$")

@@ -259,3 +259,25 @@ def test_worker_threads_split_the_trainers(module):
     assert split_threads(1, None) == (1, 1)
     with pytest.raises(ValueError, match="rollout_worker_threads"):
         module(rollout_mode="async", rollout_worker_threads=0)
+
+
+def test_async_step_cadence_callbacks_see_every_step_across_an_epoch_boundary(
+    tmp_path, module, trainer, loader
+):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from forge_lightning.callbacks import HFCheckpoint
+
+    pl.seed_everything(3)
+    grpo = module(rollout_mode="async", gradient_accumulation_steps=1, kl_beta=0.0)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "checkpoints", every_n_train_steps=1, save_top_k=-1)
+    callbacks = [RewardLogger(logging_steps=1), HFCheckpoint(save_steps=1, save_final=False), checkpoints]
+    fitted = trainer(tmp_path, max_epochs=-1, max_steps=5, enable_checkpointing=True, callbacks=callbacks)
+    fitted.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(3)]))  # 3 batches an epoch
+    assert fitted.global_step == 5
+    # The rollout in flight at epoch 0's end trains in epoch 1's first batch: no step is skipped.
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [1, 2, 3, 4, 5]
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == [f"epoch={int(s > 2)}-step={s}.ckpt" for s in range(1, 6)]  # epoch 0: a batch fills
+    lines = (tmp_path / "training_log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5]

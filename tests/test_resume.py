@@ -189,3 +189,86 @@ def test_a_failed_checkpoint_write_names_the_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"could not write .*checkpoints/epoch=0-step=2.ckpt.*No space left"):
         AtomicCheckpointIO().save_checkpoint({"step": 2}, target)
     assert list(target.parent.iterdir()) == []
+
+
+ACCUMULATION_CONFIG = """
+seed_everything: 7
+trainer:
+  accelerator: cpu
+  max_steps: 3
+  default_root_dir: {out}
+  enable_progress_bar: false
+  enable_model_summary: false
+  limit_val_batches: 0
+  callbacks:
+    - class_path: faults.KillWhileWriting
+hf_checkpoint:
+  save_steps: 1
+checkpoint:
+  every_n_train_steps: 1
+  save_last: true
+reward_logger:
+  logging_steps: 1
+model:
+  model: {model}
+  reward: faults.kill_on_call
+  group_size: 4
+  max_new_tokens: 6
+  learning_rate: 0.01
+  warmup_steps: 1
+  lr_schedule: cosine
+  gradient_accumulation_steps: 2
+  kl_beta: 0.05
+data:
+  source: mock
+  prompts_per_step: 2
+"""
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_accumulation_run(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("straight")
+    config = out.parent / f"{out.name}.yaml"
+    config.write_text(ACCUMULATION_CONFIG.format(out=out, model=tiny_model_dir))
+    done = fit(config, {"FORGE_CALLS": str(out.parent / f"{out.name}.calls")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+# Each chain's first kill lands at a moment that matters in step 2 (its reward calls are 3 and 4:
+# one per batch); the next start resumes from step 1 and is killed in its first step's second
+# batch, after the first one ended; the last start runs to the end.
+@pytest.mark.parametrize(
+    "first_kill",
+    [
+        {"FORGE_KILL_AT": "4"},  # between step 2's two batches
+        {"FORGE_KILL_WRITE": "last.ckpt@2"},  # while step 2's Lightning checkpoint is written
+        {"FORGE_KILL_WRITE": "2@2"},  # while step 2's HF folder is written
+    ],
+    ids=["between-batches", "lightning-checkpoint", "hf-folder"],
+)
+def test_kill_chains_with_gradient_accumulation_resume_exactly(
+    uninterrupted_accumulation_run, tiny_model_dir, tmp_path, first_kill
+):
+    out = tmp_path / "killed"
+    config = tmp_path / "killed.yaml"
+    config.write_text(ACCUMULATION_CONFIG.format(out=out, model=tiny_model_dir))
+    resume = ("--ckpt_path", "last")
+    starts = [({**first_kill}, ()), ({"FORGE_KILL_AT": "2"}, resume), ({}, resume)]
+    for i, (env, args) in enumerate(starts):
+        run = fit(config, {"FORGE_CALLS": str(tmp_path / f"calls{i}"), **env}, *args)
+        assert run.returncode == (0 if i == len(starts) - 1 else -9), (i, run.stderr[-3000:])
+
+    straight = uninterrupted_accumulation_run
+    got, want = records(out), records(straight)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(got, want):
+        for key in ("loss", "reward", "kl", "lr", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    for name in ("1", "2", "3", "final"):
+        weights = load_file(out / name / "model.safetensors")
+        for key, value in load_file(straight / name / "model.safetensors").items():
+            torch.testing.assert_close(weights[key], value, rtol=0, atol=0, msg=f"{name}/{key}")
+    # Only what the uninterrupted run keeps: no step checkpoint left behind by a kill.
+    kept = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
+    assert kept == ["epoch=0-step=3.ckpt", "last.ckpt"]

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from forge_lightning.callbacks import HFCheckpoint
 from forge_lightning.cli import build_cli
-from forge_lightning.run_folder import RunFolder, RunFolderError
+from forge_lightning.run_folder import RunFolder, RunFolderError, remove_untracked_checkpoints
 
 TESTS = Path(__file__).resolve().parent
 
@@ -378,3 +378,33 @@ def test_tensorboard_logs_alone_are_no_run_and_overwrite_clears_them_with_one(tm
     (tmp_path / "2024").mkdir()  # a folder of the user's, not an HF step folder
     RunFolder(tmp_path).prepare(resume=False, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2024"]
+
+
+@pytest.mark.parametrize("save_top_k", [1, -1])
+def test_resume_removes_step_checkpoints_the_resumed_state_no_longer_tracks(tmp_path, save_top_k):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    callback = ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_last=True, save_top_k=save_top_k)
+    state = {
+        "dirpath": str(folder),
+        "best_model_path": str(folder / "epoch=0-step=3.ckpt"),
+        "last_model_path": str(folder / "last.ckpt"),
+        "kth_best_model_path": "",
+        "best_k_models": {},
+    }
+    torch.save({"global_step": 3, "callbacks": {callback.state_key: state}}, folder / "last.ckpt")
+    # step 4's checkpoint, written before a kill cut its last.ckpt; a version and an old step
+    # the killed run's removal missed; and the user's own files
+    names = ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "epoch=0-step=3-v1.ckpt", "epoch=0-step=4.ckpt"]
+    for name in [*names, "best-by-hand.ckpt", "notes.txt"]:
+        (folder / name).write_bytes(b"x")
+    removed = remove_untracked_checkpoints(folder / "last.ckpt", [callback])
+    kept = {"epoch=0-step=3.ckpt", "last.ckpt", "best-by-hand.ckpt", "notes.txt"}
+    if save_top_k == -1:  # it keeps every step: only the one past the resumed step goes
+        kept |= {"epoch=0-step=2.ckpt", "epoch=0-step=3-v1.ckpt"}
+    assert {p.name for p in folder.iterdir()} == kept
+    assert {p.name for p in removed} == set(names) - kept
+    # Another callback's state (other settings) is not judged by this one's.
+    other = ModelCheckpoint(dirpath=folder, every_n_train_steps=5)
+    (folder / "epoch=0-step=1.ckpt").write_bytes(b"x")
+    assert remove_untracked_checkpoints(folder / "last.ckpt", [other]) == []

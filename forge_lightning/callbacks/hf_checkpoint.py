@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.model_card import model_card
+from forge_lightning.callbacks.step_boundary import completed_step
 from forge_lightning.config import check_setting
 from forge_lightning.fileio import SpaceCheck, temporary_sibling, write_folder_atomically
 from forge_lightning.lora import has_adapter, lora_settings, save_merged
@@ -67,8 +68,8 @@ class HFCheckpoint(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         step = trainer.global_step
-        if trainer.fast_dev_run:
-            return  # a dry run writes no model files
+        if trainer.fast_dev_run or not completed_step(pl_module):
+            return  # a dry run writes no model files; mid-step, global_step is the previous step's
         if self.save_steps and step > 0 and step % self.save_steps == 0 and step != self._last_saved_step:
             self._last_saved_step = step
             folder = self.save(trainer, pl_module, str(step))
