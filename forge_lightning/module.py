@@ -27,6 +27,7 @@ from forge_lightning.async_rollout import (
     rollout_seed,
     saved_in_flight,
     split_threads,
+    warn_when_the_end_drains_at_once,
 )
 from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
@@ -487,6 +488,7 @@ class GRPOLightningModule(pl.LightningModule):
                 "rollout_mode='async' runs on one device for now: it does not support DDP or FSDP "
                 f"(world_size {self.trainer.world_size}); use rollout_mode='sync' with several devices"
             )
+        warn_when_the_end_drains_at_once(self.trainer, self.hparams.max_staleness)
         total = torch.get_num_threads()
         trainer_threads, _ = split_threads(total, self.hparams.rollout_worker_threads)
         self._threads_before = total

@@ -18,8 +18,6 @@ import importlib
 import inspect
 from typing import Any, TypeAlias
 
-from jsonargparse import ArgumentParser
-
 Spec: TypeAlias = "str | int | float | bool | None | list[Spec] | dict[str, Spec]"
 
 _PLAIN = (str, int, float, bool, type(None))
@@ -44,6 +42,9 @@ def from_spec(spec: Spec, typehint: Any = Any) -> Any:
     config (jsonargparse): with ``Callable`` an import path is the function it names, a
     ``class_path`` dict is an instance, its init args read against the class's own annotations
     (so a string stays a string where the class takes one). ValueError when it cannot be built."""
+    # Here, not at the top: the package's GPU check runs where jsonargparse (the CLI's) is not.
+    from jsonargparse import ArgumentParser
+
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--value", type=typehint)
     try:
