@@ -190,7 +190,7 @@ def test_an_import_of_a_package_name_means_its_init(tmp_path):
 
 
 # Names importable from their old modules before the sampling types and the reward and data files
-# were split: each must still import from there.
+# were split (at 267f81d): each must still import from there.
 OLD_PATHS = {
     "forge_lightning.rollout": ["SamplingParams", "Rollout", "RolloutSampler", "encode_prompts"],
     "forge_lightning.generation": [
@@ -201,6 +201,51 @@ OLD_PATHS = {
         "eos_token_ids",
         "generation_backend",
     ],
+    # Every public name rewards.py defined, and the private one rewards_math.py imports.
+    "forge_lightning.rewards": [
+        "SLOW_REWARD_SECONDS",
+        "RewardOutput",
+        "BaseReward",
+        "RewardFn",
+        "RewardArgument",
+        "accepted_kwargs",
+        "takes_completions",
+        "trl_kwargs",
+        "completion_messages",
+        "missing_arguments",
+        "require_arguments",
+        "reward_name",
+        "component_names",
+        "checked_scores",
+        "RewardTimeout",
+        "RewardExit",
+        "call_reward",
+        "ExactMatchReward",
+        "FormatReward",
+        "LengthPenaltyReward",
+        "OverlongPenaltyReward",
+        "GSM8KAnswerReward",
+        "CompositeReward",
+        "as_reward",
+        "reward_spec",
+        "load_reward",
+        "_require_references",
+    ],
+    # Every public name data/gsm8k.py defined, and the private one test_data.py reads.
+    "forge_lightning.data.gsm8k": [
+        "HUB_DATASET",
+        "HUB_CONFIG",
+        "format_prompt",
+        "normalize_number",
+        "extract_answer",
+        "parse_reference",
+        "require_in_memory",
+        "in_memory_rows",
+        "load_gsm8k",
+        "load_prompts",
+        "load_gsm8k_mock",
+        "_MOCK_PROBLEMS",
+    ],
 }
 
 
@@ -209,3 +254,15 @@ def test_the_old_import_paths_still_work(module, names):
     imported = importlib.import_module(module)
     missing = [name for name in names if not hasattr(imported, name)]
     assert not missing, f"{module} no longer offers {missing}"
+
+
+def test_the_library_rewards_keep_their_import_path_in_checkpoints_and_configs():
+    from forge_lightning.rewards import CompositeReward, GSM8KAnswerReward, reward_spec
+
+    spec = reward_spec([GSM8KAnswerReward(), (GSM8KAnswerReward(), 2.0, "twice")])
+    assert spec["class_path"] == "forge_lightning.rewards.CompositeReward"
+    assert (
+        spec["init_args"]["rewards_and_weights"][0][0]["class_path"]
+        == "forge_lightning.rewards.GSM8KAnswerReward"
+    )
+    assert CompositeReward.__module__ == "forge_lightning.rewards"
