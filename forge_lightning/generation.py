@@ -4,7 +4,7 @@ and other engines (vLLM) produce the same completions for a :class:`~forge_light
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,42 +18,12 @@ from forge_lightning.hf_compat import (
     set_checkpointing,
     supports_shared_prefix,
 )
-from forge_lightning.rollout import SamplingParams
+from forge_lightning.sampling import GenerationBackend, SamplingParams
+
+# The engine protocols live in sampling.py (a leaf, so engines and rollouts share them without an
+# import circle); the one this file does not use is named here still, where it was first defined.
+from forge_lightning.sampling import LogProbGenerationBackend as LogProbGenerationBackend
 from forge_lightning.sharding import is_sharded
-
-
-class GenerationBackend(Protocol):
-    """What the module needs from a generation engine."""
-
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> Tensor:
-        """Return completion token ids ``(P*G, Lc)``, groups contiguous, right-padded."""
-        ...
-
-    def sync_weights(self, model: PreTrainedModel) -> None:
-        """Called after every optimizer step; engines holding their own weights copy them here."""
-        ...
-
-
-class LogProbGenerationBackend(GenerationBackend, Protocol):
-    """A backend that can also report the log-prob it sampled each completion token with."""
-
-    def generate_with_logprobs(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> tuple[Tensor, Tensor]:
-        """Completion ids as ``generate`` returns them and their log-probs, both ``(P*G, Lc)``."""
-        ...
 
 
 class HFGenerate:

@@ -1,199 +1,75 @@
-"""Reward functions, and the checks that turn what one returns into scores.
+"""The reward library: :class:`ExactMatchReward`, :class:`FormatReward`,
+:class:`LengthPenaltyReward`, :class:`OverlongPenaltyReward`, :class:`GSM8KAnswerReward` and
+:class:`CompositeReward`, and the entry points that take a whole reward as the module is given one
+(a reward, or a list of them): calling it, naming its components, checking its arguments, storing
+it in a checkpoint and loading it back.
 
 A reward is a :class:`BaseReward` or any plain callable ``(prompts, responses, **kwargs)`` returning a
 :class:`RewardOutput` or a list of floats. Only the keyword arguments a reward's signature accepts are
 passed to it, so rewards that need ``references`` and rewards that do not can be mixed freely.
-:func:`forge_lightning.scoring.score` scores a batch with one.
+:func:`forge_lightning.scoring.score` scores a batch with one. How one call is made and its output
+checked lives in :mod:`forge_lightning.reward_calls`; its public names are importable from here too.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-import numbers
-import threading
-import warnings
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from forge_lightning.data.gsm8k import extract_answer, normalize_number
-from forge_lightning.preemption import raised_by_signal, signals_marked
+from forge_lightning.reward_calls import (
+    BaseReward,
+    RewardExit,
+    RewardFn,
+    RewardOutput,
+    RewardTimeout,
+    absent_arguments,
+    accepted_kwargs,
+    checked_scores,
+    completion_messages,
+    invoke_reward,
+    reward_name,
+    takes_completions,
+    trl_kwargs,
+)
 from forge_lightning.specs import Spec, from_spec, is_spec, to_spec
+
+__all__ = [
+    "SLOW_REWARD_SECONDS",
+    "BaseReward",
+    "CompositeReward",
+    "ExactMatchReward",
+    "FormatReward",
+    "GSM8KAnswerReward",
+    "LengthPenaltyReward",
+    "OverlongPenaltyReward",
+    "RewardArgument",
+    "RewardExit",
+    "RewardFn",
+    "RewardOutput",
+    "RewardTimeout",
+    "accepted_kwargs",
+    "as_reward",
+    "call_reward",
+    "checked_scores",
+    "completion_messages",
+    "component_names",
+    "load_reward",
+    "missing_arguments",
+    "require_arguments",
+    "reward_name",
+    "reward_spec",
+    "takes_completions",
+    "trl_kwargs",
+]
 
 # A reward call without reward_timeout that runs longer than this many seconds is warned about.
 SLOW_REWARD_SECONDS = 60.0
 
-
-@dataclass
-class RewardOutput:
-    """One score per response, plus anything a reward wants to expose for inspection."""
-
-    scores: list[float]
-    metadata: dict[str, Any] = field(default_factory=dict)
-
-
-class BaseReward(ABC):
-    """Base class for rewards. Subclasses may declare a narrower ``__call__`` (no ``**kwargs``)."""
-
-    #: Keyword arguments the reward cannot score without although its signature gives them a
-    #: default (``references=None``); checked against the batch before the first generation.
-    needs: tuple[str, ...] = ()
-
-    @abstractmethod
-    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput: ...
-
-
-RewardFn: TypeAlias = BaseReward | Callable[..., RewardOutput | Sequence[float]]
-
 # What the module's ``reward`` takes from a config: a reward, or a list of them. The list comes
 # first: jsonargparse cannot write a list of functions back out of the other order.
 RewardArgument: TypeAlias = list[Callable[..., Any]] | Callable[..., Any]
-
-# Batch keys renamed from the dataset's column names (split_batch), by Forge's convention. TRL
-# passes every column under its own name, so a TRL-style reward gets it under both.
-_COLUMN_NAMES = {"references": "reference"}
-
-
-def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The subset of ``kwargs`` that ``fn`` can take by name (all of them if it has ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        # Some builtins have no signature; passing everything lets a mismatch fail loudly at the call.
-        return dict(kwargs)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return dict(kwargs)
-    by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {key: value for key, value in kwargs.items() if key in by_name}
-
-
-def takes_completions(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` is a TRL-style reward: a parameter named ``completions`` and none named
-    ``responses``. Such a reward is called by keyword (``prompts=``, ``completions=`` and the
-    batch's fields), as TRL calls it, so ``def f(completions, **kwargs)`` works too."""
-    try:
-        names = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return "completions" in names and "responses" not in names
-
-
-def trl_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The batch's keyword arguments for a TRL-style reward: each dataset column under its own
-    name too (``reference`` beside ``references``)."""
-    columns = {column: kwargs[key] for key, column in _COLUMN_NAMES.items() if key in kwargs}
-    return {**columns, **kwargs}
-
-
-def completion_messages(prompts: list[Any], responses: list[str]) -> list[Any]:
-    """What a TRL-style reward gets as ``completions``: each response as text, or, where its prompt
-    is a conversation (a list of messages), as TRL's ``[{"role": "assistant", "content": text}]``."""
-    return [
-        [{"role": "assistant", "content": response}] if isinstance(prompt, list) else response
-        for prompt, response in zip(prompts, responses)
-    ]
-
-
-def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[str]]:
-    """For each component of ``reward`` (itself, or a CompositeReward's parts), the keyword
-    arguments it needs that are not in ``available``: its required parameters besides the prompts
-    and responses (the first two, or for a TRL-style reward ``prompts`` and ``completions``), and a
-    :class:`BaseReward`'s ``needs``."""
-    parts = (
-        zip(reward.names, reward.rewards)
-        if isinstance(reward, CompositeReward)
-        else [(reward_name(reward), reward)]
-    )
-    missing: dict[str, list[str]] = {}
-    for name, part in parts:
-        try:
-            params = list(inspect.signature(part).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        given = available
-        if takes_completions(part):
-            params = [p for p in params if p.name not in ("prompts", "completions")]
-            given = set(trl_kwargs(dict.fromkeys(available)))
-        else:
-            params = params[2:]
-        required = [
-            p.name
-            for p in params
-            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        ]
-        required += list(getattr(part, "needs", ()))
-        absent = [key for key in dict.fromkeys(required) if key not in given]
-        if absent:
-            missing[name] = absent
-    return missing
-
-
-def require_arguments(reward: RewardFn, available: set[str], role: str = "reward") -> None:
-    """Raise ValueError naming each reward component's missing keyword arguments and what the
-    batch has (run before any generation, so a mismatch costs nothing)."""
-    missing = missing_arguments(reward, available)
-    if missing:
-        what = "; ".join(f"{name!r} needs {', '.join(keys)}" for name, keys in missing.items())
-        raise ValueError(
-            f"{role} {what}, but a batch gives {', '.join(sorted(available))}. Add the field to the data "
-            "(a 'reference' field arrives as references=, and also as reference= to a TRL-style "
-            "reward), or use a reward that does without it"
-        )
-
-
-def reward_name(reward: RewardFn) -> str:
-    """A readable name: a function's ``__name__`` (``<lambda>`` becomes ``lambda``), else the class name."""
-    name = getattr(reward, "__name__", None) or type(reward).__name__
-    return name.strip("<>")
-
-
-def component_names(reward: RewardFn) -> list[str]:
-    """Unique component names of a :class:`CompositeReward`, else the reward's own name."""
-    if isinstance(reward, CompositeReward):
-        return list(reward.names)
-    return [reward_name(reward)]
-
-
-def checked_scores(output: Any, num_samples: int, name: str, allow_none: bool = False) -> list[float]:
-    """Turn a reward's output into ``num_samples`` finite floats; ValueError naming the reward otherwise.
-
-    With ``allow_none`` (a CompositeReward's component) a None means "not applicable to this
-    sample", as in TRL, and becomes NaN: it counts 0 in the total and stays out of the component's
-    mean and std."""
-    if isinstance(output, RewardOutput):
-        output = output.scores
-    elif hasattr(output, "tolist"):  # numpy arrays and tensors, without importing either
-        output = output.tolist()
-    if not isinstance(output, (list, tuple)):
-        raise ValueError(
-            f"reward {name!r} must return a RewardOutput or a list of floats, got {type(output)}"
-        )
-    if len(output) != num_samples:
-        raise ValueError(f"reward {name!r} returned {len(output)} scores for {num_samples} responses")
-    for i, value in enumerate(output):
-        if value is None:
-            if allow_none:
-                continue
-            raise ValueError(
-                f"reward {name!r} returned None at index {i}: None ('not applicable') is for a component "
-                "of a CompositeReward whose other components score that sample"
-            )
-        if not isinstance(value, numbers.Real):
-            raise ValueError(f"reward {name!r} returned a non-number at index {i}: {value!r}")
-        if not math.isfinite(value):
-            raise ValueError(f"reward {name!r} returned a non-finite score at index {i}: {value!r}")
-    return [math.nan if value is None else float(value) for value in output]
-
-
-class RewardTimeout(TimeoutError):
-    """A reward call ran past ``reward_timeout``; it was abandoned."""
-
-
-class RewardExit(SystemExit):
-    """A reward's own code raised SystemExit or KeyboardInterrupt (no signal did): the run stops
-    with an error that names the reward."""
 
 
 def call_reward(
@@ -203,88 +79,11 @@ def call_reward(
     kwargs: dict[str, Any],
     timeout: float | None = None,
 ) -> Any:
-    """Call ``reward`` with its own copies of the lists: a reward that rewrites or empties its
-    inputs changes nothing for the next reward, the log or the samples table.
-
-    A reward is called as ``reward(prompts, responses, **fields)``, or, when it names a
-    ``completions`` parameter and no ``responses`` one (TRL's signature), as
-    ``reward(prompts=..., completions=..., **fields)`` (:func:`takes_completions`).
-
-    With ``timeout`` (seconds) the call runs in a daemon thread and is abandoned, raising
-    :class:`RewardTimeout`, when it takes longer; the abandoned thread is left to finish alone
-    (a thread cannot be killed), and a process exit does not wait for it. Without one, a call
-    running past :data:`SLOW_REWARD_SECONDS` is warned about (once) and left to run.
-
-    A SystemExit or KeyboardInterrupt that the reward's code raises becomes :class:`RewardExit`
-    naming the reward; one that a signal raised (Ctrl-C, a SIGTERM) passes through unchanged.
-    """
-    own = {key: list(value) if isinstance(value, list) else value for key, value in kwargs.items()}
-
-    def call() -> Any:
-        if takes_completions(reward):  # TRL's convention: everything by keyword
-            completions = completion_messages(prompts, responses)
-            trl = {**trl_kwargs(own), "prompts": list(prompts), "completions": completions}
-            return reward(**accepted_kwargs(reward, trl))
-        return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
-
-    name = reward_name(reward)
-    try:
-        with signals_marked():
-            if timeout is None:
-                return _call_watched(call, name)
-            return _call_within(call, f"reward {name!r}", len(responses), timeout)
-    except (SystemExit, KeyboardInterrupt) as err:
-        if isinstance(err, RewardExit) or raised_by_signal(err):
-            raise
-        raise RewardExit(
-            f"reward {name!r} raised {err!r} from its own code (no signal did): the run stops. A "
-            "reward that cannot score raises an Exception instead (model.on_reward_error decides "
-            "what then happens)"
-        ) from err
-
-
-def _call_watched(call: Callable[[], Any], name: str) -> Any:
-    """``call()``, with one warning if it runs past :data:`SLOW_REWARD_SECONDS` (a hang with no
-    timeout set would otherwise be silent)."""
-    message = (
-        f"reward {name!r} has run for more than {SLOW_REWARD_SECONDS:g}s in one call, with no "
-        "reward_timeout set; if it hangs, set model.reward_timeout (seconds, e.g. "
-        "--model.reward_timeout 300) to abandon a call that takes longer"
-    )
-
-    def warn() -> None:
-        warnings.warn(message, stacklevel=1)
-
-    watchdog = threading.Timer(SLOW_REWARD_SECONDS, warn)
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        return call()
-    finally:
-        watchdog.cancel()
-
-
-def _call_within(call: Callable[[], Any], what: str, size: int, timeout: float) -> Any:
-    """``call()`` in a daemon thread, abandoned with :class:`RewardTimeout` after ``timeout`` s."""
-    outcome: dict[str, Any] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as err:  # handed to the caller below
-            outcome["error"] = err
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=what, daemon=True).start()
-    if not done.wait(timeout):
-        raise RewardTimeout(
-            f"{what} took longer than reward_timeout={timeout:g}s on {size} responses; the call was abandoned"
-        )
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    """Call ``reward`` by its convention, with its own copies of the lists, within ``timeout``
+    seconds if given, else warned about once past :data:`SLOW_REWARD_SECONDS`
+    (:func:`~forge_lightning.reward_calls.invoke_reward` says how)."""
+    # Read at each call, so that the threshold can be tuned here, where users import it from.
+    return invoke_reward(reward, prompts, responses, kwargs, timeout, SLOW_REWARD_SECONDS)
 
 
 def _require_references(
@@ -485,6 +284,46 @@ def _unique_names(names: list[str]) -> list[str]:
             candidate = f"{base}_{suffix}"
         unique.append(candidate)
     return unique
+
+
+# A whole reward, as the module is given one.
+
+
+def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[str]]:
+    """For each component of ``reward`` (itself, or a CompositeReward's parts), the keyword
+    arguments it needs that are not in ``available``
+    (:func:`~forge_lightning.reward_calls.absent_arguments`)."""
+    parts = (
+        zip(reward.names, reward.rewards)
+        if isinstance(reward, CompositeReward)
+        else [(reward_name(reward), reward)]
+    )
+    missing: dict[str, list[str]] = {}
+    for name, part in parts:
+        absent = absent_arguments(part, available)
+        if absent:
+            missing[name] = absent
+    return missing
+
+
+def require_arguments(reward: RewardFn, available: set[str], role: str = "reward") -> None:
+    """Raise ValueError naming each reward component's missing keyword arguments and what the
+    batch has (run before any generation, so a mismatch costs nothing)."""
+    missing = missing_arguments(reward, available)
+    if missing:
+        what = "; ".join(f"{name!r} needs {', '.join(keys)}" for name, keys in missing.items())
+        raise ValueError(
+            f"{role} {what}, but a batch gives {', '.join(sorted(available))}. Add the field to the data "
+            "(a 'reference' field arrives as references=, and also as reference= to a TRL-style "
+            "reward), or use a reward that does without it"
+        )
+
+
+def component_names(reward: RewardFn) -> list[str]:
+    """Unique component names of a :class:`CompositeReward`, else the reward's own name."""
+    if isinstance(reward, CompositeReward):
+        return list(reward.names)
+    return [reward_name(reward)]
 
 
 def as_reward(reward: RewardFn | Sequence[RewardFn | tuple]) -> RewardFn:

@@ -5,32 +5,21 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-if TYPE_CHECKING:
-    from forge_lightning.generation import GenerationBackend
+# SamplingParams was first defined here: it stays importable from rollout.py.
+from forge_lightning.sampling import GenerationBackend, SamplingParams
 
 # What a reward may ask for by name about each completion (Rollout.facts).
 FACTS = ("completion_ids", "completion_lengths", "truncated")
 
 # A prompt: the user message as text, or a whole conversation of {"role", "content"} messages.
 Prompt: TypeAlias = "str | list[dict[str, Any]]"
-
-
-@dataclass
-class SamplingParams:
-    """How completions are drawn. ``greedy`` ignores temperature/top_p/top_k (used for evaluation)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
 
 
 @dataclass

@@ -38,7 +38,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.lora import merged_weights as policy_weights
-from forge_lightning.rollout import SamplingParams
+from forge_lightning.sampling import SamplingParams
 
 # (policy, tokenizer, gpu_memory_utilization) -> an object shaped like ``vllm.LLM``: ``generate``,
 # ``apply_model`` and ``reset_prefix_cache``.
@@ -56,7 +56,7 @@ def import_vllm() -> ModuleType:
 
 
 class VLLMGenerate:
-    """A :class:`~forge_lightning.rollout.GenerationBackend` backed by a colocated ``vllm.LLM``.
+    """A :class:`~forge_lightning.sampling.GenerationBackend` backed by a colocated ``vllm.LLM``.
 
     Args:
         tokenizer: the policy's tokenizer (saved beside the config for the engine).

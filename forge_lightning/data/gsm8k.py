@@ -1,19 +1,42 @@
 """GSM8K: prompt formatting, number extraction and the loaders (hub, local files, built-in mock set).
 
-Every loader returns ``list[{"prompt": str, "reference": str}]`` where ``prompt`` is already
+The files are read by :mod:`forge_lightning.data.readers`; this module parses GSM8K's rows. Every
+loader returns ``list[{"prompt": str, "reference": str}]`` where ``prompt`` is already
 formatted by :func:`format_prompt` and ``reference`` is a value-normalised number string.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import re
-import warnings
-from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+
+# The generic readers were first defined here: load_prompts, require_in_memory and in_memory_rows
+# stay importable from this module.
+from forge_lightning.data.readers import (
+    collect_samples,
+    file_rows,
+    hub_rows,
+    in_memory_rows,
+    load_prompts,
+    require_in_memory,
+    resolve_local_file,
+)
+
+__all__ = [
+    "HUB_CONFIG",
+    "HUB_DATASET",
+    "extract_answer",
+    "format_prompt",
+    "in_memory_rows",
+    "load_gsm8k",
+    "load_gsm8k_mock",
+    "load_prompts",
+    "normalize_number",
+    "parse_reference",
+    "require_in_memory",
+]
 
 HUB_DATASET = "openai/gsm8k"
 HUB_CONFIG = "main"
@@ -26,9 +49,6 @@ _NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
 _ANSWER_LINE = re.compile(r"answer\s*:(.*)", re.IGNORECASE)
 _BOXED = "\\boxed{"
-# A CSV cell that is a number (no thousands separators, no "nan"/"inf": those stay text).
-_CSV_INT = re.compile(r"[-+]?[0-9]+")
-_CSV_FLOAT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 # Hand-written problems: (question, answer, arithmetic that derives the answer from the question).
 # The expression lets a test re-derive each answer independently of the number typed beside it.
@@ -208,154 +228,6 @@ def _sample_from_row(row: Any) -> dict[str, str]:
     return {"prompt": format_prompt(row["question"]), "reference": parse_reference(row["answer"])}
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open("rb") as f:  # decoded line by line, so that a bad byte names its line
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield f"line {number}", ValueError(f"not UTF-8 (byte {err.start + 1} of the line)")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield f"line {number}", json.loads(line)
-            except json.JSONDecodeError as err:
-                # Yield the error so the caller reports or skips it like any other bad row.
-                yield f"line {number}", ValueError(f"invalid JSON ({err.msg})")
-
-
-def _csv_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(newline="", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    for number, row in enumerate(_typed_columns(rows), start=2):  # line 1 is the header
-        yield f"line {number}", row
-
-
-def _typed_columns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """CSV cells are all text: a column whose every filled cell is a number becomes ints (or floats),
-    as JSON-lines and parquet give it (and as pandas reads CSV); its empty cells become None."""
-    columns = {key for row in rows for key in row if key is not None}
-    converters: dict[str, Callable[[str], Any]] = {}
-    for column in columns:
-        filled = [row[column] for row in rows if isinstance(row.get(column), str) and row[column] != ""]
-        if filled and all(_CSV_INT.fullmatch(cell) for cell in filled):
-            converters[column] = int
-        elif filled and all(_CSV_FLOAT.fullmatch(cell) for cell in filled):
-            converters[column] = float
-    if not converters:
-        return rows
-    return [{key: _convert(converters.get(key), value) for key, value in row.items()} for row in rows]
-
-
-def _convert(converter: Callable[[str], Any] | None, value: Any) -> Any:
-    if converter is None or not isinstance(value, str):
-        return value  # text columns, and csv's None/list for a row with too few/many cells
-    return converter(value) if value != "" else None
-
-
-def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
-
-    for number, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-        yield f"row {number}", row
-
-
-def _resolve_local_file(path: str | Path, split: str) -> Path:
-    path = Path(path)
-    if path.is_file():
-        return path
-    if path.is_dir():
-        for candidate in (path / f"{split}.jsonl", path / f"{split}.parquet", path / f"{split}.csv"):
-            if candidate.is_file():
-                return candidate
-        raise FileNotFoundError(f"folder {path} has no {split}.jsonl, {split}.parquet or {split}.csv")
-    raise FileNotFoundError(f"data path does not exist: {path}")
-
-
-def _file_rows(file: Path) -> Iterator[tuple[str, Any]]:
-    readers = {".parquet": _parquet_rows, ".csv": _csv_rows}
-    return readers.get(file.suffix, _jsonl_rows)(file)
-
-
-def _hub_rows(
-    name: str, config: str | None, split: str, what: str, offline: str
-) -> Iterator[tuple[str, Any]]:
-    """Rows of a hub dataset; a failure to load says ``what`` could not be, and ``offline`` what to do."""
-    try:
-        import datasets
-
-        table = datasets.load_dataset(name, config, split=split)
-    except Exception as err:
-        raise RuntimeError(
-            f"could not load {what} from the Hugging Face Hub: {err}. Without network access, {offline}"
-        ) from err
-    yield from _table_rows(table)
-
-
-def _table_rows(table: Any) -> Iterator[tuple[str, Any]]:
-    for number, row in enumerate(table, start=1):
-        yield f"row {number}", row
-
-
-def require_in_memory(data: Any) -> None:
-    """TypeError unless ``data`` is a ``datasets.Dataset`` or ``DatasetDict``."""
-    import datasets  # only here: importing it costs a second, and most runs never pass an object
-
-    if not isinstance(data, datasets.Dataset | datasets.DatasetDict):
-        raise TypeError(
-            f"dataset must be a hub dataset's name, a datasets.Dataset or a datasets.DatasetDict, got "
-            f"{type(data).__name__}; other rows go to trainer.fit as a DataLoader(rows, batch_size=N, "
-            "collate_fn=forge_lightning.data.collate_records)"
-        )
-
-
-def in_memory_rows(data: Any, split: str) -> tuple[str, Iterator[tuple[str, Any]]]:
-    """Where rows come from and the rows, of a ``datasets.Dataset`` (every split reads it, as a
-    single file serves both) or of a ``datasets.DatasetDict``'s ``split``."""
-    import datasets
-
-    require_in_memory(data)
-    if isinstance(data, datasets.DatasetDict):
-        if split not in data:
-            raise ValueError(
-                f"the DatasetDict has no {split!r} split (splits: {sorted(data)}); see data.val_split"
-            )
-        return f"the DatasetDict's {split!r} split", _table_rows(data[split])
-    return "the datasets.Dataset", _table_rows(data)
-
-
-def _collect(
-    rows: Iterator[tuple[str, Any]],
-    source: str,
-    max_samples: int | None,
-    skip_malformed: bool,
-    parse: Callable[[Any], dict[str, Any]] | None = None,
-    kind: str = "GSM8K",
-) -> list[dict[str, Any]]:
-    parse = parse or _sample_from_row
-    samples: list[dict[str, str]] = []
-    skipped: list[str] = []
-    for where, row in rows:
-        if max_samples is not None and len(samples) >= max_samples:
-            break
-        try:
-            if isinstance(row, Exception):
-                raise row
-            samples.append(parse(row))
-        except ValueError as err:
-            if not skip_malformed:
-                raise ValueError(f"malformed {kind} row in {source}, {where}: {err}") from err
-            skipped.append(f"{where}: {err}")
-    if skipped:
-        warnings.warn(
-            f"skipped {len(skipped)} malformed {kind} row(s) in {source} (first: {skipped[0]})", stacklevel=3
-        )
-    if not samples:
-        raise ValueError(f"no {kind} samples loaded from {source}")
-    return samples
-
-
 def load_gsm8k(
     split: str = "train",
     max_samples: int | None = 500,
@@ -384,61 +256,12 @@ def load_gsm8k(
         offline = "pass path= pointing at local GSM8K JSON-lines or parquet files."
         source, rows = (
             f"{HUB_DATASET} ({HUB_CONFIG}/{split})",
-            _hub_rows(HUB_DATASET, HUB_CONFIG, split, what, offline),
+            hub_rows(HUB_DATASET, HUB_CONFIG, split, what, offline),
         )
     else:
-        file = _resolve_local_file(path, split)
-        source, rows = str(file), _file_rows(file)
-    return _collect(rows, source, max_samples, skip_malformed)
-
-
-def load_prompts(
-    split: str,
-    max_samples: int | None,
-    *,
-    prompt_field: str,
-    reference_field: str | None = None,
-    path: str | Path | None = None,
-    dataset: Any = None,
-    skip_malformed: bool = False,
-) -> list[dict[str, Any]]:
-    """Rows of any prompt dataset as ``[{"prompt", ...}]``: a local folder or file (JSON-lines,
-    parquet or CSV), a hub dataset by name, or a ``datasets.Dataset``/``DatasetDict`` in memory.
-
-    Each row's ``prompt_field`` is the prompt (text, or a conversation: a list of ``{"role",
-    "content"}`` messages); ``reference_field``, when given, becomes ``reference`` (the rewards'
-    ``references``); every other field travels with its prompt to the rewards under its own name.
-    """
-    if path is not None:
-        file = _resolve_local_file(path, split)
-        source, rows = str(file), _file_rows(file)
-    elif dataset is not None and not isinstance(dataset, str):
-        source, rows = in_memory_rows(dataset, split)
-    elif dataset is not None:
-        what = f"the dataset {dataset!r} (split {split!r})"
-        offline = "pass data.path pointing at local JSON-lines, parquet or CSV files."
-        source, rows = f"{dataset} (split {split})", _hub_rows(dataset, None, split, what, offline)
-    else:
-        raise ValueError("load_prompts needs a path or a hub dataset name")
-
-    def parse(row: Any) -> dict[str, Any]:
-        if not isinstance(row, dict):
-            raise ValueError(f"expected an object, got {type(row).__name__}")
-        for field in (prompt_field, reference_field):
-            if field is not None and field not in row:
-                raise ValueError(f"no {field!r} field (fields: {sorted(row)})")
-        prompt = row[prompt_field]
-        if not (isinstance(prompt, str) and prompt.strip()) and not (isinstance(prompt, list) and prompt):
-            raise ValueError(
-                f"{prompt_field!r} must be non-empty text or a list of messages, got {prompt!r:.100}"
-            )
-        sample = {"prompt": prompt}
-        if reference_field is not None:
-            sample["reference"] = row[reference_field]
-        sample.update((k, v) for k, v in row.items() if k not in (prompt_field, reference_field))
-        return sample
-
-    return _collect(rows, source, max_samples, skip_malformed, parse, kind="prompt")
+        file = resolve_local_file(path, split)
+        source, rows = str(file), file_rows(file)
+    return collect_samples(rows, source, max_samples, skip_malformed, _sample_from_row, kind="GSM8K")
 
 
 def load_gsm8k_mock(n: int = 20) -> list[dict[str, str]]:

@@ -1,0 +1,247 @@
+"""How a reward is called and what it returns is checked: the reward contract (:class:`RewardOutput`,
+:class:`BaseReward`), which keyword arguments each reward gets (its signature decides; TRL-style
+rewards get TRL's names), the arguments it cannot do without, time limits, the slow-call warning,
+a reward's own exits, and :func:`checked_scores`.
+
+The reward library and the entry points that take a whole, possibly composite, reward live in
+:mod:`forge_lightning.rewards`, which re-exports these names: import them from there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+import threading
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from forge_lightning.preemption import raised_by_signal, signals_marked
+
+
+@dataclass
+class RewardOutput:
+    """One score per response, plus anything a reward wants to expose for inspection."""
+
+    scores: list[float]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class BaseReward(ABC):
+    """Base class for rewards. Subclasses may declare a narrower ``__call__`` (no ``**kwargs``)."""
+
+    #: Keyword arguments the reward cannot score without although its signature gives them a
+    #: default (``references=None``); checked against the batch before the first generation.
+    needs: tuple[str, ...] = ()
+
+    @abstractmethod
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput: ...
+
+
+RewardFn: TypeAlias = BaseReward | Callable[..., RewardOutput | Sequence[float]]
+
+# Batch keys renamed from the dataset's column names (split_batch), by Forge's convention. TRL
+# passes every column under its own name, so a TRL-style reward gets it under both.
+_COLUMN_NAMES = {"references": "reference"}
+
+
+def accepted_kwargs(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``fn`` can take by name (all of them if it has ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        # Some builtins have no signature; passing everything lets a mismatch fail loudly at the call.
+        return dict(kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(kwargs)
+    by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {key: value for key, value in kwargs.items() if key in by_name}
+
+
+def takes_completions(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a TRL-style reward: a parameter named ``completions`` and none named
+    ``responses``. Such a reward is called by keyword (``prompts=``, ``completions=`` and the
+    batch's fields), as TRL calls it, so ``def f(completions, **kwargs)`` works too."""
+    try:
+        names = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "completions" in names and "responses" not in names
+
+
+def trl_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The batch's keyword arguments for a TRL-style reward: each dataset column under its own
+    name too (``reference`` beside ``references``)."""
+    columns = {column: kwargs[key] for key, column in _COLUMN_NAMES.items() if key in kwargs}
+    return {**columns, **kwargs}
+
+
+def completion_messages(prompts: list[Any], responses: list[str]) -> list[Any]:
+    """What a TRL-style reward gets as ``completions``: each response as text, or, where its prompt
+    is a conversation (a list of messages), as TRL's ``[{"role": "assistant", "content": text}]``."""
+    return [
+        [{"role": "assistant", "content": response}] if isinstance(prompt, list) else response
+        for prompt, response in zip(prompts, responses)
+    ]
+
+
+def absent_arguments(reward: RewardFn, available: set[str]) -> list[str]:
+    """The keyword arguments one reward needs that are not in ``available``: its required
+    parameters besides the prompts and responses (the first two, or for a TRL-style reward
+    ``prompts`` and ``completions``), and a :class:`BaseReward`'s ``needs``."""
+    try:
+        params = list(inspect.signature(reward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    given = available
+    if takes_completions(reward):
+        params = [p for p in params if p.name not in ("prompts", "completions")]
+        given = set(trl_kwargs(dict.fromkeys(available)))
+    else:
+        params = params[2:]
+    required = [
+        p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    required += list(getattr(reward, "needs", ()))
+    return [key for key in dict.fromkeys(required) if key not in given]
+
+
+def reward_name(reward: RewardFn) -> str:
+    """A readable name: a function's ``__name__`` (``<lambda>`` becomes ``lambda``), else the class name."""
+    name = getattr(reward, "__name__", None) or type(reward).__name__
+    return name.strip("<>")
+
+
+def checked_scores(output: Any, num_samples: int, name: str, allow_none: bool = False) -> list[float]:
+    """Turn a reward's output into ``num_samples`` finite floats; ValueError naming the reward otherwise.
+
+    With ``allow_none`` (a CompositeReward's component) a None means "not applicable to this
+    sample", as in TRL, and becomes NaN: it counts 0 in the total and stays out of the component's
+    mean and std."""
+    if isinstance(output, RewardOutput):
+        output = output.scores
+    elif hasattr(output, "tolist"):  # numpy arrays and tensors, without importing either
+        output = output.tolist()
+    if not isinstance(output, (list, tuple)):
+        raise ValueError(
+            f"reward {name!r} must return a RewardOutput or a list of floats, got {type(output)}"
+        )
+    if len(output) != num_samples:
+        raise ValueError(f"reward {name!r} returned {len(output)} scores for {num_samples} responses")
+    for i, value in enumerate(output):
+        if value is None:
+            if allow_none:
+                continue
+            raise ValueError(
+                f"reward {name!r} returned None at index {i}: None ('not applicable') is for a component "
+                "of a CompositeReward whose other components score that sample"
+            )
+        if not isinstance(value, numbers.Real):
+            raise ValueError(f"reward {name!r} returned a non-number at index {i}: {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"reward {name!r} returned a non-finite score at index {i}: {value!r}")
+    return [math.nan if value is None else float(value) for value in output]
+
+
+class RewardTimeout(TimeoutError):
+    """A reward call ran past ``reward_timeout``; it was abandoned."""
+
+
+class RewardExit(SystemExit):
+    """A reward's own code raised SystemExit or KeyboardInterrupt (no signal did): the run stops
+    with an error that names the reward."""
+
+
+def invoke_reward(
+    reward: RewardFn,
+    prompts: list[str],
+    responses: list[str],
+    kwargs: dict[str, Any],
+    timeout: float | None,
+    slow_after: float,
+) -> Any:  # rewards.call_reward is the entry point: it gives slow_after
+    """Call ``reward`` with its own copies of the lists: a reward that rewrites or empties its
+    inputs changes nothing for the next reward, the log or the samples table.
+
+    A reward is called as ``reward(prompts, responses, **fields)``, or, when it names a
+    ``completions`` parameter and no ``responses`` one (TRL's signature), as
+    ``reward(prompts=..., completions=..., **fields)`` (:func:`takes_completions`).
+
+    With ``timeout`` (seconds) the call runs in a daemon thread and is abandoned, raising
+    :class:`RewardTimeout`, when it takes longer; the abandoned thread is left to finish alone
+    (a thread cannot be killed), and a process exit does not wait for it. Without one, a call
+    running past ``slow_after`` seconds is warned about (once) and left to run.
+
+    A SystemExit or KeyboardInterrupt that the reward's code raises becomes :class:`RewardExit`
+    naming the reward; one that a signal raised (Ctrl-C, a SIGTERM) passes through unchanged.
+    """
+    own = {key: list(value) if isinstance(value, list) else value for key, value in kwargs.items()}
+
+    def call() -> Any:
+        if takes_completions(reward):  # TRL's convention: everything by keyword
+            completions = completion_messages(prompts, responses)
+            trl = {**trl_kwargs(own), "prompts": list(prompts), "completions": completions}
+            return reward(**accepted_kwargs(reward, trl))
+        return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
+
+    name = reward_name(reward)
+    try:
+        with signals_marked():
+            if timeout is None:
+                return _call_watched(call, name, slow_after)
+            return _call_within(call, f"reward {name!r}", len(responses), timeout)
+    except (SystemExit, KeyboardInterrupt) as err:
+        if isinstance(err, RewardExit) or raised_by_signal(err):
+            raise
+        raise RewardExit(
+            f"reward {name!r} raised {err!r} from its own code (no signal did): the run stops. A "
+            "reward that cannot score raises an Exception instead (model.on_reward_error decides "
+            "what then happens)"
+        ) from err
+
+
+def _call_watched(call: Callable[[], Any], name: str, slow_after: float) -> Any:
+    """``call()``, with one warning if it runs past ``slow_after`` seconds (a hang with no
+    timeout set would otherwise be silent)."""
+    message = (
+        f"reward {name!r} has run for more than {slow_after:g}s in one call, with no "
+        "reward_timeout set; if it hangs, set model.reward_timeout (seconds, e.g. "
+        "--model.reward_timeout 300) to abandon a call that takes longer"
+    )
+
+    def warn() -> None:
+        warnings.warn(message, stacklevel=1)
+
+    watchdog = threading.Timer(slow_after, warn)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        return call()
+    finally:
+        watchdog.cancel()
+
+
+def _call_within(call: Callable[[], Any], what: str, size: int, timeout: float) -> Any:
+    """``call()`` in a daemon thread, abandoned with :class:`RewardTimeout` after ``timeout`` s."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # handed to the caller below
+            outcome["error"] = err
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=what, daemon=True).start()
+    if not done.wait(timeout):
+        raise RewardTimeout(
+            f"{what} took longer than reward_timeout={timeout:g}s on {size} responses; the call was abandoned"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
