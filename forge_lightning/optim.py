@@ -52,7 +52,8 @@ def total_optimizer_steps(
     """Optimizer steps of the whole fit: ``max_steps`` when set, else counted from the batches."""
     if trainer.max_steps is not None and trainer.max_steps > 0:
         return trainer.max_steps
-    if any(isinstance(cb, Timer) and cb._duration is not None for cb in getattr(trainer, "callbacks", [])):
+    timers = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, Timer)]
+    if any(timer.time_remaining() is not None for timer in timers):  # None: the Timer has no duration
         warnings.warn(
             f"trainer.max_time is set but trainer.max_steps is not: the learning-rate schedule is sized "
             f"from max_epochs ({trainer.max_epochs}), and a run stopped by max_time ends wherever it is "
@@ -186,10 +187,19 @@ def rescale_schedule(scheduler: Any, learning_rate: float) -> bool:
         scheduler.base_lrs[i] = learning_rate
         group["initial_lr"] = learning_rate
         group["lr"] = learning_rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    set_last_lr(scheduler, [group["lr"] for group in scheduler.optimizer.param_groups])
     warnings.warn(
         f"resumed with learning_rate {learning_rate:g} (the checkpoint's was {old:g}): the schedule "
         f"continues at step {scheduler.last_epoch} with the new peak rate",
         stacklevel=2,
     )
     return True
+
+
+def set_last_lr(scheduler: Any, rates: list[float]) -> None:
+    """Make ``get_last_lr()`` report ``rates`` (what the optimizer now uses) without a step.
+
+    Private: torch's LRScheduler keeps them in ``_last_lr`` and offers no setter (``step()`` would
+    advance the schedule, and ``get_lr()`` outside a step warns). Checked on torch 2.13; the test
+    ``test_the_private_attributes_we_rely_on_exist`` fails if torch moves it."""
+    scheduler._last_lr = list(rates)
