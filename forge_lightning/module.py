@@ -71,10 +71,10 @@ from forge_lightning.optim import (
     NonFiniteGuard,
     adamw_with_schedule,
     can_fuse_adamw,
-    gradient_norm,
+    loss_scale,
+    normalise_and_clip,
     require_finite_parameters,
     rescale_schedule,
-    scale_gradients,
 )
 from forge_lightning.optim import total_optimizer_steps as count_optimizer_steps
 from forge_lightning.policy import prepare_policy
@@ -768,8 +768,12 @@ class GRPOLightningModule(pl.LightningModule):
         if self.hparams.dynamic_sampling:  # the rounds end with the step, taken or skipped
             for key, value in self.rounds.pop().items():
                 self.train_metrics.update(key, torch.tensor([value]))
-        scale_gradients(self.model.parameters(), self.trainer.world_size / count.clamp(min=1))
-        grad_norm = gradient_norm(self.model.parameters())
+        grad_norm = normalise_and_clip(  # scaled to the step's count, clipped to max_grad_norm
+            self.model.parameters(),
+            self.trainer.world_size / count.clamp(min=1),
+            self.hparams.max_grad_norm,
+            loss_scale(self.trainer.precision_plugin),
+        )
         finite = self._nonfinite_guard.allows(grad_norm)
         self.train_metrics.update("skipped_steps", torch.tensor([0.0 if finite else 1.0]))
         if not finite:
@@ -777,10 +781,6 @@ class GRPOLightningModule(pl.LightningModule):
             return
         self.train_metrics.update("lr", torch.tensor([scheduler.get_last_lr()[0]]))
         self.train_metrics.update("grad_norm", grad_norm)
-        if self.hparams.max_grad_norm is not None:
-            self.clip_gradients(
-                optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm"
-            )
         optimizer.step()  # every gradient None after a round of uninformative groups: no update
         require_finite_parameters(self.model, self.trainer.strategy, self.global_step)
         optimizer.zero_grad(set_to_none=True)

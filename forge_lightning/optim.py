@@ -52,7 +52,8 @@ def total_optimizer_steps(
     """Optimizer steps of the whole fit: ``max_steps`` when set, else counted from the batches."""
     if trainer.max_steps is not None and trainer.max_steps > 0:
         return trainer.max_steps
-    if any(isinstance(cb, Timer) and cb._duration is not None for cb in getattr(trainer, "callbacks", [])):
+    timers = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, Timer)]
+    if any(timer.time_remaining() is not None for timer in timers):  # None: the Timer has no duration
         warnings.warn(
             f"trainer.max_time is set but trainer.max_steps is not: the learning-rate schedule is sized "
             f"from max_epochs ({trainer.max_epochs}), and a run stopped by max_time ends wherever it is "
@@ -91,6 +92,30 @@ def scale_gradients(params: Iterable[Tensor], factor: Tensor | float) -> None:
             p.grad.mul_(factor.to(p.grad.device) if isinstance(factor, Tensor) else factor)
 
 
+def normalise_and_clip(
+    params: Iterable[Tensor], scale: Tensor, max_norm: float | None, loss_scale: float = 1.0
+) -> Tensor:
+    """Multiply the gradients by ``scale`` (the step's loss normaliser) and clip their total norm to
+    ``max_norm`` as ``clip_grad_norm_`` does; return the norm before clipping. A non-finite norm
+    leaves the gradients as they are (the step is skipped).
+
+    One norm pass and one multiply: the norm of ``scale * g`` is ``scale * |g|``, so the scale folds
+    into the clip factor (Lightning's ``clip_gradients`` would take the norm a second time).
+    ``loss_scale``: a GradScaler's factor still on the gradients (16-mixed unscales them inside
+    ``optimizer.step()``, after this); the norm and the clip are in unscaled units."""
+    params = [p for p in params if p.grad is not None]
+    raw = gradient_norm(params)
+    raw = raw.to(torch.promote_types(raw.dtype, torch.float32))  # a bf16 factor would round the scale
+    factor = scale.to(raw.device, raw.dtype)
+    norm = raw * factor / loss_scale
+    if not torch.isfinite(norm):
+        return norm
+    if max_norm is not None:  # torch's clip_grads_with_norm_ factor, 1e-6 included
+        factor = factor * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    scale_gradients(params, factor)
+    return norm
+
+
 class NonFiniteGuard:
     """Counts optimizer steps in a row whose gradient norm is not finite; stops the run at ``limit``."""
 
@@ -113,6 +138,23 @@ class NonFiniteGuard:
         return False
 
 
+def all_finite(tensors: list[Tensor]) -> Tensor:
+    """Per tensor, whether every element is finite, as a bool tensor of ``len(tensors)``.
+
+    A tensor's min and max are finite exactly when all of it is (both propagate NaN). ``aminmax``
+    reads the tensor once and allocates nothing of its size; ``isfinite(p).all()`` writes a full
+    mask first and took ~13x as long on a 135M-parameter model on a CPU (the bulk of the step)."""
+    ends = [torch.stack(torch.aminmax(t)) if t.numel() else t.new_zeros(2) for t in tensors]  # (2,) each
+    return torch.stack(ends).isfinite().all(dim=1)
+
+
+def loss_scale(precision: Any) -> float:
+    """The factor a GradScaler (Lightning's ``MixedPrecision.scaler``, 16-mixed) left on the
+    gradients at this point of a manual step; 1 for every other precision."""
+    scaler = getattr(precision, "scaler", None)
+    return float(scaler.get_scale()) if scaler is not None else 1.0
+
+
 def require_finite_parameters(model: torch.nn.Module, strategy: Any, step: int) -> None:
     """Raise when optimizer step ``step`` (1-based, just taken) left a trainable weight NaN or inf
     (a finite gradient can still overflow an update), before any checkpoint can save it."""
@@ -120,7 +162,7 @@ def require_finite_parameters(model: torch.nn.Module, strategy: Any, step: int) 
     if not named:
         return
     local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]  # FSDP2 shards
-    finite = torch.stack([torch.isfinite(p).all() for p in local])
+    finite = all_finite(local)
     bad = (~finite).sum().float()
     if getattr(strategy, "world_size", 1) > 1:
         bad = strategy.reduce(bad, reduce_op="sum")
@@ -145,10 +187,19 @@ def rescale_schedule(scheduler: Any, learning_rate: float) -> bool:
         scheduler.base_lrs[i] = learning_rate
         group["initial_lr"] = learning_rate
         group["lr"] = learning_rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
-    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    set_last_lr(scheduler, [group["lr"] for group in scheduler.optimizer.param_groups])
     warnings.warn(
         f"resumed with learning_rate {learning_rate:g} (the checkpoint's was {old:g}): the schedule "
         f"continues at step {scheduler.last_epoch} with the new peak rate",
         stacklevel=2,
     )
     return True
+
+
+def set_last_lr(scheduler: Any, rates: list[float]) -> None:
+    """Make ``get_last_lr()`` report ``rates`` (what the optimizer now uses) without a step.
+
+    Private: torch's LRScheduler keeps them in ``_last_lr`` and offers no setter (``step()`` would
+    advance the schedule, and ``get_lr()`` outside a step warns). Checked on torch 2.13; the test
+    ``test_the_private_attributes_we_rely_on_exist`` fails if torch moves it."""
+    scheduler._last_lr = list(rates)

@@ -1,4 +1,5 @@
-"""The optimizer side: learning-rate schedules, the non-finite guard, the fused-kernel choice."""
+"""The optimizer side: learning-rate schedules, the non-finite guard, the fused-kernel choice, the
+one-pass scale-and-clip and the parameter finiteness check."""
 
 from types import SimpleNamespace
 
@@ -8,8 +9,11 @@ import torch
 from forge_lightning.optim import (
     NonFiniteGuard,
     adamw_with_schedule,
+    all_finite,
     can_fuse_adamw,
     gradient_norm,
+    normalise_and_clip,
+    require_finite_parameters,
     total_optimizer_steps,
 )
 
@@ -95,3 +99,102 @@ def test_total_optimizer_steps_needs_an_end():
     trainer = SimpleNamespace(max_steps=-1, estimated_stepping_batches=float("inf"), max_epochs=1)
     with pytest.raises(ValueError, match="max_steps"):
         total_optimizer_steps(trainer, 1, 1)
+
+
+def with_gradients(*grads: torch.Tensor) -> list[torch.nn.Parameter]:
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    return params
+
+
+def scaled_then_clipped(grads: list[torch.Tensor], scale: float, max_norm: float | None):
+    """The path before the one-pass version: scale in place, take the norm, then Lightning's
+    ``clip_gradients`` (``clip_grad_norm_``, which takes the norm again)."""
+    params = with_gradients(*grads)
+    for p in params:
+        p.grad.mul_(scale)
+    norm = gradient_norm(params)
+    if max_norm is not None and torch.isfinite(norm):
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm, [p.grad for p in params]
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.1, 1e6])  # no clipping, clipping, a norm under the limit
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_scale_and_clip_gives_the_gradients_of_scaling_then_clipping(max_norm, dtype):
+    torch.manual_seed(0)
+    grads = [torch.randn(7, 5).to(dtype), torch.randn(11).to(dtype) * 3]
+    params = with_gradients(*grads) + [torch.nn.Parameter(torch.zeros(2))]  # one without a gradient
+    scale = torch.tensor(1 / 37)
+    norm = normalise_and_clip(params, scale, max_norm)
+    want_norm, want = scaled_then_clipped(grads, scale.item(), max_norm)
+    tolerance = dict(rtol=1e-5, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(norm, want_norm.float(), **tolerance)
+    for got, expected in zip(params, want):
+        assert got.grad.dtype == dtype
+        torch.testing.assert_close(got.grad, expected, **tolerance)
+    assert params[-1].grad is None
+    if max_norm == 0.1:  # the clip binds: the result has the limit as its norm
+        rel = 1e-5 if dtype == torch.float32 else 1e-2
+        assert gradient_norm(params).float().item() == pytest.approx(0.1, rel=rel)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_gradient_is_reported_and_left_untouched_so_the_guard_skips(bad):
+    grads = [torch.ones(4), torch.tensor([1.0, bad])]
+    params = with_gradients(*grads)
+    norm = normalise_and_clip(params, torch.tensor(0.5), 1.0)
+    want_norm, _ = scaled_then_clipped(grads, 0.5, 1.0)
+    assert not torch.isfinite(norm) and not torch.isfinite(want_norm)
+    with pytest.warns(UserWarning, match="skipped"):
+        assert NonFiniteGuard(limit=3).allows(norm) is False
+    for got, grad in zip(params, grads):
+        torch.testing.assert_close(got.grad, grad, equal_nan=True)
+
+
+def test_clipping_under_a_grad_scaler_is_in_unscaled_units():
+    """16-mixed: Lightning unscales the gradients inside ``optimizer.step()``, after the clip; the
+    norm logged and the clip applied are those of the true gradient."""
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    loss = (params[0] * torch.tensor([3.0, 0.0])).sum() + 4.0 * params[1].sum()  # gradient norm 5
+    scaler.scale(loss).backward()
+    assert gradient_norm(params).item() == pytest.approx(5.0 * 2**10)
+    norm = normalise_and_clip(params, torch.tensor(1.0), 1.0, loss_scale=scaler.get_scale())
+    assert norm.item() == pytest.approx(5.0)
+    scaler.unscale_(optimizer)
+    assert gradient_norm(params).item() == pytest.approx(1.0, rel=1e-5)
+    torch.testing.assert_close(params[0].grad, torch.tensor([0.6, 0.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_finiteness_check_flags_exactly_the_tensors_isfinite_flags(dtype):
+    tensors = [torch.zeros(5, 3, dtype=dtype) for _ in range(6)] + [torch.zeros(0, dtype=dtype)]
+    tensors[1][4, 2] = float("nan")
+    tensors[2][0, 0] = float("inf")
+    tensors[3][2, 1] = -float("inf")
+    tensors[4].fill_(3e38)  # large but finite: no overflow
+    want = torch.tensor([bool(torch.isfinite(t).all()) for t in tensors])
+    assert all_finite(tensors).tolist() == want.tolist() == [True, False, False, False, True, True, True]
+
+
+def test_non_finite_parameters_stop_with_their_names():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    strategy = SimpleNamespace(world_size=1)
+    require_finite_parameters(model, strategy, 1)
+    with torch.no_grad():
+        model[1].bias[0] = float("nan")
+    with pytest.raises(RuntimeError, match=r"step 4 left parameters non-finite \(1.bias\)"):
+        require_finite_parameters(model, strategy, 4)
+
+
+def test_a_fit_steps_on_the_gradient_clipped_to_max_grad_norm(step_gradients):
+    loss, free = step_gradients(max_grad_norm=None)
+    clipped_loss, clipped = step_gradients(max_grad_norm=1e-3)
+    params = with_gradients(*free)
+    norm = torch.nn.utils.clip_grad_norm_(params, 1e-3)
+    assert norm > 1e-2 and clipped_loss == loss  # the clip binds; the same completions
+    for got, want in zip(clipped, params):
+        torch.testing.assert_close(got, want.grad, rtol=1e-10, atol=0)
