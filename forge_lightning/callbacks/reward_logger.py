@@ -94,6 +94,12 @@ class RewardLogger(Callback):
         return output_dir(trainer, self.output_dir) / "training_log.jsonl"
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The data goes one way (as ReferenceModel's): the module reports at this cadence.
+        if hasattr(pl_module, "report_every"):
+            pl_module.report_every(self.logging_steps)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Not on_fit_start: the restored global_step is only known once training state is loaded.
         self._last_step = trainer.global_step
