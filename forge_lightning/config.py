@@ -189,6 +189,15 @@ def train_settings(values: Mapping[str, Any]) -> TrainSettings:
     return TrainSettings(**{name: values[name] for name in TrainSettings.__dataclass_fields__})
 
 
+def check_resume(checkpoint: Mapping[str, Any], hparams: Mapping[str, Any], trainer: dict[str, Any]) -> None:
+    """A resumed fit's checks: the module's settings may not change where that breaks the run
+    (check_resume_settings); every trainer setting (``trainer``, trainer_settings) may (a longer
+    run, another cadence): applied and logged."""
+    check_resume_settings(checkpoint.get("hyper_parameters", {}), hparams)
+    for line in changed_settings(checkpoint.get("forge_trainer_settings", {}), trainer).values():
+        log.info("resumed with a changed trainer setting, applied: %s", line)
+
+
 def check_setting(field: str, value: Any) -> None:
     """Raise ValueError naming ``field`` when ``value`` is outside its range in ``RULES``."""
     allowed, words = RULES[field]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Literal
@@ -18,10 +16,9 @@ from typing_extensions import override
 
 from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
-from forge_lightning.checkpoint_io import rng_states, set_rng_states
+from forge_lightning.checkpoint_io import refuse_unstored_objects, rng_states, set_rng_states
 from forge_lightning.config import (
-    changed_settings,
-    check_resume_settings,
+    check_resume,
     loss_settings,
     refuse_automatic_optimization_settings,
     train_settings,
@@ -44,8 +41,8 @@ from forge_lightning.grpo import (
 )
 from forge_lightning.logprobs import LogProbScorer
 from forge_lightning.lora import LoraSettings, lora_settings
-from forge_lightning.metrics import LOSS_STATS, StepRecord, TrainMetrics, add_micro_batch, batch_metrics
-from forge_lightning.models import ensure_pad_token, load_model
+from forge_lightning.metrics import LOSS_STATS, StepRecord, TrainMetrics, add_micro_batch
+from forge_lightning.models import ensure_pad_token, load_model, warn_when_half_precision
 from forge_lightning.optim import (
     NonFiniteGuard,
     adamw_with_schedule,
@@ -57,7 +54,6 @@ from forge_lightning.optim import (
 )
 from forge_lightning.policy import prepare_policy
 from forge_lightning.preemption import Preemption, sigterm_interrupts
-from forge_lightning.profiler import PhaseProfiler
 from forge_lightning.reporting import StepReporter
 from forge_lightning.rewards import (
     GSM8KAnswerReward,
@@ -74,14 +70,12 @@ from forge_lightning.rollout import (
     Rollout,
     RolloutSampler,
     SamplingParams,
-    prompt_text,
     warn_when_few_tokens_count,
 )
 from forge_lightning.rollout_sources import TrainingBatch, rollout_settings, rollout_source
 from forge_lightning.scoring import score_groups
 from forge_lightning.step_plan import plan_settings, step_plan
-
-log = logging.getLogger(__name__)
+from forge_lightning.validation import score_validation
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -273,14 +267,7 @@ class GRPOLightningModule(pl.LightningModule):
     def configure_model(self) -> None:
         hp = self.hparams
         if self.model is None:
-            if hp.model_dtype in ("bfloat16", "float16"):
-                warnings.warn(
-                    f"model_dtype={hp.model_dtype}: the policy's weights and AdamW state are half "
-                    "precision, and updates smaller than their rounding step are lost (at lr 5e-6 "
-                    "most weights of a bf16 model never change); float32 with a *-mixed precision "
-                    "trains in half precision on full-precision weights",
-                    stacklevel=2,
-                )
+            warn_when_half_precision(hp.model_dtype)
             self.model, tokenizer = load_model(self.model_spec, hp.model_dtype, hp.attn_implementation)
             self.tokenizer = self.tokenizer or tokenizer
         self.model = prepare_policy(
@@ -356,9 +343,9 @@ class GRPOLightningModule(pl.LightningModule):
         )
         for key, value in item.metrics.items():
             self.train_metrics.update(key, torch.tensor([value]))
-        self._record(item.prompts, rollout, rewards, components, stats, plan.stepped)
-        self.batch_records.append(self.last_step)
         self._stepped = self._stepped or plan.stepped
+        self._record(item, rewards, components, stats, plan.stepped)
+        self.batch_records.append(self.last_step)
 
     def _advantages(self, rewards: Tensor) -> Tensor:
         """Group-relative advantages; ``advantage_scale: batch`` takes the std over every rank's
@@ -452,35 +439,25 @@ class GRPOLightningModule(pl.LightningModule):
         self.rollout_source.weights_updated(self.model)
 
     def _record(
-        self,
-        prompts: list[str],
-        rollout: Rollout,
-        rewards: Tensor,
-        components: dict[str, Tensor],
-        stats: dict[str, Tensor],
-        stepped: bool,
+        self, item: TrainingBatch, rewards: Tensor, components: dict, stats: dict, stepped: bool
     ) -> None:
         """Track the batch's metrics; at an optimizer step, log them (means over the step's batches,
         reduced across ranks); publish the batch's record in ``last_step``."""
-        profiler = self.trainer.profiler
-        phases = profiler.last_step() if isinstance(profiler, PhaseProfiler) else {}
-        self.reporter.add(batch_metrics(rollout, rewards, components, stats, phases))
-        logged: dict[str, float] = {}
-        report: dict[str, float] = {}
-        if stepped:
-            logged = self.reporter.step()
-            # self.log puts them where Lightning's callbacks look (callback_metrics, the progress
-            # bar), every optimizer step. The loggers get them here, every report_every optimizer
-            # steps, at the optimizer step: Lightning would count batches, and re-send a logged
-            # value after every later batch of an accumulation.
-            shown = {"train/reward", "train/kl"}
-            for key, value in logged.items():
-                self.log(key, value, on_step=True, on_epoch=False, prog_bar=key in shown, logger=False)
-            report = self.reporter.report(self.global_step, self.trainer.log_every_n_steps)
-            for logger in self.loggers if report else []:
-                logger.log_metrics(report, step=self.global_step)
+        rollout = item.rollout
+        phases = self.reporter.add(rollout, rewards, components, stats, self.trainer.profiler)
+        logged = self.reporter.step() if stepped else {}
+        # self.log puts them where Lightning's callbacks look (callback_metrics, the progress bar),
+        # every optimizer step. The loggers get them here, every report_every optimizer steps, at
+        # the optimizer step: Lightning would count batches, and re-send a logged value after
+        # every later batch of an accumulation.
+        for key, value in logged.items():
+            shown = key in ("train/reward", "train/kl")
+            self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown, logger=False)
+        report = self.reporter.report(self.global_step, self.trainer.log_every_n_steps) if stepped else {}
+        for logger in self.loggers if report else []:
+            logger.log_metrics(report, step=self.global_step)
         self.last_step = StepRecord.of(
-            self.global_step, prompts, rollout, rewards, logged, phases, components, report
+            self.global_step, item.prompts, rollout, rewards, logged, phases, components, report
         )
 
     @property
@@ -542,31 +519,9 @@ class GRPOLightningModule(pl.LightningModule):
             if "references" in batch_kwargs:
                 require_arguments(self.accuracy, {*batch_kwargs, *FACTS}, role="accuracy check")
         rollout = self.sampler(self.model, prompts, self.greedy, group_size=1)
-        on_error, timeout = self.settings.on_reward_error, self.settings.reward_timeout
-        with sigterm_interrupts():
-            rewards, components, _ = score_groups(
-                self.reward, prompts, rollout, batch_kwargs, on_error, timeout
-            )
-        self.val_metrics.update("reward", rewards)
-        for name, values in components.items():
-            self.val_metrics.update(f"rewards/{name}", values)
-        self.val_metrics.update("completion_length", rollout.completion_lengths.float())
-        self.val_metrics.update("truncated_fraction", rollout.truncation.float())
-        references = batch_kwargs.get("references")
-        if references is not None:
-            with sigterm_interrupts():
-                correct, _, _ = score_groups(self.accuracy, prompts, rollout, batch_kwargs, on_error, timeout)
-            self.val_metrics.update("accuracy", correct)
-        for i, prompt in enumerate(prompts):
-            sample = {"prompt": prompt_text(prompt), "completion": rollout.completions[i]}
-            if references is not None:
-                sample["reference"] = references[i]
-            sample["reward"] = float(rewards[i])
-            if references is not None:
-                sample["correct"] = float(correct[i])
-            sample["completion_length"] = int(rollout.completion_lengths[i])
-            sample["truncated"] = bool(rollout.truncation[i])
-            self.validation_samples.append(sample)
+        self.validation_samples += score_validation(
+            self.reward, self.accuracy, prompts, rollout, batch_kwargs, self.settings, self.val_metrics
+        )
 
     @override
     def on_validation_epoch_start(self) -> None:
@@ -631,15 +586,7 @@ class GRPOLightningModule(pl.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> GRPOLightningModule:
         """Lightning's ``load_from_checkpoint``, refusing to stand the default model or reward in for
         one the checkpoint could not store (an object): pass ``model=``/``tokenizer=``/``reward=``."""
-        saved = torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=True)
-        stored = saved.get("hyper_parameters", {})
-        missing = [name for name in ("model", "reward") if name not in stored and name not in kwargs]
-        if missing:
-            raise ValueError(
-                f"{checkpoint_path} was trained with a {' and a '.join(missing)} given as an object, which "
-                f"a checkpoint cannot store: pass {', '.join(f'{m}=' for m in missing)}"
-                f"{' (and tokenizer=)' if 'model' in missing else ''} to load_from_checkpoint"
-            )
+        refuse_unstored_objects(checkpoint_path, kwargs)
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     @override
@@ -658,11 +605,7 @@ class GRPOLightningModule(pl.LightningModule):
         self._checkpoint_step = checkpoint.get("global_step")
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
             # Resuming a fit; validate or load_from_checkpoint may use other settings.
-            check_resume_settings(checkpoint.get("hyper_parameters", {}), self.hparams)
-            saved_trainer = checkpoint.get("forge_trainer_settings", {})
-            # Every trainer setting may change (a longer run, another cadence): applied and logged.
-            for line in changed_settings(saved_trainer, trainer_settings(self.trainer)).values():
-                log.info("resumed with a changed trainer setting, applied: %s", line)
+            check_resume(checkpoint, self.hparams, trainer_settings(self.trainer))
             self.reporter.tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
             if "forge_async" in checkpoint:
                 self.rollout_source.load_state_dict(checkpoint["forge_async"])

@@ -8,9 +8,13 @@ module sends what it returns to ``self.log`` and the loggers.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
-from forge_lightning.metrics import TrainMetrics, logged_name, window_values
+from forge_lightning.metrics import TrainMetrics, batch_metrics, logged_name, window_values
+from forge_lightning.profiler import PhaseProfiler
+from forge_lightning.rollout import Rollout
 
 
 class StepReporter:
@@ -27,10 +31,20 @@ class StepReporter:
         self.tokens_trained = 0.0  # train/num_tokens, kept in checkpoints
         self.window: list[dict[str, float]] = []  # logged steps since the last report
 
-    def add(self, values: dict[str, Tensor]) -> None:
-        """One batch's values (batch_metrics)."""
-        for key, value in values.items():
+    def add(
+        self,
+        rollout: Rollout,
+        rewards: Tensor,
+        components: dict[str, Tensor],
+        stats: dict[str, Tensor],
+        profiler: Any,
+    ) -> dict[str, float]:
+        """Track one training batch's values (batch_metrics); its seconds per phase (empty without
+        a PhaseProfiler)."""
+        phases = profiler.last_step() if isinstance(profiler, PhaseProfiler) else {}
+        for key, value in batch_metrics(rollout, rewards, components, stats, phases).items():
             self.metrics.update(key, value)
+        return phases
 
     def step(self) -> dict[str, float]:
         """At an optimizer step: its metrics (means over its batches, reduced across ranks) under
