@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from typing_extensions import override
 
+from forge_lightning.backward import LossPasses
 from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
 from forge_lightning.checkpoint_io import refuse_unstored_objects, rng_states, set_rng_states
@@ -32,16 +33,11 @@ from forge_lightning.grpo import (
     ImportanceSampling,
     KLEstimator,
     LossType,
-    backward_weight,
     group_advantages,
-    grpo_loss,
-    masked_mean,
-    micro_batch_weight,
-    step_count,
 )
 from forge_lightning.logprobs import LogProbScorer
 from forge_lightning.lora import LoraSettings, lora_settings
-from forge_lightning.metrics import LOSS_STATS, StepRecord, TrainMetrics, add_micro_batch
+from forge_lightning.metrics import StepRecord, TrainMetrics
 from forge_lightning.models import ensure_pad_token, load_model, warn_when_half_precision
 from forge_lightning.optim import (
     NonFiniteGuard,
@@ -234,6 +230,7 @@ class GRPOLightningModule(pl.LightningModule):
             chunk_size=logprob_chunk_size,
             micro_batch_size=train_micro_batch_size,
         )
+        self.passes = LossPasses(self.scorer, self.loss_settings, mask_truncated_completions)
         # Chosen once: where and when rollouts are sampled (sync or async), and what each batch
         # trains and when the optimizer steps (accumulation, mu passes, dynamic sampling's rounds).
         self.rollout_source = rollout_source(rollout_settings(hp, self.sampling))
@@ -377,39 +374,16 @@ class GRPOLightningModule(pl.LightningModule):
         backward weighted so that the optimizer step, once it divides by the step's count (see
         grpo.backward_weight), has the gradient of the loss over all of the step's rollouts.
         Returns the pass's loss statistics, detached."""
-        profile = self.trainer.profiler.profile
-        mask = rollout.loss_mask(self.settings.mask_truncated_completions)  # (P*G, Lc)
-        totals: dict[str, Tensor] = {}
-        micro_batches = self.scorer.micro_batches(rollout)
         # Before any backward: DDP all-reduces in each one, and collectives must come in one order.
-        extra = self.plan.backward_calls_missing(len(micro_batches), self.trainer, self.device)
-        for start, stop in micro_batches:
-            rows = slice(start, stop)
-            with profile("logprob"):
-                logp, entropy = self.scorer.log_probs_and_entropy(self.model, rollout, start, stop)
-                loss, metrics = grpo_loss(
-                    logp,
-                    _rows(old_logp, rows),
-                    _rows(ref_logp, rows),
-                    advantages[rows],
-                    mask[rows],
-                    self.loss_settings,
-                    behav_logp=_rows(rollout.behav_logp, rows),
-                )
-            weight = backward_weight(self.loss_settings, mask[rows], mask).to(loss.device)
-            with profile("backward"):
-                self.manual_backward(loss * weight)
-            metrics["entropy"] = masked_mean(entropy, mask[rows])
-            share = micro_batch_weight(self.loss_settings, mask[rows], mask).to(loss.device)
-            add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
-        self._step_count = self._step_count + step_count(self.loss_settings, mask)
-        if extra:  # zero-weight backwards, so that this rank joins the others' all-reduces
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            for _ in range(extra):
-                self.manual_backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
-        if not totals or not mask.any():  # nothing trained (or every token masked): no values
-            return {key: torch.zeros(0) for key in LOSS_STATS}
-        return totals
+        made = len(self.passes.micro_batches(rollout))
+        extra = self.plan.backward_calls_missing(made, self.trainer, self.device)
+        backward, profile = self.manual_backward, self.trainer.profiler.profile
+        logps = (old_logp, ref_logp)
+        stats, count = self.passes.backward(
+            self.model, rollout, advantages, *logps, backward=backward, profile=profile, extra=extra
+        )
+        self._step_count = self._step_count + count
+        return stats
 
     def _optimizer_step(self) -> None:
         """Clip, step, zero, schedule, and give the engine the new weights; a step whose gradient is
@@ -631,10 +605,6 @@ _NO_TEST_STEP = (
     "GRPOLightningModule has no test step: evaluate with trainer.validate (forge-lightning validate), "
     "which scores one greedy completion per prompt, or trainer.predict for the completions alone"
 )
-
-
-def _rows(values: Tensor | None, rows: slice) -> Tensor | None:
-    return None if values is None else values[rows]
 
 
 def _max_prompt_length(model: PreTrainedModel, setting: int | None, max_new_tokens: int) -> int | None:
