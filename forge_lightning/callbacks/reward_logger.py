@@ -55,8 +55,8 @@ class RewardLogger(Callback):
     """Every ``logging_steps`` optimizer steps: a console line, a JSONL record, a reward histogram
     and a table of sample completions.
 
-    ``logging_steps`` is the run's one cadence: the module sends its scalars to every Lightning
-    logger at the same steps, with the same values (each mean's mean over the optimizer steps since
+    ``logging_steps`` is the run's one cadence (handed to the module at fit start,
+    ``report_every``): the module sends its scalars to every Lightning logger at the same steps, with the same values (each mean's mean over the optimizer steps since
     the previous report, each count's total, and ``num_tokens``, a running total, as it stands).
     This callback adds what a logger's scalars do not:
     ``{output_dir}/training_log.jsonl``, one record per report with those values under their short
