@@ -10,7 +10,7 @@ weights sampled what: a run is repeatable, and a rollout's log-probs are those o
 
 :class:`RolloutWorker` is a :class:`~forge_lightning.generation.GenerationBackend` (``generate``
 and ``sync_weights``, what validation and the sync path use) with two calls more, ``submit`` and
-``collect``, for the pipeline the module runs (see ``GRPOLightningModule``, ``rollout_mode``).
+``collect``, for the pipeline :class:`~forge_lightning.rollout_sources.AsyncRollouts` runs (``rollout_mode``).
 Inside the worker the sampling is :class:`~forge_lightning.generation.HFGenerate`, the engine the
 synchronous path uses.
 """
@@ -26,7 +26,7 @@ import queue
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -140,9 +140,9 @@ class Finished:
 
 @dataclass
 class InFlight:
-    """A training batch on its way to being trained: the batch as Lightning gave it (every key
-    travels with its rollout), and once handed to the worker, its index in the run, its ticket,
-    its encoded prompts and, when back, the worker's result and the rollout built from it."""
+    """A training batch handed to the worker: the batch as Lightning gave it (every key travels
+    with its rollout), its index in the run, its ticket, its encoded prompts and, when back, the
+    worker's result (rollout_sources.AsyncRollouts builds the rollout from it)."""
 
     prompts: list[Any]
     batch_kwargs: dict[str, list[Any]]
@@ -152,8 +152,6 @@ class InFlight:
     prompt_ids: Tensor | None = None
     prompt_mask: Tensor | None = None
     finished: Finished | None = None
-    rollout: Rollout | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # what the module logs of it
 
 
 def saved_in_flight(items: Any) -> list[dict[str, Any]]:

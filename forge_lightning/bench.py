@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from forge_lightning.models import load_model
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.profiler import PHASES, PhaseProfiler, synchronize
 from forge_lightning.rollout import Rollout
+from forge_lightning.rollout_sources import SyncRollouts, TrainingBatch
 
 log = logging.getLogger("forge_lightning.bench")
 
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.fixed_length:
         # generate() takes unset settings from the model's generation config: no EOS before the end.
         model.generation_config.min_new_tokens = args.max_new_tokens
-    module = _RecordingModule(
+    module = GRPOLightningModule(
         model=model,
         tokenizer=tokenizer,
         group_size=args.group,
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_staleness=args.max_staleness,
         rollout_worker_threads=args.worker_threads,
     )
-    module.rollouts, module.waits = [], []
+    recording = module.rollout_source = RecordingRollouts(module.rollout_source)
     setup_rss = _current_rss_mb()
     timer = StepTimer(args)
     with tempfile.TemporaryDirectory(prefix="forge-bench-") as root:
@@ -171,12 +172,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer.fit(module, loader)
     # The first batch that trains is the warm-up (and, async, the ones before it fill the pipeline).
     first = next(i for i, step in enumerate(timer.steps) if step["trained"])
-    steps, rollouts = timer.steps[first + 1 :], module.rollouts[1:]
+    steps, rollouts = timer.steps[first + 1 :], recording.kept[1:]
     memory = {"setup_rss_mb": setup_rss, "peak_rss_mb": timer.peak_rss_mb, "peak_gpu_mb": timer.peak_gpu_mb}
     result = _summary(args, steps, rollouts, timer.references, memory, device, dtype)
     if asynchronous:
         seconds = sum(s["seconds"] for s in steps)
-        waits = module.waits[1:]
+        waits = recording.waits[1:]
         result["trainer_wait_share"] = sum(w["rollout_wait_s"] for w in waits) / seconds
         result["worker_wait_share"] = sum(w["worker_wait_s"] for w in waits) / seconds
         worker = module.generator.settings.threads
@@ -185,18 +186,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-class _RecordingModule(GRPOLightningModule):
-    """The real module; it also keeps each trained rollout (so the references can replay it)
-    and, async, the waits on either side of it."""
+class RecordingRollouts:
+    """The module's own rollout source (sync or async), also keeping each rollout it gives the
+    module to train (so the references can replay it) and, async, the waits on either side of it."""
 
-    rollouts: list[Rollout]
-    waits: list[dict[str, float]]
+    def __init__(self, source: SyncRollouts) -> None:
+        self.source = source
+        self.kept: list[Rollout] = []
+        self.waits: list[dict[str, float]] = []
 
-    def _train_on(self, item: Any) -> None:
-        self.rollouts.append(item.rollout)
-        if item.metrics:
-            self.waits.append(item.metrics)
-        super()._train_on(item)
+    def rollouts(self, batch: TrainingBatch, trainer: pl.Trainer, model: Any) -> Iterator[TrainingBatch]:
+        for item in self.source.rollouts(batch, trainer, model):
+            self.kept.append(item.rollout)
+            if item.metrics:
+                self.waits.append(item.metrics)
+            yield item
+
+    def __getattr__(self, name: str) -> Any:  # every other call is the source's
+        if name == "source":  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.source, name)
 
 
 class StepTimer(pl.Callback):
@@ -235,7 +244,8 @@ class StepTimer(pl.Callback):
         records = pl_module.batch_records  # none while an async run fills its pipeline
         phases = {phase: records[-1].phases.get(phase, 0.0) if records else 0.0 for phase in PHASES}
         self.steps.append({"seconds": seconds, "trained": len(records), **phases})
-        tokens = int(pl_module.rollouts[-1].completion_mask.sum()) if records else 0
+        kept = pl_module.rollout_source.kept
+        tokens = int(kept[-1].completion_mask.sum()) if records else 0
         log.info(
             "step %d: %.2f s, %d completion tokens, peak RSS %.0f MB, %s",
             *(len(self.steps) - 1, seconds, tokens, self.peak_rss_mb, _rounded(phases)),
@@ -243,10 +253,10 @@ class StepTimer(pl.Callback):
         trained = [s for s in self.steps if s["trained"]]
         timed = len(trained) > 1 and records  # the first step that trains is the warm-up
         if timed and not self.args.no_references and self.args.rollout_mode == "sync":
-            self.references.append(_references(pl_module, pl_module.rollouts[-1], self.args))
+            self.references.append(_references(pl_module, kept[-1], self.args))
 
 
-def _references(module: _RecordingModule, rollout: Rollout, args: argparse.Namespace) -> dict[str, float]:
+def _references(module: GRPOLightningModule, rollout: Rollout, args: argparse.Namespace) -> dict[str, float]:
     """Seconds of plain generate, and of the straightforward training step, on one rollout."""
     generate = plain_generate_seconds(module.model, module.tokenizer, rollout, args.temperature)
     reference = module.reference.model if module.needs_reference else None

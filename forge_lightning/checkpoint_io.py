@@ -63,3 +63,17 @@ def set_rng_states(states: dict[str, Any]) -> None:
 def _as_tuples(value: Any) -> Any:
     # random.setstate needs tuples; a round trip through a checkpoint may hand back lists.
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def refuse_unstored_objects(checkpoint_path: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse to stand the default model or reward in for one the checkpoint could not store (an
+    object): ``load_from_checkpoint`` must be given ``model=``/``tokenizer=``/``reward=``."""
+    saved = torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=True)
+    stored = saved.get("hyper_parameters", {})
+    missing = [name for name in ("model", "reward") if name not in stored and name not in kwargs]
+    if missing:
+        raise ValueError(
+            f"{checkpoint_path} was trained with a {' and a '.join(missing)} given as an object, which "
+            f"a checkpoint cannot store: pass {', '.join(f'{m}=' for m in missing)}"
+            f"{' (and tokenizer=)' if 'model' in missing else ''} to load_from_checkpoint"
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from forge_lightning.grpo import ADVANTAGE_SCALES, LossSettings
@@ -169,6 +170,32 @@ def loss_settings(values: Mapping[str, Any]) -> LossSettings:
     """The loss settings among ``values`` (``max_new_tokens`` is dr_grpo's constant)."""
     picked = {name: values[name] for name in LOSS_FIELDS if name in values}
     return LossSettings(**picked, max_completion_length=values.get("max_new_tokens"))
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The module's own settings of a training step, picked once from the flat hyperparameters."""
+
+    group_size: int
+    advantage_scale: str
+    mask_truncated_completions: bool
+    on_reward_error: str
+    reward_timeout: float | None
+    max_grad_norm: float | None
+    learning_rate: float
+
+
+def train_settings(values: Mapping[str, Any]) -> TrainSettings:
+    return TrainSettings(**{name: values[name] for name in TrainSettings.__dataclass_fields__})
+
+
+def check_resume(checkpoint: Mapping[str, Any], hparams: Mapping[str, Any], trainer: dict[str, Any]) -> None:
+    """A resumed fit's checks: the module's settings may not change where that breaks the run
+    (check_resume_settings); every trainer setting (``trainer``, trainer_settings) may (a longer
+    run, another cadence): applied and logged."""
+    check_resume_settings(checkpoint.get("hyper_parameters", {}), hparams)
+    for line in changed_settings(checkpoint.get("forge_trainer_settings", {}), trainer).values():
+        log.info("resumed with a changed trainer setting, applied: %s", line)
 
 
 def check_setting(field: str, value: Any) -> None:

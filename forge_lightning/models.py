@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -100,6 +101,18 @@ def load_model(
     else:
         model, tokenizer = _load_hub(spec, dtype)
     return model, ensure_pad_token(tokenizer)
+
+
+def warn_when_half_precision(model_dtype: str) -> None:
+    """Warn that half-precision weights (``model_dtype`` bfloat16/float16) lose small updates."""
+    if model_dtype in ("bfloat16", "float16"):
+        warnings.warn(
+            f"model_dtype={model_dtype}: the policy's weights and AdamW state are half "
+            "precision, and updates smaller than their rounding step are lost (at lr 5e-6 "
+            "most weights of a bf16 model never change); float32 with a *-mixed precision "
+            "trains in half precision on full-precision weights",
+            stacklevel=3,
+        )
 
 
 def hub_id(spec: str | None) -> str | None:

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-import os
-import warnings
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -18,55 +14,31 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from forge_lightning.async_rollout import (
-    InFlight,
-    RolloutWorker,
-    WorkerSettings,
-    fit_ends_with,
-    restored_in_flight,
-    rollout_seed,
-    saved_in_flight,
-    split_threads,
-    warn_when_the_end_drains_at_once,
-)
+from forge_lightning.backward import LossPasses
 from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
-from forge_lightning.checkpoint_io import rng_states, set_rng_states
+from forge_lightning.checkpoint_io import refuse_unstored_objects, rng_states, set_rng_states
 from forge_lightning.config import (
-    changed_settings,
-    check_resume_settings,
+    check_resume,
     loss_settings,
     refuse_automatic_optimization_settings,
+    train_settings,
     trainer_settings,
     validate_hparams,
 )
 from forge_lightning.data.datamodule import split_batch
-from forge_lightning.generation import GenerationBackend, eos_token_ids, generation_backend
+from forge_lightning.generation import GenerationBackend, eos_token_ids
 from forge_lightning.grpo import (
     AdvantageScale,
     ImportanceSampling,
     KLEstimator,
     LossType,
-    backward_weight,
     group_advantages,
-    grpo_loss,
-    informative_groups,
-    masked_mean,
-    micro_batch_weight,
-    step_count,
 )
 from forge_lightning.logprobs import LogProbScorer
 from forge_lightning.lora import LoraSettings, lora_settings
-from forge_lightning.metrics import (
-    LOSS_STATS,
-    StepRecord,
-    TrainMetrics,
-    add_micro_batch,
-    batch_metrics,
-    logged_name,
-    window_values,
-)
-from forge_lightning.models import ensure_pad_token, load_model
+from forge_lightning.metrics import StepRecord, TrainMetrics
+from forge_lightning.models import ensure_pad_token, load_model, warn_when_half_precision
 from forge_lightning.optim import (
     NonFiniteGuard,
     adamw_with_schedule,
@@ -76,10 +48,9 @@ from forge_lightning.optim import (
     require_finite_parameters,
     rescale_schedule,
 )
-from forge_lightning.optim import total_optimizer_steps as count_optimizer_steps
 from forge_lightning.policy import prepare_policy
 from forge_lightning.preemption import Preemption, sigterm_interrupts
-from forge_lightning.profiler import PhaseProfiler
+from forge_lightning.reporting import StepReporter
 from forge_lightning.rewards import (
     GSM8KAnswerReward,
     RewardArgument,
@@ -95,13 +66,12 @@ from forge_lightning.rollout import (
     Rollout,
     RolloutSampler,
     SamplingParams,
-    prompt_text,
     warn_when_few_tokens_count,
 )
-from forge_lightning.sampling_rounds import SamplingRounds
+from forge_lightning.rollout_sources import TrainingBatch, rollout_settings, rollout_source
 from forge_lightning.scoring import score_groups
-
-log = logging.getLogger(__name__)
+from forge_lightning.step_plan import plan_settings, step_plan
+from forge_lightning.validation import score_validation
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -248,19 +218,30 @@ class GRPOLightningModule(pl.LightningModule):
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
         self.reward = as_reward(reward_object) if reward_object is not None else GSM8KAnswerReward()
         self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
+        # The flat hyperparameters (the CLI's and the checkpoint's record) as typed settings, once.
+        self.settings = train_settings(hp)
         self.loss_settings = loss_settings(hp)
         self.sampling = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        self.greedy = SamplingParams(max_new_tokens, greedy=True)  # validation's and predict's
+        self._use_chat_template = use_chat_template
         self.scorer = LogProbScorer(
             temperature=self.loss_settings.scoring_temperature(temperature),
             shared_prefix=prefix_sharing,
             chunk_size=logprob_chunk_size,
             micro_batch_size=train_micro_batch_size,
         )
-        # Built in configure_model (the engine only when none was set before fit).
+        self.passes = LossPasses(self.scorer, self.loss_settings, mask_truncated_completions)
+        # Chosen once: where and when rollouts are sampled (sync or async), and what each batch
+        # trains and when the optimizer steps (accumulation, mu passes, dynamic sampling's rounds).
+        self.rollout_source = rollout_source(rollout_settings(hp, self.sampling))
+        self.plan = step_plan(plan_settings(hp))
+        # Built in configure_model (the engine only when none was set before fit); the sampler is
+        # the episode runner the rollout source, validation and predict all sample with.
         self.generator: GenerationBackend | None = None
         self.sampler: RolloutSampler | None = None
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
         self.train_metrics = TrainMetrics(component_names(self.reward))
+        self.reporter = StepReporter(self.train_metrics)  # its cadence handed over by report_every
         self.val_metrics = TrainMetrics(
             component_names(self.reward),
             keys=("accuracy", "reward", "completion_length", "truncated_fraction"),
@@ -270,37 +251,20 @@ class GRPOLightningModule(pl.LightningModule):
         self.validation_samples: list[dict[str, Any]] = []
         self._checkpoint_step: int | None = None  # the global_step of a checkpoint loaded outside fit
         self.last_step: StepRecord | None = None
-        self._report_window: list[dict[str, float]] = []  # logged steps since the last report
-        self._tokens_trained = 0.0  # train/num_tokens, kept in checkpoints
+        # The StepRecords of the optimizer steps the latest training batch took (an async batch at
+        # the end of the fit trains every rollout still in flight); last_step is the last of them.
+        self.batch_records: list[StepRecord] = []
         self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
-        self.rounds = SamplingRounds(max_sampling_rounds)  # dynamic sampling's rounds of the step
         self._nonfinite_guard = NonFiniteGuard(max_consecutive_bad_steps)
         self._preemption = Preemption()
         self._rewards_checked = False
         self._stepped = False
-        # Asynchronous rollouts: the batches handed to the worker and not trained yet, oldest
-        # first; how many were handed in the run (the index that seeds each one's sampling); the
-        # run's seed; the thread count the trainer had before the split.
-        self._in_flight: deque[InFlight] = deque()
-        self._batches_handed = 0
-        self._rollout_seed: int | None = None
-        self._threads_before: int | None = None
-        # The StepRecords of the optimizer steps the latest training batch took (an async batch at
-        # the end of the fit trains every rollout still in flight); last_step is the last of them.
-        self.batch_records: list[StepRecord] = []
 
     @override
     def configure_model(self) -> None:
         hp = self.hparams
         if self.model is None:
-            if hp.model_dtype in ("bfloat16", "float16"):
-                warnings.warn(
-                    f"model_dtype={hp.model_dtype}: the policy's weights and AdamW state are half "
-                    "precision, and updates smaller than their rounding step are lost (at lr 5e-6 "
-                    "most weights of a bf16 model never change); float32 with a *-mixed precision "
-                    "trains in half precision on full-precision weights",
-                    stacklevel=2,
-                )
+            warn_when_half_precision(hp.model_dtype)
             self.model, tokenizer = load_model(self.model_spec, hp.model_dtype, hp.attn_implementation)
             self.tokenizer = self.tokenizer or tokenizer
         self.model = prepare_policy(
@@ -313,24 +277,14 @@ class GRPOLightningModule(pl.LightningModule):
             precision=None if self._trainer is None else str(self.trainer.precision),
         )
         eos = eos_token_ids(self.tokenizer, self.model)
-        if self.generator is None and hp.rollout_mode == "async":
-            worker = WorkerSettings(
-                pad_token_id=self.tokenizer.pad_token_id,
-                eos_token_ids=tuple(eos),
-                scoring_temperature=self.scorer.temperature,
-                prefix_sharing=hp.prefix_sharing,
-                logprob_chunk_size=hp.logprob_chunk_size,
-                threads=split_threads(torch.get_num_threads(), hp.rollout_worker_threads)[1],
-            )
-            self.generator = RolloutWorker(worker, hp.max_staleness)
         if self.generator is None:
-            self.generator = generation_backend(
-                hp.generation_backend, self.tokenizer, self.model, hp.vllm_gpu_memory_utilization
+            self.generator = self.rollout_source.build_engine(
+                self.tokenizer, self.model, eos, self.scorer.temperature
             )
-        prompts = PromptSettings(
-            self.use_chat_template, hp.system_prompt, self._max_prompt_length(), hp.prompt_truncation
-        )
+        longest = _max_prompt_length(self.model, hp.max_prompt_length, hp.max_new_tokens)
+        prompts = PromptSettings(self.use_chat_template, hp.system_prompt, longest, hp.prompt_truncation)
         self.sampler = RolloutSampler(self.tokenizer, self.generator, eos, prompts)
+        self.rollout_source.use(self.sampler, self.generator)
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -344,51 +298,27 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Train on the rollouts the source gives for this batch: the batch's own, sampled now
+        (sync), or those due from the worker (async; none while the pipeline fills)."""
         prompts, batch_kwargs = split_batch(batch)
         if not self._rewards_checked:  # before the first generation, so a mismatch costs nothing
             require_arguments(self.reward, {*batch_kwargs, *FACTS})
             self._rewards_checked = True
         self._stepped, self.batch_records = False, []
-        for item in self._rollouts(InFlight(prompts, batch_kwargs, batch_idx)):
+        batch = TrainingBatch(prompts, batch_kwargs, batch_idx)
+        for item in self.rollout_source.rollouts(batch, self.trainer, self.model):
             self._train_on(item)
 
-    def _rollouts(self, batch: InFlight) -> Iterator[InFlight]:
-        """The rollouts this training step trains on. Synchronous: the batch's own, sampled now.
-        Asynchronous: the batch goes to the worker, and what comes back are the rollouts due, the
-        batch handed ``max_staleness`` optimizer steps ago (all of them at the fit's end)."""
-        hp = self.hparams
-        if hp.rollout_mode == "async":
-            yield from self._async_rollouts(batch)
-            return
-        with self.trainer.profiler.profile("generate"):
-            batch.rollout = self.sampler(
-                self.model,
-                batch.prompts,
-                self.sampling,
-                hp.group_size,
-                engine_logprobs=hp.use_engine_logprobs,
-            )
-        yield batch
-
-    def _train_on(self, item: InFlight) -> None:
-        """Score one rollout, backpropagate its loss and step the optimizer at the step's end."""
-        hp, profile = self.hparams, self.trainer.profiler.profile
-        prompts, batch_kwargs, rollout = item.prompts, item.batch_kwargs, item.rollout
+    def _train_on(self, item: TrainingBatch) -> None:
+        """Score one rollout, backpropagate its loss and step the optimizer where the plan says."""
+        s, profile, rollout = self.settings, self.trainer.profiler.profile, item.rollout
         with profile("reward"), sigterm_interrupts():
             rewards, components, errors = score_groups(
-                self.reward, prompts, rollout, batch_kwargs, hp.on_reward_error, hp.reward_timeout
+                self.reward, item.prompts, rollout, item.batch_kwargs, s.on_reward_error, s.reward_timeout
             )
-        advantages = self._advantages(rewards)  # (P*G,)
-        if hp.dynamic_sampling:  # train on the informative groups only (see sampling_rounds.py)
-            keep = informative_groups(rewards, hp.group_size)  # (P,)
-            trained = rollout.select_groups(keep)
-            advantages = advantages.view(-1, hp.group_size)[keep].reshape(-1)
-            last = item.batch_idx + 1 == self.trainer.num_training_batches
-            target = self.trainer.world_size * keep.numel() * hp.gradient_accumulation_steps
-            stepped = self.rounds.add_round(keep, self.trainer.strategy, target=target, last_batch=last)
-        else:
-            trained, stepped = rollout, self._accumulation_boundary(item.batch_idx)  # always, when mu > 1
-        if hp.mask_truncated_completions:
+        plan = self.plan.plan(rollout, rewards, self._advantages(rewards), item.batch_idx, self.trainer)
+        trained = plan.rollout  # the batch's rollout, or (dynamic sampling) its informative groups
+        if s.mask_truncated_completions:
             warn_when_few_tokens_count(rollout)
         with profile("logprob"):
             # Both fixed before any update. With one pass the old policy is the policy itself, whose
@@ -397,77 +327,111 @@ class GRPOLightningModule(pl.LightningModule):
             # trained.behav_logp, came back with it.)
             ref_logp = self._reference_log_probs(trained)
             old_logp = trained.old_logp
-            if old_logp is None and hp.num_iterations > 1:
+            if old_logp is None and len(plan.passes) > 1:
                 old_logp = self.scorer.log_probs_no_grad(self.model, trained)
-        for _ in range(hp.num_iterations):
-            stats = self._backward_pass(trained, advantages, old_logp, ref_logp)
-            if stepped:
+        for step_after in plan.passes:
+            stats = self._backward_pass(trained, plan.advantages, old_logp, ref_logp)
+            if step_after:
                 with profile("optimizer"):
                     self._optimizer_step()
         self.train_metrics.update("reward_errors", torch.tensor([float(errors)]))
         self.train_metrics.update(
-            "num_tokens", trained.loss_mask(hp.mask_truncated_completions).sum().float().reshape(1)
+            "num_tokens", trained.loss_mask(s.mask_truncated_completions).sum().float().reshape(1)
         )
         for key, value in item.metrics.items():
             self.train_metrics.update(key, torch.tensor([value]))
-        self._record(prompts, rollout, rewards, components, stats, stepped)
+        self._stepped = self._stepped or plan.stepped
+        self._record(item, rewards, components, stats, plan.stepped)
         self.batch_records.append(self.last_step)
-        self._stepped = self._stepped or stepped
 
-    def _async_rollouts(self, batch: InFlight) -> Iterator[InFlight]:
-        """Hand ``batch`` to the worker, sampled from the newest weights with the seed of its
-        index in the run; then yield the rollouts due, oldest first. A rollout trains once the
-        ``max_staleness x gradient_accumulation_steps`` batches after it are handed, so it is at
-        most ``max_staleness`` optimizer steps old. One older than that (this cadence makes none;
-        versions written from elsewhere could) is never trained on: it is sampled again from the
-        newest weights, and counted. A batch that would train after ``max_steps`` is not handed."""
-        hp, worker = self.hparams, self.generator
-        last = fit_ends_with(self.trainer, batch.batch_idx)  # an epoch's end carries them over
-        ahead = sum(self._accumulation_boundary(e.batch_idx) for e in self._in_flight)
-        handed = self.trainer.max_steps < 0 or self.global_step + ahead < self.trainer.max_steps
-        with self.trainer.profiler.profile("generate"):
-            if handed:
-                batch.index = self._batches_handed
-                batch.prompt_ids, batch.prompt_mask = self.sampler.encode(batch.prompts, self.device)
-                batch.ticket = self._hand_to_worker(batch)
-                self._in_flight.append(batch)
-                self._batches_handed += 1
-        depth = hp.max_staleness * hp.gradient_accumulation_steps
-        due = len(self._in_flight) if last else max(len(self._in_flight) - depth, 0 if handed else 1)
-        for _ in range(min(due, len(self._in_flight))):
-            item = self._in_flight.popleft()
-            with self.trainer.profiler.profile("generate"):
-                finished = item.finished or worker.collect(item.ticket)
-                regenerated = 0
-                if worker.version - finished.version > hp.max_staleness:  # never trained on
-                    finished, regenerated = worker.collect(self._hand_to_worker(item)), 1
-            lag = worker.version - finished.version
-            item.rollout = self.sampler.assemble(
-                item.prompt_ids.to(self.device),
-                item.prompt_mask.to(self.device),
-                finished.completion_ids.to(self.device),
-                hp.group_size,
-                self.sampling,
-                # At lag 0 the sampling weights are the trained ones: the loss is the synchronous one.
-                behav_logp=finished.behav_logp.to(self.device) if lag else None,
+    def _advantages(self, rewards: Tensor) -> Tensor:
+        """Group-relative advantages; ``advantage_scale: batch`` takes the std over every rank's
+        groups of this training_step (later accumulation batches are not sampled yet)."""
+        s = self.settings
+        batch = None
+        if s.advantage_scale == "batch" and self.trainer.world_size > 1:
+            batch = self.all_gather(rewards).reshape(-1)
+        return group_advantages(rewards, s.group_size, scale=s.advantage_scale, batch_rewards=batch)
+
+    def _reference_log_probs(self, rollout: Rollout) -> Tensor | None:
+        """The reference's log-probs ``(P*G, Lc)``; None when no loss term reads them."""
+        if not self.needs_reference or rollout.completion_ids.shape[0] == 0:
+            return None
+        if self.reference is None:
+            loss = self.loss_settings
+            raise RuntimeError(
+                f"kl_beta={loss.kl_beta} with loss_type={loss.loss_type!r} needs a reference model, but no "
+                "ReferenceModel callback provided one; add forge_lightning.callbacks.ReferenceModel() to "
+                "the trainer's callbacks or set kl_beta=0"
             )
-            item.metrics = {
-                "staleness": float(lag),
-                "staleness_max": float(lag),
-                "regenerated": float(regenerated),
-                "rollout_wait_s": finished.trainer_wait_s,
-                "worker_wait_s": finished.worker_wait_s,
-            }
-            yield item
+        with self.reference.scope():
+            return self.scorer.log_probs_no_grad(self.reference.model, rollout)
 
-    def _hand_to_worker(self, item: InFlight) -> int:
-        """Submit ``item``'s prompts, sampled from the newest weights with the seed of its index
-        in the run (the run's seed: Lightning's ``seed_everything``); the worker's ticket."""
-        if self._rollout_seed is None:
-            self._rollout_seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
-        seed = rollout_seed(self._rollout_seed, item.index)
-        return self.generator.submit(
-            item.prompt_ids, item.prompt_mask, self.hparams.group_size, self.sampling, seed=seed
+    def _backward_pass(
+        self, rollout: Rollout, advantages: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None
+    ) -> dict[str, Tensor]:
+        """Backpropagate one pass of the loss over the rollout, micro-batch by micro-batch, each
+        backward weighted so that the optimizer step, once it divides by the step's count (see
+        grpo.backward_weight), has the gradient of the loss over all of the step's rollouts.
+        Returns the pass's loss statistics, detached."""
+        # Before any backward: DDP all-reduces in each one, and collectives must come in one order.
+        made = len(self.passes.micro_batches(rollout))
+        extra = self.plan.backward_calls_missing(made, self.trainer, self.device)
+        backward, profile = self.manual_backward, self.trainer.profiler.profile
+        logps = (old_logp, ref_logp)
+        stats, count = self.passes.backward(
+            self.model, rollout, advantages, *logps, backward=backward, profile=profile, extra=extra
+        )
+        self._step_count = self._step_count + count
+        return stats
+
+    def _optimizer_step(self) -> None:
+        """Clip, step, zero, schedule, and give the engine the new weights; a step whose gradient is
+        not finite is skipped (and too many in a row stop the run)."""
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        count = self.trainer.strategy.reduce(self._step_count.to(self.device), reduce_op="sum")
+        self._step_count = torch.zeros(())
+        for key, value in self.plan.step_ended().items():  # dynamic sampling's rounds, taken or skipped
+            self.train_metrics.update(key, torch.tensor([value]))
+        grad_norm = normalise_and_clip(  # scaled to the step's count, clipped to max_grad_norm
+            self.model.parameters(),
+            self.trainer.world_size / count.clamp(min=1),
+            self.settings.max_grad_norm,
+            loss_scale(self.trainer.precision_plugin),
+        )
+        finite = self._nonfinite_guard.allows(grad_norm)
+        self.train_metrics.update("skipped_steps", torch.tensor([0.0 if finite else 1.0]))
+        if not finite:
+            optimizer.zero_grad(set_to_none=True)
+            return
+        self.train_metrics.update("lr", torch.tensor([scheduler.get_last_lr()[0]]))
+        self.train_metrics.update("grad_norm", grad_norm)
+        optimizer.step()  # every gradient None after a round of uninformative groups: no update
+        require_finite_parameters(self.model, self.trainer.strategy, self.global_step)
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        self.rollout_source.weights_updated(self.model)
+
+    def _record(
+        self, item: TrainingBatch, rewards: Tensor, components: dict, stats: dict, stepped: bool
+    ) -> None:
+        """Track the batch's metrics; at an optimizer step, log them (means over the step's batches,
+        reduced across ranks); publish the batch's record in ``last_step``."""
+        rollout = item.rollout
+        phases = self.reporter.add(rollout, rewards, components, stats, self.trainer.profiler)
+        logged = self.reporter.step() if stepped else {}
+        # self.log puts them where Lightning's callbacks look (callback_metrics, the progress bar),
+        # every optimizer step. The loggers get them here, every report_every optimizer steps, at
+        # the optimizer step: Lightning would count batches, and re-send a logged value after
+        # every later batch of an accumulation.
+        for key, value in logged.items():
+            shown = key in ("train/reward", "train/kl")
+            self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown, logger=False)
+        report = self.reporter.report(self.global_step, self.trainer.log_every_n_steps) if stepped else {}
+        for logger in self.loggers if report else []:
+            logger.log_metrics(report, step=self.global_step)
+        self.last_step = StepRecord.of(
+            self.global_step, item.prompts, rollout, rewards, logged, phases, components, report
         )
 
     @property
@@ -475,40 +439,28 @@ class GRPOLightningModule(pl.LightningModule):
         """Whether the latest training batch ended an optimizer step (checkpoints wait for one)."""
         return self._stepped
 
-    @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._preemption.at_batch_end(self.trainer, self._stepped)
+    def report_every(self, steps: int) -> None:
+        """Report to the loggers every ``steps`` optimizer steps (a RewardLogger hands over its
+        ``logging_steps``, so that its JSONL and every logger agree); else ``log_every_n_steps``."""
+        self.reporter.every = steps
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss_settings.needs_reference
+
+    def use_reference(self, source: ReferenceSource) -> None:
+        """Take the frozen reference from ``source`` (the ReferenceModel callback calls this)."""
+        self.reference = source
+
+    @property
+    def use_chat_template(self) -> bool:
+        if self._use_chat_template is not None:
+            return self._use_chat_template
+        return bool(getattr(self.tokenizer, "chat_template", None))
 
     @override
     def on_fit_start(self) -> None:
-        if self.hparams.rollout_mode != "async":
-            return
-        if self.trainer.world_size > 1 or self.device_mesh is not None:
-            raise ValueError(
-                "rollout_mode='async' runs on one device for now: it does not support DDP or FSDP "
-                f"(world_size {self.trainer.world_size}); use rollout_mode='sync' with several devices"
-            )
-        warn_when_the_end_drains_at_once(self.trainer, self.hparams.max_staleness)
-        total = torch.get_num_threads()
-        trainer_threads, _ = split_threads(total, self.hparams.rollout_worker_threads)
-        self._threads_before = total
-        torch.set_num_threads(trainer_threads)
-        self.generator.start(self.model, self.generator.version)
-
-    @override
-    def teardown(self, stage: str) -> None:
-        self.stop_rollout_worker()
-
-    def stop_rollout_worker(self) -> None:
-        """Stop the asynchronous rollout worker, if one runs, and give the trainer its threads back."""
-        if isinstance(self.generator, RolloutWorker):
-            self.generator.close()
-        # What was in flight when a fit ended early (max_time, an error) is not trained: the
-        # checkpoint it resumes from holds its own in-flight rollouts.
-        self._in_flight.clear()
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
+        self.rollout_source.on_fit_start(self.trainer, self.model, sharded=self.device_mesh is not None)
 
     @override
     def on_train_start(self) -> None:
@@ -516,9 +468,22 @@ class GRPOLightningModule(pl.LightningModule):
         # a new --model.learning_rate takes effect from here on (and on_load_checkpoint said so).
         scheduler = self.lr_schedulers()
         if scheduler is not None:
-            rescale_schedule(scheduler, self.hparams.learning_rate)
-        self._report_window = []
+            rescale_schedule(scheduler, self.settings.learning_rate)
+        self.reporter.window = []
         self._checkpoint_step = None  # the trainer's global_step counts these weights' steps now
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._preemption.at_batch_end(self.trainer, self._stepped)
+
+    @override
+    def teardown(self, stage: str) -> None:
+        self.stop_rollout_worker()
+        self.reporter.every = None  # the next fit's RewardLogger, if any, hands its own
+
+    def stop_rollout_worker(self) -> None:
+        """Stop the asynchronous rollout worker, if one runs, and give the trainer its threads back."""
+        self.rollout_source.close()
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -527,50 +492,10 @@ class GRPOLightningModule(pl.LightningModule):
             require_arguments(self.reward, {*batch_kwargs, *FACTS})
             if "references" in batch_kwargs:
                 require_arguments(self.accuracy, {*batch_kwargs, *FACTS}, role="accuracy check")
-        greedy = SamplingParams(self.hparams.max_new_tokens, greedy=True)
-        rollout = self.sampler(self.model, prompts, greedy, group_size=1)
-        on_error, timeout = self.hparams.on_reward_error, self.hparams.reward_timeout
-        with sigterm_interrupts():
-            rewards, components, _ = score_groups(
-                self.reward, prompts, rollout, batch_kwargs, on_error, timeout
-            )
-        self.val_metrics.update("reward", rewards)
-        for name, values in components.items():
-            self.val_metrics.update(f"rewards/{name}", values)
-        self.val_metrics.update("completion_length", rollout.completion_lengths.float())
-        self.val_metrics.update("truncated_fraction", rollout.truncation.float())
-        references = batch_kwargs.get("references")
-        if references is not None:
-            with sigterm_interrupts():
-                correct, _, _ = score_groups(self.accuracy, prompts, rollout, batch_kwargs, on_error, timeout)
-            self.val_metrics.update("accuracy", correct)
-        for i, prompt in enumerate(prompts):
-            sample = {"prompt": prompt_text(prompt), "completion": rollout.completions[i]}
-            if references is not None:
-                sample["reference"] = references[i]
-            sample["reward"] = float(rewards[i])
-            if references is not None:
-                sample["correct"] = float(correct[i])
-            sample["completion_length"] = int(rollout.completion_lengths[i])
-            sample["truncated"] = bool(rollout.truncation[i])
-            self.validation_samples.append(sample)
-
-    @override
-    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        raise NotImplementedError(_NO_TEST_STEP)
-
-    @override
-    def setup(self, stage: str) -> None:
-        if stage == "test":  # before Lightning asks the data for a test_dataloader
-            raise NotImplementedError(_NO_TEST_STEP)
-
-    @override
-    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
-        """The greedy completion of each of the batch's prompts (``trainer.predict`` returns a
-        list of these lists, one per batch)."""
-        prompts, _ = split_batch(batch)
-        greedy = SamplingParams(self.hparams.max_new_tokens, greedy=True)
-        return self.sampler(self.model, prompts, greedy, group_size=1).completions
+        rollout = self.sampler(self.model, prompts, self.greedy, group_size=1)
+        self.validation_samples += score_validation(
+            self.reward, self.accuracy, prompts, rollout, batch_kwargs, self.settings, self.val_metrics
+        )
 
     @override
     def on_validation_epoch_start(self) -> None:
@@ -590,6 +515,31 @@ class GRPOLightningModule(pl.LightningModule):
         for logger in self.loggers if fitting else []:
             logger.log_metrics(values, step=self.global_step)
 
+    @property
+    def evaluated_step(self) -> int | None:
+        """The optimizer step of the weights validated: the trainer's in a fit, else a loaded
+        checkpoint's (Lightning restores no global_step outside fit); None if unknown (a model spec)."""
+        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        if not fitting and self._checkpoint_step is not None:
+            return self._checkpoint_step
+        return self.global_step if fitting or self.global_step > 0 else None
+
+    @override
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
+        """The greedy completion of each of the batch's prompts (``trainer.predict`` returns a
+        list of these lists, one per batch)."""
+        prompts, _ = split_batch(batch)
+        return self.sampler(self.model, prompts, self.greedy, group_size=1).completions
+
+    @override
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        raise NotImplementedError(_NO_TEST_STEP)
+
+    @override
+    def setup(self, stage: str) -> None:
+        if stage == "test":  # before Lightning asks the data for a test_dataloader
+            raise NotImplementedError(_NO_TEST_STEP)
+
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
@@ -600,9 +550,7 @@ class GRPOLightningModule(pl.LightningModule):
             learning_rate=hp.learning_rate,
             weight_decay=hp.weight_decay,
             warmup_steps=hp.warmup_steps,
-            total_steps=count_optimizer_steps(
-                self.trainer, hp.gradient_accumulation_steps, hp.num_iterations, hp.dynamic_sampling
-            ),
+            total_steps=self.plan.total_steps(self.trainer),
             schedule=hp.lr_schedule,
             fused=fused,
         )
@@ -612,15 +560,7 @@ class GRPOLightningModule(pl.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> GRPOLightningModule:
         """Lightning's ``load_from_checkpoint``, refusing to stand the default model or reward in for
         one the checkpoint could not store (an object): pass ``model=``/``tokenizer=``/``reward=``."""
-        saved = torch.load(checkpoint_path, map_location="cpu", mmap=True, weights_only=True)
-        stored = saved.get("hyper_parameters", {})
-        missing = [name for name in ("model", "reward") if name not in stored and name not in kwargs]
-        if missing:
-            raise ValueError(
-                f"{checkpoint_path} was trained with a {' and a '.join(missing)} given as an object, which "
-                f"a checkpoint cannot store: pass {', '.join(f'{m}=' for m in missing)}"
-                f"{' (and tokenizer=)' if 'model' in missing else ''} to load_from_checkpoint"
-            )
+        refuse_unstored_objects(checkpoint_path, kwargs)
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     @override
@@ -629,37 +569,20 @@ class GRPOLightningModule(pl.LightningModule):
         # completions than the uninterrupted one from the same step on.
         checkpoint["forge_rng_states"] = rng_states()
         checkpoint["forge_trainer_settings"] = trainer_settings(self.trainer)
-        checkpoint["forge_tokens_trained"] = self._tokens_trained
-        if self.hparams.rollout_mode == "async":
-            # The rollouts in flight are finished and kept: regenerating them after a resume would
-            # need the older weights that sampled them. The data position is Lightning's, the
-            # batch after the last one handed.
-            for item in self._in_flight:
-                item.finished = item.finished or self.generator.collect(item.ticket)
-            checkpoint["forge_async"] = {
-                "version": self.generator.version,
-                "batches_handed": self._batches_handed,
-                "seed": self._rollout_seed,
-                "in_flight": saved_in_flight(self._in_flight),
-            }
+        checkpoint["forge_tokens_trained"] = self.reporter.tokens_trained
+        rollouts = self.rollout_source.state_dict()  # async: the batches in flight
+        if rollouts is not None:
+            checkpoint["forge_async"] = rollouts
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_step = checkpoint.get("global_step")
         if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
             # Resuming a fit; validate or load_from_checkpoint may use other settings.
-            check_resume_settings(checkpoint.get("hyper_parameters", {}), self.hparams)
-            saved_trainer = checkpoint.get("forge_trainer_settings", {})
-            # Every trainer setting may change (a longer run, another cadence): applied and logged.
-            for line in changed_settings(saved_trainer, trainer_settings(self.trainer)).values():
-                log.info("resumed with a changed trainer setting, applied: %s", line)
-            self._tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
-            saved = checkpoint.get("forge_async")
-            if saved is not None and isinstance(self.generator, RolloutWorker):
-                self.generator.version = saved["version"]
-                self._batches_handed = saved["batches_handed"]
-                self._rollout_seed = saved["seed"]
-                self._in_flight = deque(restored_in_flight(saved["in_flight"]))
+            check_resume(checkpoint, self.hparams, trainer_settings(self.trainer))
+            self.reporter.tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
+            if "forge_async" in checkpoint:
+                self.rollout_source.load_state_dict(checkpoint["forge_async"])
         if "forge_rng_states" in checkpoint:
             set_rng_states(checkpoint["forge_rng_states"])
 
@@ -671,191 +594,10 @@ class GRPOLightningModule(pl.LightningModule):
         if self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING:
             refuse_automatic_optimization_settings(self._trainer)  # the one hook before Lightning's
         callbacks: list[pl.Callback] = [SaveAtStepBoundaries()]  # checkpoints only between steps
-        if self.hparams.rollout_mode == "async":
-            callbacks.append(_StopWorkerOnError())
+        callbacks += self.rollout_source.callbacks()  # async: stop the worker when a fit fails
         if self.needs_reference and not any(isinstance(c, ReferenceModel) for c in given):
             callbacks.append(ReferenceModel())
         return callbacks
-
-    @property
-    def evaluated_step(self) -> int | None:
-        """The optimizer step of the weights validated: the trainer's in a fit, else a loaded
-        checkpoint's (Lightning restores no global_step outside fit); None if unknown (a model spec)."""
-        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
-        if not fitting and self._checkpoint_step is not None:
-            return self._checkpoint_step
-        return self.global_step if fitting or self.global_step > 0 else None
-
-    # -- the pieces of a step -------------------------------------------------------------------
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.loss_settings.needs_reference
-
-    def use_reference(self, source: ReferenceSource) -> None:
-        """Take the frozen reference from ``source`` (the ReferenceModel callback calls this)."""
-        self.reference = source
-
-    @property
-    def use_chat_template(self) -> bool:
-        if self.hparams.use_chat_template is not None:
-            return self.hparams.use_chat_template
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    def _reference_log_probs(self, rollout: Rollout) -> Tensor | None:
-        """The reference's log-probs ``(P*G, Lc)``; None when no loss term reads them."""
-        if not self.needs_reference or rollout.completion_ids.shape[0] == 0:
-            return None
-        if self.reference is None:
-            hp = self.hparams
-            raise RuntimeError(
-                f"kl_beta={hp.kl_beta} with loss_type={hp.loss_type!r} needs a reference model, but no "
-                "ReferenceModel callback provided one; add forge_lightning.callbacks.ReferenceModel() to "
-                "the trainer's callbacks or set kl_beta=0"
-            )
-        with self.reference.scope():
-            return self.scorer.log_probs_no_grad(self.reference.model, rollout)
-
-    def _backward_pass(
-        self, rollout: Rollout, advantages: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None
-    ) -> dict[str, Tensor]:
-        """Backpropagate one pass of the loss over the rollout, micro-batch by micro-batch, each
-        backward weighted so that the optimizer step, once it divides by the step's count (see
-        grpo.backward_weight), has the gradient of the loss over all of the step's rollouts.
-        Returns the pass's loss statistics, detached."""
-        profile = self.trainer.profiler.profile
-        mask = rollout.loss_mask(self.hparams.mask_truncated_completions)  # (P*G, Lc)
-        totals: dict[str, Tensor] = {}
-        micro_batches = self.scorer.micro_batches(rollout)
-        # Before any backward: DDP all-reduces in each one, and collectives must come in one order.
-        extra = 0
-        if self.hparams.dynamic_sampling and self.trainer.world_size > 1:
-            extra = self.rounds.backward_calls_missing(len(micro_batches), self.trainer.strategy, self.device)
-        for start, stop in micro_batches:
-            rows = slice(start, stop)
-            with profile("logprob"):
-                logp, entropy = self.scorer.log_probs_and_entropy(self.model, rollout, start, stop)
-                loss, metrics = grpo_loss(
-                    logp,
-                    _rows(old_logp, rows),
-                    _rows(ref_logp, rows),
-                    advantages[rows],
-                    mask[rows],
-                    self.loss_settings,
-                    behav_logp=_rows(rollout.behav_logp, rows),
-                )
-            weight = backward_weight(self.loss_settings, mask[rows], mask).to(loss.device)
-            with profile("backward"):
-                self.manual_backward(loss * weight)
-            metrics["entropy"] = masked_mean(entropy, mask[rows])
-            share = micro_batch_weight(self.loss_settings, mask[rows], mask).to(loss.device)
-            add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
-        self._step_count = self._step_count + step_count(self.loss_settings, mask)
-        if extra:  # zero-weight backwards, so that this rank joins the others' all-reduces
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            for _ in range(extra):
-                self.manual_backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
-        if not totals or not mask.any():  # nothing trained (or every token masked): no values
-            return {key: torch.zeros(0) for key in LOSS_STATS}
-        return totals
-
-    def _optimizer_step(self) -> None:
-        """Clip, step, zero, schedule, and give the engine the new weights; a step whose gradient is
-        not finite is skipped (and too many in a row stop the run)."""
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        count = self.trainer.strategy.reduce(self._step_count.to(self.device), reduce_op="sum")
-        self._step_count = torch.zeros(())
-        if self.hparams.dynamic_sampling:  # the rounds end with the step, taken or skipped
-            for key, value in self.rounds.pop().items():
-                self.train_metrics.update(key, torch.tensor([value]))
-        grad_norm = normalise_and_clip(  # scaled to the step's count, clipped to max_grad_norm
-            self.model.parameters(),
-            self.trainer.world_size / count.clamp(min=1),
-            self.hparams.max_grad_norm,
-            loss_scale(self.trainer.precision_plugin),
-        )
-        finite = self._nonfinite_guard.allows(grad_norm)
-        self.train_metrics.update("skipped_steps", torch.tensor([0.0 if finite else 1.0]))
-        if not finite:
-            optimizer.zero_grad(set_to_none=True)
-            return
-        self.train_metrics.update("lr", torch.tensor([scheduler.get_last_lr()[0]]))
-        self.train_metrics.update("grad_norm", grad_norm)
-        optimizer.step()  # every gradient None after a round of uninformative groups: no update
-        require_finite_parameters(self.model, self.trainer.strategy, self.global_step)
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        self.generator.sync_weights(self.model)
-
-    def _record(
-        self,
-        prompts: list[str],
-        rollout: Rollout,
-        rewards: Tensor,
-        components: dict[str, Tensor],
-        stats: dict[str, Tensor],
-        stepped: bool,
-    ) -> None:
-        """Track the batch's metrics; at an optimizer step, log them (means over the step's batches,
-        reduced across ranks); publish the batch's record in ``last_step``."""
-        profiler = self.trainer.profiler
-        phases = profiler.last_step() if isinstance(profiler, PhaseProfiler) else {}
-        for key, value in batch_metrics(rollout, rewards, components, stats, phases).items():
-            self.train_metrics.update(key, value)
-        logged: dict[str, float] = {}
-        report: dict[str, float] = {}
-        if stepped:
-            logged = {logged_name(k): v for k, v in self.train_metrics.pop().items()}
-            # Completion tokens trained on so far (the step's count, summed over every rank).
-            self._tokens_trained += logged.get("train/num_tokens", 0.0)
-            logged["train/num_tokens"] = self._tokens_trained
-            # self.log puts them where Lightning's callbacks look (callback_metrics, the progress
-            # bar), every optimizer step. The loggers get them here, every logging_steps optimizer
-            # steps, at the optimizer step: Lightning would count batches, and re-send a logged
-            # value after every later batch of an accumulation.
-            shown = {"train/reward", "train/kl"}
-            for key, value in logged.items():
-                self.log(key, value, on_step=True, on_epoch=False, prog_bar=key in shown, logger=False)
-            self._report_window.append(logged)
-            if self.global_step % self._logging_steps() == 0:
-                report, self._report_window = window_values(self._report_window), []
-                for logger in self.loggers:
-                    logger.log_metrics(report, step=self.global_step)
-        self.last_step = StepRecord.of(
-            self.global_step, prompts, rollout, rewards, logged, phases, components, report
-        )
-
-    def _logging_steps(self) -> int:
-        """Optimizer steps between reports to the loggers: a RewardLogger's ``logging_steps``, so
-        that its JSONL and every logger hold the same values at the same steps, else the
-        trainer's ``log_every_n_steps`` (counted in optimizer steps)."""
-        from forge_lightning.callbacks.reward_logger import RewardLogger
-
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, RewardLogger):
-                return callback.logging_steps
-        return max(self.trainer.log_every_n_steps, 1)
-
-    def _max_prompt_length(self) -> int | None:
-        """``max_prompt_length``, or where unset the model's context less ``max_new_tokens``: a
-        prompt of millions of characters is cut (with a warning), not tokenised into a hang."""
-        if self.hparams.max_prompt_length is not None:
-            return self.hparams.max_prompt_length
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        return None if context is None else max(context - self.hparams.max_new_tokens, 1)
-
-    def _advantages(self, rewards: Tensor) -> Tensor:
-        """Group-relative advantages; ``advantage_scale: batch`` takes the std over every rank's
-        groups of this training_step (later accumulation batches are not sampled yet)."""
-        hp = self.hparams
-        batch = None
-        if hp.advantage_scale == "batch" and self.trainer.world_size > 1:
-            batch = self.all_gather(rewards).reshape(-1)
-        return group_advantages(rewards, hp.group_size, scale=hp.advantage_scale, batch_rewards=batch)
-
-    def _accumulation_boundary(self, batch_idx: int) -> bool:
-        last = batch_idx + 1 == self.trainer.num_training_batches
-        return (batch_idx + 1) % self.hparams.gradient_accumulation_steps == 0 or last
 
 
 # Lightning's own refusal (no test_step) says nothing of where the evaluation is.
@@ -865,14 +607,10 @@ _NO_TEST_STEP = (
 )
 
 
-def _rows(values: Tensor | None, rows: slice) -> Tensor | None:
-    return None if values is None else values[rows]
-
-
-class _StopWorkerOnError(pl.Callback):
-    """Stops the asynchronous rollout worker when a fit fails (teardown stops it otherwise)."""
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        pl_module.stop_rollout_worker()
+def _max_prompt_length(model: PreTrainedModel, setting: int | None, max_new_tokens: int) -> int | None:
+    """``max_prompt_length``, or where unset the model's context less ``max_new_tokens``: a prompt
+    of millions of characters is cut (with a warning), not tokenised into a hang."""
+    if setting is not None:
+        return setting
+    context = getattr(model.config, "max_position_embeddings", None)
+    return None if context is None else max(context - max_new_tokens, 1)

@@ -196,7 +196,7 @@ def test_stale_rollouts_are_sampled_again_and_counted(fit_async):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == 1:
                 worker = pl_module.generator
-                for item in pl_module._in_flight:
+                for item in pl_module.rollout_source.in_flight:
                     item.finished = item.finished or worker.collect(item.ticket)
                 worker.sync_weights(pl_module.model)
                 worker.sync_weights(pl_module.model)

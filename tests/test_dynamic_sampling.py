@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import forge_lightning.module as module_module
+import forge_lightning.backward as backward_module
 from forge_lightning.sampling_rounds import SamplingRounds
 
 
@@ -35,13 +35,13 @@ def test_only_informative_groups_are_trained_and_rounds_are_counted(
     tmp_path, module, trainer, loader, monkeypatch
 ):
     trained_rows: list[int] = []
-    original = module_module.grpo_loss
+    original = backward_module.grpo_loss
 
     def spy(logp, old_logp, ref_logp, advantages, mask, settings, behav_logp=None):
         trained_rows.append(advantages.numel())
         return original(logp, old_logp, ref_logp, advantages, mask, settings, behav_logp)
 
-    monkeypatch.setattr(module_module, "grpo_loss", spy)
+    monkeypatch.setattr(backward_module, "grpo_loss", spy)
     kinds = ["flat", "flat", "flat", "live", "live", "live", "live", "flat", "live", "live"]
     records = [{"prompt": f"q{i}", "kind": k} for i, k in enumerate(kinds)]
     steps: list[dict[str, float]] = []

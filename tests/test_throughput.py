@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
+import forge_lightning.backward as backward_module
 import forge_lightning.logprobs as logprobs_module
-import forge_lightning.module as module_module
 from forge_lightning import bench
 from forge_lightning.generation import HFGenerate
 from forge_lightning.logprobs import LogProbScorer, completion_log_probs
@@ -119,7 +119,7 @@ def test_two_iterations_step_twice_per_batch_and_move_the_ratio_on_the_second_pa
 ):
     passes: list[dict[str, torch.Tensor]] = []
     old_forwards: list[bool] = []
-    original_loss = module_module.grpo_loss
+    original_loss = backward_module.grpo_loss
     original_no_grad = LogProbScorer.log_probs_no_grad
 
     def loss_spy(logp, old_logp, ref_logp, advantages, mask, settings, behav_logp=None):
@@ -132,7 +132,7 @@ def test_two_iterations_step_twice_per_batch_and_move_the_ratio_on_the_second_pa
         old_forwards.append(model is grpo.model)
         return original_no_grad(self, model, rollout)
 
-    monkeypatch.setattr(module_module, "grpo_loss", loss_spy)
+    monkeypatch.setattr(backward_module, "grpo_loss", loss_spy)
     monkeypatch.setattr(LogProbScorer, "log_probs_no_grad", no_grad_spy)
     pl.seed_everything(0)
     grpo = module(num_iterations=2, gradient_accumulation_steps=1, learning_rate=3e-2, group_size=8)

@@ -55,9 +55,10 @@ class RewardLogger(Callback):
     """Every ``logging_steps`` optimizer steps: a console line, a JSONL record, a reward histogram
     and a table of sample completions.
 
-    ``logging_steps`` is the run's one cadence: the module sends its scalars to every Lightning
-    logger at the same steps, with the same values (each mean's mean over the optimizer steps since
-    the previous report, each count's total, and ``num_tokens``, a running total, as it stands).
+    ``logging_steps`` is the run's one cadence (handed to the module at fit start,
+    ``report_every``): the module sends its scalars to every Lightning logger at the same steps,
+    with the same values (each mean's mean over the optimizer steps since the previous report,
+    each count's total, and ``num_tokens``, a running total, as it stands).
     This callback adds what a logger's scalars do not:
     ``{output_dir}/training_log.jsonl``, one record per report with those values under their short
     names, and, for a TensorBoard or W&B logger, ``train/reward_hist`` and
@@ -92,6 +93,12 @@ class RewardLogger(Callback):
 
     def log_path(self, trainer: pl.Trainer) -> Path:
         return output_dir(trainer, self.output_dir) / "training_log.jsonl"
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The data goes one way (as ReferenceModel's): the module reports at this cadence.
+        if hasattr(pl_module, "report_every"):
+            pl_module.report_every(self.logging_steps)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

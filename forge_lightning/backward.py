@@ -1,0 +1,85 @@
+"""One backward pass of the GRPO loss over a rollout, micro-batch by micro-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from forge_lightning.grpo import (
+    LossSettings,
+    backward_weight,
+    grpo_loss,
+    masked_mean,
+    micro_batch_weight,
+    step_count,
+)
+from forge_lightning.logprobs import LogProbScorer
+from forge_lightning.metrics import LOSS_STATS, add_micro_batch
+from forge_lightning.rollout import Rollout
+
+
+class LossPasses:
+    """Backpropagates the loss over a rollout, each micro-batch's backward weighted so that the
+    optimizer step, once it divides by the step's count (see grpo.backward_weight), has the
+    gradient of the loss over all of the step's rollouts."""
+
+    def __init__(self, scorer: LogProbScorer, loss: LossSettings, mask_truncated_completions: bool) -> None:
+        self.scorer = scorer
+        self.loss = loss
+        self.mask_truncated = mask_truncated_completions
+
+    def micro_batches(self, rollout: Rollout) -> list[tuple[int, int]]:
+        return self.scorer.micro_batches(rollout)
+
+    def backward(
+        self,
+        model: PreTrainedModel,
+        rollout: Rollout,
+        advantages: Tensor,
+        old_logp: Tensor | None,
+        ref_logp: Tensor | None,
+        *,
+        backward: Callable[[Tensor], Any],
+        profile: Callable[[str], Any],
+        extra: int = 0,
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        """One pass (``backward``: the module's manual_backward), then ``extra`` zero-weight
+        backwards, so that this rank joins the other ranks' all-reduces. Returns the pass's loss
+        statistics, detached, and its share of the step's loss normaliser (grpo.step_count)."""
+        mask = rollout.loss_mask(self.mask_truncated)  # (P*G, Lc)
+        totals: dict[str, Tensor] = {}
+        for start, stop in self.scorer.micro_batches(rollout):
+            rows = slice(start, stop)
+            with profile("logprob"):
+                logp, entropy = self.scorer.log_probs_and_entropy(model, rollout, start, stop)
+                loss, metrics = grpo_loss(
+                    logp,
+                    _rows(old_logp, rows),
+                    _rows(ref_logp, rows),
+                    advantages[rows],
+                    mask[rows],
+                    self.loss,
+                    behav_logp=_rows(rollout.behav_logp, rows),
+                )
+            weight = backward_weight(self.loss, mask[rows], mask).to(loss.device)
+            with profile("backward"):
+                backward(loss * weight)
+            metrics["entropy"] = masked_mean(entropy, mask[rows])
+            share = micro_batch_weight(self.loss, mask[rows], mask).to(loss.device)
+            add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
+        if extra:
+            params = [p for p in model.parameters() if p.requires_grad]
+            for _ in range(extra):
+                backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
+        count = step_count(self.loss, mask)
+        if not totals or not mask.any():  # nothing trained (or every token masked): no values
+            return {key: torch.zeros(0) for key in LOSS_STATS}, count
+        return totals, count
+
+
+def _rows(values: Tensor | None, rows: slice) -> Tensor | None:
+    return None if values is None else values[rows]

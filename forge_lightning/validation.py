@@ -1,0 +1,49 @@
+"""What validation makes of one batch's greedy completions: the scores, and the answers to keep."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from forge_lightning.metrics import TrainMetrics
+from forge_lightning.preemption import sigterm_interrupts
+from forge_lightning.rollout import Rollout, prompt_text
+from forge_lightning.scoring import score_groups
+
+
+def score_validation(
+    reward: Any,
+    accuracy: Any,
+    prompts: list[Any],
+    rollout: Rollout,
+    batch_kwargs: dict[str, list[Any]],
+    settings: Any,
+    metrics: TrainMetrics,
+) -> list[dict[str, Any]]:
+    """Score the batch's completions (one per prompt) with the reward, and with the accuracy check
+    where the batch has references, into ``metrics``; one answer per prompt (prompt, completion,
+    reference, reward, correct, completion_length, truncated) for RewardLogger's files."""
+    on_error, timeout = settings.on_reward_error, settings.reward_timeout
+    with sigterm_interrupts():
+        rewards, components, _ = score_groups(reward, prompts, rollout, batch_kwargs, on_error, timeout)
+    metrics.update("reward", rewards)
+    for name, values in components.items():
+        metrics.update(f"rewards/{name}", values)
+    metrics.update("completion_length", rollout.completion_lengths.float())
+    metrics.update("truncated_fraction", rollout.truncation.float())
+    references = batch_kwargs.get("references")
+    if references is not None:
+        with sigterm_interrupts():
+            correct, _, _ = score_groups(accuracy, prompts, rollout, batch_kwargs, on_error, timeout)
+        metrics.update("accuracy", correct)
+    samples = []
+    for i, prompt in enumerate(prompts):
+        sample = {"prompt": prompt_text(prompt), "completion": rollout.completions[i]}
+        if references is not None:
+            sample["reference"] = references[i]
+        sample["reward"] = float(rewards[i])
+        if references is not None:
+            sample["correct"] = float(correct[i])
+        sample["completion_length"] = int(rollout.completion_lengths[i])
+        sample["truncated"] = bool(rollout.truncation[i])
+        samples.append(sample)
+    return samples
