@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -21,6 +21,9 @@ from forge_lightning.logprobs import LogProbScorer
 from forge_lightning.metrics import LOSS_STATS, add_micro_batch
 from forge_lightning.rollout import Rollout
 
+if TYPE_CHECKING:
+    from forge_lightning.callbacks.reference import ReferenceSource
+
 
 class LossPasses:
     """Backpropagates the loss over a rollout, each micro-batch's backward weighted so that the
@@ -31,6 +34,19 @@ class LossPasses:
         self.scorer = scorer
         self.loss = loss
         self.mask_truncated = mask_truncated_completions
+
+    def reference_log_probs(self, reference: ReferenceSource | None, rollout: Rollout) -> Tensor | None:
+        """The reference's log-probs ``(P*G, Lc)``; None when no loss term reads them."""
+        if not self.loss.needs_reference or rollout.completion_ids.shape[0] == 0:
+            return None
+        if reference is None:
+            raise RuntimeError(
+                f"kl_beta={self.loss.kl_beta} with loss_type={self.loss.loss_type!r} needs a reference "
+                "model, but no ReferenceModel callback provided one; add "
+                "forge_lightning.callbacks.ReferenceModel() to the trainer's callbacks or set kl_beta=0"
+            )
+        with reference.scope():
+            return self.scorer.log_probs_no_grad(reference.model, rollout)
 
     def micro_batches(self, rollout: Rollout) -> list[tuple[int, int]]:
         return self.scorer.micro_batches(rollout)

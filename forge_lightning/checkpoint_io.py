@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from forge_lightning.config import check_resume, trainer_settings
 from forge_lightning.fileio import SpaceCheck, write_atomically
+
+if TYPE_CHECKING:
+    from forge_lightning.reporting import StepReporter
+    from forge_lightning.rollout_sources import SyncRollouts
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -77,3 +82,36 @@ def refuse_unstored_objects(checkpoint_path: Any, kwargs: dict[str, Any]) -> Non
             f"a checkpoint cannot store: pass {', '.join(f'{m}=' for m in missing)}"
             f"{' (and tokenizer=)' if 'model' in missing else ''} to load_from_checkpoint"
         )
+
+
+def save_run_state(
+    checkpoint: dict[str, Any], trainer: Any, reporter: StepReporter, rollouts: SyncRollouts
+) -> None:
+    """What the module adds to a Lightning checkpoint (``on_save_checkpoint``). Lightning does not
+    keep the RNG states; without them a resumed run would sample other completions than the
+    uninterrupted one from the same step on."""
+    checkpoint["forge_rng_states"] = rng_states()
+    checkpoint["forge_trainer_settings"] = trainer_settings(trainer)
+    checkpoint["forge_tokens_trained"] = reporter.tokens_trained
+    state = rollouts.state_dict()  # async: the batches in flight
+    if state is not None:
+        checkpoint["forge_async"] = state
+
+
+def load_run_state(
+    checkpoint: dict[str, Any],
+    resumed: Any,
+    hparams: Any,
+    reporter: StepReporter,
+    rollouts: SyncRollouts,
+) -> None:
+    """Restore what :func:`save_run_state` added (``on_load_checkpoint``); ``resumed``: the trainer
+    of a fit that resumes from ``checkpoint`` (its settings checked against the checkpoint's, and
+    the run's state restored), None outside fit."""
+    if resumed is not None:
+        check_resume(checkpoint, hparams, trainer_settings(resumed))
+        reporter.tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
+        if "forge_async" in checkpoint:
+            rollouts.load_state_dict(checkpoint["forge_async"])
+    if "forge_rng_states" in checkpoint:
+        set_rng_states(checkpoint["forge_rng_states"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -14,33 +13,18 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from forge_lightning.backward import LossPasses
-from forge_lightning.callbacks.reference import ReferenceModel, ReferenceSource
-from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
-from forge_lightning.checkpoint_io import refuse_unstored_objects, rng_states, set_rng_states
-from forge_lightning.config import (
-    check_resume,
-    loss_settings,
-    refuse_automatic_optimization_settings,
-    train_settings,
-    trainer_settings,
-    validate_hparams,
-)
+from forge_lightning.callbacks.defaults import fit_callbacks
+from forge_lightning.callbacks.reference import ReferenceSource
+from forge_lightning.checkpoint_io import load_run_state, refuse_unstored_objects, save_run_state
+from forge_lightning.components import build_components, stored_arguments
+from forge_lightning.config import validate_hparams
 from forge_lightning.data.datamodule import split_batch
 from forge_lightning.generation import GenerationBackend, eos_token_ids
-from forge_lightning.grpo import (
-    AdvantageScale,
-    ImportanceSampling,
-    KLEstimator,
-    LossType,
-    group_advantages,
-)
-from forge_lightning.logprobs import LogProbScorer
-from forge_lightning.lora import LoraSettings, lora_settings
-from forge_lightning.metrics import StepRecord, TrainMetrics
-from forge_lightning.models import ensure_pad_token, load_model, warn_when_half_precision
+from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType, group_advantages
+from forge_lightning.lora import LoraSettings
+from forge_lightning.metrics import StepRecord
+from forge_lightning.models import ensure_pad_token
 from forge_lightning.optim import (
-    NonFiniteGuard,
     adamw_with_schedule,
     can_fuse_adamw,
     loss_scale,
@@ -48,30 +32,25 @@ from forge_lightning.optim import (
     require_finite_parameters,
     rescale_schedule,
 )
-from forge_lightning.policy import prepare_policy
+from forge_lightning.policy import training_policy
 from forge_lightning.preemption import Preemption, sigterm_interrupts
-from forge_lightning.reporting import StepReporter
 from forge_lightning.rewards import (
     GSM8KAnswerReward,
     RewardArgument,
     as_reward,
     component_names,
-    load_reward,
     require_arguments,
-    reward_spec,
 )
 from forge_lightning.rollout import (
     FACTS,
-    PromptSettings,
     Rollout,
     RolloutSampler,
-    SamplingParams,
+    prompt_settings,
     warn_when_few_tokens_count,
 )
-from forge_lightning.rollout_sources import TrainingBatch, rollout_settings, rollout_source
+from forge_lightning.rollout_sources import TrainingBatch
 from forge_lightning.scoring import score_groups
-from forge_lightning.step_plan import plan_settings, step_plan
-from forge_lightning.validation import score_validation
+from forge_lightning.validation import NO_TEST_STEP, score_validation
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -196,56 +175,37 @@ class GRPOLightningModule(pl.LightningModule):
         behav_imp_weight_cap: float | None = 5.0,
     ) -> None:
         super().__init__()
-        # Lightning checkpoints load with weights_only=True, which refuses custom classes: the
-        # hyperparameters keep the LoRA settings as a dict (load_from_checkpoint passes it back).
-        lora = lora_settings(peft)
-        peft = None if lora is None else asdict(lora)
-        # save_hyperparameters stores this frame's `reward` (under the CLI, its config's): plain data
-        # (specs.py) that load_reward turns back into the reward. One with none (a lambda) is left
-        # out, as a model object is (load_from_checkpoint asks for them).
-        reward_object = load_reward(reward)
-        reward = reward_spec(reward_object)
-        objects = ["model"] if model is not None and not isinstance(model, str) else []
-        objects += ["reward"] if reward_object is not None and reward is None else []
-        self.save_hyperparameters(ignore=["tokenizer", "accuracy", *objects])
+        # save_hyperparameters reads these arguments from this frame: stored as plain data.
+        stored = stored_arguments(model, reward, peft)
+        peft, reward = stored.peft, stored.reward
+        self.save_hyperparameters(ignore=["tokenizer", "accuracy", *stored.unstored])
         validate_hparams(self.hparams)
         if not isinstance(model, str) and tokenizer is None:
             raise ValueError("tokenizer is required when model is an already-built model object")
-        hp = self.hparams
         self.automatic_optimization = False
         self.model_spec = model if isinstance(model, str) else None
         self.model: PreTrainedModel | None = None if isinstance(model, str) else model
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
-        self.reward = as_reward(reward_object) if reward_object is not None else GSM8KAnswerReward()
+        given = stored.reward_object
+        self.reward = as_reward(given) if given is not None else GSM8KAnswerReward()
         self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
-        # The flat hyperparameters (the CLI's and the checkpoint's record) as typed settings, once.
-        self.settings = train_settings(hp)
-        self.loss_settings = loss_settings(hp)
-        self.sampling = SamplingParams(max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
-        self.greedy = SamplingParams(max_new_tokens, greedy=True)  # validation's and predict's
         self._use_chat_template = use_chat_template
-        self.scorer = LogProbScorer(
-            temperature=self.loss_settings.scoring_temperature(temperature),
-            shared_prefix=prefix_sharing,
-            chunk_size=logprob_chunk_size,
-            micro_batch_size=train_micro_batch_size,
-        )
-        self.passes = LossPasses(self.scorer, self.loss_settings, mask_truncated_completions)
-        # Chosen once: where and when rollouts are sampled (sync or async), and what each batch
-        # trains and when the optimizer steps (accumulation, mu passes, dynamic sampling's rounds).
-        self.rollout_source = rollout_source(rollout_settings(hp, self.sampling))
-        self.plan = step_plan(plan_settings(hp))
+        # The flat hyperparameters as typed settings, and the collaborators that take them, once.
+        # The rollout source decides where and when rollouts are sampled (sync or async); the plan,
+        # what each batch trains and when the optimizer steps (accumulation, mu passes, dynamic
+        # sampling's rounds); the reporter, what the loggers get.
+        parts = build_components(self.hparams, component_names(self.reward))
+        self.settings, self.loss_settings = parts.settings, parts.loss
+        self.sampling, self.greedy = parts.sampling, parts.greedy
+        self.scorer, self.passes = parts.scorer, parts.passes
+        self.rollout_source, self.plan = parts.rollout_source, parts.plan
+        self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
+        self.reporter, self._nonfinite_guard = parts.reporter, parts.nonfinite_guard
         # Built in configure_model (the engine only when none was set before fit); the sampler is
         # the episode runner the rollout source, validation and predict all sample with.
         self.generator: GenerationBackend | None = None
         self.sampler: RolloutSampler | None = None
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
-        self.train_metrics = TrainMetrics(component_names(self.reward))
-        self.reporter = StepReporter(self.train_metrics)  # its cadence handed over by report_every
-        self.val_metrics = TrainMetrics(
-            component_names(self.reward),
-            keys=("accuracy", "reward", "completion_length", "truncated_fraction"),
-        )
         # This rank's validation answers since the epoch began: one dict per prompt (prompt,
         # completion, reference, reward, correct, completion_length, truncated); RewardLogger writes them.
         self.validation_samples: list[dict[str, Any]] = []
@@ -255,34 +215,22 @@ class GRPOLightningModule(pl.LightningModule):
         # the end of the fit trains every rollout still in flight); last_step is the last of them.
         self.batch_records: list[StepRecord] = []
         self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
-        self._nonfinite_guard = NonFiniteGuard(max_consecutive_bad_steps)
         self._preemption = Preemption()
         self._rewards_checked = False
         self._stepped = False
 
     @override
     def configure_model(self) -> None:
-        hp = self.hparams
-        if self.model is None:
-            warn_when_half_precision(hp.model_dtype)
-            self.model, tokenizer = load_model(self.model_spec, hp.model_dtype, hp.attn_implementation)
-            self.tokenizer = self.tokenizer or tokenizer
-        self.model = prepare_policy(
-            self.model,
-            peft=hp.peft,
-            gradient_checkpointing=hp.gradient_checkpointing,
-            prefix_sharing=hp.prefix_sharing,
-            mesh=self.device_mesh,
-            generation_backend=hp.generation_backend,
-            precision=None if self._trainer is None else str(self.trainer.precision),
+        precision = None if self._trainer is None else str(self.trainer.precision)
+        self.model, self.tokenizer = training_policy(
+            self.model, self.tokenizer, self.model_spec, self.hparams, self.device_mesh, precision
         )
         eos = eos_token_ids(self.tokenizer, self.model)
         if self.generator is None:
             self.generator = self.rollout_source.build_engine(
                 self.tokenizer, self.model, eos, self.scorer.temperature
             )
-        longest = _max_prompt_length(self.model, hp.max_prompt_length, hp.max_new_tokens)
-        prompts = PromptSettings(self.use_chat_template, hp.system_prompt, longest, hp.prompt_truncation)
+        prompts = prompt_settings(self.model, self.hparams, self.use_chat_template)
         self.sampler = RolloutSampler(self.tokenizer, self.generator, eos, prompts)
         self.rollout_source.use(self.sampler, self.generator)
 
@@ -325,7 +273,7 @@ class GRPOLightningModule(pl.LightningModule):
             # detached log-probs grpo_loss takes when old_logp is None: no extra forward. (It is
             # also the proximal policy of a stale async rollout, whose sampling policy's log-probs,
             # trained.behav_logp, came back with it.)
-            ref_logp = self._reference_log_probs(trained)
+            ref_logp = self.passes.reference_log_probs(self.reference, trained)
             old_logp = trained.old_logp
             if old_logp is None and len(plan.passes) > 1:
                 old_logp = self.scorer.log_probs_no_grad(self.model, trained)
@@ -352,20 +300,6 @@ class GRPOLightningModule(pl.LightningModule):
         if s.advantage_scale == "batch" and self.trainer.world_size > 1:
             batch = self.all_gather(rewards).reshape(-1)
         return group_advantages(rewards, s.group_size, scale=s.advantage_scale, batch_rewards=batch)
-
-    def _reference_log_probs(self, rollout: Rollout) -> Tensor | None:
-        """The reference's log-probs ``(P*G, Lc)``; None when no loss term reads them."""
-        if not self.needs_reference or rollout.completion_ids.shape[0] == 0:
-            return None
-        if self.reference is None:
-            loss = self.loss_settings
-            raise RuntimeError(
-                f"kl_beta={loss.kl_beta} with loss_type={loss.loss_type!r} needs a reference model, but no "
-                "ReferenceModel callback provided one; add forge_lightning.callbacks.ReferenceModel() to "
-                "the trainer's callbacks or set kl_beta=0"
-            )
-        with self.reference.scope():
-            return self.scorer.log_probs_no_grad(self.reference.model, rollout)
 
     def _backward_pass(
         self, rollout: Rollout, advantages: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None
@@ -417,22 +351,17 @@ class GRPOLightningModule(pl.LightningModule):
     ) -> None:
         """Track the batch's metrics; at an optimizer step, log them (means over the step's batches,
         reduced across ranks); publish the batch's record in ``last_step``."""
-        rollout = item.rollout
-        phases = self.reporter.add(rollout, rewards, components, stats, self.trainer.profiler)
-        logged = self.reporter.step() if stepped else {}
+        record = self.reporter.record(item, rewards, components, stats, stepped, self.trainer)
         # self.log puts them where Lightning's callbacks look (callback_metrics, the progress bar),
         # every optimizer step. The loggers get them here, every report_every optimizer steps, at
         # the optimizer step: Lightning would count batches, and re-send a logged value after
         # every later batch of an accumulation.
-        for key, value in logged.items():
+        for key, value in record.metrics.items():
             shown = key in ("train/reward", "train/kl")
             self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown, logger=False)
-        report = self.reporter.report(self.global_step, self.trainer.log_every_n_steps) if stepped else {}
-        for logger in self.loggers if report else []:
-            logger.log_metrics(report, step=self.global_step)
-        self.last_step = StepRecord.of(
-            self.global_step, item.prompts, rollout, rewards, logged, phases, components, report
-        )
+        for logger in self.loggers if record.report else []:
+            logger.log_metrics(record.report, step=self.global_step)
+        self.last_step = record
 
     @property
     def stepped(self) -> bool:
@@ -509,7 +438,7 @@ class GRPOLightningModule(pl.LightningModule):
         # trainer.validate returns and prints what Lightning sends the loggers, at the "step" given
         # (the checkpoint's). In a fit the loggers get it as train/* (_record), at the optimizer
         # step: there a "step" key would stay in callback_metrics and name ModelCheckpoint's files.
-        fitting = self.trainer.state.fn == TrainerFn.FITTING
+        fitting = self._fitting
         step = {} if fitting else {"step": float(self.evaluated_step or 0)}
         self.log_dict({**values, **step}, sync_dist=False, logger=not fitting)
         for logger in self.loggers if fitting else []:
@@ -519,7 +448,7 @@ class GRPOLightningModule(pl.LightningModule):
     def evaluated_step(self) -> int | None:
         """The optimizer step of the weights validated: the trainer's in a fit, else a loaded
         checkpoint's (Lightning restores no global_step outside fit); None if unknown (a model spec)."""
-        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        fitting = self._fitting
         if not fitting and self._checkpoint_step is not None:
             return self._checkpoint_step
         return self.global_step if fitting or self.global_step > 0 else None
@@ -533,12 +462,12 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        raise NotImplementedError(_NO_TEST_STEP)
+        raise NotImplementedError(NO_TEST_STEP)
 
     @override
     def setup(self, stage: str) -> None:
         if stage == "test":  # before Lightning asks the data for a test_dataloader
-            raise NotImplementedError(_NO_TEST_STEP)
+            raise NotImplementedError(NO_TEST_STEP)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
@@ -565,52 +494,20 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Lightning does not keep the RNG states; without them a resumed run would sample other
-        # completions than the uninterrupted one from the same step on.
-        checkpoint["forge_rng_states"] = rng_states()
-        checkpoint["forge_trainer_settings"] = trainer_settings(self.trainer)
-        checkpoint["forge_tokens_trained"] = self.reporter.tokens_trained
-        rollouts = self.rollout_source.state_dict()  # async: the batches in flight
-        if rollouts is not None:
-            checkpoint["forge_async"] = rollouts
+        save_run_state(checkpoint, self.trainer, self.reporter, self.rollout_source)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_step = checkpoint.get("global_step")
-        if self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING:
-            # Resuming a fit; validate or load_from_checkpoint may use other settings.
-            check_resume(checkpoint, self.hparams, trainer_settings(self.trainer))
-            self.reporter.tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
-            if "forge_async" in checkpoint:
-                self.rollout_source.load_state_dict(checkpoint["forge_async"])
-        if "forge_rng_states" in checkpoint:
-            set_rng_states(checkpoint["forge_rng_states"])
+        # Resuming a fit checks and restores the run; validate or load_from_checkpoint may use other settings.
+        resumed = self.trainer if self._fitting else None
+        load_run_state(checkpoint, resumed, self.hparams, self.reporter, self.rollout_source)
 
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
-        # A callback returned here would replace the trainer's own of the same type (and its
-        # settings, e.g. output_dir): add the reference only when the trainer has none.
-        given = self._trainer.callbacks if self._trainer is not None else []
-        if self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING:
-            refuse_automatic_optimization_settings(self._trainer)  # the one hook before Lightning's
-        callbacks: list[pl.Callback] = [SaveAtStepBoundaries()]  # checkpoints only between steps
-        callbacks += self.rollout_source.callbacks()  # async: stop the worker when a fit fails
-        if self.needs_reference and not any(isinstance(c, ReferenceModel) for c in given):
-            callbacks.append(ReferenceModel())
-        return callbacks
+        # async: its callback stops the worker when a fit fails.
+        return fit_callbacks(self._trainer, self.needs_reference, self.rollout_source.callbacks())
 
-
-# Lightning's own refusal (no test_step) says nothing of where the evaluation is.
-_NO_TEST_STEP = (
-    "GRPOLightningModule has no test step: evaluate with trainer.validate (forge-lightning validate), "
-    "which scores one greedy completion per prompt, or trainer.predict for the completions alone"
-)
-
-
-def _max_prompt_length(model: PreTrainedModel, setting: int | None, max_new_tokens: int) -> int | None:
-    """``max_prompt_length``, or where unset the model's context less ``max_new_tokens``: a prompt
-    of millions of characters is cut (with a warning), not tokenised into a hang."""
-    if setting is not None:
-        return setting
-    context = getattr(model.config, "max_position_embeddings", None)
-    return None if context is None else max(context - max_new_tokens, 1)
+    @property
+    def _fitting(self) -> bool:
+        return self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING

@@ -6,9 +6,11 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.hf_compat import is_checkpointing, set_checkpointing, supports_shared_prefix
 from forge_lightning.lora import apply_lora, lora_settings
+from forge_lightning.models import load_model, warn_when_half_precision
 from forge_lightning.sharding import is_sharded, shard_for_training
 
 if TYPE_CHECKING:
@@ -45,3 +47,30 @@ def prepare_policy(
             model, mesh, generation_backend=generation_backend, lora=peft is not None, precision=precision
         )
     return model
+
+
+def training_policy(
+    model: PreTrainedModel | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    spec: str | None,
+    hp: Any,
+    mesh: DeviceMesh | None,
+    precision: str | None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """The module's ``configure_model``: the model ``spec`` names loaded (in ``hp.model_dtype``,
+    with the spec's tokenizer unless one was given) where none is built yet, then made the policy
+    to train (prepare_policy, per the hyperparameters ``hp``)."""
+    if model is None:
+        warn_when_half_precision(hp.model_dtype)
+        model, loaded = load_model(spec, hp.model_dtype, hp.attn_implementation)
+        tokenizer = tokenizer or loaded
+    policy = prepare_policy(
+        model,
+        peft=hp.peft,
+        gradient_checkpointing=hp.gradient_checkpointing,
+        prefix_sharing=hp.prefix_sharing,
+        mesh=mesh,
+        generation_backend=hp.generation_backend,
+        precision=precision,
+    )
+    return policy, tokenizer

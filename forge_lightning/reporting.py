@@ -8,13 +8,15 @@ module sends what it returns to ``self.log`` and the loggers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from forge_lightning.metrics import TrainMetrics, batch_metrics, logged_name, window_values
+from forge_lightning.metrics import StepRecord, TrainMetrics, batch_metrics, logged_name, window_values
 from forge_lightning.profiler import PhaseProfiler
-from forge_lightning.rollout import Rollout
+
+if TYPE_CHECKING:
+    from forge_lightning.rollout_sources import TrainingBatch
 
 
 class StepReporter:
@@ -31,20 +33,26 @@ class StepReporter:
         self.tokens_trained = 0.0  # train/num_tokens, kept in checkpoints
         self.window: list[dict[str, float]] = []  # logged steps since the last report
 
-    def add(
+    def record(
         self,
-        rollout: Rollout,
+        item: TrainingBatch,
         rewards: Tensor,
         components: dict[str, Tensor],
         stats: dict[str, Tensor],
-        profiler: Any,
-    ) -> dict[str, float]:
-        """Track one training batch's values (batch_metrics); its seconds per phase (empty without
-        a PhaseProfiler)."""
+        stepped: bool,
+        trainer: Any,
+    ) -> StepRecord:
+        """One training batch: its values tracked (batch_metrics); at an optimizer step
+        (``stepped``) the step's metrics (step) and, at a reporting step, the report; all in the
+        batch's record."""
+        rollout, global_step, profiler = item.rollout, trainer.global_step, trainer.profiler
+        # The batch's seconds per phase (empty without a PhaseProfiler).
         phases = profiler.last_step() if isinstance(profiler, PhaseProfiler) else {}
         for key, value in batch_metrics(rollout, rewards, components, stats, phases).items():
             self.metrics.update(key, value)
-        return phases
+        logged = self.step() if stepped else {}
+        report = self.report(global_step, trainer.log_every_n_steps) if stepped else {}
+        return StepRecord.of(global_step, item.prompts, rollout, rewards, logged, phases, components, report)
 
     def step(self) -> dict[str, float]:
         """At an optimizer step: its metrics (means over its batches, reduced across ranks) under

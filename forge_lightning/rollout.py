@@ -302,3 +302,18 @@ class RolloutSampler:
             truncated=truncated_rows(completion_ids, self.eos_ids, params.max_new_tokens),
             behav_logp=behav_logp,
         )
+
+
+def prompt_settings(model: PreTrainedModel, hp: Any, use_chat_template: bool) -> PromptSettings:
+    """How the module's prompts are encoded for ``model``, per its hyperparameters ``hp``."""
+    longest = max_prompt_length(model, hp.max_prompt_length, hp.max_new_tokens)
+    return PromptSettings(use_chat_template, hp.system_prompt, longest, hp.prompt_truncation)
+
+
+def max_prompt_length(model: PreTrainedModel, setting: int | None, max_new_tokens: int) -> int | None:
+    """``max_prompt_length``, or where unset the model's context less ``max_new_tokens``: a prompt
+    of millions of characters is cut (with a warning), not tokenised into a hang."""
+    if setting is not None:
+        return setting
+    context = getattr(model.config, "max_position_embeddings", None)
+    return None if context is None else max(context - max_new_tokens, 1)

@@ -9,6 +9,12 @@ from forge_lightning.preemption import sigterm_interrupts
 from forge_lightning.rollout import Rollout, prompt_text
 from forge_lightning.scoring import score_groups
 
+# Lightning's own refusal (no test_step) says nothing of where the evaluation is.
+NO_TEST_STEP = (
+    "GRPOLightningModule has no test step: evaluate with trainer.validate (forge-lightning validate), "
+    "which scores one greedy completion per prompt, or trainer.predict for the completions alone"
+)
+
 
 def score_validation(
     reward: Any,

@@ -1,0 +1,98 @@
+"""What GRPOLightningModule is built from, once, in its ``__init__``.
+
+The flat hyperparameters (``--model.<name>``: the CLI's, the config's and the checkpoint's
+record) become typed settings, and the collaborators the module holds take those: the log-prob
+scorer, the loss passes, the rollout source, the step plan, the metrics and their reporter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from forge_lightning.backward import LossPasses
+from forge_lightning.config import TrainSettings, loss_settings, train_settings
+from forge_lightning.grpo import LossSettings
+from forge_lightning.logprobs import LogProbScorer
+from forge_lightning.lora import LoraSettings, lora_settings
+from forge_lightning.metrics import TrainMetrics
+from forge_lightning.optim import NonFiniteGuard
+from forge_lightning.reporting import StepReporter
+from forge_lightning.rewards import RewardArgument, load_reward, reward_spec
+from forge_lightning.rollout_sources import SyncRollouts, rollout_settings, rollout_source
+from forge_lightning.sampling import SamplingParams
+from forge_lightning.step_plan import StepPlan, plan_settings, step_plan
+
+VALIDATION_KEYS = ("accuracy", "reward", "completion_length", "truncated_fraction")
+
+
+@dataclass
+class StoredArguments:
+    """The constructor's arguments as ``save_hyperparameters`` must see them, and the reward built."""
+
+    peft: dict[str, Any] | None  # the LoRA settings as a dict
+    reward: Any  # the reward's spec (plain data), None for one that has none
+    reward_object: Any  # the reward, loaded from its spec or given; None for GSM8K's default
+    unstored: list[str]  # the arguments given as objects, which no checkpoint can store
+
+
+def stored_arguments(model: Any, reward: RewardArgument | None, peft: LoraSettings | None) -> StoredArguments:
+    """Lightning checkpoints load with weights_only=True, which refuses custom classes: the
+    hyperparameters keep the LoRA settings as a dict (load_from_checkpoint passes it back), and the
+    reward as plain data (specs.py) that load_reward turns back into the reward. One with none (a
+    lambda) is left out, as a model object is (load_from_checkpoint asks for them)."""
+    lora = lora_settings(peft)
+    reward_object = load_reward(reward)
+    spec = reward_spec(reward_object)
+    unstored = ["model"] if model is not None and not isinstance(model, str) else []
+    unstored += ["reward"] if reward_object is not None and spec is None else []
+    return StoredArguments(None if lora is None else asdict(lora), spec, reward_object, unstored)
+
+
+@dataclass
+class Components:
+    """The module's typed settings and collaborators (see GRPOLightningModule.__init__)."""
+
+    settings: TrainSettings
+    loss: LossSettings
+    sampling: SamplingParams  # training's
+    greedy: SamplingParams  # validation's and predict's
+    scorer: LogProbScorer
+    passes: LossPasses
+    rollout_source: SyncRollouts
+    plan: StepPlan
+    train_metrics: TrainMetrics
+    val_metrics: TrainMetrics
+    reporter: StepReporter
+    nonfinite_guard: NonFiniteGuard
+
+
+def build_components(hp: Mapping[str, Any], reward_names: list[str]) -> Components:
+    """Everything the module holds that its hyperparameters ``hp`` decide; ``reward_names``: the
+    reward's components, each tracked as a metric."""
+    loss = loss_settings(hp)
+    sampling = SamplingParams(
+        hp["max_new_tokens"], temperature=hp["temperature"], top_p=hp["top_p"], top_k=hp["top_k"]
+    )
+    scorer = LogProbScorer(
+        temperature=loss.scoring_temperature(hp["temperature"]),
+        shared_prefix=hp["prefix_sharing"],
+        chunk_size=hp["logprob_chunk_size"],
+        micro_batch_size=hp["train_micro_batch_size"],
+    )
+    train_metrics = TrainMetrics(reward_names)
+    return Components(
+        settings=train_settings(hp),
+        loss=loss,
+        sampling=sampling,
+        greedy=SamplingParams(hp["max_new_tokens"], greedy=True),
+        scorer=scorer,
+        passes=LossPasses(scorer, loss, hp["mask_truncated_completions"]),
+        rollout_source=rollout_source(rollout_settings(hp, sampling)),
+        plan=step_plan(plan_settings(hp)),
+        train_metrics=train_metrics,
+        val_metrics=TrainMetrics(reward_names, keys=VALIDATION_KEYS),
+        reporter=StepReporter(train_metrics),  # its cadence handed over by module.report_every
+        nonfinite_guard=NonFiniteGuard(hp["max_consecutive_bad_steps"]),
+    )
