@@ -25,10 +25,9 @@ from forge_lightning.lora import LoraSettings
 from forge_lightning.metrics import StepRecord
 from forge_lightning.models import ensure_pad_token
 from forge_lightning.optim import (
-    adamw_with_schedule,
-    can_fuse_adamw,
     loss_scale,
     normalise_and_clip,
+    policy_optimizer,
     require_finite_parameters,
     rescale_schedule,
 )
@@ -50,7 +49,7 @@ from forge_lightning.rollout import (
 )
 from forge_lightning.rollout_sources import TrainingBatch
 from forge_lightning.scoring import score_groups
-from forge_lightning.validation import NO_TEST_STEP, score_validation
+from forge_lightning.validation import NO_TEST_STEP, check_validation_arguments, score_validation
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -418,9 +417,7 @@ class GRPOLightningModule(pl.LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         prompts, batch_kwargs = split_batch(batch)
         if batch_idx == 0:
-            require_arguments(self.reward, {*batch_kwargs, *FACTS})
-            if "references" in batch_kwargs:
-                require_arguments(self.accuracy, {*batch_kwargs, *FACTS}, role="accuracy check")
+            check_validation_arguments(self.reward, self.accuracy, batch_kwargs)
         rollout = self.sampler(self.model, prompts, self.greedy, group_size=1)
         self.validation_samples += score_validation(
             self.reward, self.accuracy, prompts, rollout, batch_kwargs, self.settings, self.val_metrics
@@ -471,17 +468,10 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        fused = can_fuse_adamw(params, precision=self.trainer.precision, sharded=self.device_mesh is not None)
-        optimizer, scheduler = adamw_with_schedule(
-            params,
-            learning_rate=hp.learning_rate,
-            weight_decay=hp.weight_decay,
-            warmup_steps=hp.warmup_steps,
-            total_steps=self.plan.total_steps(self.trainer),
-            schedule=hp.lr_schedule,
-            fused=fused,
+        total_steps = self.plan.total_steps(self.trainer)
+        sharded = self.device_mesh is not None
+        optimizer, scheduler = policy_optimizer(
+            self.model, self.hparams, total_steps, self.trainer.precision, sharded
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

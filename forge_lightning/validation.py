@@ -6,7 +6,8 @@ from typing import Any
 
 from forge_lightning.metrics import TrainMetrics
 from forge_lightning.preemption import sigterm_interrupts
-from forge_lightning.rollout import Rollout, prompt_text
+from forge_lightning.rewards import require_arguments
+from forge_lightning.rollout import FACTS, Rollout, prompt_text
 from forge_lightning.scoring import score_groups
 
 # Lightning's own refusal (no test_step) says nothing of where the evaluation is.
@@ -14,6 +15,14 @@ NO_TEST_STEP = (
     "GRPOLightningModule has no test step: evaluate with trainer.validate (forge-lightning validate), "
     "which scores one greedy completion per prompt, or trainer.predict for the completions alone"
 )
+
+
+def check_validation_arguments(reward: Any, accuracy: Any, batch_kwargs: dict[str, list[Any]]) -> None:
+    """Before the first validation batch is sampled: the reward, and the accuracy check where the
+    batch has references, must find every argument they require among the batch's columns."""
+    require_arguments(reward, {*batch_kwargs, *FACTS})
+    if "references" in batch_kwargs:
+        require_arguments(accuracy, {*batch_kwargs, *FACTS}, role="accuracy check")
 
 
 def score_validation(
