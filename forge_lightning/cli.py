@@ -171,9 +171,9 @@ class ForgeCLI(LightningCLI):
             ckpt_path = None if found is None else str(found)
             self.config_init[self.subcommand]["ckpt_path"] = ckpt_path
         if ckpt_path is not None:
-            self._check_resume(ckpt_path)
+            saved = self._check_resume(ckpt_path)
             if self._run_folder is not None and self._get(self.config, "ckpt_path") == "last":
-                remove_untracked_checkpoints(ckpt_path, self.trainer.checkpoint_callbacks)
+                remove_untracked_checkpoints(ckpt_path, saved, self.trainer.checkpoint_callbacks)
 
     def fit(self, model: GRPOLightningModule, **kwargs: Any) -> None:
         """``trainer.fit``, releasing the run folder's lock however it ends."""
@@ -187,8 +187,9 @@ class ForgeCLI(LightningCLI):
             if self._run_folder is not None:
                 self._run_folder.unlock()
 
-    def _check_resume(self, ckpt_path: str) -> None:
-        """Refuse (before the config and logs are written) a resume with settings it cannot take."""
+    def _check_resume(self, ckpt_path: str) -> dict[str, Any]:
+        """Refuse (before the config and logs are written) a resume with settings it cannot take;
+        the checkpoint, loaded (memory-mapped) once for every check of the resume."""
         if not Path(ckpt_path).is_file():
             raise SystemExit(f"fit: --ckpt_path {ckpt_path}: no such file")
         try:
@@ -203,6 +204,7 @@ class ForgeCLI(LightningCLI):
             check_resume_settings(saved.get("hyper_parameters", {}), self.model.hparams, data_changes)
         except ValueError as err:
             raise SystemExit(f"fit: {err}") from None
+        return saved
 
     def before_validate(self) -> None:
         # The shipped configs validate nothing during fit (limit_val_batches: 0); evaluating a

@@ -16,8 +16,9 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from forge_lightning.fileio import MOVED_ASIDE_NAME, TEMPORARY_NAME
 
@@ -197,17 +198,18 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def remove_untracked_checkpoints(resumed: str | Path, callbacks: Iterable[object]) -> list[Path]:
+def remove_untracked_checkpoints(
+    resumed: str | Path, saved: Mapping[str, Any], callbacks: Iterable[object]
+) -> list[Path]:
     """Remove the step checkpoints of each ``ModelCheckpoint`` in ``callbacks`` that the state it
-    resumes from ``resumed`` no longer tracks: left by a kill between a step's checkpoint and its
-    ``last.ckpt`` (the redone step then writes ``-v1`` beside it, and the old one stays for ever).
+    resumes from ``resumed`` (loaded: ``saved``) no longer tracks: left by a kill between a step's
+    checkpoint and its ``last.ckpt`` (the redone step then writes ``-v1`` beside it, and the old one
+    stays for ever).
     Only files named by that callback's own pattern (``epoch=0-step=4.ckpt``, ``-vN`` versions) go,
     never ``resumed`` or a user's file; kept are its tracked ones (best, top-k, last) and, when it
     keeps every checkpoint, all up to the resumed step. Call on rank 0 while holding the lock."""
-    import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    saved = torch.load(resumed, map_location="cpu", mmap=True, weights_only=True)
     step, states = int(saved.get("global_step", -1)), saved.get("callbacks", {})
     removed: list[Path] = []
     for callback in callbacks:

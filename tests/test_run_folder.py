@@ -398,7 +398,8 @@ def test_resume_removes_step_checkpoints_the_resumed_state_no_longer_tracks(tmp_
     names = ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "epoch=0-step=3-v1.ckpt", "epoch=0-step=4.ckpt"]
     for name in [*names, "best-by-hand.ckpt", "notes.txt"]:
         (folder / name).write_bytes(b"x")
-    removed = remove_untracked_checkpoints(folder / "last.ckpt", [callback])
+    saved = torch.load(folder / "last.ckpt", weights_only=True)
+    removed = remove_untracked_checkpoints(folder / "last.ckpt", saved, [callback])
     kept = {"epoch=0-step=3.ckpt", "last.ckpt", "best-by-hand.ckpt", "notes.txt"}
     if save_top_k == -1:  # it keeps every step: only the one past the resumed step goes
         kept |= {"epoch=0-step=2.ckpt", "epoch=0-step=3-v1.ckpt"}
@@ -407,4 +408,4 @@ def test_resume_removes_step_checkpoints_the_resumed_state_no_longer_tracks(tmp_
     # Another callback's state (other settings) is not judged by this one's.
     other = ModelCheckpoint(dirpath=folder, every_n_train_steps=5)
     (folder / "epoch=0-step=1.ckpt").write_bytes(b"x")
-    assert remove_untracked_checkpoints(folder / "last.ckpt", [other]) == []
+    assert remove_untracked_checkpoints(folder / "last.ckpt", saved, [other]) == []
