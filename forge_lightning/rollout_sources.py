@@ -14,6 +14,7 @@ runner*'s (:class:`EpisodeRunner`; today a :class:`~forge_lightning.rollout.Roll
 from __future__ import annotations
 
 import os
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,12 +28,10 @@ from forge_lightning.async_rollout import (
     InFlight,
     RolloutWorker,
     WorkerSettings,
-    fit_ends_with,
     restored_in_flight,
     rollout_seed,
     saved_in_flight,
     split_threads,
-    warn_when_the_end_drains_at_once,
 )
 from forge_lightning.generation import GenerationBackend, generation_backend
 from forge_lightning.rollout import Rollout, SamplingParams
@@ -300,3 +299,26 @@ class StopWorkerOnError(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         pl_module.stop_rollout_worker()
+
+
+def fit_ends_with(trainer: Any, batch_idx: int) -> bool:
+    """Whether training batch ``batch_idx`` is the fit's last by its epoch limit. Only there are the
+    rollouts still in flight all trained at once (a step each, in one batch); at any other epoch's
+    end they carry over into the next, one optimizer step per batch, so that every step-cadence
+    callback sees every step. (A fit ending on ``max_steps`` hands nothing it cannot train.)"""
+    last_epoch = 0 < (trainer.max_epochs or 0) <= trainer.current_epoch + 1
+    return last_epoch and batch_idx + 1 == trainer.num_training_batches
+
+
+def warn_when_the_end_drains_at_once(trainer: Any, max_staleness: int) -> None:
+    """A fit that ends on its epoch limit trains its last ``max_staleness`` steps in its last batch
+    (the pipeline's first batches trained nothing), and a step-cadence callback sees only the last
+    of them; ``max_steps`` hands no batch it cannot train one step a batch."""
+    if max_staleness > 0 and trainer.max_steps < 0:
+        warnings.warn(
+            f"rollout_mode='async' with no trainer.max_steps: the fit's last {max_staleness + 1} "
+            "optimizer steps are taken in its last batch, so HFCheckpoint folders and "
+            "ModelCheckpoint(every_n_train_steps) files of all but the last are not written; set "
+            "trainer.max_steps (e.g. to the epochs' optimizer steps) to have every step seen",
+            stacklevel=2,
+        )
