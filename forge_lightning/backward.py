@@ -34,6 +34,25 @@ class LossPasses:
         self.scorer = scorer
         self.loss = loss
         self.mask_truncated = mask_truncated_completions
+        self.count = torch.zeros(())  # the optimizer step's loss normaliser so far (grpo.step_count)
+
+    def take_count(self) -> Tensor:
+        """The step's loss normaliser on this rank, and start the next step's at zero."""
+        count, self.count = self.count, torch.zeros(())
+        return count
+
+    def fixed_log_probs(
+        self, model: PreTrainedModel, reference: ReferenceSource | None, rollout: Rollout, passes: int
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The old policy's and the reference's log-probs, both fixed before any update of these
+        ``passes``. With one pass the old policy is the policy itself, whose detached log-probs
+        grpo_loss takes when old_logp is None: no extra forward. (It is also the proximal policy of
+        a stale async rollout, whose sampling policy's log-probs, rollout.behav_logp, came with it.)"""
+        ref_logp = self.reference_log_probs(reference, rollout)
+        old_logp = rollout.old_logp
+        if old_logp is None and passes > 1:
+            old_logp = self.scorer.log_probs_no_grad(model, rollout)
+        return old_logp, ref_logp
 
     def reference_log_probs(self, reference: ReferenceSource | None, rollout: Rollout) -> Tensor | None:
         """The reference's log-probs ``(P*G, Lc)``; None when no loss term reads them."""
@@ -58,14 +77,13 @@ class LossPasses:
         advantages: Tensor,
         old_logp: Tensor | None,
         ref_logp: Tensor | None,
-        *,
         backward: Callable[[Tensor], Any],
         profile: Callable[[str], Any],
         extra: int = 0,
-    ) -> tuple[dict[str, Tensor], Tensor]:
+    ) -> dict[str, Tensor]:
         """One pass (``backward``: the module's manual_backward), then ``extra`` zero-weight
-        backwards, so that this rank joins the other ranks' all-reduces. Returns the pass's loss
-        statistics, detached, and its share of the step's loss normaliser (grpo.step_count)."""
+        backwards, so that this rank joins the other ranks' all-reduces. Adds the pass's share of
+        the step's loss normaliser to :attr:`count`; returns its loss statistics, detached."""
         mask = rollout.loss_mask(self.mask_truncated)  # (P*G, Lc)
         totals: dict[str, Tensor] = {}
         for start, stop in self.scorer.micro_batches(rollout):
@@ -91,10 +109,10 @@ class LossPasses:
             params = [p for p in model.parameters() if p.requires_grad]
             for _ in range(extra):
                 backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
-        count = step_count(self.loss, mask)
+        self.count = self.count + step_count(self.loss, mask)
         if not totals or not mask.any():  # nothing trained (or every token masked): no values
-            return {key: torch.zeros(0) for key in LOSS_STATS}, count
-        return totals, count
+            return {key: torch.zeros(0) for key in LOSS_STATS}
+        return totals
 
 
 def _rows(values: Tensor | None, rows: slice) -> Tensor | None:

@@ -17,9 +17,16 @@ from forge_lightning.grpo import LossSettings
 from forge_lightning.logprobs import LogProbScorer
 from forge_lightning.lora import LoraSettings, lora_settings
 from forge_lightning.metrics import TrainMetrics
-from forge_lightning.optim import NonFiniteGuard
+from forge_lightning.optim import OptimizerStep
 from forge_lightning.reporting import StepReporter
-from forge_lightning.rewards import RewardArgument, load_reward, reward_spec
+from forge_lightning.rewards import (
+    GSM8KAnswerReward,
+    RewardArgument,
+    RewardFn,
+    as_reward,
+    load_reward,
+    reward_spec,
+)
 from forge_lightning.rollout_sources import SyncRollouts, rollout_settings, rollout_source
 from forge_lightning.sampling import SamplingParams
 from forge_lightning.step_plan import StepPlan, plan_settings, step_plan
@@ -36,12 +43,21 @@ class StoredArguments:
     reward_object: Any  # the reward, loaded from its spec or given; None for GSM8K's default
     unstored: list[str]  # the arguments given as objects, which no checkpoint can store
 
+    @property
+    def reward_fn(self) -> RewardFn:
+        """The reward to train with: the one given, as a reward, or GSM8K's answer check."""
+        return as_reward(self.reward_object) if self.reward_object is not None else GSM8KAnswerReward()
 
-def stored_arguments(model: Any, reward: RewardArgument | None, peft: LoraSettings | None) -> StoredArguments:
+
+def stored_arguments(
+    model: Any, tokenizer: Any, reward: RewardArgument | None, peft: LoraSettings | None
+) -> StoredArguments:
     """Lightning checkpoints load with weights_only=True, which refuses custom classes: the
     hyperparameters keep the LoRA settings as a dict (load_from_checkpoint passes it back), and the
     reward as plain data (specs.py) that load_reward turns back into the reward. One with none (a
     lambda) is left out, as a model object is (load_from_checkpoint asks for them)."""
+    if not isinstance(model, str) and tokenizer is None:
+        raise ValueError("tokenizer is required when model is an already-built model object")
     lora = lora_settings(peft)
     reward_object = load_reward(reward)
     spec = reward_spec(reward_object)
@@ -65,7 +81,7 @@ class Components:
     train_metrics: TrainMetrics
     val_metrics: TrainMetrics
     reporter: StepReporter
-    nonfinite_guard: NonFiniteGuard
+    stepper: OptimizerStep
 
 
 def build_components(hp: Mapping[str, Any], reward_names: list[str]) -> Components:
@@ -94,5 +110,5 @@ def build_components(hp: Mapping[str, Any], reward_names: list[str]) -> Componen
         train_metrics=train_metrics,
         val_metrics=TrainMetrics(reward_names, keys=VALIDATION_KEYS),
         reporter=StepReporter(train_metrics),  # its cadence handed over by module.report_every
-        nonfinite_guard=NonFiniteGuard(hp["max_consecutive_bad_steps"]),
+        stepper=OptimizerStep(hp["max_grad_norm"], hp["max_consecutive_bad_steps"]),
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +107,11 @@ class TrainMetrics(nn.Module):
         if key.startswith("rewards/"):
             value = value[~value.isnan()]  # a component's None ("not applicable") counts nowhere
         table[key].update(value.to(table[key].device))
+
+    def add(self, values: Mapping[str, Tensor | float]) -> None:
+        """:meth:`update` each named value (a number or a tensor of them)."""
+        for key, value in values.items():
+            self.update(key, value if isinstance(value, Tensor) else torch.tensor([float(value)]))
 
     def pop(self) -> dict[str, float]:
         """Means since the last call (counters as totals), then reset. Metrics never updated, or

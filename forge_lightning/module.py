@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -20,36 +19,18 @@ from forge_lightning.components import build_components, stored_arguments
 from forge_lightning.config import validate_hparams
 from forge_lightning.data.datamodule import split_batch
 from forge_lightning.generation import GenerationBackend, eos_token_ids
-from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType, group_advantages
+from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType
 from forge_lightning.lora import LoraSettings
 from forge_lightning.metrics import StepRecord
 from forge_lightning.models import ensure_pad_token
-from forge_lightning.optim import (
-    loss_scale,
-    normalise_and_clip,
-    policy_optimizer,
-    require_finite_parameters,
-    rescale_schedule,
-)
+from forge_lightning.optim import policy_optimizer, rescale_schedule
 from forge_lightning.policy import training_policy
 from forge_lightning.preemption import Preemption, sigterm_interrupts
-from forge_lightning.rewards import (
-    GSM8KAnswerReward,
-    RewardArgument,
-    as_reward,
-    component_names,
-    require_arguments,
-)
-from forge_lightning.rollout import (
-    FACTS,
-    Rollout,
-    RolloutSampler,
-    prompt_settings,
-    warn_when_few_tokens_count,
-)
+from forge_lightning.rewards import GSM8KAnswerReward, RewardArgument, component_names, require_arguments
+from forge_lightning.rollout import FACTS, RolloutSampler, prompt_settings, warn_when_few_tokens_count
 from forge_lightning.rollout_sources import TrainingBatch
-from forge_lightning.scoring import score_groups
-from forge_lightning.validation import NO_TEST_STEP, check_validation_arguments, score_validation
+from forge_lightning.scoring import batch_advantages, score_groups
+from forge_lightning.validation import NO_TEST_STEP, check_validation_arguments, epoch_logs, score_validation
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -175,18 +156,15 @@ class GRPOLightningModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         # save_hyperparameters reads these arguments from this frame: stored as plain data.
-        stored = stored_arguments(model, reward, peft)
+        stored = stored_arguments(model, tokenizer, reward, peft)
         peft, reward = stored.peft, stored.reward
         self.save_hyperparameters(ignore=["tokenizer", "accuracy", *stored.unstored])
         validate_hparams(self.hparams)
-        if not isinstance(model, str) and tokenizer is None:
-            raise ValueError("tokenizer is required when model is an already-built model object")
         self.automatic_optimization = False
         self.model_spec = model if isinstance(model, str) else None
         self.model: PreTrainedModel | None = None if isinstance(model, str) else model
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
-        given = stored.reward_object
-        self.reward = as_reward(given) if given is not None else GSM8KAnswerReward()
+        self.reward = stored.reward_fn
         self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
         self._use_chat_template = use_chat_template
         # The flat hyperparameters as typed settings, and the collaborators that take them, once.
@@ -199,7 +177,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.scorer, self.passes = parts.scorer, parts.passes
         self.rollout_source, self.plan = parts.rollout_source, parts.plan
         self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
-        self.reporter, self._nonfinite_guard = parts.reporter, parts.nonfinite_guard
+        self.reporter, self.stepper = parts.reporter, parts.stepper
         # Built in configure_model (the engine only when none was set before fit); the sampler is
         # the episode runner the rollout source, validation and predict all sample with.
         self.generator: GenerationBackend | None = None
@@ -213,7 +191,6 @@ class GRPOLightningModule(pl.LightningModule):
         # The StepRecords of the optimizer steps the latest training batch took (an async batch at
         # the end of the fit trains every rollout still in flight); last_step is the last of them.
         self.batch_records: list[StepRecord] = []
-        self._step_count = torch.zeros(())  # the step's loss normaliser so far (grpo.step_count)
         self._preemption = Preemption()
         self._rewards_checked = False
         self._stepped = False
@@ -263,87 +240,42 @@ class GRPOLightningModule(pl.LightningModule):
             rewards, components, errors = score_groups(
                 self.reward, item.prompts, rollout, item.batch_kwargs, s.on_reward_error, s.reward_timeout
             )
-        plan = self.plan.plan(rollout, rewards, self._advantages(rewards), item.batch_idx, self.trainer)
+        advantages = batch_advantages(
+            rewards, s.group_size, s.advantage_scale, self.trainer.world_size, self.all_gather
+        )
+        plan = self.plan.plan(rollout, rewards, advantages, item.batch_idx, self.trainer)
         trained = plan.rollout  # the batch's rollout, or (dynamic sampling) its informative groups
         if s.mask_truncated_completions:
             warn_when_few_tokens_count(rollout)
         with profile("logprob"):
-            # Both fixed before any update. With one pass the old policy is the policy itself, whose
-            # detached log-probs grpo_loss takes when old_logp is None: no extra forward. (It is
-            # also the proximal policy of a stale async rollout, whose sampling policy's log-probs,
-            # trained.behav_logp, came back with it.)
-            ref_logp = self.passes.reference_log_probs(self.reference, trained)
-            old_logp = trained.old_logp
-            if old_logp is None and len(plan.passes) > 1:
-                old_logp = self.scorer.log_probs_no_grad(self.model, trained)
+            old_logp, ref_logp = self.passes.fixed_log_probs(
+                self.model, self.reference, trained, len(plan.passes)
+            )
         for step_after in plan.passes:
-            stats = self._backward_pass(trained, plan.advantages, old_logp, ref_logp)
+            # Before any backward: DDP all-reduces in each one, so every rank must make as many.
+            made = len(self.passes.micro_batches(trained))
+            extra = self.plan.backward_calls_missing(made, self.trainer, self.device)
+            stats = self.passes.backward(
+                self.model, trained, plan.advantages, old_logp, ref_logp, self.manual_backward, profile, extra
+            )
             if step_after:
                 with profile("optimizer"):
                     self._optimizer_step()
-        self.train_metrics.update("reward_errors", torch.tensor([float(errors)]))
-        self.train_metrics.update(
-            "num_tokens", trained.loss_mask(s.mask_truncated_completions).sum().float().reshape(1)
-        )
-        for key, value in item.metrics.items():
-            self.train_metrics.update(key, torch.tensor([value]))
+        num_tokens = trained.loss_mask(s.mask_truncated_completions).sum().float()
+        self.train_metrics.add({"reward_errors": errors, "num_tokens": num_tokens, **item.metrics})
         self._stepped = self._stepped or plan.stepped
         self._record(item, rewards, components, stats, plan.stepped)
-        self.batch_records.append(self.last_step)
-
-    def _advantages(self, rewards: Tensor) -> Tensor:
-        """Group-relative advantages; ``advantage_scale: batch`` takes the std over every rank's
-        groups of this training_step (later accumulation batches are not sampled yet)."""
-        s = self.settings
-        batch = None
-        if s.advantage_scale == "batch" and self.trainer.world_size > 1:
-            batch = self.all_gather(rewards).reshape(-1)
-        return group_advantages(rewards, s.group_size, scale=s.advantage_scale, batch_rewards=batch)
-
-    def _backward_pass(
-        self, rollout: Rollout, advantages: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None
-    ) -> dict[str, Tensor]:
-        """Backpropagate one pass of the loss over the rollout, micro-batch by micro-batch, each
-        backward weighted so that the optimizer step, once it divides by the step's count (see
-        grpo.backward_weight), has the gradient of the loss over all of the step's rollouts.
-        Returns the pass's loss statistics, detached."""
-        # Before any backward: DDP all-reduces in each one, and collectives must come in one order.
-        made = len(self.passes.micro_batches(rollout))
-        extra = self.plan.backward_calls_missing(made, self.trainer, self.device)
-        backward, profile = self.manual_backward, self.trainer.profiler.profile
-        logps = (old_logp, ref_logp)
-        stats, count = self.passes.backward(
-            self.model, rollout, advantages, *logps, backward=backward, profile=profile, extra=extra
-        )
-        self._step_count = self._step_count + count
-        return stats
 
     def _optimizer_step(self) -> None:
-        """Clip, step, zero, schedule, and give the engine the new weights; a step whose gradient is
-        not finite is skipped (and too many in a row stop the run)."""
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        count = self.trainer.strategy.reduce(self._step_count.to(self.device), reduce_op="sum")
-        self._step_count = torch.zeros(())
-        for key, value in self.plan.step_ended().items():  # dynamic sampling's rounds, taken or skipped
-            self.train_metrics.update(key, torch.tensor([value]))
-        grad_norm = normalise_and_clip(  # scaled to the step's count, clipped to max_grad_norm
-            self.model.parameters(),
-            self.trainer.world_size / count.clamp(min=1),
-            self.settings.max_grad_norm,
-            loss_scale(self.trainer.precision_plugin),
+        """Step the optimizer on the gradient of the step's batches, and give the engine the new weights."""
+        count = self.trainer.strategy.reduce(self.passes.take_count().to(self.device), reduce_op="sum")
+        self.train_metrics.add(self.plan.step_ended())  # dynamic sampling's rounds, taken or skipped
+        changed, metrics = self.stepper(
+            self.model, self.optimizers(), self.lr_schedulers(), self.trainer, count
         )
-        finite = self._nonfinite_guard.allows(grad_norm)
-        self.train_metrics.update("skipped_steps", torch.tensor([0.0 if finite else 1.0]))
-        if not finite:
-            optimizer.zero_grad(set_to_none=True)
-            return
-        self.train_metrics.update("lr", torch.tensor([scheduler.get_last_lr()[0]]))
-        self.train_metrics.update("grad_norm", grad_norm)
-        optimizer.step()  # every gradient None after a round of uninformative groups: no update
-        require_finite_parameters(self.model, self.trainer.strategy, self.global_step)
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        self.rollout_source.weights_updated(self.model)
+        self.train_metrics.add(metrics)
+        if changed:
+            self.rollout_source.weights_updated(self.model)
 
     def _record(
         self, item: TrainingBatch, rewards: Tensor, components: dict, stats: dict, stepped: bool
@@ -351,16 +283,16 @@ class GRPOLightningModule(pl.LightningModule):
         """Track the batch's metrics; at an optimizer step, log them (means over the step's batches,
         reduced across ranks); publish the batch's record in ``last_step``."""
         record = self.reporter.record(item, rewards, components, stats, stepped, self.trainer)
-        # self.log puts them where Lightning's callbacks look (callback_metrics, the progress bar),
-        # every optimizer step. The loggers get them here, every report_every optimizer steps, at
-        # the optimizer step: Lightning would count batches, and re-send a logged value after
-        # every later batch of an accumulation.
+        # self.log feeds Lightning's callbacks (callback_metrics, the progress bar). The loggers get
+        # the report here, at the optimizer step: Lightning would count batches, and re-send a
+        # logged value after every later batch of an accumulation.
         for key, value in record.metrics.items():
             shown = key in ("train/reward", "train/kl")
             self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown, logger=False)
         for logger in self.loggers if record.report else []:
             logger.log_metrics(record.report, step=self.global_step)
         self.last_step = record
+        self.batch_records.append(record)
 
     @property
     def stepped(self) -> bool:
@@ -432,12 +364,8 @@ class GRPOLightningModule(pl.LightningModule):
         values = {f"val/{k}": v for k, v in self.val_metrics.pop().items()}
         if not values:
             return
-        # trainer.validate returns and prints what Lightning sends the loggers, at the "step" given
-        # (the checkpoint's). In a fit the loggers get it as train/* (_record), at the optimizer
-        # step: there a "step" key would stay in callback_metrics and name ModelCheckpoint's files.
         fitting = self._fitting
-        step = {} if fitting else {"step": float(self.evaluated_step or 0)}
-        self.log_dict({**values, **step}, sync_dist=False, logger=not fitting)
+        self.log_dict(epoch_logs(values, fitting, self.evaluated_step), sync_dist=False, logger=not fitting)
         for logger in self.loggers if fitting else []:
             logger.log_metrics(values, step=self.global_step)
 

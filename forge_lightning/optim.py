@@ -150,6 +150,39 @@ class NonFiniteGuard:
         return False
 
 
+class OptimizerStep:
+    """One optimizer step of manual optimization, its two guarantees included: the gradient is
+    divided by the step's loss normaliser and clipped in one pass, a step whose gradient is not
+    finite is skipped (``max_consecutive_bad_steps`` in a row stop the run), and a step that leaves
+    a weight non-finite stops the run before a checkpoint saves it."""
+
+    def __init__(self, max_grad_norm: float | None, max_consecutive_bad_steps: int) -> None:
+        self.max_grad_norm = max_grad_norm
+        self.guard = NonFiniteGuard(max_consecutive_bad_steps)
+
+    def __call__(
+        self, model: torch.nn.Module, optimizer: Any, scheduler: Any, trainer: Any, count: Tensor
+    ) -> tuple[bool, dict[str, Tensor]]:
+        """Normalise by ``count`` (every rank's, summed), clip, step, zero and schedule. Returns
+        whether the weights changed, and the step's metrics (``skipped_steps``; ``lr`` and
+        ``grad_norm`` of a step taken)."""
+        grad_norm = normalise_and_clip(
+            model.parameters(),
+            trainer.world_size / count.clamp(min=1),
+            self.max_grad_norm,
+            loss_scale(trainer.precision_plugin),
+        )
+        if not self.guard.allows(grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            return False, {"skipped_steps": torch.tensor([1.0])}
+        taken = {"skipped_steps": torch.tensor([0.0]), "lr": torch.tensor([scheduler.get_last_lr()[0]])}
+        optimizer.step()  # every gradient None after a round of uninformative groups: no update
+        require_finite_parameters(model, trainer.strategy, trainer.global_step)
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return True, {**taken, "grad_norm": grad_norm}
+
+
 def all_finite(tensors: list[Tensor]) -> Tensor:
     """Per tensor, whether every element is finite, as a bool tensor of ``len(tensors)``.
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from forge_lightning.grpo import group_advantages
 from forge_lightning.rewards import (
     CompositeReward,
     RewardFn,
@@ -176,3 +178,13 @@ def score_groups(
 
     components = {name: as_tensor(v) for name, v in scored.components.items()}
     return as_tensor(scored.total), components, scored.num_errors
+
+
+def batch_advantages(
+    rewards: Tensor, group_size: int, scale: str, world_size: int, all_gather: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """Group-relative advantages of the rewards ``(P*G,)``. ``scale="batch"`` takes the std over
+    every rank's groups of this training batch (``all_gather``: the module's; later accumulation
+    batches are not sampled yet)."""
+    batch = all_gather(rewards).reshape(-1) if scale == "batch" and world_size > 1 else None
+    return group_advantages(rewards, group_size, scale=scale, batch_rewards=batch)

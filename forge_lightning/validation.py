@@ -62,3 +62,13 @@ def score_validation(
         sample["truncated"] = bool(rollout.truncation[i])
         samples.append(sample)
     return samples
+
+
+def epoch_logs(values: dict[str, float], fitting: bool, evaluated_step: int | None) -> dict[str, float]:
+    """What ``self.log_dict`` gets at the end of a validation epoch, from its ``val/*`` values.
+
+    ``trainer.validate`` returns and prints what Lightning sends the loggers, at the "step" given
+    (the checkpoint's), so outside a fit the values go with a ``step`` key. In a fit the loggers get
+    them directly, at the optimizer step (the module does), and there a ``step`` key would stay in
+    ``callback_metrics`` and name ModelCheckpoint's files."""
+    return values if fitting else {**values, "step": float(evaluated_step or 0)}
