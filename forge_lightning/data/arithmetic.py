@@ -85,41 +85,68 @@ class Template:
 
 @dataclass(frozen=True)
 class Scale:
-    """Operand ranges: addends in ``[2, max_term]``, factors in ``[2, max_factor]``."""
+    """Operand ranges: addends in ``[2, max_term]``, factors in ``[2, max_factor]``.
+
+    ``min_term`` / ``min_factor`` raise the lower ends (two-digit operands: 10); a subtrahend is
+    then drawn from ``[min_term, a - 1]`` too. Left None, the draws are the original ones, so the
+    problems of the variants that predate them stay the same.
+    """
 
     max_term: int = 20
     max_factor: int = 9
+    min_term: int | None = None
+    min_factor: int | None = None
+
+    @property
+    def low_term(self) -> int:
+        return 2 if self.min_term is None else self.min_term
+
+    @property
+    def low_factor(self) -> int:
+        return 2 if self.min_factor is None else self.min_factor
+
+    def least_taken(self, a: int) -> int:
+        """The least operand to take away from ``a`` (the most is ``a - 1``)."""
+        return 1 if self.min_term is None else min(self.min_term, a - 1)
 
 
 def _terms(k: int) -> Callable[[random.Random, Scale], Operands]:
-    return lambda rng, s: tuple(rng.randint(2, s.max_term) for _ in range(k))
+    return lambda rng, s: tuple(_term(rng, s) for _ in range(k))
+
+
+def _term(rng: random.Random, s: Scale) -> int:
+    return rng.randint(s.low_term, s.max_term)
+
+
+def _factor(rng: random.Random, s: Scale) -> int:
+    return rng.randint(s.low_factor, s.max_factor)
 
 
 def _difference(rng: random.Random, s: Scale) -> Operands:
-    a = rng.randint(3, s.max_term)
-    return a, rng.randint(1, a - 1)
+    a = rng.randint(3 if s.min_term is None else s.min_term + 1, s.max_term)
+    return a, rng.randint(s.least_taken(a), a - 1)
 
 
 def _factors(rng: random.Random, s: Scale) -> Operands:
-    return rng.randint(2, s.max_factor), rng.randint(2, s.max_factor)
+    return _factor(rng, s), _factor(rng, s)
 
 
 def _add_then_sub(rng: random.Random, s: Scale) -> Operands:
-    a, b = rng.randint(2, s.max_term), rng.randint(2, s.max_term)
-    return a, b, rng.randint(1, a + b - 1)
+    a, b = _term(rng, s), _term(rng, s)
+    return a, b, rng.randint(s.least_taken(a + b), a + b - 1)
 
 
 def _factors_then_term(rng: random.Random, s: Scale) -> Operands:
-    return rng.randint(2, s.max_factor), rng.randint(2, s.max_factor), rng.randint(2, s.max_term)
+    return _factor(rng, s), _factor(rng, s), _term(rng, s)
 
 
 def _factors_then_less(rng: random.Random, s: Scale) -> Operands:
-    a, b = rng.randint(2, s.max_factor), rng.randint(2, s.max_factor)
-    return a, b, rng.randint(1, a * b - 1)
+    a, b = _factor(rng, s), _factor(rng, s)
+    return a, b, rng.randint(s.least_taken(a * b), a * b - 1)
 
 
 def _sum_then_factor(rng: random.Random, s: Scale) -> Operands:
-    return rng.randint(2, s.max_term), rng.randint(2, s.max_term), rng.randint(2, s.max_factor)
+    return _term(rng, s), _term(rng, s), _factor(rng, s)
 
 
 TEMPLATES: dict[str, Template] = {
@@ -282,6 +309,13 @@ VARIANTS: dict[str, Variant] = {
     # Eight add/subtract stories on numbers up to 12 (744 distinct problems): base greedy dev
     # accuracy about 0.2 at 96 new tokens, where numbers up to 20 give about 0.1.
     "add_sub_small": Variant(ADD_SUB, Scale(max_term=12), (("train", 250), ("dev", 100), ("heldout", 200))),
+    # For tool use (a calculator): two-digit addends, factors 3-25, every one-step shape and the
+    # two-step ones; a 135M model computes few of these right alone.
+    "calc": Variant(
+        ONE_STEP + TWO_STEP,
+        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
+        (("train", 600), ("dev", 200), ("heldout", 300)),
+    ),
 }
 DEFAULT_VARIANT = "add_sub"
 
