@@ -57,6 +57,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout_mode": (lambda v: v in ("sync", "async"), "'sync' or 'async'"),
     "max_staleness": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "rollout_worker_threads": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "calculator": (_optional(lambda v: v in ("annotation", "plain")), "None, 'annotation' or 'plain'"),
+    "max_tool_calls": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
 }
 
 
@@ -227,6 +229,8 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
             "dynamic_sampling steps when enough informative groups are gathered, num_iterations > 1 "
             f"after every pass: use one of them (num_iterations={values['num_iterations']})"
         )
+    if values.get("calculator") is not None:
+        _check_calculator(values)
     if values.get("use_engine_logprobs"):
         _check_engine_logprobs(values)
     if values.get("rollout_mode") == "async":
@@ -258,6 +262,21 @@ def _check_async(values: Mapping[str, Any]) -> None:
             "(top_p/top_k so that the worker and the loss score the same distribution); use "
             "rollout_mode='sync' for the others"
         )
+
+
+def _check_calculator(values: Mapping[str, Any]) -> None:
+    """A calculator's rollouts are several generate calls in this process (tool_rollout.py)."""
+    reasons = {
+        "rollout_mode": ("async", "the rollout worker samples one generate call per batch"),
+        "generation_backend": ("vllm", "only HF generate can stop a row at a calculator call"),
+        "use_engine_logprobs": (True, "the engine's log-probs do not cover the calculator's tokens"),
+    }
+    for name, (value, why) in reasons.items():
+        if values.get(name) == value:
+            raise ValueError(
+                f"calculator={values['calculator']!r} does not work with {name}={value!r}: {why}; "
+                "use rollout_mode='sync', generation_backend='hf' and use_engine_logprobs=false"
+            )
 
 
 def _check_engine_logprobs(values: Mapping[str, Any]) -> None:

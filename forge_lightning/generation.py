@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.hf_compat import (
@@ -40,8 +40,13 @@ class HFGenerate:
         prompt_mask: Tensor,
         group_size: int,
         params: SamplingParams,
+        stopping_criteria: Sequence[StoppingCriteria] | None = None,
     ) -> Tensor:
-        return self._generate(model, prompt_ids, prompt_mask, group_size, params, scores=False)[0]
+        """Completions ``(P*G, Lc)``; ``stopping_criteria`` may end rows early (a tool call:
+        tool_rollout.py), each stopped row then padded with the pad token like a finished one."""
+        return self._generate(
+            model, prompt_ids, prompt_mask, group_size, params, scores=False, stopping=stopping_criteria
+        )[0]
 
     def generate_with_logprobs(
         self,
@@ -73,6 +78,7 @@ class HFGenerate:
         group_size: int,
         params: SamplingParams,
         scores: bool,
+        stopping: Sequence[StoppingCriteria] | None = None,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         was_training = model.training
         # Gradient checkpointing switches the KV cache off; generation without a cache is
@@ -88,6 +94,7 @@ class HFGenerate:
                 out = model.generate(
                     **(inputs or {"input_ids": prompt_ids, "attention_mask": prompt_mask}),
                     generation_config=self._config(params, repeats, scores),
+                    stopping_criteria=StoppingCriteriaList(stopping or []),
                     # A sharded model gathers its weights from every rank in each forward: all
                     # ranks must run the same number of decoding steps, so a rank whose
                     # completions have all ended keeps stepping until every rank's have.

@@ -30,6 +30,8 @@ from forge_lightning.rewards import GSM8KAnswerReward, RewardArgument, component
 from forge_lightning.rollout import FACTS, RolloutSampler, prompt_settings, warn_when_few_tokens_count
 from forge_lightning.rollout_sources import TrainingBatch
 from forge_lightning.scoring import batch_advantages, score_groups
+from forge_lightning.tool_rollout import ToolRolloutSampler
+from forge_lightning.tools import InlineCalculator
 from forge_lightning.validation import NO_TEST_STEP, check_validation_arguments, epoch_logs, score_validation
 
 
@@ -102,6 +104,10 @@ class GRPOLightningModule(pl.LightningModule):
         max_staleness: async: optimizer steps a rollout may lag the weights it trains (k >= 0).
         rollout_worker_threads: async: the worker's CPU threads, the trainer the rest; None: half.
         behav_imp_weight_cap: async: tokens whose behaviour weight exceeds it get none (> 1; None).
+        calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
+            or ``plain`` (``41 + 29 =``); its answers are read, not trained on (tool_rollout.py).
+            Sync rollouts with HF generate only. None: no tool.
+        max_tool_calls: with a calculator, the calls one completion may make.
     """
 
     def __init__(
@@ -153,6 +159,8 @@ class GRPOLightningModule(pl.LightningModule):
         max_staleness: int = 1,
         rollout_worker_threads: int | None = None,
         behav_imp_weight_cap: float | None = 5.0,
+        calculator: Literal["annotation", "plain"] | None = None,
+        max_tool_calls: int = 4,
     ) -> None:
         super().__init__()
         # save_hyperparameters reads these arguments from this frame: stored as plain data.
@@ -181,7 +189,7 @@ class GRPOLightningModule(pl.LightningModule):
         # Built in configure_model (the engine only when none was set before fit); the sampler is
         # the episode runner the rollout source, validation and predict all sample with.
         self.generator: GenerationBackend | None = None
-        self.sampler: RolloutSampler | None = None
+        self.sampler: RolloutSampler | ToolRolloutSampler | None = None
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
         # This rank's validation answers since the epoch began: one dict per prompt (prompt,
         # completion, reference, reward, correct, completion_length, truncated); RewardLogger writes them.
@@ -208,6 +216,9 @@ class GRPOLightningModule(pl.LightningModule):
             )
         prompts = prompt_settings(self.model, self.hparams, self.use_chat_template)
         self.sampler = RolloutSampler(self.tokenizer, self.generator, eos, prompts)
+        if self.hparams.calculator is not None:
+            calculator = InlineCalculator(self.hparams.calculator)
+            self.sampler = ToolRolloutSampler(self.sampler, calculator, self.hparams.max_tool_calls)
         self.rollout_source.use(self.sampler, self.generator)
 
     @override

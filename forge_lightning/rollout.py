@@ -44,10 +44,19 @@ class Rollout:
     # (P*G, Lc) log-probs under the older weights that sampled the rollout (asynchronous rollouts,
     # async_rollout.py), for the loss's behaviour weight; None: sampled by the weights trained.
     behav_logp: Tensor | None = None
+    # (P*G, Lc) 1 where the policy sampled the token, 0 on tokens a tool wrote into the completion
+    # (tool_rollout.py); None: the policy sampled every token the completion mask covers.
+    model_mask: Tensor | None = None
+    # Per-completion counts of a tool-using rollout, each (P*G,): ``tool_calls``, ``tool_errors``,
+    # ``turns`` (generate rounds); None for a rollout of one round.
+    tool_stats: dict[str, Tensor] | None = None
 
     @property
     def completion_lengths(self) -> Tensor:  # (P*G,)
-        return self.completion_mask.sum(dim=1)
+        """Tokens the policy sampled in each completion (a tool's tokens are not counted)."""
+        if self.model_mask is None:
+            return self.completion_mask.sum(dim=1)
+        return (self.completion_mask.bool() & self.model_mask.bool()).sum(dim=1)
 
     @property
     def truncation(self) -> Tensor:  # (P*G,) bool
@@ -61,6 +70,8 @@ class Rollout:
         """(P*G, Lc) bool: the completion tokens the loss weighs; without the truncated
         completions' when ``drop_truncated`` (``mask_truncated_completions``)."""
         mask = self.completion_mask.bool()
+        if self.model_mask is not None:  # a tool's tokens were not sampled: no policy or KL weight
+            mask = mask & self.model_mask.bool()
         return mask & ~self.truncation.unsqueeze(1) if drop_truncated else mask
 
     def select_groups(self, keep: Tensor) -> Rollout:
@@ -77,16 +88,18 @@ class Rollout:
             old_logp=None if self.old_logp is None else self.old_logp[rows],
             truncated=None if self.truncated is None else self.truncated[rows],
             behav_logp=None if self.behav_logp is None else self.behav_logp[rows],
+            model_mask=None if self.model_mask is None else self.model_mask[rows],
+            tool_stats=None if self.tool_stats is None else {k: v[rows] for k, v in self.tool_stats.items()},
         )
 
     def facts(self) -> dict[str, list]:
         """Per-completion facts a reward may ask for by naming them: ``completion_ids`` (each
-        completion's tokens up to and including its EOS), ``completion_lengths`` (tokens) and
-        ``truncated`` (cut off at the cap)."""
-        lengths = self.completion_lengths.tolist()
+        completion's tokens up to and including its EOS, a tool's among them),
+        ``completion_lengths`` (tokens the policy sampled) and ``truncated`` (cut off at the cap)."""
+        ends = self.completion_mask.sum(dim=1).tolist()
         return {
-            "completion_ids": [ids[:n] for ids, n in zip(self.completion_ids.tolist(), lengths)],
-            "completion_lengths": lengths,
+            "completion_ids": [ids[:n] for ids, n in zip(self.completion_ids.tolist(), ends)],
+            "completion_lengths": self.completion_lengths.tolist(),
             "truncated": self.truncation.tolist(),
         }
 
@@ -94,7 +107,7 @@ class Rollout:
 def warn_when_few_tokens_count(rollout: Rollout) -> None:
     """Warn when under 25% of the rollout's completion tokens keep weight once the truncated
     completions are masked: the cap is likely too short for the task."""
-    share = float(rollout.loss_mask(True).sum() / rollout.completion_mask.sum().clamp(min=1))
+    share = float(rollout.loss_mask(True).sum() / rollout.loss_mask().sum().clamp(min=1))
     if share < 0.25:
         warnings.warn(
             f"only {share:.0%} of this batch's completion tokens keep weight: the others belong to "

@@ -50,6 +50,8 @@ BAD = {
     "max_staleness": -1,
     "rollout_worker_threads": 0,
     "behav_imp_weight_cap": 1.0,
+    "calculator": "python",
+    "max_tool_calls": -1,
 }
 
 

@@ -1,0 +1,188 @@
+"""Tool-using rollouts: completions that call an inline calculator while they are sampled.
+
+:class:`ToolRolloutSampler` is an episode runner (rollout_sources.EpisodeRunner) like
+:class:`~forge_lightning.rollout.RolloutSampler`, whose encoding and engine it uses. Its first round
+is the usual ``generate`` of G completions per prompt, with a stop at each calculator call; the
+calculator's answer is tokenised alone and appended to the calls' rows, and only those rows
+generate again, from their whole sequence so far, until every row has ended. Everything happens in
+token ids: the transcript is never re-tokenised, so the log-prob forward scores exactly the tokens
+that were sampled. The answer's tokens are in the completion (the model reads them, the reward sees
+them) but not in the loss: ``Rollout.model_mask`` is 0 on them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from forge_lightning.rollout import Prompt, Rollout, RolloutSampler, left_pad
+from forge_lightning.sampling import SamplingParams
+from forge_lightning.sharding import is_sharded
+from forge_lightning.tools.calculator import CalculatorStop, CalculatorTail, InlineCalculator
+
+
+@dataclass
+class Episode:
+    """One completion's tokens so far, whether the policy sampled each (1) or a tool wrote it (0),
+    and its counts."""
+
+    ids: list[int] = field(default_factory=list)
+    model: list[int] = field(default_factory=list)
+    calls: int = 0
+    errors: int = 0
+    turns: int = 0
+    done: bool = False
+    ended_with_eos: bool = False
+
+    def add(self, ids: list[int], sampled: bool) -> None:
+        self.ids += ids
+        self.model += [int(sampled)] * len(ids)
+
+
+class ToolRolloutSampler:
+    """Prompts in, a :class:`Rollout` of completions that may call ``calculator`` out.
+
+    ``max_new_tokens`` is each completion's budget over all its rounds, the policy's tokens and the
+    calculator's together; an answer that would cross it is cut and the completion counts as
+    truncated. A completion makes at most ``max_tool_calls`` calls; after that a call's ``=`` is
+    just text. A refused expression is answered ``?`` and counted in ``tool_errors``.
+    """
+
+    def __init__(
+        self, sampler: RolloutSampler, calculator: InlineCalculator, max_tool_calls: int = 4
+    ) -> None:
+        if max_tool_calls < 0:
+            raise ValueError(f"max_tool_calls must be >= 0, got {max_tool_calls}")
+        self.sampler = sampler
+        self.calculator = calculator
+        self.max_tool_calls = max_tool_calls
+        self.tail = CalculatorTail(calculator, sampler.tokenizer)
+        # An engine that cannot stop rows at a call still works: each row is cut at its first call
+        # below; it just samples tokens that are thrown away.
+        parameters = inspect.signature(sampler.generator.generate).parameters
+        self._engine_stops = "stopping_criteria" in parameters
+
+    def __call__(
+        self,
+        model: PreTrainedModel,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        group_size: int,
+        engine_logprobs: bool = False,
+    ) -> Rollout:
+        """Sample ``group_size`` completions per prompt, each calling the calculator as it writes."""
+        if engine_logprobs:
+            raise ValueError("tool-using rollouts have no engine log-probs: set use_engine_logprobs false")
+        if is_sharded(model) and torch.distributed.get_world_size() > 1:
+            raise ValueError(
+                "tool-using rollouts under a sharded model are not supported: the ranks would make "
+                "different numbers of generate calls, and each forward needs all of them"
+            )
+        prompt_ids, prompt_mask = self.sampler.encode(prompts, next(model.parameters()).device)
+        heads = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        episodes = [Episode() for _ in range(len(heads) * group_size)]
+        budget = params.max_new_tokens
+        rows = list(range(len(episodes)))
+        new = self._generate(model, prompt_ids, prompt_mask, group_size, params, episodes)
+        while rows:
+            for row, ids in zip(rows, new):
+                self._take(episodes[row], ids, budget)
+            rows = [r for r, e in enumerate(episodes) if not e.done]
+            if rows:
+                sequences = [heads[r // group_size] + episodes[r].ids for r in rows]
+                ids, mask = left_pad(sequences, self.sampler.tokenizer.pad_token_id)
+                room = max(budget - len(episodes[r].ids) for r in rows)
+                new = self._generate(
+                    model,
+                    ids.to(prompt_ids.device),
+                    mask.to(prompt_ids.device),
+                    1,
+                    replace(params, max_new_tokens=room),
+                    [episodes[r] for r in rows],
+                )
+        return self._rollout(prompt_ids, prompt_mask, episodes, group_size, budget)
+
+    def _generate(
+        self,
+        model: PreTrainedModel,
+        input_ids: Tensor,
+        input_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        episodes: list[Episode],
+    ) -> list[list[int]]:
+        """One round's new tokens of the rows ``episodes`` (in order), stopped at calls where the
+        engine can stop rows."""
+        extra = {}
+        if self._engine_stops:
+            enabled = [e.calls < self.max_tool_calls for e in episodes]
+            stop = CalculatorStop(self.tail, input_ids.shape[1], [len(e.ids) for e in episodes], enabled)
+            extra["stopping_criteria"] = [stop]
+        out = self.sampler.generator.generate(model, input_ids, input_mask, group_size, params, **extra)
+        return out.tolist()
+
+    def _take(self, episode: Episode, new: list[int], budget: int) -> None:
+        """Add a round's tokens to ``episode`` up to its stop (an EOS, a call, the budget; what the
+        engine wrote after it is padding), and the calculator's answer when the stop is a call."""
+        episode.turns += 1
+        room = budget - len(episode.ids)
+        may_call = episode.calls < self.max_tool_calls
+        expression, taken = None, new[:room]
+        for k, token in enumerate(taken):
+            if token in self.sampler.eos_ids:
+                taken, episode.ended_with_eos = taken[: k + 1], True
+                break
+            if may_call and self.tail.may_end_a_call(token):
+                expression = self.tail.expression(episode.ids + taken[: k + 1])
+                if expression is not None:
+                    taken = taken[: k + 1]
+                    break
+        episode.add(taken, sampled=True)
+        room -= len(taken)
+        if expression is None or room <= 0:
+            episode.done = True  # an EOS, the budget spent, or (an engine's early stop) nothing more
+            return
+        text, ok = self.calculator.respond(expression)
+        answer = self.sampler.tokenizer(text, add_special_tokens=False)["input_ids"]
+        episode.calls += 1
+        episode.errors += not ok
+        episode.add(answer[:room], sampled=False)
+        episode.done = len(answer) >= room
+
+    def _rollout(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, episodes: list[Episode], group_size: int, budget: int
+    ) -> Rollout:
+        """The episodes as a :class:`Rollout`: right-padded ids, the completion mask on every real
+        token, the model mask on the sampled ones, the decoded transcripts."""
+        device = prompt_ids.device
+        pad = self.sampler.tokenizer.pad_token_id
+        width = max(1, *(len(e.ids) for e in episodes))
+        ids = torch.full((len(episodes), width), pad, dtype=torch.long)
+        real = torch.zeros((len(episodes), width), dtype=torch.long)
+        sampled = torch.zeros((len(episodes), width), dtype=torch.long)
+        for row, e in enumerate(episodes):
+            ids[row, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
+            real[row, : len(e.ids)] = 1
+            sampled[row, : len(e.ids)] = torch.tensor(e.model, dtype=torch.long)
+        truncated = [not e.ended_with_eos and len(e.ids) >= budget for e in episodes]
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=ids.to(device),
+            completion_mask=real.to(device),
+            group_size=group_size,
+            completions=self.sampler.tokenizer.batch_decode(
+                [e.ids for e in episodes], skip_special_tokens=True
+            ),
+            truncated=torch.tensor(truncated, device=device),
+            model_mask=sampled.to(device),
+            tool_stats={
+                "tool_calls": torch.tensor([e.calls for e in episodes], device=device),
+                "tool_errors": torch.tensor([e.errors for e in episodes], device=device),
+                "turns": torch.tensor([e.turns for e in episodes], device=device),
+            },
+        )

@@ -1,0 +1,180 @@
+"""An inline calculator a completion can call mid-sentence, and the stop that hands it the turn.
+
+Two styles of call. ``annotation`` is GSM8K's: the model writes ``<<48/2=``, the round stops, and
+the calculator appends ``24>>``. ``plain``: the model writes ``41 + 29 =``, the round stops, and the
+calculator appends `` 70``. The expression is text the model sampled: it is parsed with ``ast``
+into a small grammar (numbers, ``+ - * /``, parentheses, unary signs) and evaluated by walking the
+tree, never by ``eval``.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Literal
+
+import torch
+from torch import Tensor
+from transformers import StoppingCriteria
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+MAX_EXPRESSION_CHARS = 100
+MAX_MAGNITUDE = 10**12
+# Tokens of a row's tail decoded to look for a call: enough for an expression of a few numbers.
+TAIL_TOKENS = 24
+
+CalculatorStyle = Literal["annotation", "plain"]
+
+
+class CalculatorError(ValueError):
+    """An expression the calculator refuses: malformed, outside its grammar, or too large."""
+
+
+# ``x`` or ``×`` between two operands is a multiplication (``12 x 13``, ``2x(3)``).
+_TIMES = re.compile(r"(?<=[\d).])\s*[x×]\s*(?=[\d(.])")
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+
+
+def safe_eval(expr: str) -> int | float:
+    """The value of an arithmetic expression: an int when it is whole, else a float rounded to 6
+    decimals. Raises :class:`CalculatorError` for anything outside the grammar, a division by zero,
+    an expression over 100 characters, or a number (given or intermediate) over 1e12 in magnitude."""
+    if len(expr) > MAX_EXPRESSION_CHARS:
+        raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(_TIMES.sub("*", expr.strip()), mode="eval")
+    except SyntaxError:
+        raise CalculatorError("malformed expression") from None
+    value = _value(tree.body)
+    if value.denominator == 1:
+        return int(value)
+    return round(float(value), 6)
+
+
+def _value(node: ast.AST) -> Fraction:
+    """Exact rational arithmetic, so that ``6/3`` stays the integer 2 and ``0.1+0.2`` is 0.3."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise CalculatorError("number too large")
+        value = Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value)
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = _value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+    elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        value = _OPS[type(node.op)](_value(node.left), _value(node.right))
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        left, right = _value(node.left), _value(node.right)
+        if right == 0:
+            raise CalculatorError("division by zero")
+        value = left / right
+    else:
+        what = type(node.op if isinstance(node, (ast.BinOp, ast.UnaryOp)) else node).__name__
+        raise CalculatorError(f"{what} is not allowed: numbers, + - * / and parentheses only")
+    if abs(value) > MAX_MAGNITUDE:
+        raise CalculatorError("number too large")
+    return value
+
+
+def format_number(value: int | float) -> str:
+    """A result as the model reads it: ``70``, ``3.5``, ``0.333333`` (no trailing zeros)."""
+    if isinstance(value, int):
+        return str(value)
+    text = f"{value:.6f}".rstrip("0").rstrip(".")
+    return "0" if text in ("-0", "") else text
+
+
+# Annotation: ``<<`` then the expression up to the first ``=``, at the very end of the text.
+_ANNOTATION = re.compile(r"<<([^<>=\n]*)=$")
+# Plain: the longest run of arithmetic characters before a final ``=`` ...
+_PLAIN_TAIL = re.compile(r"[\d.()+\-*/x×\s]+=$")
+# ... of which the longest suffix that is numbers joined by binary operators.
+_NUMBER = r"\(*\s*-?\d+(?:\.\d+)?\s*\)*"
+_PLAIN_EXPRESSION = re.compile(rf"{_NUMBER}(?:\s*[+\-*/x×]\s*{_NUMBER})+")
+
+
+class InlineCalculator:
+    """Finds a calculator call at the end of a completion's text and writes the answer to it."""
+
+    def __init__(self, style: CalculatorStyle) -> None:
+        if style not in ("annotation", "plain"):
+            raise ValueError(f"calculator style must be 'annotation' or 'plain', got {style!r}")
+        self.style = style
+
+    def trigger(self, text: str) -> str | None:
+        """The expression when ``text`` ends with a call (``<<EXPR=`` or ``EXPR =``), else None."""
+        if not text.endswith("="):
+            return None
+        if self.style == "annotation":
+            found = _ANNOTATION.search(text)
+            return None if found is None else found.group(1)
+        found = _PLAIN_TAIL.search(text)
+        if found is None:
+            return None
+        run = found.group(0)[:-1]
+        for start in range(len(run)):
+            if run[start] in "0123456789(-" and _PLAIN_EXPRESSION.fullmatch(run[start:].strip()):
+                return run[start:].strip()
+        return None
+
+    def respond(self, expr: str) -> tuple[str, bool]:
+        """The text appended after a call, and whether the expression was evaluated; a refused one
+        gets ``?`` (and annotation's closing ``>>``), so the completion can go on."""
+        try:
+            result, ok = format_number(safe_eval(expr)), True
+        except CalculatorError:
+            result, ok = "?", False
+        return (f"{result}>>", ok) if self.style == "annotation" else (f" {result}", ok)
+
+
+class CalculatorTail:
+    """Whether a row's completion so far ends with a call, looking at its last ``TAIL_TOKENS``
+    tokens only. Rows are only decoded when their last token's text ends with ``=`` (every call
+    does), so most decoding steps decode nothing."""
+
+    def __init__(self, calculator: InlineCalculator, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.calculator = calculator
+        self.tokenizer = tokenizer
+        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=True)
+        self.ends_with_equals = torch.tensor([p.endswith("=") for p in pieces])  # (V,)
+
+    def expression(self, completion: Sequence[int]) -> str | None:
+        """The expression of the call ``completion`` (token ids) ends with, if any."""
+        if not completion or not self.may_end_a_call(completion[-1]):
+            return None
+        text = self.tokenizer.decode(list(completion[-TAIL_TOKENS:]), skip_special_tokens=True)
+        return self.calculator.trigger(text)
+
+    def may_end_a_call(self, token: int) -> bool:
+        """Whether the text of ``token`` ends with ``=``: only then can the tail end with a call."""
+        return 0 <= token < len(self.ends_with_equals) and bool(self.ends_with_equals[token])
+
+
+class CalculatorStop(StoppingCriteria):
+    """Stops each row of a ``generate`` call whose text ends with a calculator call.
+
+    ``start`` is the input's width (the new tokens begin there); ``prior[i]`` how many of row
+    ``i``'s completion tokens are in the input already (an earlier round's), so that the tail
+    looked at is the completion's, never the prompt's; ``enabled[i]`` False for a row that may make
+    no more calls.
+    """
+
+    def __init__(
+        self, tail: CalculatorTail, start: int, prior: Sequence[int], enabled: Sequence[bool]
+    ) -> None:
+        self.tail = tail
+        self.start = start
+        self.prior = list(prior)
+        self.enabled = list(enabled)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs) -> Tensor:
+        stop = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
+        last = input_ids[:, -1].cpu()
+        may = self.tail.ends_with_equals[last.clamp(0, len(self.tail.ends_with_equals) - 1)]
+        for row in may.nonzero().flatten().tolist():
+            if not self.enabled[row]:
+                continue
+            width = min(TAIL_TOKENS, self.prior[row] + input_ids.shape[1] - self.start)
+            stop[row] = self.tail.expression(input_ids[row, -width:].tolist()) is not None
+        return stop
