@@ -39,6 +39,12 @@ TRAIN_KEYS = (
     "staleness",
     "behav_imp_weight",
     "behav_masked_fraction",
+    # Tool-using rollouts (tool_rollout.py), per completion: calls, calls that failed, generate
+    # rounds, and the share of the completion's tokens a tool wrote.
+    "tool_calls",
+    "tool_errors",
+    "turns",
+    "tool_token_fraction",
 )
 # Maxima over the step's batches (and a report's steps).
 MAX_KEYS = ("staleness_max",)
@@ -155,6 +161,10 @@ def batch_metrics(
         **{f"rewards/{name}_std": _std(v[~v.isnan()]) for name, v in components.items()},
         **stats,
     }
+    if rollout.tool_stats is not None:
+        values.update({key: counts.float().mean() for key, counts in rollout.tool_stats.items()})
+        written = rollout.completion_mask.sum(dim=1).float()  # model and tool tokens
+        values["tool_token_fraction"] = (1 - lengths / written.clamp(min=1)).mean()
     if phases:
         seconds = sum(phases.values())
         values.update({f"{phase}_s": torch.tensor(s) for phase, s in phases.items()})

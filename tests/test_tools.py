@@ -60,6 +60,14 @@ def test_plain_calls_end_with_an_expression_and_an_equals_sign():
     assert calc.respond("41 + 29") == (" 70", True)
 
 
+def test_a_tail_of_many_spaced_operators_is_refused_at_once():
+    # A pattern with a \s* on each side of every operator took exponential time on this sampled
+    # text (20 repetitions ran for over a minute): this call would not return.
+    calc = InlineCalculator("plain")
+    assert calc.trigger("1 +  " * 40 + "x =") is None
+    assert calc.trigger("then 12 13 + 4 =") == "13 + 4"
+
+
 class ScriptedLlama(LlamaForCausalLM):
     """A tiny Llama pushed hard towards writing ``script`` (token ids from the prompt's first
     token on, then EOS): the logit of the script's token at each position gets +40. The next token
@@ -291,5 +299,9 @@ def test_a_fit_with_the_calculator_trains_on_its_transcripts(tmp_path, trainer, 
     assert fit.global_step == 2
     assert isinstance(grpo.sampler, ToolRolloutSampler)
     assert any("<<2*3=6>>" in r for r in seen)
-    loss = grpo.last_step.metrics["train/loss"]
-    assert torch.isfinite(torch.tensor(loss))
+    metrics = grpo.last_step.metrics
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+    # One call per completion, two rounds, and the answer's tokens a share of each completion.
+    assert metrics["train/tool_calls"] == 1.0 and metrics["train/turns"] == 2.0
+    assert metrics["train/tool_errors"] == 0.0
+    assert 0.0 < metrics["train/tool_token_fraction"] < 1.0

@@ -89,9 +89,18 @@ def format_number(value: int | float) -> str:
 _ANNOTATION = re.compile(r"<<([^<>=\n]*)=$")
 # Plain: the longest run of arithmetic characters before a final ``=`` ...
 _PLAIN_TAIL = re.compile(r"[\d.()+\-*/x×\s]+=$")
-# ... of which the longest suffix that is numbers joined by binary operators.
-_NUMBER = r"\(*\s*-?\d+(?:\.\d+)?\s*\)*"
-_PLAIN_EXPRESSION = re.compile(rf"{_NUMBER}(?:\s*[+\-*/x×]\s*{_NUMBER})+")
+# ... of which the longest suffix that is numbers joined by binary operators, matched with its
+# spaces taken out (but for one between two digits, which no expression has): a pattern with a
+# ``\s*`` on each side of every operator could match a run of spaces in many ways, and a sampled
+# tail like "1 +  1 +  ... x =" would take exponential time to refuse.
+_LOOSE_SPACE = re.compile(r"\s+")
+_SPACE_NOT_BETWEEN_DIGITS = re.compile(r"(?<!\d) | (?!\d)")
+_NUMBER = r"\(*-?\d+(?:\.\d+)?\)*"
+_PLAIN_EXPRESSION = re.compile(rf"{_NUMBER}(?:[+\-*/x×]{_NUMBER})+")
+
+
+def _compact(text: str) -> str:
+    return _SPACE_NOT_BETWEEN_DIGITS.sub("", _LOOSE_SPACE.sub(" ", text.strip()))
 
 
 class InlineCalculator:
@@ -112,9 +121,9 @@ class InlineCalculator:
         found = _PLAIN_TAIL.search(text)
         if found is None:
             return None
-        run = found.group(0)[:-1]
+        run = found.group(0)[:-1][-MAX_EXPRESSION_CHARS:]
         for start in range(len(run)):
-            if run[start] in "0123456789(-" and _PLAIN_EXPRESSION.fullmatch(run[start:].strip()):
+            if run[start] in "0123456789(-" and _PLAIN_EXPRESSION.fullmatch(_compact(run[start:])):
                 return run[start:].strip()
         return None
 
