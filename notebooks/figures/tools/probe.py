@@ -51,7 +51,7 @@ out = {
     "with_call": int((r.tool_stats["tool_calls"] > 0).sum()),
     "calls": int(r.tool_stats["tool_calls"].sum()),
     "errors": int(r.tool_stats["tool_errors"].sum()),
-    "correct": float(sum(acc)),
+    "correct": float(sum(acc.scores)),
     "example": r.completions[0],
 }
 out["system_prompt"] = SYSTEM[style]
