@@ -68,6 +68,14 @@ def test_a_tail_of_many_spaced_operators_is_refused_at_once():
     assert calc.trigger("then 12 13 + 4 =") == "13 + 4"
 
 
+def test_a_numbered_list_item_is_not_part_of_the_expression():
+    # Seen in the embedded model's answers: "3. 68 / 11 =" was read as "3. 68 / 11", refused.
+    calc = InlineCalculator("plain")
+    assert calc.trigger("3. 68 / 11 =") == "68 / 11"
+    assert calc.trigger("2.  50 * 51 =") == "50 * 51"
+    assert calc.trigger("so 1.5 * 4 =") == "1.5 * 4"
+
+
 class ScriptedLlama(LlamaForCausalLM):
     """A tiny Llama pushed hard towards writing ``script`` (token ids from the prompt's first
     token on, then EOS): the logit of the script's token at each position gets +40. The next token

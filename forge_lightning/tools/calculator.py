@@ -90,17 +90,18 @@ _ANNOTATION = re.compile(r"<<([^<>=\n]*)=$")
 # Plain: the longest run of arithmetic characters before a final ``=`` ...
 _PLAIN_TAIL = re.compile(r"[\d.()+\-*/x×\s]+=$")
 # ... of which the longest suffix that is numbers joined by binary operators, matched with its
-# spaces taken out (but for one between two digits, which no expression has): a pattern with a
+# spaces taken out (but for one between two digits or a digit and a point, which no expression
+# has: "3. 68 / 11 =" in a numbered list is the call "68 / 11"): a pattern with a
 # ``\s*`` on each side of every operator could match a run of spaces in many ways, and a sampled
 # tail like "1 +  1 +  ... x =" would take exponential time to refuse.
 _LOOSE_SPACE = re.compile(r"\s+")
-_SPACE_NOT_BETWEEN_DIGITS = re.compile(r"(?<!\d) | (?!\d)")
+_SPACE_NOT_IN_A_NUMBER = re.compile(r"(?<![\d.]) | (?![\d.])")
 _NUMBER = r"\(*-?\d+(?:\.\d+)?\)*"
 _PLAIN_EXPRESSION = re.compile(rf"{_NUMBER}(?:[+\-*/x×]{_NUMBER})+")
 
 
 def _compact(text: str) -> str:
-    return _SPACE_NOT_BETWEEN_DIGITS.sub("", _LOOSE_SPACE.sub(" ", text.strip()))
+    return _SPACE_NOT_IN_A_NUMBER.sub("", _LOOSE_SPACE.sub(" ", text.strip()))
 
 
 class InlineCalculator:
