@@ -196,6 +196,43 @@ class FixedCompletions:
         pass
 
 
+class CalculatorCalls:
+    """An engine without stopping criteria whose completions call the inline calculator
+    (annotation style) depending on their prompt alone: a prompt with a space makes no call; any
+    other makes ``j`` calls in completion ``j`` of its group (one per round, each ``<<j+k=``),
+    then writes ``ok`` and ``j`` characters. The sampler cuts each round at its call, so ranks and
+    batches holding different prompts take different numbers of rounds."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+
+    def continuation(self, prompt: str, done: str, j: int) -> str:
+        calls = done.count(">>")
+        if " " in prompt or calls >= j:
+            return " ok" + "ab"[j % 2] * j
+        return f"<<{j}+{calls}="
+
+    def generate(self, model, prompt_ids, prompt_mask, group_size, params) -> torch.Tensor:
+        rows = []
+        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+            text = self.tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True)
+            prompt, _, done = text.partition("#")
+            for j in range(group_size):
+                # Round 1 holds the bare prompt (the row's index in its group picks its script);
+                # later rounds carry it after the "#" the first round wrote.
+                index = j if not done else int(done[0])
+                head = f"#{index}" if not done else ""
+                new = self.tok(head + self.continuation(prompt, done, index), add_special_tokens=False)
+                rows.append([*new["input_ids"], self.tok.eos_token_id][: params.max_new_tokens])
+        width = max(len(r) for r in rows)
+        return torch.tensor(
+            [r + [self.tok.eos_token_id] * (width - len(r)) for r in rows], device=prompt_ids.device
+        )
+
+    def sync_weights(self, model) -> None:
+        pass
+
+
 def other_reference():
     from forge_lightning.callbacks import ReferenceModel
 
@@ -230,7 +267,8 @@ def gradient_spy(grads: list):
 def step_gradients(tmp_path, module, trainer, loader):
     """``step_gradients(records=..., batch_size=2, fixed=False, **settings)``: one optimizer step
     of the tiny module (seeded, so every call samples the same completions; ``fixed`` makes them
-    depend on the prompt alone, see FixedCompletions); returns the step's ``train/loss`` and each
+    depend on the prompt alone, see FixedCompletions; ``fixed="calculator"``: CalculatorCalls);
+    returns the step's ``train/loss`` and each
     parameter's gradient just before the optimizer applies it. The reference is another random
     model, so the KL term has a gradient from the first step."""
     import lightning.pytorch as pl
@@ -240,7 +278,9 @@ def step_gradients(tmp_path, module, trainer, loader):
     def run(records=None, batch_size=2, fixed=False, **settings) -> tuple[float, list[torch.Tensor]]:
         pl.seed_everything(1)
         grpo = module(**exact_settings(**settings))
-        if fixed:
+        if fixed == "calculator":
+            grpo.generator = CalculatorCalls(grpo.tokenizer)
+        elif fixed:
             grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
         grads: list[torch.Tensor] = []
         calls.append(len(calls))

@@ -1,9 +1,12 @@
 """One optimizer step of the tiny module per loss type under DDP, one prompt per rank; rank 0
 saves the step's gradient (after DDP's all-reduce, before the optimizer) to ``OUT/<loss>.pt``.
 With ``dynamic``, one step with dynamic sampling where the ranks gather their informative groups
-in different rounds (rank 0's first prompt is uninformative), saved to ``OUT/dynamic.pt``.
+in different rounds (rank 0's first prompt is uninformative), saved to ``OUT/dynamic.pt``. With
+``tools``, one step of calculator rollouts where rank 0's completions take up to three rounds and
+rank 1's one (conftest.CalculatorCalls), saved to ``OUT/tools-<loss>.pt``.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_gradients.py OUT ROOT [dynamic]
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_gradients.py \
+        OUT ROOT [dynamic|tools]
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from conftest import FixedCompletions, exact_settings, gradient_spy, other_reference
+from conftest import CalculatorCalls, FixedCompletions, exact_settings, gradient_spy, other_reference
 from torch.utils.data import DataLoader
 
 from forge_lightning.data.datamodule import collate_records
@@ -22,6 +25,7 @@ from forge_lightning.module import GRPOLightningModule
 
 RECORDS = [{"prompt": "ab"}, {"prompt": "abc d"}]
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "forge")
+TOOL_SETTINGS = dict(calculator="annotation", max_new_tokens=24, group_size=3)
 # Rank r trains on records r and r + 2 (its own loader, no DistributedSampler): rank 0 on p0 (flat),
 # then p2; rank 1 on p1, then p3.
 DYNAMIC_RECORDS = [{"prompt": f"p{i}", "kind": "flat" if i == 0 else "live"} for i in range(4)]
@@ -32,18 +36,24 @@ def flat_or_live(prompts: list[str], responses: list[str], kind: list[str]) -> l
     return [0.0 if k == "flat" else float(i % 2) for i, k in enumerate(kind)]
 
 
-def main(out: Path, root: Path, dynamic: bool = False) -> None:
+def main(out: Path, root: Path, mode: str = "") -> None:
     rank = int(os.environ["RANK"])
-    runs = (
-        [("dynamic", DYNAMIC_RECORDS[rank::2])]
-        if dynamic
-        else [(loss, RECORDS[rank::2]) for loss in LOSS_TYPES]
-    )
-    for name, records in runs:
+    if mode == "dynamic":
+        runs = [("dynamic", DYNAMIC_RECORDS[rank::2], {"reward": flat_or_live, "dynamic_sampling": True})]
+    elif mode == "tools":
+        runs = [
+            (f"tools-{loss}", RECORDS[rank::2], {"loss_type": loss, **TOOL_SETTINGS})
+            for loss in ("grpo", "dapo")
+        ]
+    else:
+        runs = [(loss, RECORDS[rank::2], {"loss_type": loss}) for loss in LOSS_TYPES]
+    for name, records, settings in runs:
         pl.seed_everything(1)
-        settings = {"reward": flat_or_live, "dynamic_sampling": True} if dynamic else {"loss_type": name}
         grpo = GRPOLightningModule(**exact_settings(**settings))
-        grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+        if mode == "tools":
+            grpo.generator = CalculatorCalls(grpo.tokenizer)
+        else:
+            grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
         grads: list[torch.Tensor] = []
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -64,4 +74,4 @@ def main(out: Path, root: Path, dynamic: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), dynamic=sys.argv[3:] == ["dynamic"])
+    main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:])

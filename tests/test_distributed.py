@@ -167,3 +167,16 @@ def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_pa
         assert any(g.abs().sum() > 0 for g in one)
         for a, b in zip(ddp, one):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+
+
+def test_ddp_tool_rollouts_with_ranks_taking_different_rounds_match_one_batch(tmp_path, step_gradients):
+    from ddp_gradients import TOOL_SETTINGS
+
+    # Rank 0's completions call the calculator up to twice (three generate rounds), rank 1's never.
+    ddp_gradients(tmp_path, "tools")
+    for loss_type in ("grpo", "dapo"):
+        ddp = torch.load(tmp_path / f"tools-{loss_type}.pt")
+        _, one = step_gradients(batch_size=2, fixed="calculator", loss_type=loss_type, **TOOL_SETTINGS)
+        assert any(g.abs().sum() > 0 for g in one)
+        for a, b in zip(ddp, one):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)

@@ -3,11 +3,14 @@ the tool's tokens in the completion but out of the loss, and a fit with the calc
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from conftest import CalculatorCalls, make_model, make_tokenizer
 from transformers import LlamaForCausalLM
 
+from forge_lightning.callbacks import RewardLogger
 from forge_lightning.config import validate_hparams
 from forge_lightning.generation import HFGenerate
 from forge_lightning.grpo import LossSettings, grpo_loss, loss_normalizer
@@ -301,7 +304,7 @@ def test_a_fit_with_the_calculator_trains_on_its_transcripts(tmp_path, trainer, 
         learning_rate=1e-3,
         gradient_accumulation_steps=1,
     )
-    fit = trainer(tmp_path, max_steps=2)
+    fit = trainer(tmp_path, max_steps=2, callbacks=[RewardLogger(logging_steps=1)])
     fit.fit(grpo, loader([{"prompt": "Q:"}] * 4))
 
     assert fit.global_step == 2
@@ -313,3 +316,25 @@ def test_a_fit_with_the_calculator_trains_on_its_transcripts(tmp_path, trainer, 
     assert metrics["train/tool_calls"] == 1.0 and metrics["train/turns"] == 2.0
     assert metrics["train/tool_errors"] == 0.0
     assert 0.0 < metrics["train/tool_token_fraction"] < 1.0
+    # The run's JSON lines carry them too, for curves drawn from the log.
+    lines = [json.loads(line) for line in (tmp_path / "training_log.jsonl").read_text().splitlines()]
+    assert [line["tool_calls"] for line in lines] == [1.0, 1.0] and lines[-1]["turns"] == 2.0
+
+
+def test_the_calculator_engine_takes_as_many_rounds_as_its_script_says():
+    tok = make_tokenizer()
+    rollout = tool_sampler(tok, CalculatorCalls(tok))(make_model(len(tok)), ["ab", "abc d"], GREEDY, 3)
+
+    assert rollout.completions[:3] == ["#0 ok", "#1<<1+0=1>> okb", "#2<<2+0=2>><<2+1=3>> okaa"]
+    assert rollout.completions[3:] == ["#0 ok", "#1 okb", "#2 okaa"]
+    assert rollout.tool_stats["turns"].tolist() == [1, 2, 3, 1, 1, 1]
+
+
+def test_accumulated_tool_batches_give_the_gradient_of_one_batch_holding_them(step_gradients):
+    # Prompt "ab" takes three rounds, "abc d" one: accumulation must still sum what one batch does.
+    settings = dict(fixed="calculator", calculator="annotation", max_new_tokens=24, group_size=3)
+    loss, one = step_gradients(batch_size=2, **settings)
+    _, two = step_gradients(batch_size=1, gradient_accumulation_steps=2, **settings)
+    assert any(g.abs().sum() > 0 for g in one)
+    for a, b in zip(one, two):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)

@@ -48,7 +48,9 @@ ASYNC_JSONL_KEYS = (
     "rollout_wait_s",
     "worker_wait_s",
 )
-JSONL_KEYS += ASYNC_JSONL_KEYS
+# Logged with tool-using rollouts only (tool_rollout.py).
+TOOL_JSONL_KEYS = ("tool_calls", "tool_errors", "turns", "tool_token_fraction")
+JSONL_KEYS += ASYNC_JSONL_KEYS + TOOL_JSONL_KEYS
 
 
 class RewardLogger(Callback):
