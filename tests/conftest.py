@@ -77,6 +77,33 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def calculator_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model folder whose next token depends on the current one alone, most likely along
+    ``3 + 4 =`` (the plain calculator's call; its answer `` 7`` then leads to EOS) from any other
+    character: a bigram table in a Llama with its attention and MLP outputs zeroed. Sampled at
+    temperature 1, about 9 in 10 tokens follow the table, so completions vary but most call."""
+    folder = tmp_path_factory.mktemp("calculator-llama")
+    tok = make_tokenizer()
+    size = len(tok)
+    model = make_model(size, hidden_size=128, intermediate_size=64, tie_word_embeddings=False)
+    ids = {c: tok.convert_tokens_to_ids(c) for c in "3+4=7"}
+    following = {ids["3"]: ids["+"], ids["+"]: ids["4"], ids["4"]: ids["="], ids["7"]: tok.eos_token_id}
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(size, 128))
+        head = torch.zeros(size, 128)
+        for i in range(size):
+            # The final RMSNorm scales a one-hot row to sqrt(128): a logit of 7 for the next token.
+            head[following.get(i, ids["3"]), i] = 7.0 / 128**0.5
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
 def gsm8k_dir() -> Path:
     if not (GSM8K_DIR / "train.jsonl").is_file():

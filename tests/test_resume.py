@@ -65,15 +65,25 @@ def run_dir(tmp_path: Path, name: str, model: Path) -> tuple[Path, Path]:
     return out, config
 
 
-@pytest.mark.parametrize("rollout_mode", ["sync", "async"])
-def test_resume_after_sigkill_continues_exactly_where_it_stopped(tiny_model_dir, tmp_path, rollout_mode):
+@pytest.mark.parametrize("rollout_mode", ["sync", "async", "tools"])
+def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_path, rollout_mode):
+    # "tools": sync rollouts whose completions call the plain calculator (conftest's bigram model
+    # writes "3+4=" most of the time); the tool is deterministic and has no timeout in play.
+    model = request.getfixturevalue("calculator_model_dir" if rollout_mode == "tools" else "tiny_model_dir")
+    settings = (
+        "  calculator: plain\n  max_new_tokens: 10\n"
+        if rollout_mode == "tools"
+        else f"  rollout_mode: {rollout_mode}\n"
+    )
+
     def config(name: str) -> tuple[Path, Path]:
-        out, path = run_dir(tmp_path, name, tiny_model_dir)
-        path.write_text(
-            path.read_text().replace(
-                "  kl_beta: 0.05\n", f"  kl_beta: 0.05\n  rollout_mode: {rollout_mode}\n"
+        out, path = run_dir(tmp_path, name, model)
+        text = path.read_text().replace("  kl_beta: 0.05\n", "  kl_beta: 0.05\n" + settings)
+        if rollout_mode == "tools":  # a smaller step, so that the policy keeps calling
+            text = text.replace("  max_new_tokens: 6\n", "").replace(
+                "learning_rate: 0.01", "learning_rate: 0.002"
             )
-        )
+        path.write_text(text)
         return out, path
 
     straight, straight_cfg = config("straight")
@@ -96,10 +106,13 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(tiny_model_dir,
     after, expected = records(killed), records(straight)
     assert [r["step"] for r in after] == [1, 2, 3, 4, 5]  # no duplicates, never backwards
     for got, want in zip(after, expected):
-        for key in ("loss", "reward", "kl", "lr", "grad_norm", "completion_length", "num_tokens"):
+        keys = ("loss", "reward", "kl", "lr", "grad_norm", "completion_length", "num_tokens")
+        for key in keys + (("tool_calls", "turns") if rollout_mode == "tools" else ()):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+    if rollout_mode == "tools":
+        assert all(r["tool_calls"] > 0 for r in expected), [r["tool_calls"] for r in expected]
     # The reference the resumed run used is the original policy, not the step-3 one.
-    original = load_file(tiny_model_dir / "model.safetensors")
+    original = load_file(model / "model.safetensors")
     reference = load_file(killed / "reference" / "model.safetensors")
     for key, value in original.items():
         torch.testing.assert_close(reference[key], value)

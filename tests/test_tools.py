@@ -338,3 +338,13 @@ def test_accumulated_tool_batches_give_the_gradient_of_one_batch_holding_them(st
     assert any(g.abs().sum() > 0 for g in one)
     for a, b in zip(one, two):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+
+
+def test_a_resumed_run_cannot_change_its_tool_settings():
+    from forge_lightning.config import check_resume_settings
+
+    saved = {"calculator": "plain", "max_tool_calls": 4, "learning_rate": 1e-5}
+    with pytest.raises(
+        ValueError, match=r"(?s)model.calculator: 'plain' -> None.*model.max_tool_calls: 4 -> 2"
+    ):
+        check_resume_settings(saved, {"calculator": None, "max_tool_calls": 2, "learning_rate": 1e-5})
