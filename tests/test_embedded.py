@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import lightning.pytorch as pl
 import pytest
@@ -49,3 +50,33 @@ def test_one_grpo_step_on_the_embedded_model(tmp_path):
 def test_unloadable_spec_says_what_to_do():
     with pytest.raises(ModelLoadError, match="embedded"):
         load_model("no-such-org/no-such-model-xyz")
+
+
+def test_a_step_of_the_embedded_model_with_the_calculator(tmp_path):
+    from forge_lightning.data.arithmetic import generate
+
+    pl.seed_everything(0)
+    problems = generate(seed=0, variant="calc")["dev"][:8]
+    grpo = GRPOLightningModule(
+        model="embedded",
+        calculator="plain",
+        system_prompt="Write each calculation as an expression followed by =, and a calculator writes "
+        "the result. Example: 23 * 4 = 92. End with the line Answer: <number>.",
+        group_size=2,
+        max_new_tokens=40,
+        gradient_accumulation_steps=1,
+        kl_beta=0.0,
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    loader = DataLoader([p.sample() for p in problems], batch_size=8, collate_fn=collate_records)
+    trainer.fit(grpo, loader)
+    metrics = grpo.last_step.metrics
+    assert metrics["train/tool_calls"] > 0  # at least one parsed call among the 16 completions
+    assert math.isfinite(metrics["train/loss"])
