@@ -14,8 +14,10 @@ from test_tools import ScriptedLlama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from forge_lightning.config import validate_hparams
 from forge_lightning.generation import HFGenerate
 from forge_lightning.grpo import LossSettings, grpo_loss
+from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout import PromptSettings, RolloutSampler, SamplingParams
 from forge_lightning.tool_rollout import ToolRolloutSampler
 from forge_lightning.tools import EnvironmentReward, FunctionTools, HermesToolCalls, ParsedCall
@@ -304,3 +306,96 @@ def test_different_reset_texts_within_a_group_are_refused():
     run = sampler(tok, None, TurnEngine(tok, ["x"]), env=Moody)
     with pytest.raises(ValueError, match="returned different texts from reset"):
         run(tiny(tok), ["Q"], GREEDY, 2, rows={"references": ["1"]})
+
+
+def scripted_for(tok, prompt: str, turns: list[dict]) -> ScriptedLlama:
+    """A tiny Llama that writes the conversation ``turns`` after ``prompt`` (a tool's turn in it
+    is what the model would write there, which the tool's answer replaces)."""
+    tools = FunctionTools(tok, [add])
+    script = tools.render([*tools.conversation(prompt, None), *turns], False)
+    torch.manual_seed(0)
+    model = ScriptedLlama(tiny(tok).config)
+    model.script = tok(script.removesuffix("<|im_end|>\n"), add_special_tokens=False)["input_ids"]
+    return model
+
+
+def test_a_fit_with_tools_scores_the_transcripts_and_counts_each_tool(tmp_path, trainer, loader):
+    tok = chat_tokenizer()
+    first = {"role": "assistant", "content": call("add", a=2, b=3)}
+    turns = [first, {"role": "tool", "content": "9"}, {"role": "assistant", "content": "It is 5."}]
+    seen: list[dict] = []
+
+    def reward(prompts, responses, tool_calls, completions, **kwargs):
+        seen.extend(
+            {"response": r, "calls": c, "messages": m} for r, c, m in zip(responses, tool_calls, completions)
+        )
+        return [float(r.endswith("It is 5.")) + 0.1 * len(r) for r in responses]
+
+    grpo = GRPOLightningModule(
+        model=scripted_for(tok, "Q", turns),
+        tokenizer=tok,
+        reward=reward,
+        tools=[add],
+        use_chat_template=True,
+        group_size=2,
+        max_new_tokens=200,
+        kl_beta=0.0,
+        temperature=1.0,
+        learning_rate=1e-3,
+        gradient_accumulation_steps=1,
+    )
+    assert grpo.hparams.tools == ["test_function_tools.add"]
+    fit = trainer(tmp_path, max_steps=1)
+    fit.fit(grpo, loader([{"prompt": "Q"}] * 2))
+
+    assert seen and all(s["response"].endswith("It is 5.") for s in seen)
+    assert seen[0]["calls"] == [{"name": "add", "arguments": {"a": 2, "b": 3}, "result": "5", "ok": True}]
+    assert [m["role"] for m in seen[0]["messages"]] == ["assistant", "tool", "assistant"]
+    metrics = grpo.last_step.metrics
+    assert metrics["train/tool_calls"] == 1.0 and metrics["train/tool_calls/add"] == 1.0
+    assert metrics["train/tool_errors"] == 0.0
+
+    path = tmp_path / "tools.ckpt"
+    fit.save_checkpoint(path)
+    loaded = GRPOLightningModule.load_from_checkpoint(path, model=tiny(tok), tokenizer=tok, reward=reward)
+    assert loaded.tools.functions == [add] and loaded.hparams.tools == ["test_function_tools.add"]
+
+
+def test_tools_and_an_environment_are_stored_by_import_path():
+    tok = chat_tokenizer()
+    grpo = GRPOLightningModule(model=tiny(tok), tokenizer=tok, tools=[add], environment_factory=Counter)
+    assert grpo.hparams.tools == ["test_function_tools.add"]
+    assert grpo.hparams.environment_factory == "test_function_tools.Counter"
+    again = GRPOLightningModule(
+        model=tiny(tok),
+        tokenizer=tok,
+        tools=["test_function_tools.add"],
+        environment_factory="test_function_tools.Counter",
+    )
+    assert again.tools.functions == [add] and again.tools.factory is Counter
+    assert again.tools.names == ["add", "increment"]
+
+
+def test_a_lambda_tool_is_refused():
+    tok = chat_tokenizer()
+    with pytest.raises(ValueError, match="tools takes importable functions"):
+        GRPOLightningModule(model=tiny(tok), tokenizer=tok, tools=[lambda x: x])
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"calculator": "plain", "tools": ["m.f"]}, "two ways of calling tools"),
+        (
+            {"tools": ["m.f"], "rollout_mode": "async"},
+            r"tools=\['m.f'\] does not work with rollout_mode='async'",
+        ),
+        (
+            {"environment_factory": "m.E", "generation_backend": "vllm"},
+            "does not work with generation_backend",
+        ),
+    ],
+)
+def test_tools_are_refused_where_the_calculator_is_and_beside_it(settings, message):
+    with pytest.raises(ValueError, match=message):
+        validate_hparams(settings)
