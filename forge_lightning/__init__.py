@@ -32,11 +32,13 @@ _EXPORTS = {
     "LengthPenaltyReward": "forge_lightning.rewards",
     "OverlongPenaltyReward": "forge_lightning.rewards",
     "RewardOutput": "forge_lightning.rewards",
+    "EnvironmentReward": "forge_lightning.tools",
 }
 
 __all__ = [
     "BaseReward",
     "CompositeReward",
+    "EnvironmentReward",
     "ExactMatchReward",
     "FormatReward",
     "GRPOConfig",
@@ -85,3 +87,4 @@ if TYPE_CHECKING:
         OverlongPenaltyReward,
         RewardOutput,
     )
+    from forge_lightning.tools import EnvironmentReward

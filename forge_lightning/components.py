@@ -84,9 +84,9 @@ class Components:
     stepper: OptimizerStep
 
 
-def build_components(hp: Mapping[str, Any], reward_names: list[str]) -> Components:
+def build_components(hp: Mapping[str, Any], reward_names: list[str], tool_names: list[str]) -> Components:
     """Everything the module holds that its hyperparameters ``hp`` decide; ``reward_names``: the
-    reward's components, each tracked as a metric."""
+    reward's components, and ``tool_names`` the tools, each tracked as a metric."""
     loss = loss_settings(hp)
     sampling = SamplingParams(
         hp["max_new_tokens"], temperature=hp["temperature"], top_p=hp["top_p"], top_k=hp["top_k"]
@@ -97,7 +97,7 @@ def build_components(hp: Mapping[str, Any], reward_names: list[str]) -> Componen
         chunk_size=hp["logprob_chunk_size"],
         micro_batch_size=hp["train_micro_batch_size"],
     )
-    train_metrics = TrainMetrics(reward_names)
+    train_metrics = TrainMetrics(reward_names, tools=tool_names)
     return Components(
         settings=train_settings(hp),
         loss=loss,

@@ -25,6 +25,13 @@ def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or check(v)
 
 
+def _call_formats() -> Any:
+    # Here, not at the top: the tools package imports transformers, which this module does not.
+    from forge_lightning.tools.parsers import CALL_FORMATS
+
+    return CALL_FORMATS
+
+
 # field -> (predicate, the allowed range in words)
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "group_size": (lambda v: isinstance(v, int) and v >= 2, "an integer >= 2"),
@@ -59,6 +66,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout_worker_threads": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
     "calculator": (_optional(lambda v: v in ("annotation", "plain")), "None, 'annotation' or 'plain'"),
     "max_tool_calls": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "tool_call_format": (lambda v: v in _call_formats(), "a format of tools/parsers.py's CALL_FORMATS"),
+    "tool_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
 }
 
 
@@ -83,6 +92,7 @@ CHANGEABLE_ON_RESUME = frozenset(
         "max_consecutive_bad_steps",
         "on_reward_error",
         "reward_timeout",
+        "tool_timeout",
         "attn_implementation",
         "prefix_sharing",
         "logprob_chunk_size",
@@ -229,8 +239,8 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
             "dynamic_sampling steps when enough informative groups are gathered, num_iterations > 1 "
             f"after every pass: use one of them (num_iterations={values['num_iterations']})"
         )
-    if values.get("calculator") is not None:
-        _check_calculator(values)
+    if _tool_mode(values) is not None:
+        _check_tools(values)
     if values.get("use_engine_logprobs"):
         _check_engine_logprobs(values)
     if values.get("rollout_mode") == "async":
@@ -264,17 +274,32 @@ def _check_async(values: Mapping[str, Any]) -> None:
         )
 
 
-def _check_calculator(values: Mapping[str, Any]) -> None:
-    """A calculator's rollouts are several generate calls in this process (tool_rollout.py)."""
+def _tool_mode(values: Mapping[str, Any]) -> str | None:
+    """The tools a run's completions call, as the setting that names them; ValueError for two."""
+    modes = [
+        f"{name}={values[name]!r}"
+        for name in ("calculator", "tools", "environment_factory")
+        if values.get(name) is not None
+    ]
+    if values.get("calculator") is not None and len(modes) > 1:
+        raise ValueError(
+            f"{' and '.join(modes)}: the calculator and function tools are two ways of calling tools, "
+            "one at a time; use the calculator, or tools/environment_factory"
+        )
+    return modes[0] if modes else None
+
+
+def _check_tools(values: Mapping[str, Any]) -> None:
+    """Tool-using rollouts are several generate calls in this process (tool_rollout.py)."""
     reasons = {
         "rollout_mode": ("async", "the rollout worker samples one generate call per batch"),
-        "generation_backend": ("vllm", "only HF generate can stop a row at a calculator call"),
-        "use_engine_logprobs": (True, "the engine's log-probs do not cover the calculator's tokens"),
+        "generation_backend": ("vllm", "only HF generate can stop a row at a tool call"),
+        "use_engine_logprobs": (True, "the engine's log-probs do not cover the tools' tokens"),
     }
     for name, (value, why) in reasons.items():
         if values.get(name) == value:
             raise ValueError(
-                f"calculator={values['calculator']!r} does not work with {name}={value!r}: {why}; "
+                f"{_tool_mode(values)} does not work with {name}={value!r}: {why}; "
                 "use rollout_mode='sync', generation_backend='hf' and use_engine_logprobs=false"
             )
 

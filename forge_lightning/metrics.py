@@ -40,7 +40,8 @@ TRAIN_KEYS = (
     "behav_imp_weight",
     "behav_masked_fraction",
     # Tool-using rollouts (tool_rollout.py), per completion: calls, calls that failed, generate
-    # rounds, and the share of the completion's tokens a tool wrote.
+    # rounds, and the share of the completion's tokens a tool wrote; and ``tool_calls/<name>``,
+    # each tool's calls (TrainMetrics' ``tools``).
     "tool_calls",
     "tool_errors",
     "turns",
@@ -94,11 +95,14 @@ def window_values(window: list[dict[str, float]]) -> dict[str, float]:
 class TrainMetrics(nn.Module):
     """Named means (and counters) since the last :meth:`pop`."""
 
-    def __init__(self, reward_components: Iterable[str], keys: Iterable[str] | None = None) -> None:
+    def __init__(
+        self, reward_components: Iterable[str], keys: Iterable[str] | None = None, tools: Iterable[str] = ()
+    ) -> None:
         super().__init__()
         counted = keys is None
         names = list((*TRAIN_KEYS, *PERF_KEYS) if keys is None else keys)
         names += [f"rewards/{c}{suffix}" for c in reward_components for suffix in ("", "_std")]
+        names += [f"tool_calls/{tool}" for tool in tools]  # each tool's calls per completion
         # Module names may not contain '.', which reward names may; '/' is fine.
         self.means = nn.ModuleDict({n.replace(".", "_"): MeanMetric() for n in names})
         self.counts = nn.ModuleDict({n: SumMetric() for n in COUNT_KEYS}) if counted else nn.ModuleDict()

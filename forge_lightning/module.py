@@ -30,8 +30,8 @@ from forge_lightning.rewards import GSM8KAnswerReward, RewardArgument, component
 from forge_lightning.rollout import FACTS, RolloutSampler, prompt_settings, warn_when_few_tokens_count
 from forge_lightning.rollout_sources import TrainingBatch
 from forge_lightning.scoring import batch_advantages, score_groups
-from forge_lightning.tool_rollout import ToolRolloutSampler
-from forge_lightning.tools import InlineCalculator
+from forge_lightning.tool_rollout import ToolRolloutSampler, with_tools
+from forge_lightning.tools.functions import ToolsArgument, stored_tools
 from forge_lightning.validation import NO_TEST_STEP, check_validation_arguments, epoch_logs, score_validation
 
 
@@ -107,7 +107,15 @@ class GRPOLightningModule(pl.LightningModule):
         calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
             or ``plain`` (``41 + 29 =``); its answers are read, not trained on (tool_rollout.py).
             Sync rollouts with HF generate only. None: no tool.
-        max_tool_calls: with a calculator, the calls one completion may make.
+        max_tool_calls: with tools, the calls one completion may make.
+        tools: typed functions with docstrings (or their import paths) a completion may call in the
+            ``tool_call_format``; each result comes back as the chat template's ``tool`` message
+            (tools/functions.py). Stored by import path: a lambda or local function is refused.
+        environment_factory: a class (or its import path) made once per completion: ``reset(**row)``
+            starts its episode (text it returns joins the prompt), its public methods are tools, and
+            ``reward()`` may score it (EnvironmentReward). Sync rollouts with HF generate only.
+        tool_call_format: how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``.
+        tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
     """
 
     def __init__(
@@ -161,11 +169,17 @@ class GRPOLightningModule(pl.LightningModule):
         behav_imp_weight_cap: float | None = 5.0,
         calculator: Literal["annotation", "plain"] | None = None,
         max_tool_calls: int = 4,
+        tools: ToolsArgument = None,
+        environment_factory: type | str | None = None,
+        tool_call_format: str = "hermes",
+        tool_timeout: float | None = 10.0,
     ) -> None:
         super().__init__()
         # save_hyperparameters reads these arguments from this frame: stored as plain data.
         stored = stored_arguments(model, tokenizer, reward, peft)
         peft, reward = stored.peft, stored.reward
+        self.tools = stored_tools(tools, environment_factory)
+        tools, environment_factory = self.tools.tools, self.tools.environment_factory
         self.save_hyperparameters(ignore=["tokenizer", "accuracy", *stored.unstored])
         validate_hparams(self.hparams)
         self.automatic_optimization = False
@@ -179,7 +193,8 @@ class GRPOLightningModule(pl.LightningModule):
         # The rollout source decides where and when rollouts are sampled (sync or async); the plan,
         # what each batch trains and when the optimizer steps (accumulation, mu passes, dynamic
         # sampling's rounds); the reporter, what the loggers get.
-        parts = build_components(self.hparams, component_names(self.reward))
+        tool_names = ["calculator"] if calculator is not None else self.tools.names
+        parts = build_components(self.hparams, component_names(self.reward), tool_names)
         self.settings, self.loss_settings = parts.settings, parts.loss
         self.sampling, self.greedy = parts.sampling, parts.greedy
         self.scorer, self.passes = parts.scorer, parts.passes
@@ -215,10 +230,8 @@ class GRPOLightningModule(pl.LightningModule):
                 self.tokenizer, self.model, eos, self.scorer.temperature
             )
         prompts = prompt_settings(self.model, self.hparams, self.use_chat_template)
-        self.sampler = RolloutSampler(self.tokenizer, self.generator, eos, prompts)
-        if self.hparams.calculator is not None:
-            calculator = InlineCalculator(self.hparams.calculator)
-            self.sampler = ToolRolloutSampler(self.sampler, calculator, self.hparams.max_tool_calls)
+        sampler = RolloutSampler(self.tokenizer, self.generator, eos, prompts)
+        self.sampler = with_tools(sampler, self.hparams, self.tools)
         self.rollout_source.use(self.sampler, self.generator)
 
     @override
@@ -361,7 +374,7 @@ class GRPOLightningModule(pl.LightningModule):
         prompts, batch_kwargs = split_batch(batch)
         if batch_idx == 0:
             check_validation_arguments(self.reward, self.accuracy, batch_kwargs)
-        rollout = self.sampler(self.model, prompts, self.greedy, group_size=1)
+        rollout = self.sampler(self.model, prompts, self.greedy, group_size=1, rows=batch_kwargs)
         self.validation_samples += score_validation(
             self.reward, self.accuracy, prompts, rollout, batch_kwargs, self.settings, self.val_metrics
         )
@@ -393,8 +406,8 @@ class GRPOLightningModule(pl.LightningModule):
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
         """The greedy completion of each of the batch's prompts (``trainer.predict`` returns a
         list of these lists, one per batch)."""
-        prompts, _ = split_batch(batch)
-        return self.sampler(self.model, prompts, self.greedy, group_size=1).completions
+        prompts, rows = split_batch(batch)
+        return self.sampler(self.model, prompts, self.greedy, group_size=1, rows=rows).completions
 
     @override
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -79,13 +79,19 @@ def trl_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**columns, **kwargs}
 
 
-def completion_messages(prompts: list[Any], responses: list[str]) -> list[Any]:
+def completion_messages(
+    prompts: list[Any], responses: list[str], transcripts: list[Any] | None = None
+) -> list[Any]:
     """What a TRL-style reward gets as ``completions``: each response as text, or, where its prompt
-    is a conversation (a list of messages), as TRL's ``[{"role": "assistant", "content": text}]``."""
-    return [
-        [{"role": "assistant", "content": response}] if isinstance(prompt, list) else response
-        for prompt, response in zip(prompts, responses)
-    ]
+    is a conversation (a list of messages) or it called tools, as TRL's messages: its
+    ``transcripts`` entry (the assistant and tool turns), else
+    ``[{"role": "assistant", "content": text}]``."""
+    transcripts = transcripts or [None] * len(responses)
+    out: list[Any] = []
+    for prompt, response, turns in zip(prompts, responses, transcripts):
+        messages = turns or [{"role": "assistant", "content": response}]
+        out.append(messages if isinstance(prompt, list) or len(messages) > 1 else response)
+    return out
 
 
 def absent_arguments(reward: RewardFn, available: set[str]) -> list[str]:
@@ -182,7 +188,7 @@ def invoke_reward(
 
     def call() -> Any:
         if takes_completions(reward):  # TRL's convention: everything by keyword
-            completions = completion_messages(prompts, responses)
+            completions = completion_messages(prompts, responses, own.get("completions"))
             trl = {**trl_kwargs(own), "prompts": list(prompts), "completions": completions}
             return reward(**accepted_kwargs(reward, trl))
         return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
@@ -226,6 +232,23 @@ def _call_watched(call: Callable[[], Any], name: str, slow_after: float) -> Any:
 
 def _call_within(call: Callable[[], Any], what: str, size: int, timeout: float) -> Any:
     """``call()`` in a daemon thread, abandoned with :class:`RewardTimeout` after ``timeout`` s."""
+    try:
+        return call_within(call, timeout, what)
+    except CallTimeout:
+        raise RewardTimeout(
+            f"{what} took longer than reward_timeout={timeout:g}s on {size} responses; the call was abandoned"
+        ) from None
+
+
+class CallTimeout(TimeoutError):
+    """A call ran past its time limit and was abandoned."""
+
+
+def call_within(call: Callable[[], Any], timeout: float | None, name: str) -> Any:
+    """``call()``, in a daemon thread abandoned after ``timeout`` seconds (:class:`CallTimeout`
+    naming ``name``); the thread is left to finish alone, as a thread cannot be killed."""
+    if timeout is None:
+        return call()
     outcome: dict[str, Any] = {}
     done = threading.Event()
 
@@ -237,11 +260,9 @@ def _call_within(call: Callable[[], Any], what: str, size: int, timeout: float) 
         finally:
             done.set()
 
-    threading.Thread(target=run, name=what, daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     if not done.wait(timeout):
-        raise RewardTimeout(
-            f"{what} took longer than reward_timeout={timeout:g}s on {size} responses; the call was abandoned"
-        )
+        raise CallTimeout(f"{name} took longer than {timeout:g}s; the call was abandoned")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]

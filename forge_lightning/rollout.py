@@ -16,7 +16,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from forge_lightning.sampling import GenerationBackend, SamplingParams
 
 # What a reward may ask for by name about each completion (Rollout.facts).
-FACTS = ("completion_ids", "completion_lengths", "truncated")
+FACTS = ("completion_ids", "completion_lengths", "truncated", "tool_calls", "completions", "environments")
 
 # A prompt: the user message as text, or a whole conversation of {"role", "content"} messages.
 Prompt: TypeAlias = "str | list[dict[str, Any]]"
@@ -50,6 +50,11 @@ class Rollout:
     # Per-completion counts of a tool-using rollout, each (P*G,): ``tool_calls``, ``tool_errors``,
     # ``turns`` (generate rounds); None for a rollout of one round.
     tool_stats: dict[str, Tensor] | None = None
+    # Per completion of a tool-using rollout: its calls ({name, arguments, result, ok} each), its
+    # turns as TRL's messages (assistant and tool), and the environment it ran in (or None).
+    tool_calls: list[list[dict[str, Any]]] | None = None
+    transcripts: list[list[dict[str, Any]]] | None = None
+    environments: list[Any] | None = None
 
     @property
     def completion_lengths(self) -> Tensor:  # (P*G,)
@@ -90,18 +95,32 @@ class Rollout:
             behav_logp=None if self.behav_logp is None else self.behav_logp[rows],
             model_mask=None if self.model_mask is None else self.model_mask[rows],
             tool_stats=None if self.tool_stats is None else {k: v[rows] for k, v in self.tool_stats.items()},
+            tool_calls=_pick(self.tool_calls, picked),
+            transcripts=_pick(self.transcripts, picked),
+            environments=_pick(self.environments, picked),
         )
 
     def facts(self) -> dict[str, list]:
         """Per-completion facts a reward may ask for by naming them: ``completion_ids`` (each
         completion's tokens up to and including its EOS, a tool's among them),
-        ``completion_lengths`` (tokens the policy sampled) and ``truncated`` (cut off at the cap)."""
+        ``completion_lengths`` (tokens the policy sampled), ``truncated`` (cut off at the cap),
+        ``tool_calls`` (its calls, ``[]`` without), ``completions`` (TRL's messages: the assistant
+        and tool turns; one assistant message without tools) and ``environments`` (None without)."""
         ends = self.completion_mask.sum(dim=1).tolist()
+        size = len(self.completions)
         return {
             "completion_ids": [ids[:n] for ids, n in zip(self.completion_ids.tolist(), ends)],
             "completion_lengths": self.completion_lengths.tolist(),
             "truncated": self.truncation.tolist(),
+            "tool_calls": self.tool_calls or [[] for _ in range(size)],
+            "completions": self.transcripts
+            or [[{"role": "assistant", "content": c}] for c in self.completions],
+            "environments": self.environments or [None] * size,
         }
+
+
+def _pick(values: list[Any] | None, rows: list[int]) -> list[Any] | None:
+    return None if values is None else [values[i] for i in rows]
 
 
 def warn_when_few_tokens_count(rollout: Rollout) -> None:
@@ -157,6 +176,7 @@ def encode_prompts(
     system_prompt: str | None = None,
     max_prompt_length: int | None = None,
     truncation: str = "left",
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Tokenize prompts (through the chat template when asked) into left-padded ``(ids, mask)``.
 
@@ -170,7 +190,7 @@ def encode_prompts(
     if use_chat_template:
         texts = [
             tokenizer.apply_chat_template(
-                _messages(p, system_prompt), tokenize=False, add_generation_prompt=True
+                prompt_messages(p, system_prompt), tools=tools, tokenize=False, add_generation_prompt=True
             )
             for p in prompts
         ]
@@ -201,7 +221,9 @@ def encode_prompts(
     return left_pad(token_lists, tokenizer.pad_token_id)
 
 
-def _messages(prompt: Prompt, system_prompt: str | None) -> list[dict[str, str]]:
+def prompt_messages(prompt: Prompt, system_prompt: str | None) -> list[dict[str, str]]:
+    """The conversation the chat template renders for ``prompt``: a text prompt is the user
+    message; ``system_prompt`` comes first unless the conversation has a system message."""
     if isinstance(prompt, str):
         conversation = [{"role": "user", "content": prompt}]
     else:
@@ -266,8 +288,10 @@ class RolloutSampler:
         params: SamplingParams,
         group_size: int,
         engine_logprobs: bool = False,
+        rows: dict[str, list[Any]] | None = None,
     ) -> Rollout:
-        """Sample ``group_size`` completions per prompt (with the engine's log-probs if asked)."""
+        """Sample ``group_size`` completions per prompt (with the engine's log-probs if asked);
+        ``rows`` (the batch's fields) are for episode runners whose tools read them."""
         prompt_ids, prompt_mask = self.encode(prompts, next(model.parameters()).device)
         old_logp = None
         if engine_logprobs:
@@ -278,8 +302,11 @@ class RolloutSampler:
             completion_ids = self.generator.generate(model, prompt_ids, prompt_mask, group_size, params)
         return self.assemble(prompt_ids, prompt_mask, completion_ids, group_size, params, old_logp=old_logp)
 
-    def encode(self, prompts: list[Prompt], device: torch.device) -> tuple[Tensor, Tensor]:
-        """The prompts as left-padded ``(ids, mask)`` on ``device``, per the prompt settings."""
+    def encode(
+        self, prompts: list[Prompt], device: torch.device, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The prompts as left-padded ``(ids, mask)`` on ``device``, per the prompt settings (the
+        chat template given the tools' schemas ``tools``, where there are any)."""
         s = self.prompts
         prompt_ids, prompt_mask = encode_prompts(
             self.tokenizer,
@@ -288,6 +315,7 @@ class RolloutSampler:
             system_prompt=s.system_prompt,
             max_prompt_length=s.max_prompt_length,
             truncation=s.truncation,
+            tools=tools,
         )
         return prompt_ids.to(device), prompt_mask.to(device)
 

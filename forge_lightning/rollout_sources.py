@@ -48,6 +48,7 @@ class EpisodeRunner(Protocol):
         params: SamplingParams,
         group_size: int,
         engine_logprobs: bool = False,
+        rows: dict[str, list[Any]] | None = None,
     ) -> Rollout: ...
 
 
@@ -127,7 +128,12 @@ class SyncRollouts:
         s = self.settings
         with trainer.profiler.profile("generate"):
             batch.rollout = self.runner(
-                model, batch.prompts, s.sampling, s.group_size, engine_logprobs=s.engine_logprobs
+                model,
+                batch.prompts,
+                s.sampling,
+                s.group_size,
+                engine_logprobs=s.engine_logprobs,
+                rows=batch.batch_kwargs,
             )
         yield batch
 

@@ -1,10 +1,11 @@
-"""Tool-using rollouts: completions that call an inline calculator while they are sampled.
+"""Tool-using rollouts: completions that call tools while they are sampled.
 
 :class:`ToolRolloutSampler` is an episode runner (rollout_sources.EpisodeRunner) like
 :class:`~forge_lightning.rollout.RolloutSampler`, whose encoding and engine it uses. Its first round
-is the usual ``generate`` of G completions per prompt, with a stop at each calculator call; the
-calculator's answer is tokenised alone and appended to the calls' rows, and only those rows
-generate again, from their whole sequence so far, until every row has ended. Everything happens in
+is the usual ``generate`` of G completions per prompt, with a stop at each call; the tool's answer
+is tokenised (tools/base.py's protocol says how: the calculator's text alone, a function's result as
+the chat template's ``tool`` turn) and appended to the calls' rows, and only those rows generate
+again, from their whole sequence so far, until every row has ended. Everything happens in
 token ids: the transcript is never re-tokenised, so the log-prob forward scores exactly the tokens
 that were sampled. The answer's tokens are in the completion (the model reads them, the reward sees
 them) but not in the loss: ``Rollout.model_mask`` is 0 on them.
@@ -13,7 +14,8 @@ them) but not in the loss: ``Rollout.model_mask`` is 0 on them.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,45 +24,31 @@ from transformers import PreTrainedModel
 from forge_lightning.rollout import Prompt, Rollout, RolloutSampler, left_pad
 from forge_lightning.sampling import SamplingParams
 from forge_lightning.sharding import is_sharded
-from forge_lightning.tools.calculator import CalculatorStop, CalculatorTail, InlineCalculator
-
-
-@dataclass
-class Episode:
-    """One completion's tokens so far, whether the policy sampled each (1) or a tool wrote it (0),
-    and its counts."""
-
-    ids: list[int] = field(default_factory=list)
-    model: list[int] = field(default_factory=list)
-    calls: int = 0
-    errors: int = 0
-    turns: int = 0
-    done: bool = False
-    ended_with_eos: bool = False
-
-    def add(self, ids: list[int], sampled: bool) -> None:
-        self.ids += ids
-        self.model += [int(sampled)] * len(ids)
+from forge_lightning.tools.base import Episode, ToolProtocol
+from forge_lightning.tools.calculator import CalculatorTools, InlineCalculator
+from forge_lightning.tools.functions import FunctionTools, StoredTools
 
 
 class ToolRolloutSampler:
-    """Prompts in, a :class:`Rollout` of completions that may call ``calculator`` out.
+    """Prompts in, a :class:`Rollout` of completions that may call ``tools`` out (a
+    :class:`~forge_lightning.tools.base.ToolProtocol`; an InlineCalculator is its CalculatorTools).
 
     ``max_new_tokens`` is each completion's budget over all its rounds, the policy's tokens and the
-    calculator's together; an answer that would cross it is cut and the completion counts as
-    truncated. A completion makes at most ``max_tool_calls`` calls; after that a call's ``=`` is
-    just text. A refused expression is answered ``?`` and counted in ``tool_errors``.
+    tools' together; an answer that would cross it is cut and the completion counts as
+    truncated. A completion makes at most ``max_tool_calls`` calls; after that a call is just text.
+    A failed call (a refused expression, a tool that raised) is answered and counted in ``tool_errors``.
     """
 
     def __init__(
-        self, sampler: RolloutSampler, calculator: InlineCalculator, max_tool_calls: int = 4
+        self, sampler: RolloutSampler, tools: ToolProtocol | InlineCalculator, max_tool_calls: int = 4
     ) -> None:
         if max_tool_calls < 0:
             raise ValueError(f"max_tool_calls must be >= 0, got {max_tool_calls}")
         self.sampler = sampler
-        self.calculator = calculator
+        if isinstance(tools, InlineCalculator):
+            tools = CalculatorTools(tools, sampler.tokenizer)
+        self.tools = tools
         self.max_tool_calls = max_tool_calls
-        self.tail = CalculatorTail(calculator, sampler.tokenizer)
         # An engine that cannot stop rows at a call still works: each row is cut at its first call
         # below; it just samples tokens that are thrown away.
         parameters = inspect.signature(sampler.generator.generate).parameters
@@ -73,8 +61,10 @@ class ToolRolloutSampler:
         params: SamplingParams,
         group_size: int,
         engine_logprobs: bool = False,
+        rows: dict[str, list[Any]] | None = None,
     ) -> Rollout:
-        """Sample ``group_size`` completions per prompt, each calling the calculator as it writes."""
+        """Sample ``group_size`` completions per prompt, each calling the tools as it writes;
+        ``rows``: the batch's fields (an environment's ``reset`` takes its prompt's)."""
         if engine_logprobs:
             raise ValueError("tool-using rollouts have no engine log-probs: set use_engine_logprobs false")
         if is_sharded(model) and torch.distributed.get_world_size() > 1:
@@ -82,9 +72,12 @@ class ToolRolloutSampler:
                 "tool-using rollouts under a sharded model are not supported: the ranks would make "
                 "different numbers of generate calls, and each forward needs all of them"
             )
-        prompt_ids, prompt_mask = self.sampler.encode(prompts, next(model.parameters()).device)
+        device = next(model.parameters()).device
+        prompt_ids, prompt_mask, contexts = self.tools.begin(
+            self.sampler, prompts, rows or {}, group_size, device
+        )
         heads = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        episodes = [Episode() for _ in range(len(heads) * group_size)]
+        episodes = [Episode(context=context) for context in contexts]
         budget = params.max_new_tokens
         rows = list(range(len(episodes)))
         new = self._generate(model, prompt_ids, prompt_mask, group_size, params, episodes)
@@ -120,38 +113,43 @@ class ToolRolloutSampler:
         extra = {}
         if self._engine_stops:
             enabled = [e.calls < self.max_tool_calls for e in episodes]
-            stop = CalculatorStop(self.tail, input_ids.shape[1], [len(e.ids) for e in episodes], enabled)
-            extra["stopping_criteria"] = [stop]
+            prior, segments = [len(e.ids) for e in episodes], [e.segment for e in episodes]
+            extra["stopping_criteria"] = [self.tools.stop(input_ids.shape[1], prior, enabled, segments)]
         out = self.sampler.generator.generate(model, input_ids, input_mask, group_size, params, **extra)
         return out.tolist()
 
     def _take(self, episode: Episode, new: list[int], budget: int) -> None:
         """Add a round's tokens to ``episode`` up to its stop (an EOS, a call, the budget; what the
-        engine wrote after it is padding), and the calculator's answer when the stop is a call."""
+        engine wrote after it is padding), and the tool's answer when the stop is a call."""
         episode.turns += 1
         room = budget - len(episode.ids)
         may_call = episode.calls < self.max_tool_calls
-        expression, taken = None, new[:room]
+        call, taken = None, new[:room]
         for k, token in enumerate(taken):
             if token in self.sampler.eos_ids:
                 taken, episode.ended_with_eos = taken[: k + 1], True
+                if may_call and self.tools.calls_before_eos:  # a call, then the end of the turn
+                    call = self.tools.call_at(episode, episode.ids + taken[:k])
                 break
-            if may_call and self.tail.may_end_a_call(token):
-                expression = self.tail.expression(episode.ids + taken[: k + 1])
-                if expression is not None:
+            if may_call and self.tools.may_end_a_call(token):
+                call = self.tools.call_at(episode, episode.ids + taken[: k + 1])
+                if call is not None:
                     taken = taken[: k + 1]
                     break
         episode.add(taken, sampled=True)
         room -= len(taken)
-        if expression is None or room <= 0:
+        if call is None or room <= 0:
             episode.done = True  # an EOS, the budget spent, or (an engine's early stop) nothing more
             return
-        text, ok = self.calculator.respond(expression)
-        answer = self.sampler.tokenizer(text, add_special_tokens=False)["input_ids"]
+        answer = self.tools.answer(episode, call)
         episode.calls += 1
-        episode.errors += not ok
-        episode.add(answer[:room], sampled=False)
-        episode.done = len(answer) >= room
+        episode.errors += not answer.ok
+        episode.log.append(answer.entry)
+        episode.ended_with_eos = False  # the turn goes on after the answer
+        episode.add(answer.ids[:room], sampled=False)
+        if answer.ends_turn:
+            episode.segment = len(episode.ids)
+        episode.done = len(answer.ids) >= room
 
     def _rollout(
         self, prompt_ids: Tensor, prompt_mask: Tensor, episodes: list[Episode], group_size: int, budget: int
@@ -169,20 +167,55 @@ class ToolRolloutSampler:
             real[row, : len(e.ids)] = 1
             sampled[row, : len(e.ids)] = torch.tensor(e.model, dtype=torch.long)
         truncated = [not e.ended_with_eos and len(e.ids) >= budget for e in episodes]
+        texts = self.sampler.tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=True)
+        per_tool = {
+            f"tool_calls/{name}": torch.tensor([sum(c["name"] == name for c in e.log) for e in episodes])
+            for name in self.tools.names
+        }
         return Rollout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             completion_ids=ids.to(device),
             completion_mask=real.to(device),
             group_size=group_size,
-            completions=self.sampler.tokenizer.batch_decode(
-                [e.ids for e in episodes], skip_special_tokens=True
-            ),
+            completions=texts,
             truncated=torch.tensor(truncated, device=device),
             model_mask=sampled.to(device),
             tool_stats={
                 "tool_calls": torch.tensor([e.calls for e in episodes], device=device),
                 "tool_errors": torch.tensor([e.errors for e in episodes], device=device),
                 "turns": torch.tensor([e.turns for e in episodes], device=device),
+                **{key: counts.to(device) for key, counts in per_tool.items()},
             },
+            tool_calls=[e.log for e in episodes],
+            transcripts=[self._transcript(e) for e in episodes],
+            environments=[getattr(e.context, "environment", None) for e in episodes],
         )
+
+    def _transcript(self, episode: Episode) -> list[dict[str, Any]]:
+        """``episode`` as TRL's messages: its finished assistant and tool turns, then the last
+        assistant turn (a calculator's completion is one turn, its answers inline)."""
+        last = episode.ids[episode.segment :]
+        if episode.messages and not last:
+            return list(episode.messages)
+        text = self.sampler.tokenizer.decode(last, skip_special_tokens=True)
+        return [*episode.messages, {"role": "assistant", "content": text}]
+
+
+def with_tools(sampler: RolloutSampler, hp: Any, stored: StoredTools) -> RolloutSampler | ToolRolloutSampler:
+    """The module's episode runner: ``sampler``, or the tools its settings ``hp`` name around it
+    (the calculator, or ``stored``'s functions and environment)."""
+    if hp.calculator is not None:
+        tools: ToolProtocol = CalculatorTools(InlineCalculator(hp.calculator), sampler.tokenizer)
+    elif stored.functions or stored.factory is not None:
+        tools = FunctionTools(
+            sampler.tokenizer,
+            stored.functions,
+            stored.factory,
+            hp.tool_call_format,
+            hp.tool_timeout,
+            hp.system_prompt,
+        )
+    else:
+        return sampler
+    return ToolRolloutSampler(sampler, tools, hp.max_tool_calls)

@@ -52,6 +52,8 @@ BAD = {
     "behav_imp_weight_cap": 1.0,
     "calculator": "python",
     "max_tool_calls": -1,
+    "tool_call_format": "xml",
+    "tool_timeout": 0.0,
 }
 
 

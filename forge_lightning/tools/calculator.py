@@ -14,12 +14,14 @@ import math
 import re
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from transformers import StoppingCriteria
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from forge_lightning.tools.base import Answer
 
 MAX_EXPRESSION_CHARS = 100
 MAX_MAGNITUDE = 10**12
@@ -188,3 +190,39 @@ class CalculatorStop(StoppingCriteria):
             width = min(TAIL_TOKENS, self.prior[row] + input_ids.shape[1] - self.start)
             stop[row] = self.tail.expression(input_ids[row, -width:].tolist()) is not None
         return stop
+
+
+class CalculatorTools:
+    """The inline calculator as a :class:`~forge_lightning.tools.base.ToolProtocol`: a call is
+    ``<<EXPR=`` or ``EXPR =`` at the completion's end, the answer its text tokenised alone."""
+
+    names = ["calculator"]
+    calls_before_eos = False
+
+    def __init__(self, calculator: InlineCalculator, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.calculator = calculator
+        self.tokenizer = tokenizer
+        self.tail = CalculatorTail(calculator, tokenizer)
+
+    def begin(
+        self, sampler: Any, prompts: list[Any], rows: dict[str, list[Any]], group_size: int, device: Any
+    ) -> tuple[Tensor, Tensor, list[Any]]:
+        prompt_ids, prompt_mask = sampler.encode(prompts, device)
+        return prompt_ids, prompt_mask, [None] * (len(prompts) * group_size)
+
+    def may_end_a_call(self, token: int) -> bool:
+        return self.tail.may_end_a_call(token)
+
+    def call_at(self, episode: Any, completion: Sequence[int]) -> str | None:
+        return self.tail.expression(completion)
+
+    def stop(
+        self, start: int, prior: Sequence[int], enabled: Sequence[bool], segments: Sequence[int]
+    ) -> CalculatorStop:
+        return CalculatorStop(self.tail, start, prior, enabled)
+
+    def answer(self, episode: Any, call: str) -> Answer:
+        text, ok = self.calculator.respond(call)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        entry = {"name": "calculator", "arguments": {"expression": call}, "result": text, "ok": ok}
+        return Answer(ids, ok, entry)
