@@ -48,6 +48,27 @@ class HFGenerate:
             model, prompt_ids, prompt_mask, group_size, params, scores=False, stopping=stopping_criteria
         )[0]
 
+    def generate_continuing(
+        self,
+        model: PreTrainedModel,
+        input_ids: Tensor,
+        input_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        stopping_criteria: Sequence[StoppingCriteria],
+        cache: Any = None,
+    ) -> tuple[Tensor, Any]:
+        """:meth:`generate` for a caller that comes back to the same rows with a few more tokens
+        each (tool_rollout.py): returns the whole sequences ``(B, L)`` and the KV cache of their
+        first ``cache.get_seq_length()`` columns. Given a ``cache`` of a previous call (rows
+        selected, ``group_size`` 1), only the columns of ``input_ids`` past it go through the
+        model; ``input_mask`` may hold zeros anywhere (a row's padding after a stop)."""
+        groups = group_size if cache is None else 1
+        out = self._generate(
+            model, input_ids, input_mask, groups, params, False, stopping_criteria, cache=cache, full=True
+        )
+        return out.sequences, output_cache(out)
+
     def generate_with_logprobs(
         self,
         model: PreTrainedModel,
@@ -79,7 +100,11 @@ class HFGenerate:
         params: SamplingParams,
         scores: bool,
         stopping: Sequence[StoppingCriteria] | None = None,
-    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        cache: Any = None,
+        full: bool = False,
+    ) -> Any:
+        """The completions and the scores (``full``: ``generate``'s whole output); ``cache``
+        covers the first columns of ``prompt_ids`` (generate_continuing)."""
         was_training = model.training
         # Gradient checkpointing switches the KV cache off; generation without a cache is
         # quadratic, so checkpointing is paused while sampling and restored afterwards.
@@ -89,7 +114,14 @@ class HFGenerate:
         model.eval()
         try:
             with torch.no_grad():
-                inputs = self._prefilled_inputs(model, prompt_ids, prompt_mask, group_size)
+                if cache is not None:
+                    inputs = {
+                        "input_ids": prompt_ids,
+                        "attention_mask": prompt_mask,
+                        cache_kwarg(model): cache,
+                    }
+                else:
+                    inputs = self._prefilled_inputs(model, prompt_ids, prompt_mask, group_size)
                 repeats = group_size if inputs is None else 1
                 out = model.generate(
                     **(inputs or {"input_ids": prompt_ids, "attention_mask": prompt_mask}),
@@ -104,6 +136,8 @@ class HFGenerate:
             if checkpointing:
                 set_checkpointing(model, True)
             model.train(was_training)
+        if full:
+            return out
         return out.sequences[:, prompt_ids.shape[1] :], tuple(out.scores or ()) if scores else ()
 
     def _config(self, params: SamplingParams, num_return_sequences: int, scores: bool) -> GenerationConfig:

@@ -14,12 +14,13 @@ them) but not in the loss: ``Rollout.model_mask`` is 0 on them.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, StoppingCriteria
 
 from forge_lightning.rollout import Prompt, Rollout, RolloutSampler, left_pad
 from forge_lightning.sampling import SamplingParams
@@ -27,6 +28,36 @@ from forge_lightning.sharding import is_sharded
 from forge_lightning.tools.base import Episode, ToolProtocol
 from forge_lightning.tools.calculator import CalculatorTools, InlineCalculator
 from forge_lightning.tools.functions import FunctionTools, StoredTools
+
+# A round on a cached engine ends once this share of its rows that have not ended wait for a tool:
+# a waiting row idles while the others write, and going on costs the next round only a forward
+# of its new tokens.
+CUT_SHARE = 0.25
+
+
+class RoundCut(StoppingCriteria):
+    """The tools' stop (``inner``: rows at a call) for one ``generate`` call, which also ends the
+    whole call (``cut``) once ``CUT_SHARE`` of the rows that have not ended (an EOS) wait."""
+
+    def __init__(self, inner: StoppingCriteria, eos_ids: Sequence[int]) -> None:
+        self.inner, self.eos = inner, torch.tensor(sorted(eos_ids))
+        self.waiting: Tensor | None = None  # (B,) bool, rows stopped at a call
+        self.ended: Tensor | None = None  # (B,) bool, rows that wrote an EOS
+        self.cut = False
+
+    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs) -> Tensor:
+        at_call = self.inner(input_ids, scores, **kwargs).cpu()
+        last = input_ids[:, -1].cpu()
+        if self.waiting is None:
+            self.waiting = torch.zeros_like(at_call)
+            self.ended = torch.zeros_like(at_call)
+        self.ended |= torch.isin(last, self.eos) & ~self.waiting
+        self.waiting |= at_call
+        going = int((~self.ended).sum())
+        if self.waiting.any() and int(self.waiting.sum()) >= CUT_SHARE * going:
+            self.cut = True
+            return torch.ones_like(at_call).to(input_ids.device)
+        return at_call.to(input_ids.device)
 
 
 class ToolRolloutSampler:
@@ -53,6 +84,8 @@ class ToolRolloutSampler:
         # below; it just samples tokens that are thrown away.
         parameters = inspect.signature(sampler.generator.generate).parameters
         self._engine_stops = "stopping_criteria" in parameters
+        # HF generate also hands back its KV cache, so that a round goes on from the last one's.
+        self._engine_continues = self._engine_stops and hasattr(sampler.generator, "generate_continuing")
 
     def __call__(
         self,
@@ -76,8 +109,70 @@ class ToolRolloutSampler:
         prompt_ids, prompt_mask, contexts = self.tools.begin(
             self.sampler, prompts, rows or {}, group_size, device
         )
-        heads = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         episodes = [Episode(context=context) for context in contexts]
+        run = self._run_cached if self._engine_continues else self._run
+        run(model, prompt_ids, prompt_mask, group_size, params, episodes)
+        return self._rollout(prompt_ids, prompt_mask, episodes, group_size, params.max_new_tokens)
+
+    def _run_cached(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        episodes: list[Episode],
+    ) -> None:
+        """The rounds on an engine that hands back its KV cache (HF generate): each round goes on
+        from the last one's cache, so only a row's new tokens (the tool's answer, the token
+        sampled last) go through the model; and a round ends once ``CUT_SHARE`` of its rows that
+        have not ended wait for a tool, the others going on in the next round where they are."""
+        budget = params.max_new_tokens
+        rows = list(range(len(episodes)))  # the episode of each batch row
+        ids, mask, cache, groups = prompt_ids, prompt_mask, None, group_size
+        while rows:
+            room = max(budget - len(episodes[r].ids) for r in rows)
+            stop = RoundCut(self._stop(ids.shape[1], [episodes[r] for r in rows]), self.sampler.eos_ids)
+            sequences, cache = self.sampler.generator.generate_continuing(
+                model, ids, mask, groups, replace(params, max_new_tokens=room), [stop], cache
+            )
+            mask = mask.repeat_interleave(groups, dim=0)  # the first round's prompts, G-fold
+            groups, width = 1, ids.shape[1]
+            cached = cache.get_seq_length()
+            mask = torch.cat([mask, torch.zeros_like(sequences[:, width:])], dim=1)
+            kept, pending = [], []
+            for k, row in enumerate(rows):
+                e = episodes[row]
+                before = len(e.ids)
+                self._take(e, sequences[k, width:].tolist(), budget, resumable=stop.cut)
+                taken = sum(e.model[before:])  # this round's sampled tokens come first
+                mask[k, width : width + taken] = 1
+                if not e.done:
+                    # What the cache lacks: the row's real tokens past it, then the tool's answer.
+                    tail = sequences[k, cached:][mask[k, cached:].bool()].tolist()
+                    kept.append(k)
+                    pending.append(tail + e.ids[before + taken :])
+            if not kept:
+                return
+            keep = torch.tensor(kept, device=sequences.device)
+            block, block_mask = left_pad(pending, self.sampler.tokenizer.pad_token_id)
+            ids = torch.cat([sequences[keep, :cached], block.to(sequences.device)], dim=1)
+            mask = torch.cat([mask[keep, :cached], block_mask.to(sequences.device)], dim=1)
+            cache.batch_select_indices(keep)
+            rows = [rows[k] for k in kept]
+
+    def _run(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        episodes: list[Episode],
+    ) -> None:
+        """The rounds on an engine with no cache to go on from: each round reads the unfinished
+        rows whole again, left-padded."""
+        heads = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         budget = params.max_new_tokens
         rows = list(range(len(episodes)))
         new = self._generate(model, prompt_ids, prompt_mask, group_size, params, episodes)
@@ -97,7 +192,6 @@ class ToolRolloutSampler:
                     replace(params, max_new_tokens=room),
                     [episodes[r] for r in rows],
                 )
-        return self._rollout(prompt_ids, prompt_mask, episodes, group_size, budget)
 
     def _generate(
         self,
@@ -112,16 +206,22 @@ class ToolRolloutSampler:
         engine can stop rows."""
         extra = {}
         if self._engine_stops:
-            enabled = [e.calls < self.max_tool_calls for e in episodes]
-            prior, segments = [len(e.ids) for e in episodes], [e.segment for e in episodes]
-            extra["stopping_criteria"] = [self.tools.stop(input_ids.shape[1], prior, enabled, segments)]
+            extra["stopping_criteria"] = [self._stop(input_ids.shape[1], episodes)]
         out = self.sampler.generator.generate(model, input_ids, input_mask, group_size, params, **extra)
         return out.tolist()
 
-    def _take(self, episode: Episode, new: list[int], budget: int) -> None:
+    def _stop(self, start: int, episodes: list[Episode]) -> StoppingCriteria:
+        """The tools' stop for a ``generate`` of the rows ``episodes`` whose input is ``start`` wide."""
+        enabled = [e.calls < self.max_tool_calls for e in episodes]
+        prior, segments = [len(e.ids) for e in episodes], [e.segment for e in episodes]
+        return self.tools.stop(start, prior, enabled, segments)
+
+    def _take(self, episode: Episode, new: list[int], budget: int, resumable: bool = False) -> None:
         """Add a round's tokens to ``episode`` up to its stop (an EOS, a call, the budget; what the
-        engine wrote after it is padding), and the tool's answer when the stop is a call."""
-        episode.turns += 1
+        engine wrote after it is padding), and the tool's answer when the stop is a call.
+        ``resumable``: the round was cut, and a row with none of those stops goes on."""
+        if not episode.model or not episode.model[-1]:
+            episode.turns += 1  # the policy's first turn, or its turn after a tool's answer
         room = budget - len(episode.ids)
         may_call = episode.calls < self.max_tool_calls
         call, taken = None, new[:room]
@@ -139,7 +239,9 @@ class ToolRolloutSampler:
         episode.add(taken, sampled=True)
         room -= len(taken)
         if call is None or room <= 0:
-            episode.done = True  # an EOS, the budget spent, or (an engine's early stop) nothing more
+            # An EOS, the budget spent, or (an engine's early stop) nothing more; unless the round
+            # was cut while this row was still writing.
+            episode.done = not (resumable and call is None and room > 0 and not episode.ended_with_eos)
             return
         answer = self.tools.answer(episode, call)
         episode.calls += 1

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from conftest import CalculatorCalls, make_model, make_tokenizer
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, StoppingCriteria
 
 from forge_lightning.callbacks import RewardLogger
 from forge_lightning.config import validate_hparams
@@ -18,6 +18,7 @@ from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout import PromptSettings, RolloutSampler, SamplingParams
 from forge_lightning.tool_rollout import ToolRolloutSampler
 from forge_lightning.tools import CalculatorError, InlineCalculator, safe_eval
+from forge_lightning.tools.base import Answer
 from forge_lightning.tools.calculator import CalculatorStop, CalculatorTail
 
 GREEDY = SamplingParams(max_new_tokens=40, greedy=True)
@@ -348,3 +349,61 @@ def test_a_resumed_run_cannot_change_its_tool_settings():
         ValueError, match=r"(?s)model.calculator: 'plain' -> None.*model.max_tool_calls: 4 -> 2"
     ):
         check_resume_settings(saved, {"calculator": None, "max_tool_calls": 2, "learning_rate": 1e-5})
+
+
+class CallsAtLengths:
+    """A tool protocol for checking the rounds' bookkeeping on a random model: a completion "calls"
+    whenever its length reaches one of ``lengths``, answered with 1 to 5 tokens (by the
+    completion's index), so that rows reach their next call at different times and some wait. Which tokens
+    are sampled does not matter, only how many."""
+
+    names, calls_before_eos = ["at"], False
+
+    def __init__(self, tokenizer, lengths: set[int]) -> None:
+        self.lengths = lengths
+        self.answers = [tokenizer(a)["input_ids"] for a in ("x", "xy", "xyz", "wxyz", "vwxyz")]
+
+    def begin(self, sampler, prompts, rows, group_size, device):
+        ids, mask = sampler.encode(prompts, device)
+        return ids, mask, list(range(len(prompts) * group_size))  # context: the completion's index
+
+    def may_end_a_call(self, token):
+        return True
+
+    def call_at(self, episode, completion):
+        return "at" if len(completion) in self.lengths else None
+
+    def stop(self, start, prior, enabled, segments):
+        lengths = self.lengths
+
+        class AtLength(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                written = [p + input_ids.shape[1] - start for p in prior]
+                return torch.tensor([on and n in lengths for on, n in zip(enabled, written)])
+
+        return AtLength()
+
+    def answer(self, episode, call):
+        ids = self.answers[episode.context % 5]
+        return Answer(ids=list(ids), ok=True, entry={"name": "at", "arguments": {}, "result": "", "ok": True})
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_rounds_going_on_from_the_cache_sample_what_rounds_read_whole_do(group_size):
+    # A random model, greedy: any slip in the cached rounds' positions, masks or cache rows
+    # changes its next tokens. Rows reach calls at different times, so rounds are cut mid-writing.
+    tok = make_tokenizer()
+    model = make_model(len(tok), seed=3, initializer_range=0.5)  # large weights: chaotic logits
+    params = SamplingParams(max_new_tokens=30, greedy=True)
+    rollouts = []
+    for continues in (True, False):
+        sampler = tool_sampler(tok, max_tool_calls=3)
+        sampler.tools = CallsAtLengths(tok, {3, 9, 16})
+        sampler._engine_continues = continues
+        rollouts.append(sampler(model, ["ab", "hello there", "q"], params, group_size))
+    cached, whole = rollouts
+    assert cached.completions == whole.completions
+    assert torch.equal(cached.completion_ids, whole.completion_ids)
+    assert torch.equal(cached.model_mask, whole.model_mask)
+    assert cached.tool_stats["tool_calls"].tolist() == whole.tool_stats["tool_calls"].tolist()
+    assert cached.tool_stats["tool_calls"].sum() > 0
