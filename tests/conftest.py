@@ -82,7 +82,7 @@ def calculator_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model folder whose next token depends on the current one alone, most likely along
     ``3 + 4 =`` (the plain calculator's call; its answer `` 7`` then leads to EOS) from any other
     character: a bigram table in a Llama with its attention and MLP outputs zeroed. Sampled at
-    temperature 1, about 9 in 10 tokens follow the table, so completions vary but most call."""
+    temperature 1, about 99 in 100 tokens follow the table, so completions vary but most call."""
     folder = tmp_path_factory.mktemp("calculator-llama")
     tok = make_tokenizer()
     size = len(tok)
@@ -96,8 +96,8 @@ def calculator_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         model.model.embed_tokens.weight.copy_(torch.eye(size, 128))
         head = torch.zeros(size, 128)
         for i in range(size):
-            # The final RMSNorm scales a one-hot row to sqrt(128): a logit of 7 for the next token.
-            head[following.get(i, ids["3"]), i] = 7.0 / 128**0.5
+            # The final RMSNorm scales a one-hot row to sqrt(128): a logit of 9 for the next token.
+            head[following.get(i, ids["3"]), i] = 9.0 / 128**0.5
         model.lm_head.weight.copy_(head)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
