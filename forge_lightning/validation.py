@@ -36,7 +36,8 @@ def score_validation(
 ) -> list[dict[str, Any]]:
     """Score the batch's completions (one per prompt) with the reward, and with the accuracy check
     where the batch has references, into ``metrics``; one answer per prompt (prompt, completion,
-    reference, reward, correct, completion_length, truncated) for RewardLogger's files."""
+    reference, reward, correct, completion_length, truncated; with tools, tool_calls and the
+    transcript's messages) for RewardLogger's files."""
     on_error, timeout = settings.on_reward_error, settings.reward_timeout
     with sigterm_interrupts():
         rewards, components, _ = score_groups(reward, prompts, rollout, batch_kwargs, on_error, timeout)
@@ -60,6 +61,9 @@ def score_validation(
             sample["correct"] = float(correct[i])
         sample["completion_length"] = int(rollout.completion_lengths[i])
         sample["truncated"] = bool(rollout.truncation[i])
+        if rollout.tool_calls is not None:  # a tool-using rollout: its calls and its turns
+            sample["tool_calls"] = rollout.tool_calls[i]
+            sample["messages"] = rollout.transcripts[i]
         samples.append(sample)
     return samples
 

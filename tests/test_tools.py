@@ -305,8 +305,14 @@ def test_a_fit_with_the_calculator_trains_on_its_transcripts(tmp_path, trainer, 
         learning_rate=1e-3,
         gradient_accumulation_steps=1,
     )
-    fit = trainer(tmp_path, max_steps=2, callbacks=[RewardLogger(logging_steps=1)])
-    fit.fit(grpo, loader([{"prompt": "Q:"}] * 4))
+    fit = trainer(
+        tmp_path,
+        max_steps=2,
+        callbacks=[RewardLogger(logging_steps=1)],
+        num_sanity_val_steps=0,
+        val_check_interval=2,
+    )
+    fit.fit(grpo, loader([{"prompt": "Q:"}] * 4), loader([{"prompt": "Q:", "reference": "6"}]))
 
     assert fit.global_step == 2
     assert isinstance(grpo.sampler, ToolRolloutSampler)
@@ -320,6 +326,15 @@ def test_a_fit_with_the_calculator_trains_on_its_transcripts(tmp_path, trainer, 
     # The run's JSON lines carry them too, for curves drawn from the log.
     lines = [json.loads(line) for line in (tmp_path / "training_log.jsonl").read_text().splitlines()]
     assert [line["tool_calls"] for line in lines] == [1.0, 1.0] and lines[-1]["turns"] == 2.0
+    # Validation runs the same loop (greedy); its answers hold the calls and the transcript.
+    (answer,) = [
+        json.loads(line) for line in (tmp_path / "validation" / "step-2.jsonl").read_text().splitlines()
+    ]
+    assert answer["completion"] == "<<2*3=6>> ok" and answer["correct"] == 1.0
+    assert answer["tool_calls"] == [
+        {"name": "calculator", "arguments": {"expression": "2*3"}, "result": "6", "ok": True}
+    ]
+    assert answer["messages"] == [{"role": "assistant", "content": "<<2*3=6>> ok"}]
 
 
 def test_the_calculator_engine_takes_as_many_rounds_as_its_script_says():

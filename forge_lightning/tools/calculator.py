@@ -224,5 +224,7 @@ class CalculatorTools:
     def answer(self, episode: Any, call: str) -> Answer:
         text, ok = self.calculator.respond(call)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        entry = {"name": "calculator", "arguments": {"expression": call}, "result": text, "ok": ok}
+        # The result as a value ("6"), not as the text written after the call (" 6", "6>>").
+        result = text.strip().removesuffix(">>")
+        entry = {"name": "calculator", "arguments": {"expression": call}, "result": result, "ok": ok}
         return Answer(ids, ok, entry)
