@@ -422,3 +422,30 @@ def test_rounds_going_on_from_the_cache_sample_what_rounds_read_whole_do(group_s
     assert torch.equal(cached.model_mask, whole.model_mask)
     assert cached.tool_stats["tool_calls"].tolist() == whole.tool_stats["tool_calls"].tolist()
     assert cached.tool_stats["tool_calls"].sum() > 0
+
+
+def test_a_lora_policy_samples_and_trains_with_the_calculator(tmp_path, trainer, loader):
+    pytest.importorskip("peft")
+    from forge_lightning.lora import LoraSettings
+
+    tok = make_tokenizer()
+    grpo = GRPOLightningModule(
+        model=scripted(tok, "Q:<<2*3=7>> ok"),
+        tokenizer=tok,
+        reward=lambda prompts, responses: [float(len(set(r))) for r in responses],
+        calculator="annotation",
+        peft=LoraSettings(r=4, alpha=8, dropout=0.0),
+        group_size=2,
+        max_new_tokens=16,
+        kl_beta=0.05,  # the reference is the policy with its adapter off
+        temperature=1.0,
+        learning_rate=1e-2,
+        gradient_accumulation_steps=1,
+    )
+    fit = trainer(tmp_path, max_steps=2)
+    fit.fit(grpo, loader([{"prompt": "Q:"}] * 4))
+
+    metrics = grpo.last_step.metrics
+    assert fit.global_step == 2 and metrics["train/tool_calls"] == 1.0
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+    assert any(".lora_" in n for n, _ in grpo.model.named_parameters())
