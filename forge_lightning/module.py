@@ -123,15 +123,16 @@ class GRPOLightningModule(pl.LightningModule):
             ``reward()`` may score it (EnvironmentReward). Sync rollouts with HF generate only.
         tool_call_format: how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``.
         tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
-        val_num_generations: completions sampled per validation prompt (n) besides the greedy one,
-            for ``val/mean@n``, ``val/pass@k``, ``val/maj@k`` (k = 1, 2, 4, ..., n) and more
-            (sampled_eval.py); 0 validates greedily only. Drawn under their own seeded RNG: a fit
-            trains the same with or without them.
-        val_temperature: the sampled validation completions' temperature.
-        val_top_p: their nucleus sampling mass.
-        val_max_new_tokens: their longest completion, in tokens; None: ``max_new_tokens``.
-        answer_key: what a sampled completion votes for in maj@k, ``completion -> hashable`` (None:
-            no answer); GSM8K's extracted, normalised number by default. None logs no maj@k.
+        val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
+            and maj@k; 0: greedy only. With n, each validation also logs k = 1, 2, 4, ..., n,
+            ``frac_all_correct``/``frac_none_correct`` and the samples' length and truncated share,
+            and the answers file holds the samples (sampled_eval.py). They are drawn under their
+            own seeded RNG: a fit trains the same with or without them.
+        val_temperature: temperature of the sampled validation completions.
+        val_top_p: nucleus mass of the sampled validation completions.
+        val_max_new_tokens: longest sampled validation completion; None: ``max_new_tokens``.
+        answer_key: what a sampled completion votes for in maj@k (GSM8K's extracted number by
+            default), ``completion -> hashable``, None for no answer. None logs no maj@k.
     """
 
     def __init__(
