@@ -242,3 +242,12 @@ def test_a_reference_the_accuracy_check_cannot_read_names_the_accuracy_setting(
         RuntimeError, match=r"`accuracy` setting.*accuracy=ExactMatchReward\(\).*--model\.accuracy"
     ):
         trainer(tmp_path).validate(module(), loader(records))
+
+
+def test_the_sampled_evaluation_settings_may_change_on_resume():
+    from forge_lightning.config import resume_differences
+
+    saved = {"val_num_generations": 0, "val_temperature": 1.0, "val_top_p": 1.0, "val_max_new_tokens": None}
+    now = {"val_num_generations": 8, "val_temperature": 0.6, "val_top_p": 0.95, "val_max_new_tokens": 64}
+    fixed, changeable = resume_differences(saved, now)
+    assert fixed == [] and len(changeable) == 4
