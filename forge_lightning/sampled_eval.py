@@ -187,9 +187,9 @@ class SampledEvaluation:
         seed: int,
     ) -> list[dict[str, Any]]:
         """The batch's greedy ``answers``, each with its prompt's ``samples`` (completion, key,
-        correct, completion_length, truncated), and their metrics into ``metrics``. ``sampler``
-        is the module's episode runner (tools and all); ``accuracy`` scores the samples where the
-        batch has references; ``seed`` seeds their draw."""
+        correct, completion_length, truncated; with tools, tool_calls), and their metrics into
+        ``metrics``. ``sampler`` is the module's episode runner (tools and all); ``accuracy``
+        scores the samples where the batch has references; ``seed`` seeds their draw."""
         n = self.num_generations
         if n <= 0:
             return answers
@@ -223,6 +223,8 @@ def _sample(
         entry["correct"] = float(scores[i])
     entry["completion_length"] = int(rollout.completion_lengths[i])
     entry["truncated"] = bool(rollout.truncation[i])
+    if rollout.tool_calls is not None:  # a tool-using rollout: its calls, as the greedy answer's
+        entry["tool_calls"] = rollout.tool_calls[i]
     return entry
 
 

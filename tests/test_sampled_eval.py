@@ -251,3 +251,16 @@ def test_the_sampled_evaluation_settings_may_change_on_resume():
     now = {"val_num_generations": 8, "val_temperature": 0.6, "val_top_p": 0.95, "val_max_new_tokens": 64}
     fixed, changeable = resume_differences(saved, now)
     assert fixed == [] and len(changeable) == 4
+
+
+def test_with_tools_the_samples_run_the_tool_loop_and_keep_their_calls(module, trainer, loader, tmp_path):
+    from conftest import CalculatorCalls
+
+    grpo = module(calculator="annotation", val_num_generations=3, max_new_tokens=12)
+    grpo.generator = CalculatorCalls(grpo.tokenizer)
+    trainer(tmp_path, callbacks=[RewardLogger()]).validate(grpo, loader([{"prompt": "ab", "reference": "3"}]))
+    (path,) = (tmp_path / "validation").iterdir()
+    samples = json.loads(path.read_text())["samples"]
+    # Sample j of the group calls the calculator j times (CalculatorCalls), each call answered.
+    assert [len(s["tool_calls"]) for s in samples] == [0, 1, 1]
+    assert samples[1]["completion"].startswith("#1<<1+0=1>>")
