@@ -28,6 +28,7 @@ from forge_lightning.rewards import (
     reward_spec,
 )
 from forge_lightning.rollout_sources import SyncRollouts, rollout_settings, rollout_source
+from forge_lightning.sampled_eval import sampled_keys
 from forge_lightning.sampling import SamplingParams
 from forge_lightning.step_plan import StepPlan, plan_settings, step_plan
 
@@ -108,7 +109,9 @@ def build_components(hp: Mapping[str, Any], reward_names: list[str], tool_names:
         rollout_source=rollout_source(rollout_settings(hp, sampling)),
         plan=step_plan(plan_settings(hp)),
         train_metrics=train_metrics,
-        val_metrics=TrainMetrics(reward_names, keys=VALIDATION_KEYS),
+        val_metrics=TrainMetrics(
+            reward_names, keys=(*VALIDATION_KEYS, *sampled_keys(hp["val_num_generations"]))
+        ),
         reporter=StepReporter(train_metrics),  # its cadence handed over by module.report_every
         stepper=OptimizerStep(hp["max_grad_norm"], hp["max_consecutive_bad_steps"]),
     )

@@ -68,6 +68,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_tool_calls": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "tool_call_format": (lambda v: v in _call_formats(), "a format of tools/parsers.py's CALL_FORMATS"),
     "tool_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
+    "val_num_generations": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "val_temperature": (lambda v: v > 0, "> 0"),
+    "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "val_max_new_tokens": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
 }
 
 
@@ -84,8 +88,8 @@ LOSS_FIELDS = (
 
 
 # Settings a resumed run may change: they leave what a step computes alone (memory, speed, error
-# handling), or, the learning rate, take effect from the resumed step on. Every other module
-# setting must match the checkpoint's.
+# handling, what validation samples), or, the learning rate, take effect from the resumed step on.
+# Every other module setting must match the checkpoint's.
 CHANGEABLE_ON_RESUME = frozenset(
     {
         "learning_rate",
@@ -100,6 +104,10 @@ CHANGEABLE_ON_RESUME = frozenset(
         "gradient_checkpointing",
         "vllm_gpu_memory_utilization",
         "rollout_worker_threads",
+        "val_num_generations",
+        "val_temperature",
+        "val_top_p",
+        "val_max_new_tokens",
     }
 )
 

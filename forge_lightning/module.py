@@ -18,6 +18,7 @@ from forge_lightning.checkpoint_io import load_run_state, refuse_unstored_object
 from forge_lightning.components import build_components, stored_arguments
 from forge_lightning.config import validate_hparams
 from forge_lightning.data.datamodule import split_batch
+from forge_lightning.data.gsm8k import extract_answer
 from forge_lightning.generation import GenerationBackend, eos_token_ids
 from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType
 from forge_lightning.lora import LoraSettings
@@ -29,10 +30,16 @@ from forge_lightning.preemption import Preemption, sigterm_interrupts
 from forge_lightning.rewards import GSM8KAnswerReward, RewardArgument, component_names, require_arguments
 from forge_lightning.rollout import FACTS, RolloutSampler, prompt_settings, warn_when_few_tokens_count
 from forge_lightning.rollout_sources import TrainingBatch
+from forge_lightning.sampled_eval import TrainingRandomState, run_seed, sampled_evaluation, sampling_seed
 from forge_lightning.scoring import batch_advantages, score_groups
 from forge_lightning.tool_rollout import ToolRolloutSampler, with_tools
 from forge_lightning.tools.functions import ToolsArgument, stored_tools
-from forge_lightning.validation import NO_TEST_STEP, check_validation_arguments, epoch_logs, score_validation
+from forge_lightning.validation import (
+    NO_TEST_STEP,
+    check_validation_arguments,
+    epoch_logs,
+    score_validation,
+)
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -116,6 +123,16 @@ class GRPOLightningModule(pl.LightningModule):
             ``reward()`` may score it (EnvironmentReward). Sync rollouts with HF generate only.
         tool_call_format: how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``.
         tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
+        val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
+            and maj@k; 0: greedy only. With n, each validation also logs k = 1, 2, 4, ..., n,
+            ``frac_all_correct``/``frac_none_correct`` and the samples' length and truncated share,
+            and the answers file holds the samples (sampled_eval.py). They are drawn under their
+            own seeded RNG: a fit trains the same with or without them.
+        val_temperature: temperature of the sampled validation completions.
+        val_top_p: nucleus mass of the sampled validation completions.
+        val_max_new_tokens: longest sampled validation completion; None: ``max_new_tokens``.
+        answer_key: what a sampled completion votes for in maj@k (GSM8K's extracted number by
+            default), ``completion -> hashable``, None for no answer. None logs no maj@k.
     """
 
     def __init__(
@@ -173,6 +190,11 @@ class GRPOLightningModule(pl.LightningModule):
         environment_factory: type | str | None = None,
         tool_call_format: str = "hermes",
         tool_timeout: float | None = 10.0,
+        val_num_generations: int = 0,
+        val_temperature: float = 1.0,
+        val_top_p: float = 1.0,
+        val_max_new_tokens: int | None = None,
+        answer_key: Callable[[str], Any] | None = extract_answer,
     ) -> None:
         super().__init__()
         # save_hyperparameters reads these arguments from this frame: stored as plain data.
@@ -180,7 +202,7 @@ class GRPOLightningModule(pl.LightningModule):
         peft, reward = stored.peft, stored.reward
         self.tools = stored_tools(tools, environment_factory)
         tools, environment_factory = self.tools.tools, self.tools.environment_factory
-        self.save_hyperparameters(ignore=["tokenizer", "accuracy", *stored.unstored])
+        self.save_hyperparameters(ignore=["tokenizer", "accuracy", "answer_key", *stored.unstored])
         validate_hparams(self.hparams)
         self.automatic_optimization = False
         self.model_spec = model if isinstance(model, str) else None
@@ -201,6 +223,8 @@ class GRPOLightningModule(pl.LightningModule):
         self.rollout_source, self.plan = parts.rollout_source, parts.plan
         self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
         self.reporter, self.stepper = parts.reporter, parts.stepper
+        self.sampled_eval = sampled_evaluation(self.hparams, answer_key)
+        self._random_state = TrainingRandomState()  # put back after each validation of a fit
         # Built in configure_model (the engine only when none was set before fit); the sampler is
         # the episode runner the rollout source, validation and predict all sample with.
         self.generator: GenerationBackend | None = None
@@ -345,6 +369,7 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def on_fit_start(self) -> None:
         self.rollout_source.on_fit_start(self.trainer, self.model, sharded=self.device_mesh is not None)
+        self._random_state.save(self.device)  # the sanity check's validation leaves it as it was
 
     @override
     def on_train_start(self) -> None:
@@ -359,10 +384,12 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._preemption.at_batch_end(self.trainer, self._stepped)
+        self._random_state.save(self.device)  # as training leaves it, should a validation follow
 
     @override
     def teardown(self, stage: str) -> None:
         self.stop_rollout_worker()
+        self._random_state.clear()
         self.reporter.every = None  # the next fit's RewardLogger, if any, hands its own
 
     def stop_rollout_worker(self) -> None:
@@ -375,13 +402,30 @@ class GRPOLightningModule(pl.LightningModule):
         if batch_idx == 0:
             check_validation_arguments(self.reward, self.accuracy, batch_kwargs)
         rollout = self.sampler(self.model, prompts, self.greedy, group_size=1, rows=batch_kwargs)
-        self.validation_samples += score_validation(
+        answers = score_validation(
             self.reward, self.accuracy, prompts, rollout, batch_kwargs, self.settings, self.val_metrics
+        )
+        seed = sampling_seed(run_seed(), self.global_step, batch_idx, self.global_rank)
+        self.validation_samples += self.sampled_eval(
+            self.sampler,
+            self.model,
+            prompts,
+            batch_kwargs,
+            answers,
+            self.accuracy,
+            self.settings,
+            self.val_metrics,
+            seed,
         )
 
     @override
     def on_validation_epoch_start(self) -> None:
         self.validation_samples = []
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._fitting:
+            self._random_state.restore()
 
     @override
     def on_validation_epoch_end(self) -> None:

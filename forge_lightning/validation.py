@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor
+
 from forge_lightning.metrics import TrainMetrics
 from forge_lightning.preemption import sigterm_interrupts
-from forge_lightning.rewards import require_arguments
+from forge_lightning.rewards import require_arguments, reward_name
 from forge_lightning.rollout import FACTS, Rollout, prompt_text
 from forge_lightning.scoring import score_groups
 
@@ -48,8 +50,7 @@ def score_validation(
     metrics.update("truncated_fraction", rollout.truncation.float())
     references = batch_kwargs.get("references")
     if references is not None:
-        with sigterm_interrupts():
-            correct, _, _ = score_groups(accuracy, prompts, rollout, batch_kwargs, on_error, timeout)
+        correct = score_accuracy(accuracy, prompts, rollout, batch_kwargs, settings)
         metrics.update("accuracy", correct)
     samples = []
     for i, prompt in enumerate(prompts):
@@ -66,6 +67,28 @@ def score_validation(
             sample["messages"] = rollout.transcripts[i]
         samples.append(sample)
     return samples
+
+
+def score_accuracy(
+    accuracy: Any, prompts: list[Any], rollout: Rollout, batch_kwargs: dict[str, list[Any]], settings: Any
+) -> Tensor:
+    """The accuracy check's scores of a rollout's completions ``(P*G,)``. Its failure names the
+    ``accuracy`` setting: the check is GSM8K's number comparison unless one is given, and a
+    reference it cannot read (a word, not a number) fails there, not in the reward."""
+    try:
+        with sigterm_interrupts():
+            correct, _, _ = score_groups(
+                accuracy, prompts, rollout, batch_kwargs, settings.on_reward_error, settings.reward_timeout
+            )
+    except Exception as err:
+        raise RuntimeError(
+            f"validation's accuracy check {reward_name(accuracy)} failed: {err}. It is the module's "
+            "`accuracy` setting (GSM8K's answer check, GSM8KAnswerReward, unless set), which scores "
+            "val/accuracy against each prompt's reference; set one that fits these references, e.g. "
+            "accuracy=ExactMatchReward() (forge_lightning.rewards) in Python, or on the command line "
+            "--model.accuracy forge_lightning.rewards.ExactMatchReward"
+        ) from err
+    return correct
 
 
 def epoch_logs(values: dict[str, float], fitting: bool, evaluated_step: int | None) -> dict[str, float]:

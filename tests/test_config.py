@@ -54,6 +54,10 @@ BAD = {
     "max_tool_calls": -1,
     "tool_call_format": "xml",
     "tool_timeout": 0.0,
+    "val_num_generations": -1,
+    "val_temperature": 0.0,
+    "val_top_p": 0.0,
+    "val_max_new_tokens": 0,
 }
 
 

@@ -68,7 +68,8 @@ class RewardLogger(Callback):
     report, rank zero's) and the samples table. On a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
     After each validation it writes rank zero's answers (prompt, completion, reference, reward,
-    correct, length, truncated) to ``{output_dir}/validation/``: ``step-{global_step}.jsonl`` in a
+    correct, length, truncated; with ``val_num_generations``, the prompt's ``samples``) to
+    ``{output_dir}/validation/``: ``step-{global_step}.jsonl`` in a
     fit; for a ``validate``, ``validate-step-{step}-{model}.jsonl``, named for the checkpoint
     evaluated (its step and file name) or else the model spec (and no step), with ``-2``, ``-3``,
     ... added rather than overwrite an earlier one; and prints the accuracy. Under
