@@ -104,19 +104,23 @@ class Rollout:
         """Per-completion facts a reward may ask for by naming them: ``completion_ids`` (each
         completion's tokens up to and including its EOS, a tool's among them),
         ``completion_lengths`` (tokens the policy sampled), ``truncated`` (cut off at the cap),
-        ``tool_calls`` (its calls, ``[]`` without), ``completions`` (TRL's messages: the assistant
-        and tool turns; one assistant message without tools) and ``environments`` (None without)."""
+        and, from a tool-using rollout only, ``tool_calls`` (its calls), ``completions`` (TRL's
+        messages: the assistant and tool turns) and ``environments`` (None without one). A rollout
+        without tools leaves those out, so a reward's ``**kwargs`` gets what it got before tools."""
         ends = self.completion_mask.sum(dim=1).tolist()
-        size = len(self.completions)
-        return {
+        facts = {
             "completion_ids": [ids[:n] for ids, n in zip(self.completion_ids.tolist(), ends)],
             "completion_lengths": self.completion_lengths.tolist(),
             "truncated": self.truncation.tolist(),
-            "tool_calls": self.tool_calls or [[] for _ in range(size)],
-            "completions": self.transcripts
-            or [[{"role": "assistant", "content": c}] for c in self.completions],
-            "environments": self.environments or [None] * size,
         }
+        if self.tool_calls is not None:
+            size = len(self.completions)
+            facts["tool_calls"] = self.tool_calls
+            facts["completions"] = self.transcripts or [
+                [{"role": "assistant", "content": c}] for c in self.completions
+            ]
+            facts["environments"] = self.environments or [None] * size
+        return facts
 
 
 def _pick(values: list[Any] | None, rows: list[int]) -> list[Any] | None:
