@@ -53,7 +53,7 @@ def has_png(cell) -> bool:
     return any("image/png" in o.get("data", {}) for o in cell.outputs)
 
 
-@pytest.mark.parametrize("name", ["learning.ipynb", "throughput.ipynb", "arithmetic.ipynb"])
+@pytest.mark.parametrize("name", ["learning.ipynb", "throughput.ipynb", "arithmetic.ipynb", "tools.ipynb"])
 def test_committed_notebook_is_saved_executed(name):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
@@ -247,3 +247,26 @@ def test_arithmetic_notebook_final_runs_raise_held_out_accuracy_and_smoke_learns
     assert set(rows) == {"42", "7", "0"}
     assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows.values())  # signal from step 1
     assert rows["42"][-1] == "True" and sum(row[-1] == "True" for row in rows.values()) >= 2
+
+
+def test_tools_notebook_recomputes_held_out_accuracy_and_meets_every_bar(tmp_path, monkeypatch):
+    tools = NOTEBOOKS / "figures" / "tools"
+    evals = {e["label"]: e for e in map(json.loads, (tools / "evals.jsonl").read_text().splitlines()) if e}
+    cells = execute("tools.ipynb", monkeypatch, tmp_path)
+
+    # Every accuracy in the held-out table is its answers file's, as evaluate.py recorded it.
+    [held] = tables(cells["heldout"])
+    assert [row[0] for row in held[1:]] == ["base", "B0", "A", "A+calc", "B (seed 42)", "B (seed 7)"]
+    labels = ["base", "b0", "A_seed42", "A_seed42_calc", "B_seed42", "B_seed7"]
+    for row, label in zip(held[1:], labels):
+        answers = [
+            json.loads(line) for line in (tools / "evals" / f"heldout-{label}.jsonl").read_text().splitlines()
+        ]
+        assert row[1] == "200" and len(answers) == 200
+        assert float(row[2]) == pytest.approx(sum(a["correct"] for a in answers) / 200, abs=5e-4)
+        assert float(row[2]) == pytest.approx(evals[f"heldout-{label}"]["accuracy"], abs=5e-4)
+    # What README and the closing note say: every bar of the issue is met.
+    [bars] = tables(cells["bars"])
+    assert len(bars) == 7 and all(row[3] == "met" for row in bars[1:])
+    assert "every bar met: True" in stdout(cells["bars"])
+    assert has_png(cells["curves"]) and (tmp_path / "tools_curves.png").is_file()
