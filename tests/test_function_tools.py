@@ -399,3 +399,21 @@ def test_a_lambda_tool_is_refused():
 def test_tools_are_refused_where_the_calculator_is_and_beside_it(settings, message):
     with pytest.raises(ValueError, match=message):
         validate_hparams(settings)
+
+
+def test_tools_and_an_environment_are_set_from_the_command_line_by_import_path(
+    tiny_model_dir, tmp_path, tiny_overrides
+):
+    from pathlib import Path
+
+    from forge_lightning.cli import build_cli
+
+    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    flags = [
+        "--model.tools=[test_function_tools.add]",
+        "--model.environment_factory=test_function_tools.Counter",
+    ]
+    cli = build_cli(["--config", str(smoke), *tiny_overrides(tiny_model_dir, tmp_path), *flags], run=False)
+    assert cli.model.tools.functions == [add] and cli.model.tools.factory is Counter
+    assert cli.model.hparams.tools == ["test_function_tools.add"]
+    assert cli.model.hparams.environment_factory == "test_function_tools.Counter"
