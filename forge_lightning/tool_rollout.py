@@ -4,8 +4,9 @@
 :class:`~forge_lightning.rollout.RolloutSampler`, whose encoding and engine it uses. Its first round
 is the usual ``generate`` of G completions per prompt, with a stop at each call; the tool's answer
 is tokenised (tools/base.py's protocol says how: the calculator's text alone, a function's result as
-the chat template's ``tool`` turn) and appended to the calls' rows, and only those rows generate
-again, from their whole sequence so far, until every row has ended. Everything happens in
+the chat template's ``tool`` turn) and appended to the calls' rows, and the unfinished rows
+generate again until every row has ended: on HF generate from the last round's KV cache (only the
+new tokens go through the model), elsewhere from their whole sequence so far. Everything happens in
 token ids: the transcript is never re-tokenised, so the log-prob forward scores exactly the tokens
 that were sampled. The answer's tokens are in the completion (the model reads them, the reward sees
 them) but not in the loss: ``Rollout.model_mask`` is 0 on them.
