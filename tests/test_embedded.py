@@ -80,3 +80,21 @@ def test_a_step_of_the_embedded_model_with_the_calculator(tmp_path):
     metrics = grpo.last_step.metrics
     assert metrics["train/tool_calls"] > 0  # at least one parsed call among the 16 completions
     assert math.isfinite(metrics["train/loss"])
+
+
+def test_sampled_validation_of_the_embedded_model_gives_every_metric_in_range(tmp_path):
+    from forge_lightning.data.arithmetic import generate
+
+    problems = generate(seed=0, variant="add_sub_small")["dev"][:16]
+    grpo = GRPOLightningModule(model="embedded", val_num_generations=4, max_new_tokens=32, kl_beta=0.0)
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path
+    )
+    loader = DataLoader([p.sample() for p in problems], batch_size=16, collate_fn=collate_records)
+    (metrics,) = trainer.validate(grpo, loader)
+    keys = ["val/mean@4", "val/pass@1", "val/pass@2", "val/pass@4", "val/maj@1", "val/maj@2", "val/maj@4"]
+    keys += ["val/frac_all_correct", "val/frac_none_correct", "val/sampled_truncated_fraction"]
+    assert all(0.0 <= metrics[k] <= 1.0 for k in keys), {k: metrics[k] for k in keys}
+    assert metrics["val/pass@1"] == pytest.approx(metrics["val/mean@4"])
+    assert metrics["val/pass@1"] <= metrics["val/pass@2"] <= metrics["val/pass@4"]
+    assert 0 < metrics["val/sampled_completion_length"] <= 32
