@@ -34,7 +34,7 @@ from torch import Tensor
 from forge_lightning.metrics import TrainMetrics
 from forge_lightning.rollout import Rollout
 from forge_lightning.sampling import SamplingParams
-from forge_lightning.validation import score_accuracy
+from forge_lightning.validation import answer_facts, score_accuracy
 
 AnswerKey = Callable[[str], Hashable]
 
@@ -221,11 +221,7 @@ def _sample(
         entry["key"] = _as_data(keys[i])
     if scores is not None:
         entry["correct"] = float(scores[i])
-    entry["completion_length"] = int(rollout.completion_lengths[i])
-    entry["truncated"] = bool(rollout.truncation[i])
-    if rollout.tool_calls is not None:  # a tool-using rollout: its calls, as the greedy answer's
-        entry["tool_calls"] = rollout.tool_calls[i]
-    return entry
+    return {**entry, **answer_facts(rollout, i)}
 
 
 def sampled_evaluation(hp: Mapping[str, Any], answer_key: AnswerKey | None) -> SampledEvaluation:

@@ -137,7 +137,8 @@ class ToolRolloutSampler:
             sequences, cache = self.sampler.generator.generate_continuing(
                 model, ids, mask, groups, replace(params, max_new_tokens=room), [stop], cache
             )
-            mask = mask.repeat_interleave(groups, dim=0)  # the first round's prompts, G-fold
+            if groups > 1:
+                mask = mask.repeat_interleave(groups, dim=0)  # the first round's prompts, G-fold
             groups, width = 1, ids.shape[1]
             cached = cache.get_seq_length()
             mask = torch.cat([mask, torch.zeros_like(sequences[:, width:])], dim=1)

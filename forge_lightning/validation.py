@@ -60,13 +60,23 @@ def score_validation(
         sample["reward"] = float(rewards[i])
         if references is not None:
             sample["correct"] = float(correct[i])
-        sample["completion_length"] = int(rollout.completion_lengths[i])
-        sample["truncated"] = bool(rollout.truncation[i])
-        if rollout.tool_calls is not None:  # a tool-using rollout: its calls and its turns
-            sample["tool_calls"] = rollout.tool_calls[i]
+        sample.update(answer_facts(rollout, i))
+        if rollout.transcripts is not None:  # a tool-using rollout: its turns
             sample["messages"] = rollout.transcripts[i]
         samples.append(sample)
     return samples
+
+
+def answer_facts(rollout: Rollout, i: int) -> dict[str, Any]:
+    """What an answers file records of completion ``i`` besides its text and scores: its length
+    (the policy's tokens), whether it was cut off, and with tools its calls."""
+    facts: dict[str, Any] = {
+        "completion_length": int(rollout.completion_lengths[i]),
+        "truncated": bool(rollout.truncation[i]),
+    }
+    if rollout.tool_calls is not None:
+        facts["tool_calls"] = rollout.tool_calls[i]
+    return facts
 
 
 def score_accuracy(
