@@ -325,7 +325,10 @@ class RolloutWorker:
         worker starts here, from ``model``, when nothing started it before."""
         if not self.running:
             self.start(model, self.version)
-        ticket = self.submit(prompt_ids, prompt_mask, group_size, params, seed=0, logprobs=False)
+        # A sampled draw takes its seed from the caller's RNG: sampled evaluation forks and seeds
+        # that per batch, so the worker's samples follow (seed, step, batch) as in-process ones do.
+        seed = 0 if params.greedy else int(torch.randint(2**31 - 1, ()).item())
+        ticket = self.submit(prompt_ids, prompt_mask, group_size, params, seed=seed, logprobs=False)
         return self.collect(ticket).completion_ids.to(prompt_ids.device)
 
     def close(self) -> None:

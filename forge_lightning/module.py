@@ -40,6 +40,7 @@ from forge_lightning.validation import (
     epoch_logs,
     score_validation,
 )
+from forge_lightning.validation_ranks import ValidationRows, own_rows
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -127,7 +128,8 @@ class GRPOLightningModule(pl.LightningModule):
             and maj@k; 0: greedy only. With n, each validation also logs k = 1, 2, 4, ..., n,
             ``frac_all_correct``/``frac_none_correct`` and the samples' length and truncated share,
             and the answers file holds the samples (sampled_eval.py). They are drawn under their
-            own seeded RNG: a fit trains the same with or without them.
+            own seeded RNG: a fit trains the same with or without them. Under DDP/FSDP each
+            prompt counts once (validation_ranks.py).
         val_temperature: temperature of the sampled validation completions.
         val_top_p: nucleus mass of the sampled validation completions.
         val_max_new_tokens: longest sampled validation completion; None: ``max_new_tokens``.
@@ -225,6 +227,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.reporter, self.stepper = parts.reporter, parts.stepper
         self.sampled_eval = sampled_evaluation(self.hparams, answer_key)
         self._random_state = TrainingRandomState()  # put back after each validation of a fit
+        self._val_rows = ValidationRows()  # which validation rows this rank counts
         # Built in configure_model (the engine only when none was set before fit); the sampler is
         # the episode runner the rollout source, validation and predict all sample with.
         self.generator: GenerationBackend | None = None
@@ -401,26 +404,26 @@ class GRPOLightningModule(pl.LightningModule):
         prompts, batch_kwargs = split_batch(batch)
         if batch_idx == 0:
             check_validation_arguments(self.reward, self.accuracy, batch_kwargs)
-        rollout = self.sampler(self.model, prompts, self.greedy, group_size=1, rows=batch_kwargs)
-        answers = score_validation(
-            self.reward, self.accuracy, prompts, rollout, batch_kwargs, self.settings, self.val_metrics
-        )
+        greedy = self.sampler(self.model, prompts, self.greedy, group_size=1, rows=batch_kwargs)
         seed = sampling_seed(run_seed(), self.global_step, batch_idx, self.global_rank)
-        self.validation_samples += self.sampled_eval(
-            self.sampler,
-            self.model,
-            prompts,
-            batch_kwargs,
-            answers,
-            self.accuracy,
-            self.settings,
-            self.val_metrics,
-            seed,
+        sampled = self.sampled_eval.sample(self.sampler, self.model, prompts, batch_kwargs, seed)
+        # Under DDP/FSDP the last rows of a rank's share may repeat other ranks' prompts: sampled
+        # with the rest, to keep the ranks in step, but counted by their own rank only.
+        own = self._val_rows.take(len(prompts))
+        if own == 0:
+            return
+        prompts, batch_kwargs, (greedy, sampled) = own_rows(own, prompts, batch_kwargs, greedy, sampled)
+        answers = score_validation(
+            self.reward, self.accuracy, prompts, greedy, batch_kwargs, self.settings, self.val_metrics
+        )
+        self.validation_samples += self.sampled_eval.score(
+            sampled, prompts, batch_kwargs, answers, self.accuracy, self.settings, self.val_metrics
         )
 
     @override
     def on_validation_epoch_start(self) -> None:
         self.validation_samples = []
+        self._val_rows.start(self.trainer)
 
     @override
     def on_validation_end(self) -> None:

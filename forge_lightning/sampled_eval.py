@@ -174,27 +174,37 @@ class SampledEvaluation:
     params: SamplingParams
     answer_key: AnswerKey | None
 
-    def __call__(
+    def sample(
         self,
         sampler: Callable[..., Rollout],
         model: Any,
+        prompts: list[Any],
+        batch_kwargs: dict[str, list[Any]],
+        seed: int,
+    ) -> Rollout | None:
+        """The batch's ``n`` completions per prompt (None when n = 0), drawn by ``sampler`` (the
+        module's episode runner, tools and all) under a torch RNG forked and seeded with ``seed``."""
+        if self.num_generations <= 0:
+            return None
+        with forked_rng(seed, next(model.parameters()).device):
+            return sampler(model, prompts, self.params, group_size=self.num_generations, rows=batch_kwargs)
+
+    def score(
+        self,
+        rollout: Rollout | None,
         prompts: list[Any],
         batch_kwargs: dict[str, list[Any]],
         answers: list[dict[str, Any]],
         accuracy: Any,
         settings: Any,
         metrics: TrainMetrics,
-        seed: int,
     ) -> list[dict[str, Any]]:
-        """The batch's greedy ``answers``, each with its prompt's ``samples`` (completion, key,
-        correct, completion_length, truncated; with tools, tool_calls), and their metrics into
-        ``metrics``. ``sampler`` is the module's episode runner (tools and all); ``accuracy``
-        scores the samples where the batch has references; ``seed`` seeds their draw."""
-        n = self.num_generations
-        if n <= 0:
+        """The batch's greedy ``answers``, each with its prompt's ``samples`` from ``rollout``
+        (completion, key, correct, completion_length, truncated; with tools, tool_calls), and
+        their metrics into ``metrics``; ``accuracy`` scores them where the batch has references."""
+        if rollout is None:
             return answers
-        with forked_rng(seed, next(model.parameters()).device):
-            rollout = sampler(model, prompts, self.params, group_size=n, rows=batch_kwargs)
+        n = self.num_generations
         metrics.update("sampled_completion_length", rollout.completion_lengths.float())
         metrics.update("sampled_truncated_fraction", rollout.truncation.float())
         scores = None

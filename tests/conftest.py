@@ -223,6 +223,26 @@ class FixedCompletions:
         pass
 
 
+class ScriptedAnswers:
+    """An engine answering each prompt from ``script`` (prompt text -> its answers; a call takes
+    the first ``group_size``), recording the sampling settings it was asked for."""
+
+    def __init__(self, tokenizer, script: dict[str, list[str]]) -> None:
+        self.tok, self.script, self.params = tokenizer, script, []
+
+    def generate(self, model, prompt_ids, prompt_mask, group_size, params) -> torch.Tensor:
+        self.params.append(params)
+        rows = []
+        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+            prompt = self.tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True)
+            for text in self.script[prompt][:group_size]:
+                rows.append([*self.tok(text, add_special_tokens=False)["input_ids"], self.tok.eos_token_id])
+        return torch.tensor(rows, device=prompt_ids.device)
+
+    def sync_weights(self, model) -> None:
+        pass
+
+
 class CalculatorCalls:
     """An engine without stopping criteria whose completions call the inline calculator
     (annotation style) depending on their prompt alone: a prompt with a space makes no call; any

@@ -282,3 +282,29 @@ def test_async_step_cadence_callbacks_see_every_step_across_an_epoch_boundary(
     assert steps == [f"epoch={int(s > 2)}-step={s}.ckpt" for s in range(1, 6)]  # epoch 0: a batch fills
     lines = (tmp_path / "training_log.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5]
+
+
+def test_the_worker_samples_validation_from_the_batchs_seed(tmp_path, module, trainer, loader):
+    """Sampled validation goes through the worker, seeded from (seed, step, batch) as in-process
+    sampling is: the same prompt in two batches gets two draws, and a second validation of the
+    same weights repeats them whatever the global RNG holds."""
+    records = [{"prompt": "1 + 2 =", "reference": "3"}] * 2  # one prompt, two batches
+    grpo = module(rollout_mode="async", val_num_generations=4, max_new_tokens=6)
+    draws = []
+    try:
+        for i, global_seed in enumerate([1, 2]):
+            torch.manual_seed(global_seed)
+            root = tmp_path / str(i)
+            trainer(root, callbacks=[RewardLogger()]).validate(grpo, loader(records))
+            (path,) = (root / "validation").iterdir()
+            draws.append(
+                [
+                    [s["completion"] for s in json.loads(line)["samples"]]
+                    for line in path.read_text().splitlines()
+                ]
+            )
+        assert isinstance(grpo.generator, RolloutWorker)  # the worker sampled them
+    finally:
+        grpo.stop_rollout_worker()
+    assert draws[0] == draws[1]
+    assert draws[0][0] != draws[0][1]  # batch 0's seed is not batch 1's

@@ -50,8 +50,17 @@ def run_both(model_dir: Path, root: Path, accelerator: str) -> dict[str, dict[st
     and reference folders, and the FSDP run's Lightning checkpoint."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     fit(torchrun, "ddp.yaml", model_dir, root / "ddp", accelerator, "--model.kl_beta=0.5")
+    # The FSDP run also validates, sampled, on three prompts after every batch: one rank's share
+    # holds a repeat, which it must sample (the ranks gather weights together) and not count.
+    validation = [
+        "--trainer.limit_val_batches=1.0",
+        "--trainer.val_check_interval=1",
+        "--data.val_max_samples=3",
+        "--data.val_batch_size=1",
+        "--model.val_num_generations=2",
+    ]
     fit([sys.executable], "fsdp.yaml", model_dir, root / "fsdp", accelerator, "--model.kl_beta=0.5",
-        "--trainer.strategy.init_args.data_parallel_size=2")  # fmt: skip
+        "--trainer.strategy.init_args.data_parallel_size=2", *validation)  # fmt: skip
     checkpoint = torch.load(root / "fsdp" / "forge_output" / "checkpoints" / "last.ckpt", weights_only=False)
     return {
         "initial": load_file(model_dir / "model.safetensors"),
@@ -60,6 +69,10 @@ def run_both(model_dir: Path, root: Path, accelerator: str) -> dict[str, dict[st
         "fsdp_reference": load_file(root / "fsdp" / "forge_output" / "reference" / "model.safetensors"),
         "fsdp_checkpoint": {name.removeprefix("model."): w for name, w in checkpoint["state_dict"].items()},
         "fsdp_config": json.loads((root / "fsdp" / "forge_output" / "final" / "config.json").read_text()),
+        "fsdp_validation": [
+            [json.loads(line) for line in path.read_text().splitlines()]
+            for path in sorted((root / "fsdp" / "forge_output" / "validation").iterdir())
+        ],
     }
 
 
@@ -85,6 +98,14 @@ def test_fsdp_config_trains_the_sharded_policy_as_ddp_trains_the_whole_one(cpu_r
     # unsynced training moves weights by about the learning rate, 1e-2.
     for name, weight in ddp.items():
         torch.testing.assert_close(fsdp[name], weight, rtol=1e-3, atol=1e-5)
+
+
+def test_fsdp_validation_counts_each_prompt_once_though_a_rank_samples_a_repeat(cpu_runs):
+    files = cpu_runs["fsdp_validation"]
+    assert len(files) >= 2  # one per optimizer step validated
+    for answers in files:
+        assert len(answers) == 3 and len({a["prompt"] for a in answers}) == 3
+        assert all(len(a["samples"]) == 2 for a in answers)
 
 
 def test_fsdp_run_writes_whole_hf_folders_of_the_sharded_policy(cpu_runs):

@@ -44,6 +44,9 @@ data:
 """
 
 
+VALIDATION_EVERY_2 = "  enable_progress_bar: false\n  val_check_interval: 2\n  num_sanity_val_steps: 0\n"
+
+
 def fit(config: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "forge_lightning", "fit", "--config", str(config), *extra],
@@ -79,6 +82,9 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_pa
     def config(name: str) -> tuple[Path, Path]:
         out, path = run_dir(tmp_path, name, model)
         text = path.read_text().replace("  kl_beta: 0.05\n", "  kl_beta: 0.05\n" + settings)
+        if rollout_mode == "sync":  # a sampled validation every 2 batches: one before the kill, one after
+            text = text.replace("  enable_progress_bar: false\n", VALIDATION_EVERY_2)
+            text = text.replace("  kl_beta: 0.05\n", "  kl_beta: 0.05\n  val_num_generations: 2\n")
         if rollout_mode == "tools":  # a smaller step, so that the policy keeps calling
             text = text.replace("  max_new_tokens: 6\n", "").replace(
                 "learning_rate: 0.01", "learning_rate: 0.002"
@@ -92,10 +98,12 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_pa
 
     killed, killed_cfg = config("killed")
     tag = f"forge-resume-{os.getpid()}-{rollout_mode}"
-    env = {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4", "FORGE_TEST_TAG": tag}
-    crash = fit(killed_cfg, env)
     # SIGKILL inside step 4's reward (async: step 4 trains the rollout of batch 4, handed at step 3;
-    # the checkpoint of step 3 holds that rollout, finished)
+    # the checkpoint of step 3 holds that rollout, finished); sync: the validation after step 2
+    # calls the reward too.
+    kill_at = "5" if rollout_mode == "sync" else "4"
+    env = {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": kill_at, "FORGE_TEST_TAG": tag}
+    crash = fit(killed_cfg, env)
     assert crash.returncode == -9
     assert [r["step"] for r in records(killed)] == [1, 2, 3]
     assert no_process_with(tag, seconds=30), "a process of the killed run outlived it (the rollout worker?)"
@@ -111,6 +119,11 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_pa
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
     if rollout_mode == "tools":
         assert all(r["tool_calls"] > 0 for r in expected), [r["tool_calls"] for r in expected]
+    if rollout_mode == "sync":  # the validation after the resume sampled what the straight run's did
+        validated = {p.name: p.read_text() for p in (straight / "validation").iterdir()}
+        assert sorted(validated) == ["step-2.jsonl", "step-4.jsonl"]
+        for name, text in validated.items():
+            assert (killed / "validation" / name).read_text() == text, name
     # The reference the resumed run used is the original policy, not the step-3 one.
     original = load_file(model / "model.safetensors")
     reference = load_file(killed / "reference" / "model.safetensors")

@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import _varied, make_model, make_tokenizer
+from conftest import ScriptedAnswers, _varied, make_model, make_tokenizer
 
 from forge_lightning.callbacks import RewardLogger
 from forge_lightning.sampled_eval import majority_at, pass_at_k, prompt_metrics, report_ks
@@ -107,29 +107,9 @@ EXPECTED = {
 }
 
 
-class Scripted:
-    """An engine answering each prompt from SCRIPT (the first ``group_size`` of its answers),
-    recording the sampling settings it was asked for."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tok, self.params = tokenizer, []
-
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params) -> torch.Tensor:
-        self.params.append(params)
-        rows = []
-        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
-            prompt = self.tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True)
-            for text in SCRIPT[prompt][:group_size]:
-                rows.append([*self.tok(text, add_special_tokens=False)["input_ids"], self.tok.eos_token_id])
-        return torch.tensor(rows, device=prompt_ids.device)
-
-    def sync_weights(self, model) -> None:
-        pass
-
-
 def scripted_validate(module, trainer, loader, root: Path, **settings):
     grpo = module(val_num_generations=4, val_temperature=0.7, val_top_p=0.9, val_max_new_tokens=3, **settings)
-    grpo.generator = Scripted(grpo.tokenizer)
+    grpo.generator = ScriptedAnswers(grpo.tokenizer, SCRIPT)
     (results,) = trainer(root, callbacks=[RewardLogger()]).validate(grpo, loader(RECORDS, batch_size=2))
     (answers,) = (root / "validation").iterdir()
     rows = [json.loads(line) for line in answers.read_text().splitlines()]
@@ -264,3 +244,48 @@ def test_with_tools_the_samples_run_the_tool_loop_and_keep_their_calls(module, t
     # Sample j of the group calls the calculator j times (CalculatorCalls), each call answered.
     assert [len(s["tool_calls"]) for s in samples] == [0, 1, 1]
     assert samples[1]["completion"].startswith("#1<<1+0=1>>")
+
+
+def test_under_ddp_each_prompt_counts_once_and_rank_0_writes_every_answer(tmp_path):
+    """Five prompts on two ranks: the sampler repeats one for the second rank, which samples it
+    (as a sharded policy's ranks must) and counts it nowhere."""
+    import subprocess
+    import sys
+
+    from ddp_validation import validate
+
+    tests = Path(__file__).resolve().parent
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*torchrun, str(tests / "ddp_validation.py"), str(tmp_path / "ddp")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    one = validate(tmp_path / "one", devices=1)
+    ddp = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    assert ddp == pytest.approx(one) and ddp["val/frac_all_correct"] == pytest.approx(1 / 5)
+
+    def answers(root: Path) -> list[dict]:
+        (path,) = (root / "validation").iterdir()
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    assert [a["prompt"] for a in answers(tmp_path / "ddp")] == list("abcde")
+    assert answers(tmp_path / "ddp") == answers(tmp_path / "one")
+
+
+def test_validations_inside_one_accumulated_step_evaluate_its_weights_into_files_of_their_own(
+    module, trainer, loader, tmp_path
+):
+    """val_check_interval counts batches: with two batches a step, a validation after every batch
+    lands mid-step every other time and evaluates the last finished step's weights again."""
+    records = [{"prompt": f"q{i}", "reference": "1"} for i in range(4)]
+    grpo = module(gradient_accumulation_steps=2, group_size=2, max_new_tokens=4, val_num_generations=2)
+    run = trainer(
+        tmp_path, max_steps=2, val_check_interval=1, num_sanity_val_steps=0, callbacks=[RewardLogger()]
+    )
+    run.fit(grpo, loader(records), loader(records[:2], batch_size=2))
+    files = {p.name: p.read_text() for p in (tmp_path / "validation").iterdir()}
+    assert sorted(files) == ["step-0.jsonl", "step-1-2.jsonl", "step-1.jsonl", "step-2.jsonl"]
+    assert files["step-1-2.jsonl"] == files["step-1.jsonl"]  # the same weights, the same seeds

@@ -18,6 +18,7 @@ from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.config import check_setting
 from forge_lightning.fileio import append_jsonl, read_jsonl, write_atomically
+from forge_lightning.validation_ranks import gathered_answers
 
 if TYPE_CHECKING:
     from forge_lightning.metrics import StepRecord
@@ -156,7 +157,10 @@ class RewardLogger(Callback):
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         samples = getattr(pl_module, "validation_samples", None)
-        if trainer.sanity_checking or not trainer.is_global_zero or not samples:
+        if trainer.sanity_checking or samples is None:
+            return
+        samples = gathered_answers(trainer, samples)  # every rank's, on rank 0
+        if not trainer.is_global_zero or not samples:
             return
         # Outside fit Lightning restores no global_step: the module knows the checkpoint's.
         step = getattr(pl_module, "evaluated_step", trainer.global_step)
@@ -287,10 +291,12 @@ def _validation_file(
     """What a validation evaluated (for its print line) and the file for its answers: in a fit
     ``step-{step}.jsonl``; in a ``validate``, ``validate-step-{step}-{model}.jsonl``, the model
     being the checkpoint's file name or a model spec's last two path parts (``runs/smoke/final``:
-    ``smoke-final``), with no step for weights of no known step, and never an existing file's name."""
+    ``smoke-final``), with no step for weights of no known step. Never an existing file's name
+    (``-2``, ``-3``, ... added): in a fit, ``val_check_interval`` counts batches, so under
+    accumulation two validations may fall inside one optimizer step (the same weights)."""
     folder = root / "validation"
     if trainer.state.fn == TrainerFn.FITTING:
-        return f"at step {step}", folder / f"step-{step}.jsonl"
+        return f"at step {step}", _new_path(folder, f"step-{step}")
     spec = _model_spec(pl_module)
     if trainer.ckpt_path:
         model = Path(trainer.ckpt_path).stem
