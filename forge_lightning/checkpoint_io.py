@@ -13,6 +13,8 @@ from typing_extensions import override
 
 from forge_lightning.config import check_resume, trainer_settings
 from forge_lightning.fileio import SpaceCheck, write_atomically
+from forge_lightning.reward_model import check_reward_models, reward_model_fingerprints
+from forge_lightning.rewards import reward_parts
 
 if TYPE_CHECKING:
     from forge_lightning.reporting import StepReporter
@@ -85,12 +87,15 @@ def refuse_unstored_objects(checkpoint_path: Any, kwargs: dict[str, Any]) -> Non
 
 
 def save_run_state(
-    checkpoint: dict[str, Any], trainer: Any, reporter: StepReporter, rollouts: SyncRollouts
+    checkpoint: dict[str, Any], trainer: Any, reporter: StepReporter, rollouts: SyncRollouts, reward: Any
 ) -> None:
     """What the module adds to a Lightning checkpoint (``on_save_checkpoint``). Lightning does not
     keep the RNG states; without them a resumed run would sample other completions than the
-    uninterrupted one from the same step on."""
+    uninterrupted one from the same step on. Reward models are kept as their folders' fingerprints."""
     checkpoint["forge_rng_states"] = rng_states()
+    reward_models = reward_model_fingerprints(reward_parts(reward))
+    if reward_models:
+        checkpoint["forge_reward_models"] = reward_models
     checkpoint["forge_trainer_settings"] = trainer_settings(trainer)
     checkpoint["forge_tokens_trained"] = reporter.tokens_trained
     state = rollouts.state_dict()  # async: the batches in flight
@@ -104,12 +109,14 @@ def load_run_state(
     hparams: Any,
     reporter: StepReporter,
     rollouts: SyncRollouts,
+    reward: Any,
 ) -> None:
     """Restore what :func:`save_run_state` added (``on_load_checkpoint``); ``resumed``: the trainer
     of a fit that resumes from ``checkpoint`` (its settings checked against the checkpoint's, and
     the run's state restored), None outside fit."""
     if resumed is not None:
         check_resume(checkpoint, hparams, trainer_settings(resumed))
+        check_reward_models(checkpoint.get("forge_reward_models", []), reward_parts(reward))
         reporter.tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
         if "forge_async" in checkpoint:
             rollouts.load_state_dict(checkpoint["forge_async"])

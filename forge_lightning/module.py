@@ -27,7 +27,14 @@ from forge_lightning.models import ensure_pad_token
 from forge_lightning.optim import policy_optimizer, rescale_schedule
 from forge_lightning.policy import training_policy
 from forge_lightning.preemption import Preemption, sigterm_interrupts
-from forge_lightning.rewards import GSM8KAnswerReward, RewardArgument, component_names, require_arguments
+from forge_lightning.rewards import (
+    GSM8KAnswerReward,
+    PolicyContext,
+    RewardArgument,
+    component_names,
+    require_arguments,
+    share_policy_context,
+)
 from forge_lightning.rollout import FACTS, RolloutSampler, prompt_settings, warn_when_few_tokens_count
 from forge_lightning.rollout_sources import TrainingBatch
 from forge_lightning.sampled_eval import TrainingRandomState, run_seed, sampled_evaluation, sampling_seed
@@ -372,6 +379,7 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def on_fit_start(self) -> None:
         self.rollout_source.on_fit_start(self.trainer, self.model, sharded=self.device_mesh is not None)
+        self._share_policy_context()
         self._random_state.save(self.device)  # the sanity check's validation leaves it as it was
 
     @override
@@ -424,6 +432,15 @@ class GRPOLightningModule(pl.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self.validation_samples = []
         self._val_rows.start(self.trainer)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._share_policy_context()  # validate without fit: a reward model moves to the policy's device
+
+    def _share_policy_context(self) -> None:
+        context = PolicyContext(self.device, self.hparams.system_prompt)
+        share_policy_context(self.reward, context)
+        share_policy_context(self.accuracy, context)
 
     @override
     def on_validation_end(self) -> None:
@@ -483,14 +500,14 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        save_run_state(checkpoint, self.trainer, self.reporter, self.rollout_source)
+        save_run_state(checkpoint, self.trainer, self.reporter, self.rollout_source, self.reward)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_step = checkpoint.get("global_step")
         # Resuming a fit checks and restores the run; validate or load_from_checkpoint may use other settings.
         resumed = self.trainer if self._fitting else None
-        load_run_state(checkpoint, resumed, self.hparams, self.reporter, self.rollout_source)
+        load_run_state(checkpoint, resumed, self.hparams, self.reporter, self.rollout_source, self.reward)
 
     @override
     def configure_callbacks(self) -> list[pl.Callback]:

@@ -1,6 +1,7 @@
 """The reward library: :class:`ExactMatchReward`, :class:`FormatReward`,
-:class:`LengthPenaltyReward`, :class:`OverlongPenaltyReward`, :class:`GSM8KAnswerReward` and
-:class:`CompositeReward`, and the entry points that take a whole reward as the module is given one
+:class:`LengthPenaltyReward`, :class:`OverlongPenaltyReward`, :class:`GSM8KAnswerReward`,
+:class:`CompositeReward` and a trained reward model, :class:`RewardModel` (reward_model.py),
+and the entry points that take a whole reward as the module is given one
 (a reward, or a list of them): calling it, naming its components, checking its arguments, storing
 it in a checkpoint and loading it back.
 
@@ -33,6 +34,7 @@ from forge_lightning.reward_calls import (
     takes_completions,
     trl_kwargs,
 )
+from forge_lightning.reward_model import PolicyContext, RewardModel
 from forge_lightning.specs import Spec, from_spec, is_spec, to_spec
 
 __all__ = [
@@ -44,9 +46,11 @@ __all__ = [
     "GSM8KAnswerReward",
     "LengthPenaltyReward",
     "OverlongPenaltyReward",
+    "PolicyContext",
     "RewardArgument",
     "RewardExit",
     "RewardFn",
+    "RewardModel",
     "RewardOutput",
     "RewardTimeout",
     "accepted_kwargs",
@@ -59,7 +63,9 @@ __all__ = [
     "missing_arguments",
     "require_arguments",
     "reward_name",
+    "reward_parts",
     "reward_spec",
+    "share_policy_context",
     "takes_completions",
     "trl_kwargs",
 ]
@@ -317,6 +323,22 @@ def require_arguments(reward: RewardFn, available: set[str], role: str = "reward
             "(a 'reference' field arrives as references=, and also as reference= to a TRL-style "
             "reward), or use a reward that does without it"
         )
+
+
+def reward_parts(reward: RewardFn) -> list[RewardFn]:
+    """The rewards ``reward`` is made of: a CompositeReward's components (recursively), else itself."""
+    if isinstance(reward, CompositeReward):
+        return [leaf for part in reward.rewards for leaf in reward_parts(part)]
+    return [reward]
+
+
+def share_policy_context(reward: RewardFn, context: Any) -> None:
+    """Hand ``context`` (reward_model.PolicyContext: the policy's device and system message) to
+    each part of ``reward`` that asks for it with a ``use_policy_context`` method."""
+    for part in reward_parts(reward):
+        use = getattr(part, "use_policy_context", None)
+        if callable(use):
+            use(context)
 
 
 def component_names(reward: RewardFn) -> list[str]:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from forge_lightning.grpo import group_advantages
+from forge_lightning.reward_model import batch_zscore
 from forge_lightning.rewards import (
     CompositeReward,
     RewardFn,
@@ -78,12 +79,23 @@ def score(
             )
             for name, part in zip(reward.names, reward.rewards)
         }
-        components = {name: scores for name, (scores, _) in parts.items()}
+        components = {
+            name: _normalized(part, scores)
+            for part, (name, (scores, _)) in zip(reward.rewards, parts.items())
+        }
         failed = set().union(*(failures for _, failures in parts.values()))
         return ScoredRewards(reward.combine(components), components, len(failed))
     name = reward_name(reward)
     scores, failures = _score_one(reward, name, prompts, responses, kwargs, on_error, reward_timeout)
+    scores = _normalized(reward, scores)
     return ScoredRewards(scores, {name: list(scores)}, len(failures))
+
+
+def _normalized(reward: RewardFn, scores: list[float]) -> list[float]:
+    """A reward's batch, z-scored when it asks for it (``normalize="batch"``, e.g. RewardModel's):
+    here, after the whole batch is scored, not in the call, which under ``on_reward_error`` may
+    be one sample's."""
+    return batch_zscore(scores) if getattr(reward, "normalize", None) == "batch" and scores else scores
 
 
 def _score_one(

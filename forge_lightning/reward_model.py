@@ -1,0 +1,258 @@
+"""A trained reward model as a reward: a sequence classifier with one label scores each completion.
+
+:class:`RewardModel` loads (or takes) an ``AutoModelForSequenceClassification`` with one output,
+formats what the policy saw (the conversation through the reward model's chat template when it has
+one, else the prompt's text followed directly by the completion, no separator), truncates from the
+left at ``max_length``, and scores in batches under ``torch.no_grad()`` in eval mode and its dtype.
+The module tells it where the policy lives and which system message the policy got
+(:class:`PolicyContext`, handed to every reward with a ``use_policy_context`` method); it is a plain
+attribute of the reward, not an ``nn.Module`` of the LightningModule, so it is in no ``state_dict``,
+optimizer or DDP wrapper, and each rank holds its own whole copy (under FSDP too: only the policy
+is sharded; the reward model is not, so it must fit on one device beside its shard). A Lightning
+checkpoint stores its spec (the reward's ``init_args``) and, for a folder, a fingerprint of its
+weights (``checkpoint_io.py``): resuming with a changed folder is refused.
+
+Pooling. A decoder classifier with a ``score`` head (Llama, Qwen, Mistral, GPT-2, ... in
+transformers) is read at the last token of each text, batches left-padded with their positions
+counted from the first real token: transformers' own pooling takes the last token that is not the
+pad id, which skips a real final EOS when the pad token is the EOS. Any other classifier is called
+as it is, on right-padded batches, with its own pooling.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from forge_lightning.models import EMBEDDED, ModelLoadError, _embedded_cache
+from forge_lightning.reward_calls import BaseReward, RewardOutput
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a reward may need to know of the policy: its device and the system message its prompts
+    carried (None: none)."""
+
+    device: torch.device
+    system_prompt: str | None = None
+
+
+class RewardModel(BaseReward):
+    """Scores each completion with a trained reward model (a sequence classifier, one label).
+
+    Args:
+        model: a spec (a folder written by ``save_pretrained``, a hub id; offline a hub id needs
+            the HF cache) or a built ``PreTrainedModel`` with ``num_labels == 1``. A model whose
+            score head is not in its weights (a causal LM such as ``embedded``, ``random:``
+            weights) is refused: it would score with a random head.
+        tokenizer: required with a built model; loaded with a spec.
+        batch_size: texts per forward pass.
+        max_length: longest text in tokens; longer ones lose their first tokens (the prompt's
+            start), with a warning that counts them.
+        dtype: the reward model's weights' dtype (``float32``, ``bfloat16``, ...).
+        device: where it runs; None: the policy's device, from fit (or validate) start.
+        use_chat_template: format through the reward model's chat template (the policy's
+            conversation, its system message included, then the completion as the assistant
+            turn); None: when its tokenizer has one. Without: prompt text + completion.
+        normalize: ``"batch"``: z-score each scored batch, ``(s - mean) / (std + 1e-6)`` over the
+            batch (population std), applied after scoring (scoring.py), outside the call; None: raw.
+    """
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        batch_size: int = 16,
+        max_length: int = 1024,
+        dtype: str = "float32",
+        device: str | None = None,
+        use_chat_template: bool | None = None,
+        normalize: Literal["batch"] | None = None,
+    ) -> None:
+        if batch_size < 1 or max_length < 2:
+            raise ValueError(
+                f"RewardModel needs batch_size >= 1 and max_length >= 2, got {batch_size=}, {max_length=}"
+            )
+        if normalize not in (None, "batch"):
+            raise ValueError(f"RewardModel normalize must be None or 'batch', got {normalize!r}")
+        self.model, self.tokenizer = model, tokenizer  # as given: what a checkpoint stores
+        self.batch_size, self.max_length, self.dtype = batch_size, max_length, dtype
+        self.device, self.use_chat_template, self.normalize = device, use_chat_template, normalize
+        self.classifier, self._tokenizer = _classifier(model, tokenizer, getattr(torch, dtype))
+        self.folder = Path(model) if isinstance(model, str) and Path(model).is_dir() else None
+        self.system_prompt: str | None = None
+        self._fingerprint: str | None = None
+        if device is not None:
+            self.classifier.to(device)
+
+    def fingerprint(self) -> str | None:
+        """SHA-256 of the folder's weight files (once: a checkpoint records it at every save)."""
+        if self.folder is None:
+            return None
+        if self._fingerprint is None:
+            from forge_lightning.callbacks.reference import folder_fingerprint
+
+            self._fingerprint = folder_fingerprint(self.folder)
+        return self._fingerprint
+
+    def use_policy_context(self, context: PolicyContext) -> None:
+        """Take the policy's system message, and its device unless ``device`` was set."""
+        self.system_prompt = context.system_prompt
+        if self.device is None:
+            self.classifier.to(context.device)
+
+    def __call__(self, prompts: list[Any], responses: list[str], **kwargs: Any) -> RewardOutput:
+        texts = [self.format(p, r) for p, r in zip(prompts, responses)]
+        scores: list[float] = []
+        cut = 0
+        device = next(self.classifier.parameters()).device
+        self.classifier.eval()
+        # In its own dtype: a mixed-precision fit's autocast (thread-local, like no_grad) is off here.
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            for start in range(0, len(texts), self.batch_size):
+                batch, shortened = self._encode(texts[start : start + self.batch_size])
+                scores += self._forward(batch)
+                cut += shortened
+        if cut:
+            warnings.warn(
+                f"RewardModel: {cut} of {len(texts)} texts were longer than max_length={self.max_length} "
+                "tokens and lost their first tokens",
+                stacklevel=2,
+            )
+        return RewardOutput(scores=scores)
+
+    def format(self, prompt: Any, response: str) -> str:
+        """The text the reward model reads for one completion."""
+        from forge_lightning.rollout import prompt_messages, prompt_text
+
+        if self._chat_template:
+            messages = [
+                *prompt_messages(prompt, self.system_prompt),
+                {"role": "assistant", "content": response},
+            ]
+            return self._tokenizer.apply_chat_template(messages, tokenize=False)
+        return prompt_text(prompt) + response
+
+    @property
+    def _chat_template(self) -> bool:
+        if self.use_chat_template is not None:
+            return self.use_chat_template
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def _encode(self, texts: list[str]) -> tuple[list[list[int]], int]:
+        """Token ids of each text, the longest kept to their last ``max_length``; and how many were cut."""
+        ids = self._tokenizer(texts, add_special_tokens=not self._chat_template)["input_ids"]
+        shortened = sum(len(row) > self.max_length for row in ids)
+        return [row[-self.max_length :] for row in ids], shortened
+
+    def _forward(self, rows: list[list[int]]) -> list[float]:
+        model = self.classifier
+        device = next(model.parameters()).device
+        pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        longest = max(len(row) for row in rows)
+        head = getattr(model, "score", None)
+        left = head is not None  # our own last-token pooling (module docstring)
+        ids = torch.full((len(rows), longest), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, row in enumerate(rows):
+            span = slice(longest - len(row), longest) if left else slice(0, len(row))
+            ids[i, span], mask[i, span] = torch.tensor(row), 1
+        ids, mask = ids.to(device), mask.to(device)
+        if left:
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+            hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions)
+            logits = head(hidden.last_hidden_state[:, -1])  # (B, 1)
+        else:
+            logits = model(input_ids=ids, attention_mask=mask).logits  # (B, 1)
+        scores = logits[:, 0].float().tolist()
+        if not all(math.isfinite(s) for s in scores):
+            raise ValueError("RewardModel produced a score that is not finite (NaN or inf)")
+        return scores
+
+
+def batch_zscore(scores: Sequence[float]) -> list[float]:
+    """``(s - mean) / (std + 1e-6)`` over the batch (population std): a batch's normalised scores."""
+    mean = sum(scores) / len(scores)
+    std = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
+    return [(s - mean) / (std + 1e-6) for s in scores]
+
+
+def _classifier(
+    model: str | PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The classifier (frozen, eval mode, in ``dtype``) and its tokenizer, checked."""
+    if isinstance(model, str):
+        model, tokenizer = _load(model, dtype)
+        name = model.name_or_path
+    else:
+        if tokenizer is None:
+            raise ValueError("RewardModel: a built model needs its tokenizer= too")
+        name = type(model).__name__
+        model = model.to(dtype)
+    labels = getattr(model.config, "num_labels", None)
+    if labels != 1:
+        raise ValueError(
+            f"RewardModel: {name} has num_labels={labels}; a reward model gives one score per text "
+            "(num_labels=1)"
+        )
+    model.eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def _load(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if spec.startswith("random:") or spec.endswith(".gguf"):
+        raise ValueError(
+            f"RewardModel: {spec!r} has no trained score head (random weights, or a GGUF causal LM); "
+            "give a folder or hub id of a sequence classifier with one label"
+        )
+    source = _embedded_cache() if spec == EMBEDDED else spec
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            source, dtype=dtype, output_loading_info=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"RewardModel could not load {spec!r} as a sequence classifier: {err}. Offline, pass a "
+            "folder written by save_pretrained"
+        ) from err
+    missing = [key for key in info.get("missing_keys", []) if key.split(".")[0] in ("score", "classifier")]
+    if missing:
+        raise ValueError(
+            f"RewardModel: {spec!r} has no trained score head (its weights lack "
+            f"{', '.join(sorted(missing))}, which would start random): it is a causal LM or a base "
+            "model, not a reward model"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def reward_model_fingerprints(parts: Sequence[Any]) -> list[dict[str, str]]:
+    """Folder and weights fingerprint of each RewardModel among ``parts`` loaded from a folder,
+    for the Lightning checkpoint (the weights themselves are not saved there)."""
+    return [
+        {"folder": str(part.folder), "fingerprint": part.fingerprint()}
+        for part in parts
+        if isinstance(part, RewardModel) and part.folder is not None
+    ]
+
+
+def check_reward_models(saved: list[dict[str, str]], parts: Sequence[Any]) -> None:
+    """Refuse a resume whose reward model folders' weights are not those the checkpoint recorded."""
+    for before, now in zip(saved, reward_model_fingerprints(parts)):
+        if before != now:
+            raise RuntimeError(
+                f"the reward model in {now['folder']} is not the one this run was trained with: its "
+                f"weights' fingerprint is {now['fingerprint'][:16]}..., the checkpoint's "
+                f"{before['fingerprint'][:16]}... (folder {before['folder']}). Restore that reward "
+                "model, or start a new run"
+            )
