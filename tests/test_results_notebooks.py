@@ -53,7 +53,9 @@ def has_png(cell) -> bool:
     return any("image/png" in o.get("data", {}) for o in cell.outputs)
 
 
-@pytest.mark.parametrize("name", ["learning.ipynb", "throughput.ipynb", "arithmetic.ipynb", "tools.ipynb"])
+@pytest.mark.parametrize(
+    "name", ["learning.ipynb", "throughput.ipynb", "arithmetic.ipynb", "tools.ipynb", "sampled.ipynb"]
+)
 def test_committed_notebook_is_saved_executed(name):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
@@ -270,3 +272,37 @@ def test_tools_notebook_recomputes_held_out_accuracy_and_meets_every_bar(tmp_pat
     assert len(bars) == 7 and all(row[3] == "met" for row in bars[1:])
     assert "every bar met: True" in stdout(cells["bars"])
     assert has_png(cells["curves"]) and (tmp_path / "tools_curves.png").is_file()
+
+
+def plain_vote(samples: list[dict]) -> float:
+    """Whether the most frequent answer key of the samples is right (ties: the key seen first;
+    no answer never wins)."""
+    keys = [s["key"] for s in samples if s["key"] is not None]
+    if not keys:
+        return 0.0
+    best = max(dict.fromkeys(keys), key=keys.count)  # max keeps the first of equal counts
+    return next(s["correct"] for s in samples if s["key"] == best)
+
+
+def test_sampled_notebook_tables_what_the_answers_files_hold(tmp_path, monkeypatch):
+    sampled = NOTEBOOKS / "figures" / "sampled"
+    cells = execute("sampled.ipynb", monkeypatch, tmp_path)
+    [rows] = tables(cells["sampled-table"])
+    assert rows[0] == ["metric", "base", "trained", "change"]
+    body = {row[0]: row[1:] for row in rows[1:]}
+    for column, label in enumerate(("base", "trained")):
+        path = sampled / "evals" / f"{label}.jsonl"
+        answers = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(answers) == 200 and all(len(a["samples"]) == 16 for a in answers)
+        samples = [s for a in answers for s in a["samples"]]
+        expected = {
+            "greedy accuracy": sum(a["correct"] for a in answers) / 200,
+            "mean@16": sum(s["correct"] for s in samples) / len(samples),
+            "pass@16": sum(any(s["correct"] for s in a["samples"]) for a in answers) / 200,
+            "maj@16": sum(plain_vote(a["samples"]) for a in answers) / 200,
+            "frac_none_correct": sum(not any(s["correct"] for s in a["samples"]) for a in answers) / 200,
+        }
+        for name, value in expected.items():
+            assert float(body[name][column]) == pytest.approx(value, abs=5e-4), (label, name)
+        assert body["pass@1"][column] == body["mean@16"][column]
+    assert has_png(cells["figure"]) and (tmp_path / "sampled_pass_at_k.png").is_file()
