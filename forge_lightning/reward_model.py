@@ -86,15 +86,19 @@ class RewardModel(BaseReward):
         self.model, self.tokenizer = model, tokenizer  # as given: what a checkpoint stores
         self.batch_size, self.max_length, self.dtype = batch_size, max_length, dtype
         self.device, self.use_chat_template, self.normalize = device, use_chat_template, normalize
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"RewardModel dtype must name a torch dtype (float32, bfloat16), got {dtype!r}")
         self.classifier, self._tokenizer = _classifier(model, tokenizer, getattr(torch, dtype))
         self.folder = Path(model) if isinstance(model, str) and Path(model).is_dir() else None
         self.system_prompt: str | None = None
         self._fingerprint: str | None = None
+        self.fingerprint()  # of the weights just loaded, before a run can replace them
         if device is not None:
             self.classifier.to(device)
 
     def fingerprint(self) -> str | None:
-        """SHA-256 of the folder's weight files (once: a checkpoint records it at every save)."""
+        """SHA-256 of the folder's weight files, taken when the folder is loaded (None for a hub
+        id or a built model); a checkpoint records it at every save."""
         if self.folder is None:
             return None
         if self._fingerprint is None:
