@@ -73,7 +73,7 @@ def completion_logits(
     return _full_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
 
 
-def _positions(mask: Tensor) -> Tensor:
+def left_padded_positions(mask: Tensor) -> Tensor:
     """Position ids that skip left padding, as ``generate`` assigns them."""
     return (mask.cumsum(dim=-1) - 1).clamp(min=0)
 
@@ -93,7 +93,7 @@ def _full_logits(
     out = model(
         input_ids=input_ids,
         attention_mask=attention,
-        position_ids=_positions(attention),
+        position_ids=left_padded_positions(attention),
         use_cache=False,
         logits_to_keep=completion_len + 1,
     )
@@ -104,7 +104,7 @@ def _full_logits(
 def _shared_prefix_logits(
     model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, group_size: int
 ) -> Tensor:
-    prompt_pos = _positions(prompt_mask)
+    prompt_pos = left_padded_positions(prompt_mask)
     prompt_out = model(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,

@@ -29,11 +29,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from forge_lightning.models import EMBEDDED, ModelLoadError, _embedded_cache
+from forge_lightning.callbacks.reference import folder_fingerprint
+from forge_lightning.logprobs import left_padded_positions
+from forge_lightning.models import EMBEDDED, ModelLoadError, _embedded_cache, ensure_pad_token
 from forge_lightning.reward_calls import BaseReward, RewardOutput
+from forge_lightning.rollout import left_pad
 
 
 @dataclass(frozen=True)
@@ -91,21 +95,11 @@ class RewardModel(BaseReward):
         self.classifier, self._tokenizer = _classifier(model, tokenizer, getattr(torch, dtype))
         self.folder = Path(model) if isinstance(model, str) and Path(model).is_dir() else None
         self.system_prompt: str | None = None
-        self._fingerprint: str | None = None
-        self.fingerprint()  # of the weights just loaded, before a run can replace them
+        # SHA-256 of the folder's weight files as loaded (None for a hub id or a built model);
+        # checkpoints record it, and a resume compares a fresh load's.
+        self.fingerprint = folder_fingerprint(self.folder) if self.folder is not None else None
         if device is not None:
             self.classifier.to(device)
-
-    def fingerprint(self) -> str | None:
-        """SHA-256 of the folder's weight files, taken when the folder is loaded (None for a hub
-        id or a built model); a checkpoint records it at every save."""
-        if self.folder is None:
-            return None
-        if self._fingerprint is None:
-            from forge_lightning.callbacks.reference import folder_fingerprint
-
-            self._fingerprint = folder_fingerprint(self.folder)
-        return self._fingerprint
 
     def use_policy_context(self, context: PolicyContext) -> None:
         """Take the policy's system message, and its device unless ``device`` was set."""
@@ -160,22 +154,18 @@ class RewardModel(BaseReward):
     def _forward(self, rows: list[list[int]]) -> list[float]:
         model = self.classifier
         device = next(model.parameters()).device
-        pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
-        longest = max(len(row) for row in rows)
+        pad = self._tokenizer.pad_token_id
         head = getattr(model, "score", None)
-        left = head is not None  # our own last-token pooling (module docstring)
-        ids = torch.full((len(rows), longest), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, row in enumerate(rows):
-            span = slice(longest - len(row), longest) if left else slice(0, len(row))
-            ids[i, span], mask[i, span] = torch.tensor(row), 1
-        ids, mask = ids.to(device), mask.to(device)
-        if left:
-            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-            hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions)
+        if head is not None:  # our own last-token pooling (module docstring)
+            ids, mask = (t.to(device) for t in left_pad(rows, pad))
+            hidden = model.base_model(
+                input_ids=ids, attention_mask=mask, position_ids=left_padded_positions(mask)
+            )
             logits = head(hidden.last_hidden_state[:, -1])  # (B, 1)
         else:
-            logits = model(input_ids=ids, attention_mask=mask).logits  # (B, 1)
+            ids = pad_sequence([torch.tensor(row) for row in rows], batch_first=True, padding_value=pad)
+            mask = pad_sequence([torch.ones(len(row), dtype=torch.long) for row in rows], batch_first=True)
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits  # (B, 1)
         scores = logits[:, 0].float().tolist()
         if not all(math.isfinite(s) for s in scores):
             raise ValueError("RewardModel produced a score that is not finite (NaN or inf)")
@@ -208,7 +198,7 @@ def _classifier(
             "(num_labels=1)"
         )
     model.eval().requires_grad_(False)
-    return model, tokenizer
+    return model, ensure_pad_token(tokenizer)  # batches are padded
 
 
 def _load(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -235,8 +225,6 @@ def _load(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTok
             f"{', '.join(sorted(missing))}, which would start random): it is a causal LM or a base "
             "model, not a reward model"
         )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 
@@ -244,7 +232,7 @@ def reward_model_fingerprints(parts: Sequence[Any]) -> list[dict[str, str]]:
     """Folder and weights fingerprint of each RewardModel among ``parts`` loaded from a folder,
     for the Lightning checkpoint (the weights themselves are not saved there)."""
     return [
-        {"folder": str(part.folder), "fingerprint": part.fingerprint()}
+        {"folder": str(part.folder), "fingerprint": part.fingerprint}
         for part in parts
         if isinstance(part, RewardModel) and part.folder is not None
     ]
