@@ -3,16 +3,19 @@
 AReaL's design on one machine. The worker holds its own copy of the policy and samples the
 prompts the trainer hands it, in order; the trainer trains on the rollouts as they come back,
 ``max_staleness`` optimizer steps behind at most. After each optimizer step the trainer writes
-the new weights into a ring of shared-memory copies (:class:`WeightRing`), each tagged with its
-version, the number of weight updates before it. A rollout is sampled from exactly the version
-the trainer asked for, with a sampling seed the trainer chose, so timing never decides which
-weights sampled what: a run is repeatable, and a rollout's log-probs are those of its version.
+the new weights into a ring of copies on the worker's device
+(:class:`~forge_lightning.weight_ring.WeightRing`), each tagged with its version, the number of
+weight updates before it. A rollout is sampled from exactly the version the trainer asked for,
+with a sampling seed the trainer chose, so timing never decides which weights sampled what: a
+run is repeatable, and a rollout's log-probs are those of its version.
 
 :class:`RolloutWorker` is a :class:`~forge_lightning.generation.GenerationBackend` (``generate``
 and ``sync_weights``, what validation and the sync path use) with two calls more, ``submit`` and
 ``collect``, for the pipeline :class:`~forge_lightning.rollout_sources.AsyncRollouts` runs (``rollout_mode``).
 Inside the worker the sampling is :class:`~forge_lightning.generation.HFGenerate`, the engine the
-synchronous path uses.
+synchronous path uses. The worker samples on the CPU by default, or on the CUDA GPU that
+``WorkerSettings.device`` names (another one, or the trainer's own with a share of its memory);
+its results come back to the trainer on the CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
-import math
 import os
 import queue
 import time
@@ -36,6 +38,7 @@ from transformers import PreTrainedModel
 from forge_lightning.generation import HFGenerate
 from forge_lightning.logprobs import LogProbScorer
 from forge_lightning.rollout import Rollout, SamplingParams, completion_mask
+from forge_lightning.weight_ring import WeightRing, check_rollout_device, resolved_rollout_device
 
 # Seconds between checks that the other side is still alive while waiting on a queue.
 POLL_S = 0.5
@@ -45,70 +48,6 @@ def rollout_seed(seed: int, index: int) -> int:
     """The sampling seed of the ``index``-th batch handed to the worker in a run seeded ``seed``."""
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-class WeightRing:
-    """Version-tagged copies of a model's parameters in shared memory, ``slots`` of them.
-
-    Version ``v`` lives in slot ``v % slots``. A slot's tag is -1 while it is written and ``v``
-    once it holds version ``v`` whole; a reader checks the tag before and after copying, so it
-    never takes a half-written copy for a whole one. With ``max_staleness`` k, the worker reads
-    versions at most k behind the newest written, so k + 1 slots (and at least 2, a double
-    buffer) keep every version it may still read.
-    """
-
-    def __init__(self, model: PreTrainedModel, slots: int) -> None:
-        if slots < 2:
-            raise ValueError(f"a weight ring needs at least 2 slots, got {slots}")
-        self.slots = slots
-        # name -> (dtype, offset, shape); one flat buffer per dtype and slot.
-        self.layout: dict[str, tuple[str, int, tuple[int, ...]]] = {}
-        sizes: dict[str, int] = {}
-        for name, param in model.named_parameters():
-            dtype = str(param.dtype).removeprefix("torch.")
-            self.layout[name] = (dtype, sizes.get(dtype, 0), tuple(param.shape))
-            sizes[dtype] = sizes.get(dtype, 0) + param.numel()
-        self.buffers = [
-            {dtype: torch.empty(n, dtype=getattr(torch, dtype)).share_memory_() for dtype, n in sizes.items()}
-            for _ in range(slots)
-        ]
-        self.tags = torch.full((slots,), -1, dtype=torch.long).share_memory_()
-
-    def _views(self, slot: int) -> dict[str, Tensor]:
-        buffers = self.buffers[slot]
-        return {
-            name: buffers[dtype][offset : offset + math.prod(shape)].view(shape)
-            for name, (dtype, offset, shape) in self.layout.items()
-        }
-
-    @torch.no_grad()
-    def write(self, model: PreTrainedModel, version: int) -> None:
-        """Copy ``model``'s parameters in as ``version``."""
-        slot = version % self.slots
-        self.tags[slot] = -1
-        views = self._views(slot)
-        for name, param in model.named_parameters():
-            views[name].copy_(param.detach())
-        self.tags[slot] = version
-
-    @torch.no_grad()
-    def read_into(self, model: PreTrainedModel, version: int) -> None:
-        """Copy ``version`` into ``model``'s parameters; raise when the ring no longer (or does not
-        yet) hold it whole."""
-        slot = version % self.slots
-        found = int(self.tags[slot])
-        if found != version:
-            raise RuntimeError(f"weights version {version} is not in the ring (slot {slot} holds {found})")
-        views, params = self._views(slot), dict(model.named_parameters())
-        if set(params) != set(views):
-            raise RuntimeError(
-                f"the worker's model has other parameters than the trainer's: "
-                f"{sorted(set(params) ^ set(views))[:5]}"
-            )
-        for name, param in params.items():
-            param.copy_(views[name])
-        if int(self.tags[slot]) != version:
-            raise RuntimeError(f"weights version {version} was overwritten while the worker read it")
 
 
 @dataclass
@@ -199,7 +138,9 @@ def split_threads(total: int, worker: int | None) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What the worker process needs besides the weights."""
+    """What the worker process needs besides the weights. ``device``: where it samples (None: the
+    CPU; ``"cuda"``: the trainer's GPU; ``"cuda:1"``: that one); ``memory_fraction``: the share of
+    a CUDA device's memory the worker's allocator may take, for sharing the trainer's GPU."""
 
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
@@ -207,22 +148,28 @@ class WorkerSettings:
     prefix_sharing: bool
     logprob_chunk_size: int | None
     threads: int
+    device: str | None = None
+    memory_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        check_rollout_device(self.device, self.memory_fraction)
 
 
 class RolloutWorker:
     """The trainer's side of the rollout worker process (a GenerationBackend).
 
-    ``start(model, version)`` spawns the process and writes the weights; ``sync_weights(model)``
-    (after every optimizer step) writes the next version; ``submit`` hands over a batch sampled
-    from the newest version written (or an older one), ``collect`` waits for its result. A worker
-    that dies or fails is an error naming it; ``close`` stops it, and a worker whose trainer has
-    gone (killed) stops by itself within a second.
+    ``start(model, version)`` spawns the process on its device and writes the weights;
+    ``sync_weights(model)`` (after every optimizer step) writes the next version; ``submit``
+    hands over a batch sampled from the newest version written (or an older one), ``collect``
+    waits for its result. A worker that dies or fails is an error naming it; ``close`` stops it,
+    and a worker whose trainer has gone (killed) stops by itself within a second.
     """
 
     def __init__(self, settings: WorkerSettings, max_staleness: int) -> None:
         self.settings = settings
         self.max_staleness = max_staleness
         self.version = 0  # the newest version written
+        self.device: torch.device | None = None  # where the worker samples, once started
         self.process: Any = None
         self._ring: WeightRing | None = None
         self._requests: Any = None
@@ -235,11 +182,14 @@ class RolloutWorker:
         return self.process is not None
 
     def start(self, model: PreTrainedModel, version: int = 0) -> None:
-        """Spawn the worker with ``model``'s architecture and write its weights as ``version``."""
+        """Spawn the worker with ``model``'s architecture and write its weights as ``version``;
+        a device setting this machine lacks is refused here, before anything is spawned."""
         if self.running:
             self.close()
+        self.device = resolved_rollout_device(self.settings.device, _device(model))
         context = mp.get_context("spawn")
-        self._ring = WeightRing(model, slots=max(2, self.max_staleness + 1))
+        # On a GPU the ring's CUDA tensors reach the worker by IPC handle, through the Process args.
+        self._ring = WeightRing(model, slots=max(2, self.max_staleness + 1), device=self.device)
         self.version = version
         self._ring.write(model, version)
         self._requests, self._results = context.Queue(), context.Queue()
@@ -361,6 +311,10 @@ def _dtype(model: PreTrainedModel) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def _device(model: PreTrainedModel) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _skipped_init() -> Any:
     """transformers' context that skips weight initialisation, where this version has one."""
     for where in ("transformers.initialization", "transformers.modeling_utils"):
@@ -374,11 +328,17 @@ def _skipped_init() -> Any:
 def _worker_main(
     requests: Any, results: Any, ring: WeightRing, spec: tuple, settings: WorkerSettings, parent: int
 ) -> None:
-    """The worker process: build the model, then sample each job from its version, in order."""
+    """The worker process: build the model on the ring's device, then sample each job from its
+    version, in order; results go back on the CPU."""
     torch.set_num_threads(settings.threads)
+    device = ring.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if settings.memory_fraction is not None:  # before the first allocation
+            torch.cuda.set_per_process_memory_fraction(settings.memory_fraction, device)
     model_cls, config, generation_config, dtype = spec
     with _skipped_init():  # the weights come from the ring: a random init would be wasted seconds
-        model = model_cls(config).to(dtype)
+        model = model_cls(config).to(device=device, dtype=dtype)
     model.tie_weights()  # tied as in the trainer's model, whose ring holds the tied tensor once
     if generation_config is not None:
         model.generation_config = generation_config
@@ -405,8 +365,9 @@ def _worker_main(
             if loaded != job.version:
                 ring.read_into(model, job.version)
                 loaded = job.version
-            torch.manual_seed(job.seed)
-            args = (model, job.prompt_ids, job.prompt_mask, job.group_size, job.params)
+            torch.manual_seed(job.seed)  # every device's generator
+            prompt_ids, prompt_mask = job.prompt_ids.to(device), job.prompt_mask.to(device)
+            args = (model, prompt_ids, prompt_mask, job.group_size, job.params)
             # The sampling scores are the loss's distribution when both take one temperature.
             from_scores = job.logprobs and job.params.temperature == settings.scoring_temperature
             behav = None
@@ -416,17 +377,17 @@ def _worker_main(
                 completion_ids = engine.generate(*args)
             if job.logprobs and not from_scores:
                 rollout = Rollout(
-                    prompt_ids=job.prompt_ids,
-                    prompt_mask=job.prompt_mask,
+                    prompt_ids=prompt_ids,
+                    prompt_mask=prompt_mask,
                     completion_ids=completion_ids,
                     completion_mask=completion_mask(completion_ids, settings.eos_token_ids),
                     group_size=job.group_size,
                     completions=[],
                 )
                 behav = scorer.log_probs_no_grad(model, rollout)
-            results.put(
-                ("done", job.ticket, Finished(completion_ids, behav, job.version, worker_wait_s=waited))
-            )
+            behav = None if behav is None else behav.cpu()
+            finished = Finished(completion_ids.cpu(), behav, job.version, worker_wait_s=waited)
+            results.put(("done", job.ticket, finished))
         except BaseException:
             results.put(("error", job.ticket, traceback.format_exc()))
             return

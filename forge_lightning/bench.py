@@ -24,6 +24,14 @@ worker sampled during the step before. The references are skipped; the line adds
 and the worker's idle shares. ``--rollout-mode compare`` runs sync, then async, at the same
 settings, and prints both lines, the async one with ``vs_sync`` (its completion tokens/s over
 sync's). ``--sync-threads`` gives sync its own thread count there.
+
+``--steps-per-generation S`` samples each generation for S optimizer steps of ``--prompts-per-step``
+prompts (a batch of S x P prompts; ``--steps`` then counts optimizer steps and must be a multiple
+of S), and ``--engine-logprobs`` takes the old policy's log-probs from generate's own scores.
+``--generation-compare`` runs four lines at the same settings, interleaved ``--rounds`` times so
+that each round's lines share the machine's load: S = 1 and S = 4 at one prompt per optimizer
+step, S = 4 with the engine's log-probs, and S = 1 with four prompts per step. Each line adds
+``generate_share``, the generate phase's share of the timed seconds.
 """
 
 from __future__ import annotations
@@ -90,13 +98,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--max-staleness", type=int, default=1, help="async: optimizer steps a rollout may lag")
     add("--worker-threads", type=int, default=None, help="async: the worker's threads (default: half)")
     add("--sync-threads", type=int, default=None, help="compare: sync's threads (default: --threads)")
+    add("--steps-per-generation", type=int, default=1, help="optimizer steps per generation (S)")
+    add("--engine-logprobs", action="store_true", help="old-policy log-probs from generate's scores")
+    add("--generation-compare", action="store_true", help="S = 1 | 4 | 4 with engine log-probs | P = 4")
+    add("--rounds", type=int, default=1, help="generation-compare: rounds of the four lines")
     args = parser.parse_args(argv)
     if not Path(args.data).exists():
         parser.error(f"--data {args.data}: no such file or folder (give a GSM8K folder or .jsonl file)")
-    for name in ("prompts_per_step", "group", "max_new_tokens", "steps"):
+    for name in ("prompts_per_step", "group", "max_new_tokens", "steps", "steps_per_generation", "rounds"):
         if getattr(args, name) < 1 or (name == "group" and args.group < 2):
             parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    spans = (
+        GENERATION_LINES if args.generation_compare else [{"steps_per_generation": args.steps_per_generation}]
+    )
+    for line in spans:
+        if args.steps % line["steps_per_generation"]:
+            spg = line["steps_per_generation"]
+            parser.error(f"--steps {args.steps} is not a multiple of steps per generation {spg}")
+    if (args.generation_compare or args.steps_per_generation > 1) and args.rollout_mode != "sync":
+        parser.error("--steps-per-generation and --generation-compare time sync rollouts")
     return args
+
+
+# The lines of --generation-compare, each a change to the arguments.
+GENERATION_LINES = [
+    {"steps_per_generation": 1, "engine_logprobs": False, "prompts_per_step": 1},
+    {"steps_per_generation": 4, "engine_logprobs": False, "prompts_per_step": 1},
+    {"steps_per_generation": 4, "engine_logprobs": True, "prompts_per_step": 1},
+    {"steps_per_generation": 1, "engine_logprobs": False, "prompts_per_step": 4},
+]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -106,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # Lightning and transformers print to stdout in places; the JSON line must stand alone there.
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+    if args.generation_compare:
+        return _generation_compare(args, stdout)
     compare = args.rollout_mode == "compare"
     results: list[dict[str, Any]] = []
     for mode in ("sync", "async") if compare else (args.rollout_mode,):
@@ -121,6 +153,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return results[-1]
 
 
+def _generation_compare(args: argparse.Namespace, stdout: Any) -> dict[str, Any]:
+    """The four GENERATION_LINES, one after another, ``args.rounds`` times; a JSON line each."""
+    result: dict[str, Any] = {}
+    for round_index in range(args.rounds):
+        for line in GENERATION_LINES:
+            with contextlib.redirect_stdout(sys.stderr):
+                result = run(argparse.Namespace(**{**vars(args), **line}))
+            result["round"] = round_index
+            print(json.dumps(result), file=stdout, flush=True)
+    return result
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps + 1`` steps under the timer; the summary of the timed ones."""
     if args.threads:
@@ -130,8 +174,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pl.seed_everything(args.seed, verbose=False)
     asynchronous = args.rollout_mode == "async"
     # Async trains each batch max_staleness batches after it is handed: that many more batches.
-    batches = args.steps + 1 + (args.max_staleness if asynchronous else 0)
-    records = _prompts(args.data, args.prompts_per_step * batches)
+    # With S steps per generation a batch (S x P prompts) takes S optimizer steps.
+    spg = args.steps_per_generation
+    batches = args.steps // spg + 1 + (args.max_staleness if asynchronous else 0)
+    records = _prompts(args.data, args.prompts_per_step * spg * batches)
     model, tokenizer = load_model(args.model, dtype=dtype)
     if args.fixed_length:
         # generate() takes unset settings from the model's generation config: no EOS before the end.
@@ -150,6 +196,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rollout_mode="async" if asynchronous else "sync",
         max_staleness=args.max_staleness,
         rollout_worker_threads=args.worker_threads,
+        steps_per_generation=spg,
+        use_engine_logprobs=args.engine_logprobs,
     )
     recording = module.rollout_source = RecordingRollouts(module.rollout_source)
     setup_rss = _current_rss_mb()
@@ -158,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer = pl.Trainer(
             accelerator="gpu" if device.type == "cuda" else "cpu",
             devices=[device.index or 0] if device.type == "cuda" else 1,
-            max_steps=args.steps + 1,
+            max_steps=args.steps + spg,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -168,7 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             callbacks=[timer],
             profiler=PhaseProfiler(),
         )
-        loader = DataLoader(records, batch_size=args.prompts_per_step, collate_fn=collate_records)
+        loader = DataLoader(records, batch_size=args.prompts_per_step * spg, collate_fn=collate_records)
         trainer.fit(module, loader)
     # The first batch that trains is the warm-up (and, async, the ones before it fill the pipeline).
     first = next(i for i, step in enumerate(timer.steps) if step["trained"])
@@ -279,6 +327,7 @@ def _summary(
 
     result: dict[str, Any] = {
         "completion_tokens_per_s": sum(tokens) / sum(seconds),
+        "generate_share": sum(s["generate"] for s in steps) / sum(seconds),
         "seconds_per_step": statistics.median(seconds),
         **{f"time_{p}_s": statistics.median(s[p] for s in steps) for p in PHASES},
     }
@@ -312,6 +361,8 @@ def _summary(
         "kl_beta": args.kl_beta,
         "seed": args.seed,
         "rollout_mode": args.rollout_mode,
+        "steps_per_generation": args.steps_per_generation,
+        "engine_logprobs": args.engine_logprobs,
     }
     if args.rollout_mode == "async":
         result["settings"]["max_staleness"] = args.max_staleness

@@ -72,6 +72,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "val_temperature": (lambda v: v > 0, "> 0"),
     "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "val_max_new_tokens": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "steps_per_generation": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "rollout_correction": (_optional(lambda v: v in ("mask", "truncate")), "None, 'mask' or 'truncate'"),
+    "rollout_correction_level": (lambda v: v in ("token", "sequence"), "'token' or 'sequence'"),
+    "rollout_correction_cap": (_optional(lambda v: v > 1), "None or > 1"),
 }
 
 
@@ -85,6 +89,9 @@ LOSS_FIELDS = (
     "kl_estimator",
     "behav_imp_weight_cap",
 )
+# The async worker's default correction (AReaL's: masked at behav_imp_weight_cap, token level,
+# only for a rollout sampled by older weights) until rollout_correction names one.
+DEFAULT_BEHAV_IMP_WEIGHT_CAP = 5.0
 
 
 # Settings a resumed run may change: they leave what a step computes alone (memory, speed, error
@@ -104,6 +111,8 @@ CHANGEABLE_ON_RESUME = frozenset(
         "gradient_checkpointing",
         "vllm_gpu_memory_utilization",
         "rollout_worker_threads",
+        "rollout_device",
+        "rollout_memory_fraction",
         "val_num_generations",
         "val_temperature",
         "val_top_p",
@@ -187,8 +196,14 @@ def refuse_automatic_optimization_settings(trainer: Any) -> None:
 
 
 def loss_settings(values: Mapping[str, Any]) -> LossSettings:
-    """The loss settings among ``values`` (``max_new_tokens`` is dr_grpo's constant)."""
+    """The loss settings among ``values`` (``max_new_tokens`` is dr_grpo's constant). With
+    ``rollout_correction`` set, its mode, level and cap make the correction weight; else the
+    async worker's ``behav_imp_weight_cap`` (masked, token level)."""
     picked = {name: values[name] for name in LOSS_FIELDS if name in values}
+    if values.get("rollout_correction") is not None:
+        picked["behav_imp_weight_cap"] = values.get("rollout_correction_cap", 3.0)
+        picked["rollout_correction"] = values["rollout_correction"]
+        picked["rollout_correction_level"] = values.get("rollout_correction_level", "token")
     return LossSettings(**picked, max_completion_length=values.get("max_new_tokens"))
 
 
@@ -247,12 +262,21 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
             "dynamic_sampling steps when enough informative groups are gathered, num_iterations > 1 "
             f"after every pass: use one of them (num_iterations={values['num_iterations']})"
         )
+    if values.get("steps_per_generation", 1) > 1 and values.get("dynamic_sampling"):
+        raise ValueError(
+            "dynamic_sampling gathers informative groups over several generations per optimizer "
+            "step, steps_per_generation > 1 splits one generation into several steps: use one of "
+            f"them (steps_per_generation={values['steps_per_generation']})"
+        )
     if _tool_mode(values) is not None:
         _check_tools(values)
     if values.get("use_engine_logprobs"):
         _check_engine_logprobs(values)
+    if values.get("rollout_correction") is not None:
+        _check_rollout_correction(values)
     if values.get("rollout_mode") == "async":
         _check_async(values)
+    _check_rollout_device(values)
 
 
 # Settings asynchronous rollouts do not take yet, each with the value they need.
@@ -264,6 +288,7 @@ ASYNC_NEEDS = {
     "use_engine_logprobs": False,
     "dynamic_sampling": False,  # its steps depend on the rewards: no fixed version per batch
     "num_iterations": 1,
+    "steps_per_generation": 1,  # a batch in flight is one optimizer step's
 }
 
 
@@ -280,6 +305,18 @@ def _check_async(values: Mapping[str, Any]) -> None:
             "(top_p/top_k so that the worker and the loss score the same distribution); use "
             "rollout_mode='sync' for the others"
         )
+
+
+def _check_rollout_device(values: Mapping[str, Any]) -> None:
+    device, fraction = values.get("rollout_device"), values.get("rollout_memory_fraction")
+    if (device is not None or fraction is not None) and values.get("rollout_mode", "sync") != "async":
+        raise ValueError(
+            "rollout_device and rollout_memory_fraction place the asynchronous rollout worker: "
+            "set rollout_mode='async', or leave them unset (sync rollouts sample on the trainer's device)"
+        )
+    from forge_lightning.weight_ring import check_rollout_device
+
+    check_rollout_device(device, fraction)
 
 
 def _tool_mode(values: Mapping[str, Any]) -> str | None:
@@ -313,10 +350,40 @@ def _check_tools(values: Mapping[str, Any]) -> None:
 
 
 def _check_engine_logprobs(values: Mapping[str, Any]) -> None:
-    if values.get("generation_backend", "hf") != "vllm":
-        raise ValueError("use_engine_logprobs needs generation_backend='vllm' (HF generate reports none)")
+    """The engine's scores stand in for the old policy's log-probs: only where they are of the
+    distribution the loss scores (the whole one, at the loss's temperature)."""
     if values.get("top_p", 1.0) != 1.0 or values.get("top_k", 0) != 0:
         raise ValueError(
             "use_engine_logprobs needs top_p=1 and top_k=0: the engine reports log-probs of the "
             "truncated distribution it sampled from, the loss computes them over the whole one"
+        )
+    if values.get("loss_type") == "forge":
+        raise ValueError(
+            "use_engine_logprobs does not go with loss_type='forge', which scores at temperature 1 "
+            "while the engine reports log-probs at the sampling temperature"
+        )
+    if values.get("rollout_correction") is not None:
+        raise ValueError(
+            "use_engine_logprobs trusts the engine's log-probs as the old policy's; "
+            f"rollout_correction={values['rollout_correction']!r} measures them against the "
+            "trainer's instead: use one of them"
+        )
+
+
+def _check_rollout_correction(values: Mapping[str, Any]) -> None:
+    if values.get("loss_type") == "forge":
+        raise ValueError(
+            "rollout_correction does not go with loss_type='forge' (Forge's ratio is against the "
+            "reference, not the sampler); use grpo, dapo or dr_grpo"
+        )
+    if _tool_mode(values) is not None:
+        raise ValueError(
+            f"rollout_correction does not work with {_tool_mode(values)}: the engine's log-probs "
+            "do not cover the tools' tokens; set rollout_correction to null"
+        )
+    cap = values.get("behav_imp_weight_cap", DEFAULT_BEHAV_IMP_WEIGHT_CAP)
+    if cap != DEFAULT_BEHAV_IMP_WEIGHT_CAP:
+        raise ValueError(
+            f"behav_imp_weight_cap={cap!r} is the cap of the async worker's default correction; "
+            "with rollout_correction set, its cap is rollout_correction_cap"
         )

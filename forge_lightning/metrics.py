@@ -35,10 +35,12 @@ TRAIN_KEYS = (
     "lr",
     "grad_norm",
     # Asynchronous rollouts: the optimizer steps between the weights that sampled a trained
-    # rollout and the weights it trained, and the decoupled loss's behaviour weights.
+    # rollout and the weights it trained. Rollout correction (and async): the sampler's KL from
+    # the trainer and the correction weights (grpo.grpo_loss).
     "staleness",
-    "behav_imp_weight",
-    "behav_masked_fraction",
+    "sampler_kl",
+    "correction_weight_mean",
+    "correction_masked_fraction",
     # Tool-using rollouts (tool_rollout.py), per completion: calls, calls that failed, generate
     # rounds, and the share of the completion's tokens a tool wrote; and ``tool_calls/<name>``,
     # each tool's calls (TrainMetrics' ``tools``).
@@ -192,8 +194,9 @@ def add_micro_batch(
         "clip_fraction_low",
         "clip_fraction_high",
         "entropy",
-        "behav_imp_weight",
-        "behav_masked_fraction",
+        "sampler_kl",
+        "correction_weight_mean",
+        "correction_masked_fraction",
     )
     parts.update({k: metrics[k] * token_share for k in per_token if k in metrics})
     for key, value in parts.items():

@@ -39,6 +39,7 @@ from forge_lightning.rollout import FACTS, RolloutSampler, prompt_settings, warn
 from forge_lightning.rollout_sources import TrainingBatch
 from forge_lightning.sampled_eval import TrainingRandomState, run_seed, sampled_evaluation, sampling_seed
 from forge_lightning.scoring import batch_advantages, score_groups
+from forge_lightning.step_plan import mean_stats, take_share
 from forge_lightning.tool_rollout import ToolRolloutSampler, with_tools
 from forge_lightning.tools.functions import ToolsArgument, stored_tools
 from forge_lightning.validation import (
@@ -99,7 +100,9 @@ class GRPOLightningModule(pl.LightningModule):
         gradient_checkpointing: trade compute for activation memory in the training forward.
         generation_backend: ``hf`` (the policy's ``generate``) or ``vllm`` (GPU; see vllm_backend.py).
         vllm_gpu_memory_utilization: the share of GPU memory the vLLM engine may take.
-        use_engine_logprobs: old-policy log-probs from the vLLM engine (needs top_p 1, top_k 0).
+        use_engine_logprobs: the old policy's log-probs from the engine's scores, not a forward.
+            The engine (vLLM, or HF generate) is trusted: needs top_p 1, top_k 0 and a loss at
+            the sampling temperature. Else see ``rollout_correction``.
         peft: train a LoRA adapter (lora.LoraSettings or a dict of its fields); None trains every weight.
         accuracy: the check behind ``val/accuracy`` (a reward scoring 1 when right); GSM8K's if None.
         mask_truncated_completions: a completion cut off at ``max_new_tokens`` (no EOS) gets no
@@ -118,7 +121,29 @@ class GRPOLightningModule(pl.LightningModule):
         rollout_mode: ``sync``, or ``async``: a worker process samples while the trainer trains.
         max_staleness: async: optimizer steps a rollout may lag the weights it trains (k >= 0).
         rollout_worker_threads: async: the worker's CPU threads, the trainer the rest; None: half.
-        behav_imp_weight_cap: async: tokens whose behaviour weight exceeds it get none (> 1; None).
+        rollout_device: async: the worker's device (None: the CPU). ``cuda:N`` is another GPU,
+            ``cuda`` the trainer's own (with ``rollout_memory_fraction``); the weights go device
+            to device (weight_ring.py).
+        rollout_memory_fraction: async: the GPU memory share the worker may take.
+        behav_imp_weight_cap: async: the cap of the default correction (> 1; None). Without
+            ``rollout_correction``, a rollout sampled by older weights weighs each token by
+            ``exp(old_logp - behav_logp)``, none above this.
+        rollout_correction: ``mask`` (MIS) or ``truncate`` (TIS) by the sampler's log-probs; None: off.
+            It corrects the loss for the sampler's log-probs differing from the trainer's (vLLM's
+            kernels, top-p/top-k cuts, the async worker): the engine's scores come with the
+            rollout and weigh each token (``token``) or completion (``sequence``) by ``w`` (the
+            formula: grpo.grpo_loss), ``mask`` dropping those above the cap, ``truncate`` capping
+            them. Logs ``train/sampler_kl``, ``train/correction_weight_mean`` and
+            ``train/correction_masked_fraction``.
+        rollout_correction_level: ``token``, or ``sequence``: one weight per completion, from
+            the mean log-ratio over its model tokens.
+        rollout_correction_cap: the cap of ``w`` (> 1; TRL's 3).
+        steps_per_generation: optimizer steps each batch's generation feeds (S). With S > 1 the
+            batch (give the data S x the prompts of a step) is sampled once and split, by whole
+            groups in prompt order, into S steps of ``gradient_accumulation_steps`` shares each;
+            the old-policy log-probs are the sampling weights', fixed once (``num_iterations``
+            repeats the S steps). Checkpoints fall between generations; step cadences
+            (``max_steps``, ``every_n_train_steps``, ``save_steps``) must be multiples of S x mu.
         calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
             or ``plain`` (``41 + 29 =``); its answers are read, not trained on (tool_rollout.py).
             Sync rollouts with HF generate only. None: no tool.
@@ -192,7 +217,13 @@ class GRPOLightningModule(pl.LightningModule):
         rollout_mode: Literal["sync", "async"] = "sync",
         max_staleness: int = 1,
         rollout_worker_threads: int | None = None,
+        rollout_device: str | None = None,
+        rollout_memory_fraction: float | None = None,
         behav_imp_weight_cap: float | None = 5.0,
+        rollout_correction: Literal["mask", "truncate"] | None = None,
+        rollout_correction_level: Literal["token", "sequence"] = "token",
+        rollout_correction_cap: float | None = 3.0,
+        steps_per_generation: int = 1,
         calculator: Literal["annotation", "plain"] | None = None,
         max_tool_calls: int = 4,
         tools: ToolsArgument = None,
@@ -309,20 +340,27 @@ class GRPOLightningModule(pl.LightningModule):
             old_logp, ref_logp = self.passes.fixed_log_probs(
                 self.model, self.reference, trained, len(plan.passes)
             )
-        for step_after in plan.passes:
+        pass_stats = []
+        for part in plan.passes:  # the whole rollout, or (steps_per_generation) one share of it
+            share, advantages, old, ref = take_share(part, trained, plan.advantages, old_logp, ref_logp)
             # Before any backward: DDP all-reduces in each one, so every rank must make as many.
-            made = len(self.passes.micro_batches(trained))
+            made = len(self.passes.micro_batches(share))
             extra = self.plan.backward_calls_missing(made, self.trainer, self.device)
-            stats = self.passes.backward(
-                self.model, trained, plan.advantages, old_logp, ref_logp, self.manual_backward, profile, extra
+            pass_stats.append(
+                self.passes.backward(
+                    self.model, share, advantages, old, ref, self.manual_backward, profile, extra
+                )
             )
-            if step_after:
+            if part.step_after:
                 with profile("optimizer"):
                     self._optimizer_step()
+        stats = mean_stats(
+            pass_stats[-(len(plan.passes) // self.hparams.num_iterations) :]
+        )  # the last pass's
         num_tokens = trained.loss_mask(s.mask_truncated_completions).sum().float()
         self.train_metrics.add({"reward_errors": errors, "num_tokens": num_tokens, **item.metrics})
         self._stepped = self._stepped or plan.stepped
-        self._record(item, rewards, components, stats, plan.stepped)
+        self._record(item, rewards, components, stats, plan.steps)
 
     def _optimizer_step(self) -> None:
         """Step the optimizer on the gradient of the step's batches, and give the engine the new weights."""
@@ -336,11 +374,11 @@ class GRPOLightningModule(pl.LightningModule):
             self.rollout_source.weights_updated(self.model)
 
     def _record(
-        self, item: TrainingBatch, rewards: Tensor, components: dict, stats: dict, stepped: bool
+        self, item: TrainingBatch, rewards: Tensor, components: dict, stats: dict, steps: int
     ) -> None:
-        """Track the batch's metrics; at an optimizer step, log them (means over the step's batches,
-        reduced across ranks); publish the batch's record in ``last_step``."""
-        record = self.reporter.record(item, rewards, components, stats, stepped, self.trainer)
+        """Track the batch's metrics; after its optimizer steps (if any), log them (means over the
+        step's batches, reduced across ranks); publish the batch's record in ``last_step``."""
+        record = self.reporter.record(item, rewards, components, stats, steps, self.trainer)
         # self.log feeds Lightning's callbacks (callback_metrics, the progress bar). The loggers get
         # the report here, at the optimizer step: Lightning would count batches, and re-send a
         # logged value after every later batch of an accumulation.
@@ -378,6 +416,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
+        self.plan.check_cadences(self.trainer)
         self.rollout_source.on_fit_start(self.trainer, self.model, sharded=self.device_mesh is not None)
         self._share_policy_context()
         self._random_state.save(self.device)  # the sanity check's validation leaves it as it was

@@ -39,19 +39,19 @@ class StepReporter:
         rewards: Tensor,
         components: dict[str, Tensor],
         stats: dict[str, Tensor],
-        stepped: bool,
+        steps: int,
         trainer: Any,
     ) -> StepRecord:
-        """One training batch: its values tracked (batch_metrics); at an optimizer step
-        (``stepped``) the step's metrics (step) and, at a reporting step, the report; all in the
-        batch's record."""
+        """One training batch: its values tracked (batch_metrics); after the ``steps`` optimizer
+        steps it took (if any) their metrics (step) and, at a reporting step, the report; all in
+        the batch's record."""
         rollout, global_step, profiler = item.rollout, trainer.global_step, trainer.profiler
         # The batch's seconds per phase (empty without a PhaseProfiler).
         phases = profiler.last_step() if isinstance(profiler, PhaseProfiler) else {}
         for key, value in batch_metrics(rollout, rewards, components, stats, phases).items():
             self.metrics.update(key, value)
-        logged = self.step() if stepped else {}
-        report = self.report(global_step, trainer.log_every_n_steps) if stepped else {}
+        logged = self.step() if steps else {}
+        report = self.report(global_step, trainer.log_every_n_steps, steps) if steps else {}
         return StepRecord.of(global_step, item.prompts, rollout, rewards, logged, phases, components, report)
 
     def step(self) -> dict[str, float]:
@@ -63,10 +63,12 @@ class StepReporter:
         self.window.append(logged)
         return logged
 
-    def report(self, global_step: int, log_every_n_steps: int) -> dict[str, float]:
-        """At a reporting step, the window's values (window_values), and a new window; else empty."""
+    def report(self, global_step: int, log_every_n_steps: int, steps: int = 1) -> dict[str, float]:
+        """At a reporting step, the window's values (window_values), and a new window; else empty.
+        A batch that took ``steps`` optimizer steps (steps_per_generation) reports when it
+        reached or passed a multiple of the cadence."""
         every = self.every if self.every is not None else max(log_every_n_steps, 1)
-        if global_step % every:
+        if global_step // every == (global_step - steps) // every:
             return {}
         report, self.window = window_values(self.window), []
         return report

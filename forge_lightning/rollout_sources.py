@@ -71,12 +71,15 @@ class RolloutSettings:
     mode: str
     group_size: int
     sampling: SamplingParams
-    engine_logprobs: bool
+    engine_logprobs: bool  # the engine's scores are the old policy's (use_engine_logprobs)
+    correction: bool  # the engine's scores are the sampler's, for rollout_correction
     generation_backend: str
     vllm_gpu_memory_utilization: float
     gradient_accumulation_steps: int
     max_staleness: int
     worker_threads: int | None
+    worker_device: str | None
+    worker_memory_fraction: float | None
     prefix_sharing: bool
     logprob_chunk_size: int | None
 
@@ -87,11 +90,14 @@ def rollout_settings(hp: Any, sampling: SamplingParams) -> RolloutSettings:
         group_size=hp.group_size,
         sampling=sampling,
         engine_logprobs=hp.use_engine_logprobs,
+        correction=hp.get("rollout_correction") is not None,
         generation_backend=hp.generation_backend,
         vllm_gpu_memory_utilization=hp.vllm_gpu_memory_utilization,
         gradient_accumulation_steps=hp.gradient_accumulation_steps,
         max_staleness=hp.max_staleness,
         worker_threads=hp.rollout_worker_threads,
+        worker_device=hp.get("rollout_device"),
+        worker_memory_fraction=hp.get("rollout_memory_fraction"),
         prefix_sharing=hp.prefix_sharing,
         logprob_chunk_size=hp.logprob_chunk_size,
     )
@@ -124,17 +130,21 @@ class SyncRollouts:
     def rollouts(
         self, batch: TrainingBatch, trainer: pl.Trainer, model: PreTrainedModel
     ) -> Iterator[TrainingBatch]:
-        """The batch's own rollout, sampled now."""
+        """The batch's own rollout, sampled now. With rollout correction, the engine's scores come
+        with it as the sampler's log-probs (``behav_logp``), the old policy's left to the trainer."""
         s = self.settings
         with trainer.profiler.profile("generate"):
-            batch.rollout = self.runner(
+            rollout = self.runner(
                 model,
                 batch.prompts,
                 s.sampling,
                 s.group_size,
-                engine_logprobs=s.engine_logprobs,
+                engine_logprobs=s.engine_logprobs or s.correction,
                 rows=batch.batch_kwargs,
             )
+        if s.correction:
+            rollout.behav_logp, rollout.old_logp = rollout.old_logp, None
+        batch.rollout = rollout
         yield batch
 
     def on_fit_start(self, trainer: pl.Trainer, model: PreTrainedModel, sharded: bool) -> None:
@@ -181,6 +191,8 @@ class AsyncRollouts(SyncRollouts):
             prefix_sharing=s.prefix_sharing,
             logprob_chunk_size=s.logprob_chunk_size,
             threads=split_threads(torch.get_num_threads(), s.worker_threads)[1],
+            device=s.worker_device,
+            memory_fraction=s.worker_memory_fraction,
         )
         return RolloutWorker(worker, s.max_staleness)
 
@@ -224,8 +236,9 @@ class AsyncRollouts(SyncRollouts):
                 finished.completion_ids.to(device),
                 s.group_size,
                 s.sampling,
-                # At lag 0 the sampling weights are the trained ones: the loss is the synchronous one.
-                behav_logp=finished.behav_logp.to(device) if lag else None,
+                # At lag 0 the sampling weights are the trained ones: the loss is the synchronous
+                # one, unless rollout correction weighs the worker's scores against the trainer's.
+                behav_logp=finished.behav_logp.to(device) if lag or s.correction else None,
             )
             metrics = {
                 "staleness": float(lag),

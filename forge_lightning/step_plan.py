@@ -2,9 +2,10 @@
 
 The module holds one plan, chosen once from its settings (:func:`step_plan`). :class:`StepPlan`
 is plain accumulation (the optimizer steps every ``gradient_accumulation_steps`` batches and at an
-epoch's end) with ``num_iterations`` passes over each rollout (mu, each ending a step).
-:class:`DynamicSamplingPlan` trains the informative groups only and steps once enough are gathered
-over the ranks (DAPO; see sampling_rounds.py).
+epoch's end) with ``num_iterations`` passes over each rollout (mu, each ending a step), and with
+``steps_per_generation`` S > 1 one batch's generation split into S optimizer steps
+(:func:`generation_shares`). :class:`DynamicSamplingPlan` trains the informative groups only and
+steps once enough are gathered over the ranks (DAPO; see sampling_rounds.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ class PlanSettings:
     num_iterations: int
     dynamic_sampling: bool
     max_sampling_rounds: int
+    steps_per_generation: int = 1
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps one batch takes when S > 1 (S x mu); 1 or 0 otherwise (accumulation)."""
+        return self.steps_per_generation * self.num_iterations
 
 
 def plan_settings(hp: Any) -> PlanSettings:
@@ -37,6 +44,7 @@ def plan_settings(hp: Any) -> PlanSettings:
         num_iterations=hp.num_iterations,
         dynamic_sampling=hp.dynamic_sampling,
         max_sampling_rounds=hp.max_sampling_rounds,
+        steps_per_generation=hp.get("steps_per_generation", 1),
     )
 
 
@@ -46,18 +54,80 @@ def accumulation_boundary(batch_idx: int, accumulation: int, num_training_batche
     return (batch_idx + 1) % accumulation == 0 or last
 
 
+@dataclass(frozen=True)
+class Pass:
+    """One backward pass of a batch: over its prompts ``groups`` (a slice of the prompts; None:
+    all of them), then an optimizer step when ``step_after``."""
+
+    groups: slice | None
+    step_after: bool
+
+    def rows(self, group_size: int) -> slice:
+        """The completion rows of the pass's prompts."""
+        if self.groups is None:
+            return slice(None)
+        return slice(self.groups.start * group_size, self.groups.stop * group_size)
+
+
 @dataclass
 class BatchPlan:
     """What one batch trains: ``rollout`` (the batch's, or its kept groups) with its
-    ``advantages``, and one entry per backward pass over it: whether the optimizer steps after it."""
+    ``advantages``, and its backward passes in order (each over all or a share of its prompts)."""
 
     rollout: Rollout
     advantages: Tensor
-    passes: list[bool]
+    passes: list[Pass]
 
     @property
     def stepped(self) -> bool:
-        return any(self.passes)
+        return any(p.step_after for p in self.passes)
+
+    @property
+    def steps(self) -> int:
+        """The optimizer steps the batch takes."""
+        return sum(p.step_after for p in self.passes)
+
+
+def generation_shares(num_prompts: int, steps: int, accumulation: int) -> list[Pass]:
+    """The passes of one generation of ``num_prompts`` prompts for ``steps`` optimizer steps of
+    ``accumulation`` shares each: ``steps x accumulation`` shares of whole groups, in prompt order,
+    as even as the count allows (a smaller last batch gives smaller shares), the optimizer
+    stepping after every ``accumulation``-th."""
+    shares = steps * accumulation
+    if num_prompts < shares:
+        raise ValueError(
+            f"a batch of {num_prompts} prompt(s) cannot be split into steps_per_generation={steps} "
+            f"optimizer steps of gradient_accumulation_steps={accumulation} share(s) each: give the "
+            f"data a batch_size of at least {shares} (a multiple of it: each step's prompts per share)"
+        )
+    base, extra = divmod(num_prompts, shares)
+    passes, start = [], 0
+    for i in range(shares):
+        stop = start + base + (i < extra)
+        passes.append(Pass(slice(start, stop), (i + 1) % accumulation == 0))
+        start = stop
+    return passes
+
+
+def take_share(part: Pass, rollout: Rollout, advantages: Tensor, *per_row: Tensor | None) -> tuple[Any, ...]:
+    """The rollout, advantages and per-completion tensors (``None`` stays None) of ``part``'s prompts."""
+    if part.groups is None:
+        return (rollout, advantages, *per_row)
+    keep = torch.zeros(rollout.prompt_ids.shape[0], dtype=torch.bool, device=rollout.prompt_ids.device)
+    keep[part.groups] = True
+    rows = part.rows(rollout.group_size)
+    return (rollout.select_groups(keep), advantages[rows], *(None if t is None else t[rows] for t in per_row))
+
+
+def mean_stats(passes: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The loss statistics of several passes (a generation's shares): each key's mean over the
+    passes that trained something; one pass's own statistics as they are."""
+    if len(passes) == 1:
+        return passes[0]
+    trained = [p for p in passes if all(v.numel() for v in p.values())]
+    if not trained:
+        return passes[-1]
+    return {key: torch.stack([p[key] for p in trained]).mean() for key in trained[0]}
 
 
 class StepPlan:
@@ -70,9 +140,40 @@ class StepPlan:
         self, rollout: Rollout, rewards: Tensor, advantages: Tensor, batch_idx: int, trainer: Any
     ) -> BatchPlan:
         s = self.settings
+        if s.steps_per_generation > 1:  # the whole generation, its steps repeated mu times
+            shares = generation_shares(
+                rollout.prompt_ids.shape[0], s.steps_per_generation, s.gradient_accumulation_steps
+            )
+            return BatchPlan(rollout, advantages, shares * s.num_iterations)
         batches = trainer.num_training_batches
         stepped = accumulation_boundary(batch_idx, s.gradient_accumulation_steps, batches)
-        return BatchPlan(rollout, advantages, [stepped] * s.num_iterations)  # always stepped, when mu > 1
+        return BatchPlan(rollout, advantages, [Pass(None, stepped)] * s.num_iterations)  # mu > 1: stepped
+
+    def check_cadences(self, trainer: Any) -> None:
+        """With S > 1 a batch takes S x mu optimizer steps at once, and a callback that looks at
+        the step after each batch sees only every (S x mu)-th: refuse step cadences that are not
+        multiples of it, naming each. (Reports to the loggers need none: they come at the first
+        batch at or past each multiple of their cadence.)"""
+        k = self.settings.steps_per_batch
+        if self.settings.steps_per_generation == 1:
+            return
+        wrong = []
+        if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.max_steps % k:
+            wrong.append(f"trainer.max_steps={trainer.max_steps}")
+        for callback in trainer.callbacks:
+            for attribute, shown in (
+                ("_every_n_train_steps", "every_n_train_steps"),
+                ("save_steps", "save_steps"),
+            ):
+                value = getattr(callback, attribute, None)
+                if isinstance(value, int) and value > 0 and value % k:
+                    wrong.append(f"{type(callback).__name__}({shown}={value})")
+        if wrong:
+            raise ValueError(
+                f"steps_per_generation={self.settings.steps_per_generation} x num_iterations="
+                f"{self.settings.num_iterations} takes {k} optimizer steps in each batch, so step "
+                f"cadences must be multiples of {k}: {', '.join(wrong)}"
+            )
 
     def backward_calls_missing(self, made: int, trainer: Any, device: torch.device) -> int:
         """Zero-weight backward calls this rank must add to match the others' all-reduces: none,
@@ -87,6 +188,8 @@ class StepPlan:
         """Optimizer steps of the whole fit (the schedule's length)."""
         s = self.settings
         accumulation, mu = s.gradient_accumulation_steps, s.num_iterations
+        if s.steps_per_generation > 1:  # every batch takes S x mu steps, its accumulation inside it
+            return total_optimizer_steps(trainer, 1, s.steps_per_batch, s.dynamic_sampling)
         return total_optimizer_steps(trainer, accumulation, mu, s.dynamic_sampling)
 
 
@@ -106,7 +209,7 @@ class DynamicSamplingPlan(StepPlan):
         last = batch_idx + 1 == trainer.num_training_batches
         target = trainer.world_size * keep.numel() * s.gradient_accumulation_steps
         stepped = self.rounds.add_round(keep, trainer.strategy, target=target, last_batch=last)
-        return BatchPlan(rollout.select_groups(keep), kept, [stepped])
+        return BatchPlan(rollout.select_groups(keep), kept, [Pass(None, stepped)])
 
     def backward_calls_missing(self, made: int, trainer: Any, device: torch.device) -> int:
         if trainer.world_size == 1:

@@ -3,7 +3,9 @@ saves the step's gradient (after DDP's all-reduce, before the optimizer) to ``OU
 With ``dynamic``, one step with dynamic sampling where the ranks gather their informative groups
 in different rounds (rank 0's first prompt is uninformative), saved to ``OUT/dynamic.pt``. With
 ``tools``, one step of calculator rollouts where rank 0's completions take up to three rounds and
-rank 1's one (conftest.CalculatorCalls), saved to ``OUT/tools-<loss>.pt``.
+rank 1's one (conftest.CalculatorCalls), saved to ``OUT/tools-<loss>.pt``. The default mode also
+runs each loss type with ``steps_per_generation`` 2 on two prompts per rank (the rank's record
+first, then another), saving the first of its two steps' gradients to ``OUT/spg-<loss>.pt``.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_gradients.py \
         OUT ROOT [dynamic|tools]
@@ -24,6 +26,8 @@ from forge_lightning.data.datamodule import collate_records
 from forge_lightning.module import GRPOLightningModule
 
 RECORDS = [{"prompt": "ab"}, {"prompt": "abc d"}]
+# The second prompt of each rank's generation with steps_per_generation 2 (trained in step 2).
+LATER_RECORDS = [{"prompt": "bb a"}, {"prompt": "cab"}]
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "forge")
 TOOL_SETTINGS = dict(calculator="annotation", max_new_tokens=24, group_size=3)
 # Rank r trains on records r and r + 2 (its own loader, no DistributedSampler): rank 0 on p0 (flat),
@@ -47,7 +51,12 @@ def main(out: Path, root: Path, mode: str = "") -> None:
         ]
     else:
         runs = [(loss, RECORDS[rank::2], {"loss_type": loss}) for loss in LOSS_TYPES]
+        generation = [RECORDS[rank], LATER_RECORDS[rank]]
+        runs += [
+            (f"spg-{loss}", generation, {"loss_type": loss, "steps_per_generation": 2}) for loss in LOSS_TYPES
+        ]
     for name, records, settings in runs:
+        steps = settings.get("steps_per_generation", 1)
         pl.seed_everything(1)
         grpo = GRPOLightningModule(**exact_settings(**settings))
         if mode == "tools":
@@ -59,7 +68,7 @@ def main(out: Path, root: Path, mode: str = "") -> None:
             accelerator="cpu",
             devices=2,
             strategy="ddp",
-            max_steps=1,
+            max_steps=steps,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -68,9 +77,10 @@ def main(out: Path, root: Path, mode: str = "") -> None:
             callbacks=[other_reference(), gradient_spy(grads)],
             use_distributed_sampler=False,  # each rank's records are fixed above
         )
-        trainer.fit(grpo, DataLoader(records, batch_size=1, collate_fn=collate_records))
+        trainer.fit(grpo, DataLoader(records, batch_size=steps, collate_fn=collate_records))
         if trainer.is_global_zero:
-            torch.save(grads, out / f"{name}.pt")
+            first_step = grads[: len(grads) // steps]
+            torch.save(first_step, out / f"{name}.pt")
 
 
 if __name__ == "__main__":

@@ -20,11 +20,13 @@ from forge_lightning.callbacks import RewardLogger
 from forge_lightning.config import validate_hparams
 from forge_lightning.logprobs import LogProbScorer
 from forge_lightning.rollout import Rollout, SamplingParams, completion_mask, encode_prompts
+from forge_lightning.weight_ring import check_rollout_device, resolved_rollout_device
 
 TEMPERATURE = 0.9
 
 
-def worker_for(tokenizer, max_staleness: int = 1) -> RolloutWorker:
+def worker_for(tokenizer, max_staleness: int = 1, **device_settings) -> RolloutWorker:
+    """A one-thread worker; ``device_settings``: WorkerSettings' ``device`` and ``memory_fraction``."""
     settings = WorkerSettings(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_ids=(tokenizer.eos_token_id,),
@@ -32,6 +34,7 @@ def worker_for(tokenizer, max_staleness: int = 1) -> RolloutWorker:
         prefix_sharing=True,
         logprob_chunk_size=8,
         threads=1,
+        **device_settings,
     )
     return RolloutWorker(settings, max_staleness)
 
@@ -86,6 +89,67 @@ def test_each_rollout_is_sampled_from_the_version_asked_for_with_its_seed(tiny_m
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     stale = log_probs(tiny_model, tokenizer, ids, mask, first.completion_ids, 4)
     assert not torch.allclose(first.behav_logp * (stale != 0), stale, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("device", "fraction", "message"),
+    [
+        ("gpu0", None, "rollout_device='gpu0' is not a device torch understands"),
+        ("cuda:x", None, "rollout_device='cuda:x' is not a device torch understands"),
+        ("mps", None, "rollout_device='mps': the rollout worker samples on 'cpu' or 'cuda', not 'mps'"),
+        (0, None, "rollout_device must be a device string"),
+        ("cuda", 0.0, r"rollout_memory_fraction=0.0 must be in \(0, 1\)"),
+        ("cuda:1", 1.0, r"rollout_memory_fraction=1.0 must be in \(0, 1\)"),
+        (None, 0.3, "rollout_memory_fraction=0.3 caps a CUDA rollout worker's memory"),
+        ("cpu", 0.3, "rollout_memory_fraction=0.3 caps a CUDA rollout worker's memory"),
+    ],
+)
+def test_rollout_device_settings_are_refused_by_name(tokenizer, device, fraction, message):
+    with pytest.raises(ValueError, match=message):
+        check_rollout_device(device, fraction)
+    with pytest.raises(ValueError, match=message):  # the worker's settings check themselves
+        worker_for(tokenizer, device=device, memory_fraction=fraction)
+
+
+def test_a_cuda_device_setting_is_checked_without_a_gpu_and_resolved_against_the_machine(monkeypatch):
+    check_rollout_device("cuda:1", 0.3)  # a well-formed setting needs no GPU to pass the check
+    assert resolved_rollout_device(None, torch.device("cpu")) == torch.device("cpu")
+    assert resolved_rollout_device("cpu", torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    # "cuda" without an index is the trainer's own GPU.
+    assert resolved_rollout_device("cuda", torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert resolved_rollout_device("cuda:0", torch.device("cuda", 1)) == torch.device("cuda", 0)
+    beyond = r"rollout_device='cuda:3' asks for GPU 3, but torch.cuda.device_count\(\) is 2"
+    with pytest.raises(ValueError, match=beyond):
+        resolved_rollout_device("cuda:3", torch.device("cpu"))
+
+
+def test_asking_for_a_gpu_this_machine_lacks_is_refused_before_a_worker_is_spawned(
+    monkeypatch, tiny_model, tokenizer
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    worker = worker_for(tokenizer, device="cuda", memory_fraction=0.3)
+    with pytest.raises(ValueError, match=r"rollout_device='cuda' asks for a CUDA GPU, but .*is False"):
+        worker.start(tiny_model)
+    assert not worker.running and worker.process is None
+
+
+def test_a_cpu_device_setting_samples_what_the_default_samples(tiny_model, tokenizer):
+    ids, mask = encode_prompts(tokenizer, ["abc", "de"], use_chat_template=False)
+    params = SamplingParams(8, temperature=TEMPERATURE)
+    workers = [worker_for(tokenizer), worker_for(tokenizer, device="cpu")]
+    try:
+        for worker in workers:  # both spawn before either is waited for
+            worker.start(tiny_model)
+        tickets = [worker.submit(ids, mask, 3, params, seed=rollout_seed(5, 0)) for worker in workers]
+        default, cpu = (worker.collect(ticket) for worker, ticket in zip(workers, tickets))
+    finally:
+        for worker in workers:
+            worker.close()
+    assert workers[1].device == torch.device("cpu")
+    torch.testing.assert_close(cpu.completion_ids, default.completion_ids, rtol=0, atol=0)
+    torch.testing.assert_close(cpu.behav_logp, default.behav_logp, rtol=0, atol=0)
 
 
 def test_a_worker_that_dies_is_an_error_that_names_it(tiny_model, tokenizer):
@@ -180,8 +244,8 @@ def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(fit_
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
     # The first rollout is sampled by the weights it trains; every later one, one step older.
     assert [r["staleness"] for r in logged] == [0.0, 1.0, 1.0, 1.0, 1.0]
-    assert "behav_imp_weight" not in logged[0]
-    assert all(0.5 < r["behav_imp_weight"] < 2.0 for r in logged[1:])
+    assert "correction_weight_mean" not in logged[0]
+    assert all(0.5 < r["correction_weight_mean"] < 2.0 for r in logged[1:])
     assert sum(r["num_tokens"] > 0 for r in logged) == 5
     assert all(r["regenerated"] == 0 for r in logged)
     assert not grpo.generator.running

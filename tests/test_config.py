@@ -58,6 +58,10 @@ BAD = {
     "val_temperature": 0.0,
     "val_top_p": 0.0,
     "val_max_new_tokens": 0,
+    "steps_per_generation": 0,
+    "rollout_correction": "clip",
+    "rollout_correction_level": "batch",
+    "rollout_correction_cap": 1.0,
 }
 
 
@@ -81,7 +85,13 @@ def test_a_boolean_is_not_a_number():
     [
         ({"num_iterations": 2, "gradient_accumulation_steps": 4}, "gradient_accumulation_steps"),
         ({"dynamic_sampling": True, "num_iterations": 2}, "num_iterations"),
-        ({"use_engine_logprobs": True}, "generation_backend"),
+        ({"use_engine_logprobs": True, "loss_type": "forge"}, "forge"),
+        ({"use_engine_logprobs": True, "rollout_correction": "mask"}, "rollout_correction"),
+        ({"rollout_correction": "mask", "loss_type": "forge"}, "forge"),
+        ({"rollout_correction": "truncate", "calculator": "plain"}, "calculator"),
+        ({"rollout_correction": "mask", "behav_imp_weight_cap": 2.0}, "rollout_correction_cap"),
+        ({"steps_per_generation": 2, "dynamic_sampling": True}, "steps_per_generation"),
+        ({"steps_per_generation": 2, "rollout_mode": "async"}, "steps_per_generation"),
         ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_p": 0.9}, "top_p"),
         ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_k": 5}, "top_k"),
     ],

@@ -188,6 +188,11 @@ def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_pa
         assert any(g.abs().sum() > 0 for g in one)
         for a, b in zip(ddp, one):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+        # steps_per_generation 2, two prompts per rank: the first step trains each rank's first
+        # prompt, normalised over both ranks' shares, as the one process holding both does.
+        within = torch.load(tmp_path / f"spg-{loss_type}.pt")
+        for a, b in zip(within, one):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
 
 
 def test_ddp_tool_rollouts_with_ranks_taking_different_rounds_match_one_batch(tmp_path, step_gradients):

@@ -514,8 +514,10 @@ def test_decoupled_loss_on_hand_made_tensors():
     assert logp.grad[0, 0].item() == pytest.approx(-w00 * r00 * 1.0 / 4, rel=1e-5)
     assert logp.grad[0, 1].item() == 0.0
     assert logp.grad[1, 0].item() == pytest.approx(-math.exp(-0.1) * -2.0 / 2, rel=1e-5)
-    assert metrics["behav_imp_weight"].item() == pytest.approx((math.exp(0.2) + math.exp(-0.1)) / 2, rel=1e-6)
-    assert metrics["behav_masked_fraction"].item() == pytest.approx(1 / 3)
+    assert metrics["correction_weight_mean"].item() == pytest.approx(
+        (math.exp(0.2) + math.exp(-0.1)) / 2, rel=1e-6
+    )
+    assert metrics["correction_masked_fraction"].item() == pytest.approx(1 / 3)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
@@ -531,7 +533,8 @@ def test_decoupled_loss_at_lag_zero_is_the_loss_bit_for_bit(loss_type):
     same, metrics = grpo_loss(logp, old, ref, advantages, mask, settings, behav_logp=old.clone())
     (same_grad,) = torch.autograd.grad(same, logp)
     assert torch.equal(plain, same) and torch.equal(plain_grad, same_grad)
-    assert metrics["behav_imp_weight"].item() == 1.0 and metrics["behav_masked_fraction"].item() == 0.0
+    assert metrics["correction_weight_mean"].item() == 1.0
+    assert metrics["correction_masked_fraction"].item() == 0.0 and metrics["sampler_kl"].item() == 0.0
     assert torch.equal(metrics["kl"], plain_metrics["kl"])
 
 
@@ -548,6 +551,106 @@ def test_decoupled_loss_leaves_the_kl_term_unweighted():
     assert loss.item() == pytest.approx(
         math.exp(0.3) * unweighted.item() + 0.1 * metrics["kl"].item(), rel=1e-5
     )
+
+
+# -- rollout correction: the sampler's log-probs against the trainer's (TIS / MIS) --------------
+
+
+def _corrected_by_hand(logp, old, behav, advantages, mask, mode, level, cap):
+    """grpo's loss with the correction weight, term by term, and the three metrics."""
+    rows, cols = logp.shape
+    log_w = [[old[i, t].item() - behav[i, t].item() for t in range(cols)] for i in range(rows)]
+    if level == "sequence":
+        for i in range(rows):
+            kept = [log_w[i][t] for t in range(cols) if mask[i, t]]
+            log_w[i] = [sum(kept) / len(kept)] * cols
+    weights, means, applied, dropped, kl = {}, [], [], 0, []
+    for i in range(rows):
+        terms = []
+        for t in range(cols):
+            if not mask[i, t]:
+                continue
+            w = math.exp(log_w[i][t])
+            w = (0.0 if w > cap else w) if mode == "mask" else min(w, cap)
+            dropped += w == 0.0
+            if w != 0.0:
+                applied.append(w)
+            weights[i, t] = w
+            r, a = math.exp(logp[i, t].item() - old[i, t].item()), advantages[i].item()
+            terms.append(-w * min(r * a, min(max(r, 0.8), 1.2) * a))
+            x = behav[i, t].item() - old[i, t].item()
+            kl.append(math.exp(x) - x - 1)
+        means.append(sum(terms) / len(terms))
+    tokens = int(mask.sum())
+    metrics = {
+        "sampler_kl": sum(kl) / tokens,
+        "correction_weight_mean": sum(applied) / len(applied),
+        "correction_masked_fraction": dropped / tokens,
+    }
+    return sum(means) / rows, weights, metrics
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["mask", "truncate"])
+def test_rollout_correction_weights_loss_and_metrics_by_hand(mode, level):
+    # The trainer's log-probs, and a sampler's: the same plus known noise, large enough on some
+    # tokens (and one whole completion) to cross the cap of 3.
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.2, -3.0], [-0.2, -0.9, -1.1]])
+    noise = torch.tensor([[0.1, -1.5, 0.3], [-1.05, -1.05, -1.3], [0.4, 0.0, -0.2]])
+    behav = old + noise
+    logp = (old + torch.tensor([[0.05, -0.1, 0.3], [0.0, 0.2, -0.25], [0.1, -0.05, 0.0]])).requires_grad_()
+    advantages = torch.tensor([1.0, -0.5, 2.0])
+    mask = torch.tensor([[True, True, True], [True, True, True], [True, True, False]])
+    settings = LossSettings(
+        kl_beta=0.0, behav_imp_weight_cap=3.0, rollout_correction=mode, rollout_correction_level=level
+    )
+    loss, metrics = grpo_loss(logp, old, None, advantages, mask, settings, behav_logp=behav)
+    expected, weights, expected_metrics = _corrected_by_hand(
+        logp, old, behav, advantages, mask, mode, level, 3.0
+    )
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    for name, value in expected_metrics.items():
+        assert metrics[name].item() == pytest.approx(value, rel=1e-6), name
+    # The noise crosses the cap of 3 (log 1.0986) where it should: tokens (0, 1) and (1, 2) at
+    # e^1.5 and e^1.3; at sequence level only row 1, whose mean log-weight is 1.133.
+    crossed = [k for k, w in weights.items() if w in (0.0, 3.0)]
+    assert crossed == ([(0, 1), (1, 2)] if level == "token" else [(1, 0), (1, 1), (1, 2)])
+    loss.backward()
+    # The weight is a constant: inside the clip range a token's gradient is -w r A / (tokens * rows).
+    w, r = weights[2, 0], math.exp(0.1)
+    assert logp.grad[2, 0].item() == pytest.approx(-w * r * 2.0 / 2 / 3, rel=1e-5)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["mask", "truncate"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_every_rollout_correction_without_mismatch_is_the_plain_loss_bit_for_bit(loss_type, mode, level):
+    torch.manual_seed(3)
+    logp = torch.randn(4, 6, requires_grad=True)
+    old, ref = logp.detach() + 0.1 * torch.randn(4, 6), logp.detach() + 0.1 * torch.randn(4, 6)
+    advantages, mask = torch.randn(4), torch.rand(4, 6) > 0.3
+    plain_settings = LossSettings(loss_type=loss_type, kl_beta=0.05, importance_sampling_level="sequence")
+    settings = LossSettings(
+        loss_type=loss_type,
+        kl_beta=0.05,
+        importance_sampling_level="sequence",
+        behav_imp_weight_cap=3.0,
+        rollout_correction=mode,
+        rollout_correction_level=level,
+    )
+    plain, _ = grpo_loss(logp, old, ref, advantages, mask, plain_settings)
+    (plain_grad,) = torch.autograd.grad(plain, logp)
+    same, metrics = grpo_loss(logp, old, ref, advantages, mask, settings, behav_logp=old.clone())
+    (same_grad,) = torch.autograd.grad(same, logp)
+    assert torch.equal(plain, same) and torch.equal(plain_grad, same_grad)
+    assert metrics["sampler_kl"].item() == 0.0 and metrics["correction_masked_fraction"].item() == 0.0
+
+
+def test_rollout_correction_settings_are_checked():
+    with pytest.raises(ValueError, match="rollout_correction must be one of"):
+        LossSettings(rollout_correction="clip")
+    with pytest.raises(ValueError, match="rollout_correction_level must be one of"):
+        LossSettings(rollout_correction_level="batch")
 
 
 def test_decoupled_loss_settings_are_checked():

@@ -197,6 +197,39 @@ def test_resume_with_dynamic_sampling_after_a_kill_in_a_steps_second_round(tiny_
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
 
 
+def test_resume_of_a_generation_split_into_steps_redoes_the_generation_killed(tiny_model_dir, tmp_path):
+    # steps_per_generation 2: each batch of 4 prompts is one generation (one reward call) for two
+    # optimizer steps; checkpoints fall between generations, every 2 steps.
+    def config(name: str) -> tuple[Path, Path]:
+        out, path = run_dir(tmp_path, name, tiny_model_dir)
+        text = (
+            path.read_text()
+            .replace("max_steps: 5", "max_steps: 6")
+            .replace("prompts_per_step: 2", "prompts_per_step: 4")
+        )
+        text = text.replace("every_n_train_steps: 1", "every_n_train_steps: 2")
+        path.write_text(text.replace("  kl_beta: 0.05\n", "  kl_beta: 0.05\n  steps_per_generation: 2\n"))
+        return out, path
+
+    straight, straight_cfg = config("straight")
+    done = fit(straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = records(straight)
+    assert [r["step"] for r in expected] == [2, 4, 6]
+
+    killed, killed_cfg = config("killed")
+    crash = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "3"})
+    assert crash.returncode == -9  # inside the third generation's reward, after step 4's checkpoint
+    assert [r["step"] for r in records(killed)] == [2, 4]
+    resumed = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_c")}, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = records(killed)
+    assert [r["step"] for r in after] == [2, 4, 6]
+    for got, want in zip(after, expected):
+        for key in ("loss", "reward", "kl", "lr", "grad_norm", "completion_length", "num_tokens"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
+
+
 def test_checkpoints_are_written_beside_their_destination_not_through_tmpdir(tmp_path, monkeypatch):
     import tempfile
 

@@ -222,3 +222,21 @@ def test_bench_compare_prints_a_sync_and_an_async_line(tiny_model_dir, tmp_path,
     for key in ("trainer_wait_share", "worker_wait_share"):
         assert 0 <= asyn[key] <= 1, key
     assert "generate_seconds_per_step" in sync and "generate_seconds_per_step" not in asyn
+
+
+def test_bench_generation_compare_prints_its_four_lines_per_round(tiny_model_dir, tmp_path, capsys):
+    write_gsm8k(tmp_path)
+    args = ["--model", str(tiny_model_dir), "--data", str(tmp_path), "--steps", "4", "--group", "2"]
+    bench.main([*args, "--max-new-tokens", "3", "--fixed-length", "--generation-compare", "--no-references"])
+
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    shapes = [(r["settings"]["steps_per_generation"], r["settings"]["engine_logprobs"]) for r in lines]
+    assert shapes == [(1, False), (4, False), (4, True), (1, False)]
+    assert [r["settings"]["prompts_per_step"] for r in lines] == [1, 1, 1, 4]
+    # Timed: 4 optimizer steps each, after one warm-up generation; S = 4 samples 4 prompts at once.
+    assert [r["completion_tokens_per_step"] for r in lines] == [2 * 3, 4 * 2 * 3, 4 * 2 * 3, 4 * 2 * 3]
+    for r in lines:
+        assert 0 < r["generate_share"] < 1 and r["completion_tokens_per_s"] > 0
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--steps", "3", "--steps-per-generation", "2"])
+    assert "not a multiple" in capsys.readouterr().err

@@ -45,13 +45,14 @@ ASYNC_JSONL_KEYS = (
     "staleness",
     "staleness_max",
     "regenerated",
-    "behav_imp_weight",
     "rollout_wait_s",
     "worker_wait_s",
 )
+# Logged where the sampler's log-probs correct the loss (rollout_correction, async rollouts).
+CORRECTION_JSONL_KEYS = ("sampler_kl", "correction_weight_mean", "correction_masked_fraction")
 # Logged with tool-using rollouts only (tool_rollout.py).
 TOOL_JSONL_KEYS = ("tool_calls", "tool_errors", "turns", "tool_token_fraction")
-JSONL_KEYS += ASYNC_JSONL_KEYS + TOOL_JSONL_KEYS
+JSONL_KEYS += ASYNC_JSONL_KEYS + CORRECTION_JSONL_KEYS + TOOL_JSONL_KEYS
 
 
 class RewardLogger(Callback):

@@ -20,6 +20,7 @@ LossType = Literal["grpo", "dapo", "dr_grpo", "forge"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 ImportanceSampling = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
+RolloutCorrection = Literal["mask", "truncate"]
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,15 @@ class LossSettings:
             is that of KL(policy || ref); ``k3 = exp(x) - x - 1`` (the default, as DeepSeekMath
             and TRL), unbiased for KL(policy || ref) and never negative, whose gradient is that
             of the forward KL(ref || policy). ``forge`` keeps Forge's k3 on its sequence ratio.
-        behav_imp_weight_cap: with a rollout sampled by an older policy (``behav_logp`` given to
-            :func:`grpo_loss`: asynchronous rollouts), tokens whose behaviour importance weight
-            ``exp(old_logp - behav_logp)`` exceeds this are left out of the policy term (AReaL's
-            ``behav_imp_weight_cap``); > 1, or None for no cap.
+        behav_imp_weight_cap: the cap of the sampler correction weight ``w`` (see
+            :func:`grpo_loss`; AReaL's ``behav_imp_weight_cap``, TRL's and verl's cap of 3 is
+            the module's default); > 1, or None for no cap.
+        rollout_correction: what a weight above the cap does: ``mask`` gives its token (or its
+            completion, at ``sequence`` level) weight 0 (masked importance sampling, MIS; the
+            tokens stay in the normaliser); ``truncate`` weighs it ``cap`` (truncated importance
+            sampling, TIS).
+        rollout_correction_level: ``token`` (one weight per token) or ``sequence`` (one per
+            completion, from the mean log-ratio over its model tokens).
     """
 
     loss_type: LossType = "grpo"
@@ -64,6 +70,8 @@ class LossSettings:
     importance_sampling_level: ImportanceSampling = "token"
     kl_estimator: KLEstimator = "k3"
     behav_imp_weight_cap: float | None = None
+    rollout_correction: RolloutCorrection = "mask"
+    rollout_correction_level: ImportanceSampling = "token"
 
     def __post_init__(self) -> None:
         checks = {
@@ -89,6 +97,14 @@ class LossSettings:
                 self.behav_imp_weight_cap is None
                 or (_number(self.behav_imp_weight_cap) and self.behav_imp_weight_cap > 1),
                 "None or > 1",
+            ),
+            "rollout_correction": (
+                self.rollout_correction in get_args(RolloutCorrection),
+                f"one of {get_args(RolloutCorrection)}",
+            ),
+            "rollout_correction_level": (
+                self.rollout_correction_level in get_args(ImportanceSampling),
+                f"one of {get_args(ImportanceSampling)}",
             ),
         }
         for field, (ok, words) in checks.items():
@@ -147,7 +163,9 @@ class _LossInputs:
                 f"{tuple(self.advantages.shape)}"
             )
         if self.behav_logp is not None and self.settings.loss_type == "forge":
-            raise ValueError("behav_logp (a rollout of an older policy) does not go with loss_type 'forge'")
+            raise ValueError(
+                "behav_logp (a sampler's log-probs: rollout correction) does not go with loss_type 'forge'"
+            )
         if self.ref_logp is None and self.settings.needs_reference:
             raise ValueError(
                 f"ref_logp is required when kl_beta > 0 or loss_type == 'forge' "
@@ -226,7 +244,7 @@ def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high).expand_as(x.logp)  # (B, T)
     behaviour: dict[str, Tensor] = {}
     if x.behav_logp is not None:
-        policy, behaviour = _behaviour_weighted(policy, x)
+        policy, behaviour = _sampler_corrected(policy, x)
     per_token = policy
     kl_metric = x.logp.new_zeros(())
     if x.ref_logp is not None:
@@ -244,21 +262,30 @@ def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     return x.reduce(per_token), metrics
 
 
-def _behaviour_weighted(policy: Tensor, x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """AReaL's decoupled objective: the (B, T) policy term of a rollout sampled by an older
-    (behaviour) policy, each token weighted by ``w = stop_grad(exp(old_logp - behav_logp))``, where
-    ``old_logp`` is the proximal policy (the weights before this update) the ratio is clipped
-    around; tokens with ``w`` above ``behav_imp_weight_cap`` get weight 0 (they stay in the
-    normaliser). Also the metrics ``behav_imp_weight`` (mean over kept tokens) and
-    ``behav_masked_fraction``."""
+def _sampler_corrected(policy: Tensor, x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """The (B, T) policy term of a rollout whose sampler's log-probs ``behav_logp`` differ from
+    ``old_logp`` (the policy the ratio is clipped around), each token weighted by the detached
+    correction weight ``w`` of :func:`grpo_loss`. Metrics over the model tokens: ``sampler_kl``
+    (k3 of ``x = behav_logp - old_logp``, an estimate of KL(trainer || sampler)),
+    ``correction_weight_mean`` (the weight applied, over the tokens it keeps) and
+    ``correction_masked_fraction`` (the share given weight 0)."""
     assert x.behav_logp is not None
-    weight = torch.exp(torch.where(x.mask, x.old_logp - x.behav_logp, 0)).detach()  # (B, T)
-    cap = x.settings.behav_imp_weight_cap
-    kept = x.mask if cap is None else x.mask & (weight <= cap)
+    s = x.settings
+    log_w = torch.where(x.mask, x.old_logp - x.behav_logp, 0).detach()  # (B, T)
+    if s.rollout_correction_level == "sequence":
+        log_w = masked_mean(log_w, x.mask, dim=1).unsqueeze(-1).expand_as(log_w)  # one per completion
+    weight = torch.exp(log_w)
+    cap = s.behav_imp_weight_cap
+    kept = x.mask
+    if cap is not None and s.rollout_correction == "mask":
+        kept = x.mask & (weight <= cap)
+    elif cap is not None:
+        weight = weight.clamp(max=cap)
     weighted = policy * torch.where(kept, weight, 0)
     metrics = {
-        "behav_imp_weight": masked_mean(weight, kept),
-        "behav_masked_fraction": masked_mean((x.mask & ~kept).float(), x.mask),
+        "sampler_kl": masked_mean(_k3(torch.where(x.mask, x.behav_logp - x.old_logp, 0).detach()), x.mask),
+        "correction_weight_mean": masked_mean(weight, kept),
+        "correction_masked_fraction": masked_mean((x.mask & ~kept).float(), x.mask),
     }
     return weighted, metrics
 
@@ -364,12 +391,22 @@ def grpo_loss(
     """Clipped policy-gradient loss with a k3 KL penalty towards the reference policy.
 
     Per token, with ``r = exp(logp - old_logp)`` and the completion's advantage ``A``, the policy
-    term is ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``. For a rollout sampled by an
-    older policy than ``old_logp``'s (``behav_logp`` given; asynchronous rollouts, AReaL's
-    decoupled PPO objective), ``old_logp`` is the proximal policy and the term becomes
-    ``-w * min(r * A, clip(r) * A)`` with ``w = stop_grad(exp(old_logp - behav_logp))``, 0 where
-    ``w`` exceeds ``settings.behav_imp_weight_cap``; the KL term is not weighted. When the
-    rollout was sampled by the proximal policy itself, ``w`` is 1 and the loss is the same.
+    term is ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``. Given the sampler's own
+    log-probs ``behav_logp`` (rollout correction), the term becomes ``-w * min(r * A, clip(r) * A)``
+    with one detached weight ``w``:
+
+    - token level: ``w_t = exp(old_logp_t - behav_logp_t)``; sequence level: every token of a
+      completion gets ``w = exp(mean over its model tokens of (old_logp - behav_logp))``;
+    - ``mask`` (MIS): ``w`` where ``w <= cap``, else 0; ``truncate`` (TIS): ``min(w, cap)``
+      (``cap``: ``settings.behav_imp_weight_cap``).
+
+    Synchronous rollouts: ``old_logp`` is the trainer's recomputation on the sampling weights
+    (with one pass, ``logp`` detached: the same values) and ``behav_logp`` the engine's, so ``w``
+    corrects the engine's mismatch alone. Asynchronous rollouts (AReaL's decoupled objective):
+    ``old_logp`` is the proximal policy (the weights before this update) and ``behav_logp`` the
+    older version that sampled, so the one ``w`` covers both the lag and the mismatch. The KL term
+    is not weighted. Where ``behav_logp`` equals ``old_logp``, ``w`` is exactly 1 and the loss
+    is the uncorrected one bit for bit.
 
     Args:
         logp: (B, T) per-token log-probs of the completions under the policy being trained.
@@ -380,13 +417,14 @@ def grpo_loss(
         advantages: (B,) one advantage per completion.
         mask: (B, T) 1 on completion tokens, 0 on padding; bool or float.
         settings: the loss type and its constants.
-        behav_logp: (B, T) the same under the policy that sampled the rollout, when that is older
-            than ``old_logp``'s; None: the rollout was sampled by ``old_logp``'s policy.
+        behav_logp: (B, T) the log-probs the sampler reported (an engine's, or an older
+            version's); None: no correction.
 
     Returns:
         The scalar loss and detached scalar metrics ``policy_loss``, ``kl``, ``clip_fraction_low``
         and ``clip_fraction_high`` (fractions of masked tokens, or of sequences for ``forge``),
-        and with ``behav_logp`` ``behav_imp_weight`` and ``behav_masked_fraction``.
+        and with ``behav_logp`` ``sampler_kl``, ``correction_weight_mean`` and
+        ``correction_masked_fraction``.
     """
     inputs = _LossInputs(
         logp=logp,
