@@ -89,8 +89,16 @@ def build_components(hp: Mapping[str, Any], reward_names: list[str], tool_names:
     """Everything the module holds that its hyperparameters ``hp`` decide; ``reward_names``: the
     reward's components, and ``tool_names`` the tools, each tracked as a metric."""
     loss = loss_settings(hp)
+    stop = tuple(hp.get("stop") or ())
     sampling = SamplingParams(
-        hp["max_new_tokens"], temperature=hp["temperature"], top_p=hp["top_p"], top_k=hp["top_k"]
+        hp["max_new_tokens"],
+        temperature=hp["temperature"],
+        top_p=hp["top_p"],
+        top_k=hp["top_k"],
+        min_p=hp.get("min_p", 0.0),
+        repetition_penalty=hp.get("repetition_penalty", 1.0),
+        stop=stop,
+        extra=hp.get("generation_kwargs"),
     )
     scorer = LogProbScorer(
         temperature=loss.scoring_temperature(hp["temperature"]),
@@ -103,7 +111,7 @@ def build_components(hp: Mapping[str, Any], reward_names: list[str], tool_names:
         settings=train_settings(hp),
         loss=loss,
         sampling=sampling,
-        greedy=SamplingParams(hp["max_new_tokens"], greedy=True),
+        greedy=SamplingParams(hp["max_new_tokens"], greedy=True, stop=stop),
         scorer=scorer,
         passes=LossPasses(scorer, loss, hp["mask_truncated_completions"]),
         rollout_source=rollout_source(rollout_settings(hp, sampling)),

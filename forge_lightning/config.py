@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from forge_lightning.generation_settings import SAMPLING_RULES
 from forge_lightning.grpo import ADVANTAGE_SCALES, LossSettings
 from forge_lightning.optim import LR_SCHEDULES
 
@@ -38,6 +39,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "temperature": (lambda v: v > 0, "> 0"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "min_p": SAMPLING_RULES["min_p"],
+    "repetition_penalty": SAMPLING_RULES["repetition_penalty"],
+    "stop": (_optional(SAMPLING_RULES["stop"][0]), "None or " + SAMPLING_RULES["stop"][1]),
     "max_new_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "learning_rate": (lambda v: v > 0, "> 0"),
     "weight_decay": (lambda v: v >= 0, ">= 0"),
@@ -277,12 +281,18 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
     if values.get("rollout_mode") == "async":
         _check_async(values)
     _check_rollout_device(values)
+    if values.get("generation_kwargs") is not None or values.get("stop"):
+        _check_generation(values)
 
 
 # Settings asynchronous rollouts do not take yet, each with the value they need.
 ASYNC_NEEDS = {
     "top_p": 1.0,  # the worker's log-probs and the loss's must be of one distribution
     "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "stop": None,  # the worker has no tokenizer to match strings with
+    "generation_kwargs": None,
     "peft": None,
     "generation_backend": "hf",
     "use_engine_logprobs": False,
@@ -302,8 +312,20 @@ def _check_async(values: Mapping[str, Any]) -> None:
         needs = ", ".join(f"{name}={need!r}" for name, need in ASYNC_NEEDS.items())
         raise ValueError(
             f"rollout_mode='async' does not support {', '.join(wrong)} yet: it needs {needs} "
-            "(top_p/top_k so that the worker and the loss score the same distribution); use "
+            "(top_p/top_k/min_p/repetition_penalty so that the worker and the loss score the same "
+            "distribution); use "
             "rollout_mode='sync' for the others"
+        )
+
+
+def _check_generation(values: Mapping[str, Any]) -> None:
+    from forge_lightning.generation_settings import check_generation_kwargs  # noqa: PLC0415
+
+    check_generation_kwargs(values.get("generation_kwargs"), values.get("generation_backend", "hf"))
+    if values.get("stop") and _tool_mode(values) is not None:
+        raise ValueError(
+            f"stop does not work with {_tool_mode(values)}: tool-using rollouts end their rounds "
+            "at the tools' own calls; leave stop unset"
         )
 
 
@@ -352,10 +374,12 @@ def _check_tools(values: Mapping[str, Any]) -> None:
 def _check_engine_logprobs(values: Mapping[str, Any]) -> None:
     """The engine's scores stand in for the old policy's log-probs: only where they are of the
     distribution the loss scores (the whole one, at the loss's temperature)."""
-    if values.get("top_p", 1.0) != 1.0 or values.get("top_k", 0) != 0:
+    cut = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    if any(values.get(name, off) != off for name, off in cut.items()):
         raise ValueError(
-            "use_engine_logprobs needs top_p=1 and top_k=0: the engine reports log-probs of the "
-            "truncated distribution it sampled from, the loss computes them over the whole one"
+            "use_engine_logprobs needs top_p=1, top_k=0, min_p=0 and repetition_penalty=1: the "
+            "engine reports log-probs of the changed distribution it sampled from, the loss "
+            "computes them over the model's own"
         )
     if values.get("loss_type") == "forge":
         raise ValueError(

@@ -73,6 +73,13 @@ class GRPOLightningModule(pl.LightningModule):
         temperature: sampling temperature; the loss scores at it too (``forge``: at 1).
         top_p: nucleus sampling mass.
         top_k: sample among the k likeliest tokens; 0 disables it.
+        min_p: drop tokens below this share of the likeliest one's probability; 0 disables it.
+        repetition_penalty: HF's and vLLM's penalty on tokens already in the sequence; 1 disables it.
+        stop: strings that end a completion (training and validation), the mask running through
+            the token that completes the first; the reward's text ends with it.
+        generation_kwargs: more settings for the engine, by its own names (``GenerationConfig``
+            fields for HF, ``vllm.SamplingParams`` for vLLM); keys the module sets itself and
+            unknown ones are refused by name (generation_settings.py).
         max_new_tokens: longest completion, in tokens.
         learning_rate: AdamW's peak learning rate.
         weight_decay: AdamW's weight decay.
@@ -181,6 +188,10 @@ class GRPOLightningModule(pl.LightningModule):
         temperature: float = 0.9,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        stop: list[str] | None = None,
+        generation_kwargs: dict[str, Any] | None = None,
         max_new_tokens: int = 512,
         learning_rate: float = 5e-6,
         weight_decay: float = 0.0,

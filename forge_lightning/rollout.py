@@ -33,13 +33,13 @@ class Rollout:
     prompt_ids: Tensor  # (P, Lp) left-padded
     prompt_mask: Tensor  # (P, Lp) 1 on real prompt tokens
     completion_ids: Tensor  # (P*G, Lc) right-padded with the pad token
-    completion_mask: Tensor  # (P*G, Lc) 1 up to and including the first EOS
+    completion_mask: Tensor  # (P*G, Lc) 1 up to and including the first EOS or stop string
     group_size: int
     completions: list[str]  # decoded completions, special tokens removed, P*G of them
     # (P*G, Lc) the sampling engine's log-prob of each completion token, when it reported them;
     # the loss then measures its ratio against these instead of recomputing them.
     old_logp: Tensor | None = None
-    # (P*G,) True for a completion cut off at max_new_tokens, with no EOS; None: none is.
+    # (P*G,) True for a completion cut off at max_new_tokens, with no EOS or stop string; None: none is.
     truncated: Tensor | None = None
     # (P*G, Lc) log-probs under the older weights that sampled the rollout (asynchronous rollouts,
     # async_rollout.py), for the loss's behaviour weight; None: sampled by the weights trained.
@@ -158,6 +158,17 @@ def completion_mask(completion_ids: Tensor, eos_ids: Sequence[int]) -> Tensor:
     # Count of EOS tokens strictly before each position; a token is kept while that count is 0.
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
     return (eos_before == 0).long()
+
+
+def mask_of_ends(ends: Tensor, width: int) -> Tensor:
+    """(N, width) long: 1 on each row's first ``ends[i]`` positions, ``ends`` (N,)."""
+    return (torch.arange(width, device=ends.device) < ends.unsqueeze(1)).long()
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str | None:
+    """``text`` up to and including the first stop string to complete in it; None if none occurs."""
+    ends = [at + len(s) for s in stop if (at := text.find(s)) >= 0]
+    return text[: min(ends)] if ends else None
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[Tensor, Tensor]:
@@ -297,6 +308,8 @@ class RolloutSampler:
         """Sample ``group_size`` completions per prompt (with the engine's log-probs if asked);
         ``rows`` (the batch's fields) are for episode runners whose tools read them."""
         prompt_ids, prompt_mask = self.encode(prompts, next(model.parameters()).device)
+        if params.stop:
+            return self._sample_with_ends(model, prompt_ids, prompt_mask, group_size, params, engine_logprobs)
         old_logp = None
         if engine_logprobs:
             completion_ids, old_logp = self.generator.generate_with_logprobs(  # type: ignore[attr-defined]
@@ -305,6 +318,28 @@ class RolloutSampler:
         else:
             completion_ids = self.generator.generate(model, prompt_ids, prompt_mask, group_size, params)
         return self.assemble(prompt_ids, prompt_mask, completion_ids, group_size, params, old_logp=old_logp)
+
+    def _sample_with_ends(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        engine_logprobs: bool,
+    ) -> Rollout:
+        """The rollout of an engine that says where each completion ends (stop strings)."""
+        if not hasattr(self.generator, "generate_with_ends"):
+            raise ValueError(
+                f"stop strings need an engine that reports where they end completions "
+                f"(generate_with_ends); {type(self.generator).__name__} does not"
+            )
+        out = self.generator.generate_with_ends(
+            model, prompt_ids, prompt_mask, group_size, params, logprobs=engine_logprobs
+        )
+        return self.assemble(
+            prompt_ids, prompt_mask, out.ids, group_size, params, old_logp=out.logp, ends=out.ends
+        )
 
     def encode(
         self, prompts: list[Prompt], device: torch.device, tools: list[dict[str, Any]] | None = None
@@ -333,18 +368,39 @@ class RolloutSampler:
         *,
         old_logp: Tensor | None = None,
         behav_logp: Tensor | None = None,
+        ends: Tensor | None = None,
     ) -> Rollout:
-        """The :class:`Rollout` of sampled ``completion_ids``: masked at the first EOS, decoded."""
-        mask = completion_mask(completion_ids, self.eos_ids)
+        """The :class:`Rollout` of sampled ``completion_ids``: masked at the first EOS, decoded.
+
+        ``ends`` (P*G,): each row's length as the engine reports it (``Completions.ends``), which
+        stop strings (``params.stop``) need: a row stopped at one is padded after it, often with
+        the EOS. The mask then covers each row's first ``ends`` tokens, a row whose text holds a
+        stop string is not truncated, and its text is cut right after the first one.
+        """
+        if ends is None and params.stop:
+            raise ValueError("stop strings need the engine's completion ends: pass ends=Completions.ends")
+        if ends is None:
+            mask = completion_mask(completion_ids, self.eos_ids)
+            truncated = truncated_rows(completion_ids, self.eos_ids, params.max_new_tokens)
+        else:
+            mask = mask_of_ends(ends.to(completion_ids.device), completion_ids.shape[1])
+            is_eos = torch.isin(completion_ids, torch.tensor(self.eos_ids, device=completion_ids.device))
+            truncated = (mask.sum(dim=1) >= params.max_new_tokens) & ~(is_eos & mask.bool()).any(dim=1)
+        texts = decode_completions(self.tokenizer, completion_ids, mask)
+        if params.stop:
+            cut = [cut_at_stop(text, params.stop) for text in texts]
+            texts = [text if c is None else c for text, c in zip(texts, cut)]
+            stopped = torch.tensor([c is not None for c in cut], device=truncated.device)
+            truncated = truncated & ~stopped
         return Rollout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             completion_ids=completion_ids,
             completion_mask=mask,
             group_size=group_size,
-            completions=decode_completions(self.tokenizer, completion_ids, mask),
+            completions=texts,
             old_logp=old_logp,
-            truncated=truncated_rows(completion_ids, self.eos_ids, params.max_new_tokens),
+            truncated=truncated,
             behav_logp=behav_logp,
         )
 

@@ -240,6 +240,7 @@ def sampled_evaluation(hp: Mapping[str, Any], answer_key: AnswerKey | None) -> S
         hp["val_max_new_tokens"] or hp["max_new_tokens"],
         temperature=hp["val_temperature"],
         top_p=hp["val_top_p"],
+        stop=tuple(hp.get("stop") or ()),  # a completion ends where training's do
     )
     return SampledEvaluation(hp["val_num_generations"], params, answer_key)
 

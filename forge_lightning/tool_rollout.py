@@ -101,6 +101,9 @@ class ToolRolloutSampler:
         ``rows``: the batch's fields (an environment's ``reset`` takes its prompt's)."""
         if engine_logprobs:
             raise ValueError("tool-using rollouts have no engine log-probs: set use_engine_logprobs false")
+        if params.stop:
+            # A round's rows would end at a stop string with no end an episode could read.
+            raise ValueError("tool-using rollouts do not support stop strings: leave stop empty")
         if is_sharded(model) and torch.distributed.get_world_size() > 1:
             raise ValueError(
                 "tool-using rollouts under a sharded model are not supported: the ranks would make "

@@ -37,8 +37,9 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from forge_lightning.generation_settings import check_generation_kwargs, vllm_fields
 from forge_lightning.lora import merged_weights as policy_weights
-from forge_lightning.sampling import SamplingParams
+from forge_lightning.sampling import Completions, SamplingParams
 
 # (policy, tokenizer, gpu_memory_utilization) -> an object shaped like ``vllm.LLM``: ``generate``,
 # ``apply_model`` and ``reset_prefix_cache``.
@@ -88,7 +89,20 @@ class VLLMGenerate:
         params: SamplingParams,
     ) -> Tensor:
         """Completion ids ``(P*G, Lc)``, groups contiguous, right-padded with the pad token."""
-        return self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs=False)[0]
+        return self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs=False).ids
+
+    def generate_with_ends(
+        self,
+        model: PreTrainedModel,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        group_size: int,
+        params: SamplingParams,
+        logprobs: bool = False,
+    ) -> Completions:
+        """The completions, each one's length (the tokens vLLM returned for it: through its EOS or
+        the token that completed its stop string), and with ``logprobs`` their log-probs."""
+        return self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs)
 
     def generate_with_logprobs(
         self,
@@ -103,9 +117,9 @@ class VLLMGenerate:
         The log-probs are of the temperature-scaled distribution (vLLM's ``processed_logprobs``),
         the quantity the loss computes; padding positions hold 0.
         """
-        ids, logp = self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs=True)
-        assert logp is not None
-        return ids, logp
+        out = self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs=True)
+        assert out.logp is not None
+        return out.ids, out.logp
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         """Load the policy's current weights into the engine (a no-op before it exists)."""
@@ -124,7 +138,7 @@ class VLLMGenerate:
         group_size: int,
         params: SamplingParams,
         logprobs: bool,
-    ) -> tuple[Tensor, Tensor | None]:
+    ) -> Completions:
         if self.engine is None:
             self.engine = self.engine_factory(model, self.tokenizer, self.gpu_memory_utilization)
             self.sync_weights(model)
@@ -143,12 +157,14 @@ class VLLMGenerate:
             batch_first=True,
             padding_value=self.pad_token_id,
         ).to(prompt_ids.device)  # (P*G, Lc)
+        # The lengths, not the pad token: after a stop string the padding may be the EOS.
+        ends = torch.tensor([len(s.token_ids) for s in samples], device=prompt_ids.device)  # (P*G,)
         if not logprobs:
-            return ids, None
+            return Completions(ids, ends)
         logp = pad_sequence(
             [torch.tensor(sampled_logprobs(s), dtype=torch.float32) for s in samples], batch_first=True
         ).to(prompt_ids.device)  # (P*G, Lc)
-        return ids, logp
+        return Completions(ids, ends, logp)
 
 
 def vllm_sampling_params(
@@ -164,9 +180,14 @@ def vllm_sampling_params(
     vLLM seeds the G completions of a request ``seed, seed+1, ...``; the prompts' seeds are G
     apart so that no two completions of a rollout share a random stream. The base seed comes from
     torch's generator, which ``seed_everything`` seeds: runs repeat, and every call differs.
+    Settings left at their defaults (min_p 0, repetition_penalty 1, no stop strings) are not
+    passed; ``params.extra`` is checked against the fields of the installed vLLM.
     """
     greedy = params.greedy
-    shared = dict(
+    shared: dict[str, Any] = {}
+    if not greedy and params.extra:
+        shared.update(check_generation_kwargs(params.extra, "vllm", vllm_fields(vllm)))
+    shared.update(
         n=group_size,
         max_tokens=params.max_new_tokens,
         temperature=0.0 if greedy else params.temperature,
@@ -174,8 +195,17 @@ def vllm_sampling_params(
         top_k=-1 if greedy or params.top_k == 0 else params.top_k,  # vLLM's "no top-k" is -1
         stop_token_ids=list(eos_token_ids),
         logprobs=0 if logprobs else None,  # 0: only the sampled token's log-prob
-        detokenize=False,  # completions are decoded from the ids, by the module
+        # Completions are decoded from the ids, by the module; but vLLM matches stop strings on
+        # its own text.
+        detokenize=bool(params.stop),
     )
+    if not greedy and params.min_p:
+        shared["min_p"] = params.min_p
+    if not greedy and params.repetition_penalty != 1.0:
+        shared["repetition_penalty"] = params.repetition_penalty
+    if params.stop:
+        # The stop string stays in the completion, as in HFGenerate: the reward reads it.
+        shared.update(stop=list(params.stop), include_stop_str_in_output=True)
     base = int(torch.randint(2**30, ()).item())
     return [vllm.SamplingParams(**shared, seed=base + i * group_size) for i in range(num_prompts)]
 

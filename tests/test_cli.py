@@ -10,7 +10,12 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM
 
-from forge_lightning.callbacks.reward_logger import ASYNC_JSONL_KEYS, JSONL_KEYS, TOOL_JSONL_KEYS
+from forge_lightning.callbacks.reward_logger import (
+    ASYNC_JSONL_KEYS,
+    CORRECTION_JSONL_KEYS,
+    JSONL_KEYS,
+    TOOL_JSONL_KEYS,
+)
 from forge_lightning.cli import build_cli
 from forge_lightning.run_folder import RunFolder
 
@@ -87,7 +92,8 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(
     assert [r["step"] for r in records] == [1, 2, 3]
     expected = {"step", "epoch", *JSONL_KEYS, "rewards/GSM8KAnswerReward", "rewards/GSM8KAnswerReward_std"}
     expected -= {"sampling_rounds", "groups_dropped"}  # logged with dynamic sampling only
-    expected -= set(ASYNC_JSONL_KEYS) | set(TOOL_JSONL_KEYS)  # and with asynchronous rollouts, with tools
+    # and with asynchronous rollouts, rollout correction, tools
+    expected -= set(ASYNC_JSONL_KEYS) | set(CORRECTION_JSONL_KEYS) | set(TOOL_JSONL_KEYS)
     assert set(records[0]) == expected
     events = EventAccumulator(str(next(out.rglob("events.out.tfevents*")).parent))
     events.Reload()

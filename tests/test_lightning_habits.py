@@ -399,8 +399,9 @@ def test_help_is_short_plain_text(subcommand, capsys):
     with pytest.raises(SystemExit):
         build_cli([subcommand, "--help"])
     text = capsys.readouterr().out
-    # 683 before: every docstring paragraph of every option; 513 with the val_* sampling settings
-    assert len(text.splitlines()) < 520
+    # 683 before: every docstring paragraph of every option; 513 with the val_* sampling settings;
+    # 553 with (R)'s twelve (steps_per_generation, rollout correction, generation, rollout device)
+    assert len(text.splitlines()) < 560
     assert not any(mark in text for mark in ("``", ":class:", ":func:", ":meth:", ".. note"))
     assert text.splitlines()[0].startswith("usage:") and len(text.split("\n\n")[0].splitlines()) == 1
     joined = " ".join(text.split())

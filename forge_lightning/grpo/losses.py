@@ -283,11 +283,18 @@ def _sampler_corrected(policy: Tensor, x: _LossInputs) -> tuple[Tensor, dict[str
         weight = weight.clamp(max=cap)
     weighted = policy * torch.where(kept, weight, 0)
     metrics = {
-        "sampler_kl": masked_mean(_k3(torch.where(x.mask, x.behav_logp - x.old_logp, 0).detach()), x.mask),
+        "sampler_kl": _sampler_kl(x.behav_logp - x.old_logp.detach(), x.mask),
         "correction_weight_mean": masked_mean(weight, kept),
         "correction_masked_fraction": masked_mean((x.mask & ~kept).float(), x.mask),
     }
     return weighted, metrics
+
+
+def _sampler_kl(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """k3 of ``x = sampler_logp - trainer_logp`` over ``mask``, in float64 as ``expm1(x) - x``:
+    for the tiny ``x`` of one model scored twice, float32's ``exp(x) - x - 1`` cancels to 0."""
+    x = torch.where(mask, log_ratio, 0).double()
+    return masked_mean(torch.expm1(x) - x, mask).to(log_ratio.dtype)
 
 
 def _sequence_means(values: Tensor, mask: Tensor) -> Tensor:
