@@ -11,7 +11,9 @@ Prompts go in as token ids; the G completions of a prompt come back from one req
 The sampling settings map over (``top_k`` 0 is vLLM's -1; each call draws its seed from torch's
 generator, so ``seed_everything`` repeats a run). With ``use_engine_logprobs`` the loss takes the
 old-policy log-probs from vLLM (its temperature-scaled ``processed_logprobs``; ``top_p`` 1 and
-``top_k`` 0, so that both sides score the same distribution). The engine runs in the training
+``top_k`` 0, so that both sides score the same distribution); with ``rollout_correction`` the same
+log-probs are the sampler's, weighed against the trainer's recomputation (grpo.grpo_loss), at any
+top_p/top_k. The engine runs in the training
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, weights loaded through ``LLM.apply_model``).
 
 Tested on CPU against a fake engine with ``vllm.LLM``'s interface only; the real engine, and several
