@@ -365,9 +365,9 @@ class GRPOLightningModule(pl.LightningModule):
             if part.step_after:
                 with profile("optimizer"):
                     self._optimizer_step()
-        stats = mean_stats(
-            pass_stats[-(len(plan.passes) // self.hparams.num_iterations) :]
-        )  # the last pass's
+        # What the loss logs: the last pass over the rollout (the mean over its shares).
+        per_pass = len(plan.passes) // self.hparams.num_iterations
+        stats = mean_stats(pass_stats[-per_pass:])
         num_tokens = trained.loss_mask(s.mask_truncated_completions).sum().float()
         self.train_metrics.add({"reward_errors": errors, "num_tokens": num_tokens, **item.metrics})
         self._stepped = self._stepped or plan.stepped
