@@ -136,33 +136,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # Lightning and transformers print to stdout in places; the JSON line must stand alone there.
     if not logging.getLogger().handlers:
         logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
-    if args.generation_compare:
-        return _generation_compare(args, stdout)
     compare = args.rollout_mode == "compare"
     results: list[dict[str, Any]] = []
-    for mode in ("sync", "async") if compare else (args.rollout_mode,):
-        mode_args = argparse.Namespace(**{**vars(args), "rollout_mode": mode})
-        if compare and mode == "sync":
-            mode_args.threads = args.sync_threads or args.threads
+    for changes, extra in _lines(args):
         with contextlib.redirect_stdout(sys.stderr):
-            result = run(mode_args)
-        if results:  # compare: async against the sync line before it
+            result = run(argparse.Namespace(**{**vars(args), **changes})) | extra
+        if compare and results:  # async against the sync line before it
             result["vs_sync"] = result["completion_tokens_per_s"] / results[0]["completion_tokens_per_s"]
         print(json.dumps(result), file=stdout, flush=True)
         results.append(result)
     return results[-1]
 
 
-def _generation_compare(args: argparse.Namespace, stdout: Any) -> dict[str, Any]:
-    """The four GENERATION_LINES, one after another, ``args.rounds`` times; a JSON line each."""
-    result: dict[str, Any] = {}
-    for round_index in range(args.rounds):
-        for line in GENERATION_LINES:
-            with contextlib.redirect_stdout(sys.stderr):
-                result = run(argparse.Namespace(**{**vars(args), **line}))
-            result["round"] = round_index
-            print(json.dumps(result), file=stdout, flush=True)
-    return result
+def _lines(args: argparse.Namespace) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The bench lines to run, in order: each as changes to the arguments and what its JSON line
+    adds. ``--generation-compare``: GENERATION_LINES, ``--rounds`` times; ``compare``: sync
+    (with ``--sync-threads``), then async; else the arguments as given."""
+    if args.generation_compare:
+        return [(line, {"round": r}) for r in range(args.rounds) for line in GENERATION_LINES]
+    if args.rollout_mode == "compare":
+        sync = {"rollout_mode": "sync", "threads": args.sync_threads or args.threads}
+        return [(sync, {}), ({"rollout_mode": "async"}, {})]
+    return [({}, {})]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

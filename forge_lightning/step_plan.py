@@ -33,7 +33,7 @@ class PlanSettings:
 
     @property
     def steps_per_batch(self) -> int:
-        """Optimizer steps one batch takes when S > 1 (S x mu); 1 or 0 otherwise (accumulation)."""
+        """S x mu: the optimizer steps each batch takes when S > 1 (with S = 1, accumulation decides)."""
         return self.steps_per_generation * self.num_iterations
 
 
@@ -154,9 +154,9 @@ class StepPlan:
         the step after each batch sees only every (S x mu)-th: refuse step cadences that are not
         multiples of it, naming each. (Reports to the loggers need none: they come at the first
         batch at or past each multiple of their cadence.)"""
-        k = self.settings.steps_per_batch
         if self.settings.steps_per_generation == 1:
             return
+        k = self.settings.steps_per_batch
         wrong = []
         if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.max_steps % k:
             wrong.append(f"trainer.max_steps={trainer.max_steps}")

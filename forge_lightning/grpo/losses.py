@@ -15,12 +15,12 @@ import torch
 from torch import Tensor
 
 from forge_lightning.grpo.core import masked_mean
+from forge_lightning.grpo.correction import RolloutCorrection, sampler_corrected
 
 LossType = Literal["grpo", "dapo", "dr_grpo", "forge"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 ImportanceSampling = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
-RolloutCorrection = Literal["mask", "truncate"]
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,16 @@ def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high).expand_as(x.logp)  # (B, T)
     behaviour: dict[str, Tensor] = {}
     if x.behav_logp is not None:
-        policy, behaviour = _sampler_corrected(policy, x)
+        s = x.settings
+        policy, behaviour = sampler_corrected(
+            policy,
+            x.old_logp,
+            x.behav_logp,
+            x.mask,
+            s.rollout_correction,
+            s.rollout_correction_level,
+            s.behav_imp_weight_cap,
+        )
     per_token = policy
     kl_metric = x.logp.new_zeros(())
     if x.ref_logp is not None:
@@ -260,41 +269,6 @@ def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         **behaviour,
     }
     return x.reduce(per_token), metrics
-
-
-def _sampler_corrected(policy: Tensor, x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """The (B, T) policy term of a rollout whose sampler's log-probs ``behav_logp`` differ from
-    ``old_logp`` (the policy the ratio is clipped around), each token weighted by the detached
-    correction weight ``w`` of :func:`grpo_loss`. Metrics over the model tokens: ``sampler_kl``
-    (k3 of ``x = behav_logp - old_logp``, an estimate of KL(trainer || sampler)),
-    ``correction_weight_mean`` (the weight applied, over the tokens it keeps) and
-    ``correction_masked_fraction`` (the share given weight 0)."""
-    assert x.behav_logp is not None
-    s = x.settings
-    log_w = torch.where(x.mask, x.old_logp - x.behav_logp, 0).detach()  # (B, T)
-    if s.rollout_correction_level == "sequence":
-        log_w = masked_mean(log_w, x.mask, dim=1).unsqueeze(-1).expand_as(log_w)  # one per completion
-    weight = torch.exp(log_w)
-    cap = s.behav_imp_weight_cap
-    kept = x.mask
-    if cap is not None and s.rollout_correction == "mask":
-        kept = x.mask & (weight <= cap)
-    elif cap is not None:
-        weight = weight.clamp(max=cap)
-    weighted = policy * torch.where(kept, weight, 0)
-    metrics = {
-        "sampler_kl": _sampler_kl(x.behav_logp - x.old_logp.detach(), x.mask),
-        "correction_weight_mean": masked_mean(weight, kept),
-        "correction_masked_fraction": masked_mean((x.mask & ~kept).float(), x.mask),
-    }
-    return weighted, metrics
-
-
-def _sampler_kl(log_ratio: Tensor, mask: Tensor) -> Tensor:
-    """k3 of ``x = sampler_logp - trainer_logp`` over ``mask``, in float64 as ``expm1(x) - x``:
-    for the tiny ``x`` of one model scored twice, float32's ``exp(x) - x - 1`` cancels to 0."""
-    x = torch.where(mask, log_ratio, 0).double()
-    return masked_mean(torch.expm1(x) - x, mask).to(log_ratio.dtype)
 
 
 def _sequence_means(values: Tensor, mask: Tensor) -> Tensor:
