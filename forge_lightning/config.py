@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from forge_lightning.generation_settings import SAMPLING_RULES
+from forge_lightning.generation_settings import SAMPLING_RULES, check_engine_logprob_kwargs
 from forge_lightning.grpo import ADVANTAGE_SCALES, LossSettings
 from forge_lightning.optim import LR_SCHEDULES
 
@@ -381,6 +381,7 @@ def _check_engine_logprobs(values: Mapping[str, Any]) -> None:
             "engine reports log-probs of the changed distribution it sampled from, the loss "
             "computes them over the model's own"
         )
+    check_engine_logprob_kwargs(values.get("generation_kwargs"), values.get("generation_backend", "hf"))
     if values.get("loss_type") == "forge":
         raise ValueError(
             "use_engine_logprobs does not go with loss_type='forge', which scores at temperature 1 "

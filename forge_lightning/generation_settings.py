@@ -102,6 +102,31 @@ VLLM_SAMPLING_FIELDS = (
 )
 
 
+# The generation_kwargs that leave the distribution each token is sampled from as it is: with
+# use_engine_logprobs the engine's log-probs stand in for the policy's, which holds only when no
+# logits processor reshaped them (typical_p, epsilon/eta cutoffs, n-gram bans, suppressed or biased
+# tokens, a minimum length, best_of's pick...). A key not named here is taken to reshape them, so a
+# setting added to an engine later is refused until it is known to be harmless.
+ENGINE_LOGPROB_NEUTRAL: dict[str, frozenset[str]] = {
+    "hf": frozenset(
+        {
+            "cache_config",
+            "cache_implementation",
+            "compile_config",
+            "continuous_batching_config",
+            "disable_compile",
+            "low_memory",
+            "max_cache_len",
+            "output_attentions",
+            "output_hidden_states",
+            "prefill_chunk_size",
+            "renormalize_logits",
+        }
+    ),
+    "vllm": frozenset({"skip_special_tokens", "spaces_between_special_tokens"}),
+}
+
+
 @functools.cache
 def hf_fields() -> frozenset[str]:
     """The settings a ``transformers.GenerationConfig`` has: the keys of a default one's dict."""
@@ -192,3 +217,20 @@ def check_sampling_settings(min_p: float, repetition_penalty: float, stop: Seque
         check, allowed = SAMPLING_RULES[name]
         if not check(value):
             raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_engine_logprob_kwargs(kwargs: Mapping[str, Any] | None, backend: str) -> None:
+    """Refuse, with ``use_engine_logprobs``, a ``generation_kwargs`` key that may reshape the
+    sampling distribution (anything outside :data:`ENGINE_LOGPROB_NEUTRAL`): the engine would report
+    log-probs of the reshaped distribution, the loss computes the model's own, and the first step's
+    ratio would not be 1."""
+    neutral = ENGINE_LOGPROB_NEUTRAL.get(backend, frozenset())
+    shaping = sorted(key for key in kwargs or {} if key not in neutral)
+    if shaping:
+        raise ValueError(
+            f"use_engine_logprobs does not go with generation_kwargs {', '.join(shaping)}: "
+            "such a setting changes the distribution the engine samples from (as top_p < 1 does), so "
+            "its log-probs are not the policy's; drop the key, or set use_engine_logprobs false "
+            "(rollout_correction then measures and corrects the sampler's difference). Keys that leave "
+            f"the distribution as it is ({backend}): {', '.join(sorted(neutral))}"
+        )

@@ -110,6 +110,37 @@ def test_settings_that_cannot_go_together_are_refused_naming_them(settings, fiel
         validate_hparams(settings)
 
 
+@pytest.mark.parametrize(
+    ("backend", "key", "value"),
+    [
+        ("hf", "typical_p", 0.2),
+        ("hf", "epsilon_cutoff", 3e-4),
+        ("hf", "eta_cutoff", 3e-4),
+        ("hf", "no_repeat_ngram_size", 2),
+        ("hf", "bad_words_ids", [[5]]),
+        ("hf", "suppress_tokens", [5]),
+        ("hf", "min_new_tokens", 4),
+        ("hf", "sequence_bias", {"5": -1.0}),
+        ("vllm", "presence_penalty", 0.5),
+        ("vllm", "logit_bias", {"5": 1.0}),
+        ("vllm", "min_tokens", 4),
+        ("vllm", "best_of", 2),
+    ],
+)
+def test_engine_logprobs_refuse_generation_kwargs_that_reshape_the_distribution(backend, key, value):
+    # The engine reports log-probs of the distribution it sampled from: after typical_p & co it is
+    # not the policy's, and the first step's ratio would be off 1 (a clip fraction of 0.5 at step 1).
+    settings = {"generation_backend": backend, "use_engine_logprobs": True, "generation_kwargs": {key: value}}
+    with pytest.raises(ValueError, match=rf"use_engine_logprobs does not go with generation_kwargs {key}"):
+        validate_hparams(settings)
+    validate_hparams({**settings, "use_engine_logprobs": False})  # alone, the key is a valid setting
+
+
+@pytest.mark.parametrize(("backend", "key"), [("hf", "renormalize_logits"), ("vllm", "skip_special_tokens")])
+def test_engine_logprobs_take_generation_kwargs_that_leave_the_distribution(backend, key):
+    validate_hparams({"generation_backend": backend, "use_engine_logprobs": True, "generation_kwargs": {key: True}})
+
+
 def test_the_module_checks_its_settings_when_built(module):
     with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got 1.5"):
         module(top_p=1.5)

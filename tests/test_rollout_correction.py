@@ -115,6 +115,10 @@ def test_hf_generate_scores_as_the_old_policy_give_the_loss_of_the_trainers_own(
     trusted, recomputed = run(tmp_path / "a", use_engine_logprobs=True), run(tmp_path / "b")
     for key in ("train/loss", "train/reward", "train/clip_fraction"):
         assert trusted[key] == pytest.approx(recomputed[key], rel=1e-4, abs=1e-6), key
+    # A generation_kwargs key that engine log-probs take leaves the scores the policy's.
+    neutral = run(tmp_path / "c", use_engine_logprobs=True, generation_kwargs={"renormalize_logits": True})
+    for key in ("train/loss", "train/reward", "train/clip_fraction"):
+        assert neutral[key] == pytest.approx(recomputed[key], rel=1e-4, abs=1e-6), key
 
 
 def test_the_sampler_kl_of_hf_generate_against_the_trainer_is_about_zero(tmp_path, module, trainer, loader):
