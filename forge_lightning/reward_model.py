@@ -9,8 +9,9 @@ The module tells it where the policy lives and which system message the policy g
 attribute of the reward, not an ``nn.Module`` of the LightningModule, so it is in no ``state_dict``,
 optimizer or DDP wrapper, and each rank holds its own whole copy (under FSDP too: only the policy
 is sharded; the reward model is not, so it must fit on one device beside its shard). A Lightning
-checkpoint stores its spec (the reward's ``init_args``) and, for a folder, a fingerprint of its
-weights (``checkpoint_io.py``): resuming with a changed folder is refused.
+checkpoint stores its spec (the reward's ``init_args``) and, for a folder, fingerprints of its
+weights and of what formats its input (chat template, tokenizer files, config; ``checkpoint_io.py``):
+resuming with a changed folder is refused, naming what changed.
 
 Pooling. A decoder classifier with a ``score`` head (Llama, Qwen, Mistral, GPT-2, ... in
 transformers) is read at the last token of each text, batches left-padded with their positions
@@ -21,6 +22,8 @@ as it is, on right-padded batches, with its own pooling.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import warnings
 from collections.abc import Sequence
@@ -95,9 +98,12 @@ class RewardModel(BaseReward):
         self.classifier, self._tokenizer = _classifier(model, tokenizer, getattr(torch, dtype))
         self.folder = Path(model) if isinstance(model, str) and Path(model).is_dir() else None
         self.system_prompt: str | None = None
-        # SHA-256 of the folder's weight files as loaded (None for a hub id or a built model);
-        # checkpoints record it, and a resume compares a fresh load's.
+        # SHA-256 of the folder's weight files as loaded (None for a hub id or a built model), and
+        # of the files that format its input; checkpoints record them, a resume compares a fresh load's.
         self.fingerprint = folder_fingerprint(self.folder) if self.folder is not None else None
+        self.file_fingerprints = (
+            formatting_fingerprints(self.folder, self._tokenizer) if self.folder is not None else {}
+        )
         if device is not None:
             self.classifier.to(device)
 
@@ -228,23 +234,75 @@ def _load(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTok
     return model, tokenizer
 
 
-def reward_model_fingerprints(parts: Sequence[Any]) -> list[dict[str, str]]:
-    """Folder and weights fingerprint of each RewardModel among ``parts`` loaded from a folder,
-    for the Lightning checkpoint (the weights themselves are not saved there)."""
+# A folder's files besides the weights that change its scores, by the name a refused resume gives
+# them. tokenizer_config.json is split: its chat_template key (where older transformers wrote the
+# template) belongs to the template, the rest to the tokenizer.
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+    "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+)  # fmt: skip
+
+
+def formatting_fingerprints(folder: Path, tokenizer: Any = None) -> dict[str, str]:
+    """SHA-256 of what in ``folder`` formats and reads a text besides the weights: ``config``
+    (config.json), ``tokenizer`` (its files, also those ``tokenizer``'s class names) and ``chat
+    template``; a file removed or added changes its part too."""
+    settings = _json_file(folder / "tokenizer_config.json")
+    template = settings.pop("chat_template", None) if isinstance(settings, dict) else None
+    extra = tuple(getattr(tokenizer, "vocab_files_names", {}).values())
+    templates = [folder / name for name in _TEMPLATE_FILES]
+    templates += sorted((folder / "additional_chat_templates").glob("*"))
+    return {
+        "config": _digest([folder / "config.json"]),
+        "tokenizer": _digest([folder / name for name in dict.fromkeys(_TOKENIZER_FILES + extra)], settings),
+        "chat template": _digest(templates, template),
+    }
+
+
+def _json_file(path: Path) -> Any:
+    """The file's JSON, its text where it is not JSON, None where it does not exist."""
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _digest(paths: list[Path], value: Any = None) -> str:
+    """SHA-256 over the names and bytes of those ``paths`` that exist, and ``value`` as JSON."""
+    digest = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode() + b"\0")
+    for path in paths:
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def reward_model_fingerprints(parts: Sequence[Any]) -> list[dict[str, Any]]:
+    """Folder, weights fingerprint and formatting fingerprints (:func:`formatting_fingerprints`)
+    of each RewardModel among ``parts`` loaded from a folder, for the Lightning checkpoint (the
+    weights themselves are not saved there)."""
     return [
-        {"folder": str(part.folder), "fingerprint": part.fingerprint}
+        {"folder": str(part.folder), "fingerprint": part.fingerprint, "files": dict(part.file_fingerprints)}
         for part in parts
         if isinstance(part, RewardModel) and part.folder is not None
     ]
 
 
-def check_reward_models(saved: list[dict[str, str]], parts: Sequence[Any]) -> None:
-    """Refuse a resume whose reward model folders' weights are not those the checkpoint recorded."""
+def check_reward_models(saved: list[dict[str, Any]], parts: Sequence[Any]) -> None:
+    """Refuse a resume whose reward model folders score otherwise than those the checkpoint
+    recorded: other weights, config, tokenizer or chat template. A checkpoint written before the
+    formatting was fingerprinted has the weights' alone, which are all that can be compared."""
     for before, now in zip(saved, reward_model_fingerprints(parts)):
-        if before != now:
+        changed = ["weights"] if before["fingerprint"] != now["fingerprint"] else []
+        recorded = before.get("files")
+        if recorded is not None:
+            changed += [name for name, value in now["files"].items() if recorded.get(name) != value]
+        if changed:
             raise RuntimeError(
                 f"the reward model in {now['folder']} is not the one this run was trained with: its "
-                f"weights' fingerprint is {now['fingerprint'][:16]}..., the checkpoint's "
-                f"{before['fingerprint'][:16]}... (folder {before['folder']}). Restore that reward "
-                "model, or start a new run"
+                f"{', '.join(changed)} changed since the checkpoint (folder {before['folder']}), "
+                "which changes its scores. Restore that reward model's folder, or start a new run"
             )

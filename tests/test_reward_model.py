@@ -214,6 +214,64 @@ def test_a_changed_reward_model_folder_is_refused_on_resume(rm_dir, trainer, loa
         )
 
 
+def _edit_json(path: Path, **changes) -> None:
+    import json
+
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, **changes}))
+
+
+# Each edit of a reward model's folder that changes its scores, and the name a refusal gives it.
+FOLDER_EDITS = {
+    "a new chat template": (
+        lambda d: (d / "chat_template.jinja").write_text(
+            "{% for m in messages %}{{ m.content }}{% endfor %}"
+        ),
+        "chat template",
+    ),
+    "the chat template removed": (lambda d: (d / "chat_template.jinja").unlink(), "chat template"),
+    "a template in tokenizer_config.json": (
+        lambda d: _edit_json(d / "tokenizer_config.json", chat_template="{{ messages[0]['content'] }}"),
+        "chat template",
+    ),
+    "the tokenizer's settings": (
+        lambda d: _edit_json(d / "tokenizer_config.json", add_bos_token=True),
+        "tokenizer",
+    ),
+    "the model's config": (lambda d: _edit_json(d / "config.json", rms_norm_eps=1e-2), "config"),
+}
+
+
+@pytest.mark.parametrize("edit", FOLDER_EDITS, ids=list(FOLDER_EDITS))
+def test_a_reward_model_folder_whose_formatting_changed_is_refused_on_resume(tmp_path, edit):
+    from forge_lightning.reward_model import check_reward_models, reward_model_fingerprints
+
+    tok = make_tokenizer(chat_template=True)
+    folder = tmp_path / "rm"
+    classifier(tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    saved = reward_model_fingerprints([RewardModel(str(folder))])
+    check_reward_models(saved, [RewardModel(str(folder))])  # the same folder resumes
+
+    change, what = FOLDER_EDITS[edit]
+    change(folder)
+    with pytest.raises(RuntimeError, match=rf"in {folder} is not the one .*its {what} changed"):
+        check_reward_models(saved, [RewardModel(str(folder))])
+
+
+def test_a_checkpoint_from_before_the_formatting_fingerprint_still_checks_the_weights(rm_dir):
+    from forge_lightning.reward_model import check_reward_models, reward_model_fingerprints
+
+    tok = make_tokenizer()
+    older = [{"folder": str(rm_dir), "fingerprint": RewardModel(str(rm_dir)).fingerprint}]
+    (rm_dir / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    check_reward_models(older, [RewardModel(str(rm_dir))])  # what it did not record is not known
+    classifier(tok, seed=1).save_pretrained(rm_dir)
+    with pytest.raises(RuntimeError, match=r"its weights changed"):
+        check_reward_models(older, [RewardModel(str(rm_dir))])
+    assert reward_model_fingerprints([RewardModel(str(rm_dir))])[0]["files"]  # recorded now
+
+
 def test_a_config_names_it_beside_a_verifiable_reward_and_it_scores_a_batch(
     rm_dir, tiny_model_dir, tmp_path, tiny_overrides
 ):
