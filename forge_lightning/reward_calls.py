@@ -115,6 +115,19 @@ def absent_arguments(reward: RewardFn, available: set[str]) -> list[str]:
     return [key for key in dict.fromkeys(required) if key not in given]
 
 
+def refuse_async(reward: Any, name: str | None = None) -> None:
+    """TypeError naming ``reward`` where it is an ``async def`` function, or an object whose
+    ``__call__`` is one: its call returns a coroutine, which is no score (until rewards are awaited)."""
+    call = getattr(reward, "__call__", None)  # a reward object: its (bound) __call__
+    if not any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in (reward, call)):
+        return
+    raise TypeError(
+        f"async rewards are not supported yet: reward {name or reward_name(reward)!r} is an `async def` "
+        "(its call returns a coroutine, not scores). Make it a plain `def`; one that must await can "
+        "run its coroutine itself, e.g. `return asyncio.run(score_async(prompts, responses))`"
+    )
+
+
 def reward_name(reward: RewardFn) -> str:
     """A readable name: a function's ``__name__`` (``<lambda>`` becomes ``lambda``), else the class name."""
     name = getattr(reward, "__name__", None) or type(reward).__name__
@@ -127,6 +140,14 @@ def checked_scores(output: Any, num_samples: int, name: str, allow_none: bool = 
     With ``allow_none`` (a CompositeReward's component) a None means "not applicable to this
     sample", as in TRL, and becomes NaN: it counts 0 in the total and stays out of the component's
     mean and std."""
+    if inspect.isawaitable(output):
+        close = getattr(output, "close", None)
+        if callable(close):  # never awaited: closed here, so Python does not warn that it was not
+            close()
+        raise ValueError(
+            f"reward {name!r} returned a coroutine, not scores: async rewards are not supported yet. "
+            "Return the scores themselves (a reward that must await can run its coroutine with asyncio.run)"
+        )
     if isinstance(output, RewardOutput):
         output = output.scores
     elif hasattr(output, "tolist"):  # numpy arrays and tensors, without importing either

@@ -30,6 +30,7 @@ from forge_lightning.reward_calls import (
     checked_scores,
     completion_messages,
     invoke_reward,
+    refuse_async,
     reward_name,
     takes_completions,
     trl_kwargs,
@@ -61,6 +62,7 @@ __all__ = [
     "component_names",
     "load_reward",
     "missing_arguments",
+    "refuse_async",
     "require_arguments",
     "reward_name",
     "reward_parts",
@@ -250,6 +252,7 @@ class CompositeReward(BaseReward):
                 raise ValueError(
                     f"CompositeReward entries are (reward, weight[, name]) tuples, got {entry!r}"
                 )
+            refuse_async(entry[0], entry[2] if len(entry) == 3 else None)
         weights = [float(entry[1]) for entry in rewards_and_weights]
         if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(f"CompositeReward weights must be finite, >= 0 and sum to > 0, got {weights}")
@@ -315,6 +318,8 @@ def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[s
 def require_arguments(reward: RewardFn, available: set[str], role: str = "reward") -> None:
     """Raise ValueError naming each reward component's missing keyword arguments and what the
     batch has (run before any generation, so a mismatch costs nothing)."""
+    for part in reward_parts(reward):  # an accuracy check comes here without as_reward
+        refuse_async(part)
     missing = missing_arguments(reward, available)
     if missing:
         what = "; ".join(f"{name!r} needs {', '.join(keys)}" for name, keys in missing.items())
@@ -360,6 +365,7 @@ def as_reward(reward: RewardFn | Sequence[RewardFn | tuple]) -> RewardFn:
             f"reward must be a callable (prompts, responses, **kwargs) -> scores, or a list of them; got "
             f"{type(reward).__name__} {reward!r}"
         )
+    refuse_async(reward)
     return reward
 
 

@@ -504,3 +504,42 @@ def test_none_from_every_component_or_from_a_lone_reward_is_an_error():
         score(CompositeReward([(never, 1.0, "a"), (never, 1.0, "b")]), ["p"], ["a"])
     with pytest.raises(ValueError, match="returned None at index 0"):
         score(never, ["p"], ["a"])
+
+
+async def async_reward(prompts, responses):
+    return [1.0] * len(responses)
+
+
+class AsyncCallReward(BaseReward):
+    async def __call__(self, prompts, responses, **kwargs):
+        return [1.0] * len(responses)
+
+
+@pytest.mark.parametrize(
+    "reward, name",
+    [(async_reward, "async_reward"), (AsyncCallReward(), "AsyncCallReward")],
+    ids=["async def", "async __call__"],
+)
+def test_an_async_reward_is_refused_by_name_when_the_module_is_built(reward, name, module) -> None:
+    from forge_lightning.rewards import as_reward, require_arguments
+
+    pattern = rf"async rewards are not supported yet: reward '{name}'"
+    for given in (reward, [has_digit, reward]):
+        with pytest.raises(TypeError, match=pattern):
+            as_reward(given)
+    with pytest.raises(TypeError, match=pattern):
+        CompositeReward([(has_digit, 1.0), (reward, 1.0)])
+    with pytest.raises(TypeError, match=pattern):  # the accuracy check's, before any generation
+        require_arguments(reward, {"references"}, role="accuracy check")
+    with pytest.raises(TypeError, match=pattern):
+        module(reward=reward)
+
+
+def test_a_coroutine_a_reward_returns_never_becomes_a_score() -> None:
+    def hands_back_a_coroutine(prompts, responses):
+        return async_reward(prompts, responses)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "coroutine was never awaited"
+        with pytest.raises(ValueError, match=r"'hands_back_a_coroutine' returned a coroutine, not scores"):
+            score(hands_back_a_coroutine, ["p"], ["r"])
