@@ -114,6 +114,7 @@ class ForgeCLI(LightningCLI):
         # Validated only once the loggers have their folders (CSVLogger's save_dir is required).
         if isinstance(args, (dict, Namespace)):
             return super().parse_arguments(parser, args)
+        self._args = args  # read again for the settings the user gave (_parse_ckpt_path)
         self.config = parse_unvalidated(parser, args)
         subcommand = self.config.get("subcommand")
         trainer = (self.config[subcommand] if subcommand else self.config)["trainer"]
@@ -122,6 +123,23 @@ class ForgeCLI(LightningCLI):
             parser.validate(self.config)
         except (TypeError, ValueError, KeyError) as err:
             parser.error(str(err))
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        # Private: LightningCLI.__init__ calls it after parse_arguments (lightning >= 2.3; checked on
+        # 2.6.6; the --ckpt_path file tests of tests/test_run_folder.py fail if it moves). For a file it
+        # lays the checkpoint's hyperparameters over the whole parsed config, so --model.* flags and
+        # config files were dropped without a word. Here the checkpoint fills in only the module
+        # settings the user left out; a fit then refuses the given ones a resume may not change
+        # (_check_resume), as for --ckpt_path last.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if getattr(self, "_args", _UNSET) is _UNSET or not ckpt_path or not Path(ckpt_path).is_file():
+            return super()._parse_ckpt_path()
+        given = parse_unvalidated(self.parser, self._args, defaults=False)[subcommand].get("model")
+        super()._parse_ckpt_path()
+        if isinstance(given, Namespace):
+            _overlay(self.config[subcommand]["model"], given)
 
     @override
     def instantiate_classes(self) -> None:
@@ -372,10 +390,27 @@ def read_as_string(action: argparse.Action) -> bool:
     return True
 
 
-def parse_unvalidated(parser: LightningArgumentParser, args: Any) -> Any:
+def parse_unvalidated(parser: LightningArgumentParser, args: Any, defaults: bool = True) -> Any:
     """``parse_args`` without the validation (jsonargparse's private ``_skip_validation`` keyword),
-    for a config that is validated once the loggers have their folders."""
-    return parser.parse_args(args, _skip_validation=True)
+    for a config that is validated once the loggers have their folders; ``defaults=False``: only
+    what the config files and the command line set."""
+    return parser.parse_args(args, defaults=defaults, _skip_validation=True)
+
+
+_UNSET = object()
+
+
+def _overlay(config: Namespace, given: Namespace) -> None:
+    """Set in ``config`` every value ``given`` holds: a class (``class_path``) whole, since the
+    checkpoint's arguments may not fit another class, and any other group setting by setting."""
+    for key, value in vars(given).items():
+        if key.startswith("__"):  # jsonargparse's own (the config file a value came from)
+            continue
+        inner = config.get(key)
+        if isinstance(value, Namespace) and "class_path" not in value and isinstance(inner, Namespace):
+            _overlay(inner, value)
+        else:
+            config[key] = value
 
 
 class _WithoutVersion:

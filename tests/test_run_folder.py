@@ -215,6 +215,44 @@ def test_a_new_learning_rate_on_resume_takes_effect_and_says_so(run):
     assert lrs == pytest.approx([0.01, 0.01, 0.02])
 
 
+def test_validate_from_a_checkpoint_file_keeps_the_command_lines_module_settings(run):
+    out = run()
+    ckpt = str(out / "checkpoints" / "last.ckpt")
+    args = ["--config", str(run.config), "--ckpt_path", ckpt, "--trainer.limit_val_batches", "1"]
+    cli = build_cli(["validate", *args, "--data.val_batch_size", "1", "--model.val_num_generations", "2"])
+    assert cli.model.hparams.val_num_generations == 2  # not the checkpoint's 0 laid over the flag
+    assert "val/pass@2" in cli.trainer.callback_metrics
+    saved = Path(cli.trainer.log_dir) / "config.yaml"
+    assert "val_num_generations: 2" in saved.read_text()
+
+
+def test_validate_from_a_checkpoint_file_takes_what_the_command_line_leaves_out_from_it(run):
+    out = run()
+    ckpt = str(out / "checkpoints" / "last.ckpt")
+    args = ["--data.source", "mock", "--data.val_batch_size", "1", "--trainer.default_root_dir", str(out)]
+    args += ["--ckpt_path", ckpt, "--trainer.limit_val_batches", "1"]
+    cli = build_cli(["validate", *args, "--model.val_num_generations", "2"])
+    assert cli.model.hparams.group_size == 4  # the checkpoint's, not the default 8
+    assert cli.model.hparams.val_num_generations == 2
+
+
+def test_fit_from_a_checkpoint_file_takes_a_new_learning_rate_as_last_does(run):
+    out = run()
+    ckpt = str(out / "checkpoints" / "last.ckpt")
+    with pytest.warns(UserWarning, match="resumed with learning_rate 0.02"):
+        run("--ckpt_path", ckpt, "--model.learning_rate", "0.02", steps=3)
+    lrs = [json.loads(line)["lr"] for line in (out / "training_log.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([0.01, 0.01, 0.02])
+
+
+def test_fit_from_a_checkpoint_file_refuses_settings_a_run_cannot_change_by_name(run):
+    out = run()
+    ckpt = str(out / "checkpoints" / "last.ckpt")
+    with pytest.raises(SystemExit, match=r"(?s)group_size: 4 -> 2.*kl_beta: 0.05 -> 0.2"):
+        run("--ckpt_path", ckpt, "--model.group_size", "2", "--model.kl_beta", "0.2", steps=3)
+    assert steps_logged(out) == [1, 2]
+
+
 @pytest.mark.parametrize("damage", ["replaced", "truncated"])
 def test_a_reference_that_is_not_the_runs_own_is_refused(run, damage):
     out = run()
