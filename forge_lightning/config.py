@@ -76,6 +76,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "val_temperature": (lambda v: v > 0, "> 0"),
     "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "val_max_new_tokens": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "max_generation_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "steps_per_generation": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "rollout_correction": (_optional(lambda v: v in ("mask", "truncate")), "None, 'mask' or 'truncate'"),
     "rollout_correction_level": (lambda v: v in ("token", "sequence"), "'token' or 'sequence'"),
@@ -121,6 +122,7 @@ CHANGEABLE_ON_RESUME = frozenset(
         "val_temperature",
         "val_top_p",
         "val_max_new_tokens",
+        "max_generation_tokens",
     }
 )
 

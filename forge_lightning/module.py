@@ -37,7 +37,14 @@ from forge_lightning.rewards import (
 )
 from forge_lightning.rollout import FACTS, RolloutSampler, prompt_settings, warn_when_few_tokens_count
 from forge_lightning.rollout_sources import TrainingBatch
-from forge_lightning.sampled_eval import TrainingRandomState, run_seed, sampled_evaluation, sampling_seed
+from forge_lightning.sampled_eval import (
+    TrainingRandomState,
+    batch_sizes,
+    check_generation_budget,
+    run_seed,
+    sampled_evaluation,
+    sampling_seed,
+)
 from forge_lightning.scoring import batch_advantages, score_groups
 from forge_lightning.step_plan import mean_stats, take_share
 from forge_lightning.tool_rollout import ToolRolloutSampler, with_tools
@@ -172,6 +179,10 @@ class GRPOLightningModule(pl.LightningModule):
         val_temperature: temperature of the sampled validation completions.
         val_top_p: nucleus mass of the sampled validation completions.
         val_max_new_tokens: longest sampled validation completion; None: ``max_new_tokens``.
+        max_generation_tokens: the most tokens one batch's generation may hold, counted as its rows
+            x (``max_prompt_length``, 0 when unset, + new tokens): a training batch (prompts per
+            step x ``group_size`` rows) or a sampled validation batch (``val_batch_size`` x
+            ``val_num_generations`` rows) over it is refused before any step.
         answer_key: what a sampled completion votes for in maj@k (GSM8K's extracted number by
             default), ``completion -> hashable``, None for no answer. None logs no maj@k.
     """
@@ -245,6 +256,7 @@ class GRPOLightningModule(pl.LightningModule):
         val_temperature: float = 1.0,
         val_top_p: float = 1.0,
         val_max_new_tokens: int | None = None,
+        max_generation_tokens: int = 2**20,
         answer_key: Callable[[str], Any] | None = extract_answer,
     ) -> None:
         super().__init__()
@@ -428,6 +440,7 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def on_fit_start(self) -> None:
         self.plan.check_cadences(self.trainer)
+        check_generation_budget(self.hparams, *batch_sizes(self.trainer))  # before any step
         self.rollout_source.on_fit_start(self.trainer, self.model, sharded=self.device_mesh is not None)
         self._share_policy_context()
         self._random_state.save(self.device)  # the sanity check's validation leaves it as it was
@@ -485,6 +498,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_validation_start(self) -> None:
+        check_generation_budget(self.hparams, *batch_sizes(self.trainer))  # the loaders are known now
         self._share_policy_context()  # validate without fit: a reward model moves to the policy's device
 
     def _share_policy_context(self) -> None:

@@ -245,6 +245,56 @@ def sampled_evaluation(hp: Mapping[str, Any], answer_key: AnswerKey | None) -> S
     return SampledEvaluation(hp["val_num_generations"], params, answer_key)
 
 
+def check_generation_budget(
+    hp: Mapping[str, Any], train_prompts: int | None, val_prompts: int | None
+) -> None:
+    """Refuse a batch whose generation would hold more than ``max_generation_tokens`` tokens,
+    counted as rows x (P + new tokens), ``P`` being ``max_prompt_length`` (0 when unset: completion
+    tokens alone): a training batch of ``train_prompts`` x ``group_size`` rows and ``max_new_tokens``,
+    and a sampled validation batch of ``val_prompts`` x ``val_num_generations`` rows and
+    ``val_max_new_tokens``. A batch that passes can still be too big for a small machine; one that
+    fails would allocate its KV cache and logits at once (a validation only after the first steps).
+    A batch size not known yet (no datamodule, no loader) is not checked."""
+    prompt = hp.get("max_prompt_length") or 0
+    n, budget = hp["val_num_generations"], hp["max_generation_tokens"]
+    batches = [
+        ("data.prompts_per_step", train_prompts, "group_size", hp["group_size"], hp["max_new_tokens"]),
+        (
+            "data.val_batch_size",
+            val_prompts,
+            "val_num_generations",
+            n,
+            hp["val_max_new_tokens"] or hp["max_new_tokens"],
+        ),
+    ]
+    for prompts_name, prompts, rows_name, per_prompt, new in batches:
+        tokens = (prompts or 0) * per_prompt * (prompt + new)
+        if tokens > budget:
+            raise ValueError(
+                f"{rows_name}={per_prompt} x {prompts_name}={prompts} rows x ({prompt} prompt + {new} new "
+                f"tokens) = {tokens:,} tokens in one batch's generation, over max_generation_tokens="
+                f"{budget:,} (the rule: rows x (max_prompt_length, 0 when unset, + new tokens) <= "
+                f"max_generation_tokens). Lower {rows_name} (at most {budget // (prompts * (prompt + new))} "
+                f"here) or {prompts_name}, or raise max_generation_tokens if the machine holds it"
+            )
+
+
+def batch_sizes(trainer: Any) -> tuple[int | None, int | None]:
+    """The prompts of a training and of a validation batch, from the datamodule's settings
+    (``prompts_per_step``, ``val_batch_size``) or else the loaders Lightning has loaded; None where
+    unknown."""
+    data = getattr(trainer, "datamodule", None)
+    train = getattr(data, "prompts_per_step", None) or _loader_batch(trainer.train_dataloader)
+    val = getattr(data, "val_batch_size", None) or _loader_batch(trainer.val_dataloaders)
+    return train, val
+
+
+def _loader_batch(loaders: Any) -> int | None:
+    loader = loaders[0] if isinstance(loaders, Sequence) and loaders else loaders
+    size = getattr(loader, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
 def run_seed() -> int:
     """The run's seed, as ``seed_everything`` recorded it (0 when none was set)."""
     try:

@@ -61,6 +61,7 @@ BAD = {
     "val_temperature": 0.0,
     "val_top_p": 0.0,
     "val_max_new_tokens": 0,
+    "max_generation_tokens": 0,
     "steps_per_generation": 0,
     "rollout_correction": "clip",
     "rollout_correction_level": "batch",

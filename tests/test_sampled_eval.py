@@ -289,3 +289,57 @@ def test_validations_inside_one_accumulated_step_evaluate_its_weights_into_files
     files = {p.name: p.read_text() for p in (tmp_path / "validation").iterdir()}
     assert sorted(files) == ["step-0.jsonl", "step-1-2.jsonl", "step-1.jsonl", "step-2.jsonl"]
     assert files["step-1-2.jsonl"] == files["step-1.jsonl"]  # the same weights, the same seeds
+
+
+class CountingGenerate:
+    """An engine that fails the test if asked to sample: the budget check comes before any step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def generate(self, *args, **kwargs):
+        self.calls += 1
+        raise AssertionError("sampled before the budget check")
+
+
+def test_a_sampled_evaluation_over_the_generation_budget_is_refused_before_any_step(
+    module, trainer, tmp_path
+):
+    # 200000 samples x 8 prompts x 8 tokens would allocate tens of GB at the first validation,
+    # after the first training steps; the budget check refuses it when the fit starts.
+    from forge_lightning.data import GSM8KDataModule
+
+    grpo = module(val_num_generations=200_000, max_new_tokens=8)
+    grpo.generator = CountingGenerate()
+    data = GSM8KDataModule(source="arithmetic", max_samples=4, val_max_samples=8, prompts_per_step=2)
+    rule = (
+        r"val_num_generations=200000 x data.val_batch_size=8 rows x \(0 prompt \+ 8 new tokens\) = "
+        r"12,800,000 tokens in one batch's generation, over max_generation_tokens=1,048,576"
+    )
+    with pytest.raises(ValueError, match=rule) as refused:
+        trainer(tmp_path, max_steps=1).fit(grpo, datamodule=data)
+    assert "at most 16384 here" in str(refused.value) and grpo.generator.calls == 0
+    # The same refusal for validate, before its first batch is sampled.
+    with pytest.raises(ValueError, match=rule):
+        trainer(tmp_path).validate(grpo, datamodule=data)
+    assert grpo.generator.calls == 0
+
+
+def test_the_generation_budget_counts_rows_times_prompt_and_new_tokens():
+    from forge_lightning.sampled_eval import check_generation_budget
+
+    hp = {
+        "val_num_generations": 16,
+        "val_max_new_tokens": None,
+        "max_new_tokens": 16,
+        "group_size": 8,
+        "max_prompt_length": 48,
+        "max_generation_tokens": 16 * 4 * 64,
+    }
+    check_generation_budget(hp, train_prompts=8, val_prompts=4)  # both exactly at the budget
+    check_generation_budget(hp, train_prompts=None, val_prompts=None)  # not known yet
+    with pytest.raises(ValueError, match=r"^val_num_generations=16 x data.val_batch_size=5 rows"):
+        check_generation_budget(hp, train_prompts=8, val_prompts=5)
+    with pytest.raises(ValueError, match=r"^group_size=8 x data.prompts_per_step=9 rows .*at most 7 here"):
+        check_generation_budget(hp, train_prompts=9, val_prompts=1)
+    check_generation_budget({**hp, "max_generation_tokens": 10**9}, train_prompts=9, val_prompts=5)
