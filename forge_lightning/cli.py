@@ -47,8 +47,10 @@ class ForgeCLI(LightningCLI):
     Before ``fit`` the run folder (``trainer.default_root_dir``) is locked for this process,
     leftovers of a killed run are cleaned (run_folder.py), a fresh fit in a folder that holds a run
     is refused (unless ``--overwrite true``), ``--ckpt_path last`` resumes from this run's newest
-    complete checkpoint (a fresh run when there is none), and a resume whose settings differ from
-    the checkpoint's in ones a run cannot change is refused before anything is written.
+    complete checkpoint (a fresh run when there is none, never over another run's outputs), and a
+    resume whose settings differ from the checkpoint's in ones a run cannot change is refused
+    before anything is written. A ``--ckpt_path`` file fills in the module settings the config
+    files and the command line leave out (``_parse_ckpt_path``).
 
     The run's callbacks have groups of their own (``CALLBACK_GROUPS``): ``checkpoint`` (Lightning's
     ModelCheckpoint; left out under ``trainer.enable_checkpointing: false``), ``hf_checkpoint`` and

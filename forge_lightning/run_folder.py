@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".forge.lock"
 LOG_NAME = "training_log.jsonl"
 _STEP = re.compile(r"step=(\d+)")
+# What a fit killed before its first checkpoint leaves, which --ckpt_path last may start over on.
+_RESTARTABLE = (LOG_NAME, "reference")
 
 
 class RunFolderError(RuntimeError):
@@ -132,14 +134,15 @@ class RunFolder:
         """Check the folder for a fit and return the checkpoint to resume from (None: a fresh run).
 
         ``resume`` (``--ckpt_path last``): this run's newest complete checkpoint; with none, a
-        fresh run starts and the old log is moved aside. A fresh run (``resume=False``) in a folder
-        that holds a run is refused, unless ``overwrite`` removes that run's outputs first.
+        fresh run starts and the old log is moved aside, unless the folder holds a run's outputs
+        (``_nothing_to_resume``). A fresh run (``resume=False``) in a folder that holds a run is
+        refused, unless ``overwrite`` removes that run's outputs first.
         """
         self.clean_leftovers()
         if resume:
             found = self.newest_checkpoint()
             if found is None:
-                self._start_over("there is no checkpoint to resume from")
+                self._nothing_to_resume(overwrite)
             elif found.name != "last.ckpt":
                 log.warning("no last.ckpt: resuming from this run's newest checkpoint, %s", found)
             return found
@@ -157,11 +160,42 @@ class RunFolder:
                 "start this one in a new folder (--trainer.default_root_dir), or replace it with "
                 "--overwrite true"
             )
-        if existing:  # --overwrite: that run's outputs go, its curves and validation answers too
-            for path in [*existing, self.root / "tensorboard", self.root / "validation"]:
-                _remove(path)
-            log.warning("--overwrite: removed the previous run's outputs in %s", self.root)
+        if existing:
+            self._remove_run(existing)
         return None
+
+    def _remove_run(self, outputs: list[Path]) -> None:
+        """--overwrite: a run's ``outputs`` go, its curves and validation answers too."""
+        for path in [*outputs, self.root / "tensorboard", self.root / "validation"]:
+            _remove(path)
+        log.warning("--overwrite: removed the previous run's outputs in %s", self.root)
+
+    def _nothing_to_resume(self, overwrite: bool) -> None:
+        """``--ckpt_path last`` found no checkpoint in this run's checkpoint folders: a new run
+        starts, but never over another run's outputs (``final/``, HF step folders, Lightning
+        checkpoints, also in ``<root>/checkpoints`` when the ModelCheckpoint now saves elsewhere),
+        which are refused as a fresh fit over them is, unless ``overwrite``. A run killed before
+        its first checkpoint leaves only its log (moved aside) and ``reference/`` (written again)."""
+        default = self.root / "checkpoints"  # where the CLI puts them when the config says nowhere
+        ours = any(d.resolve() == default.resolve() for d in self.checkpoint_dirs)
+        strays = [] if ours else checkpoints(default)
+        outputs = [
+            p for p in [*self.contents(), *strays] if p.parent != self.root or p.name not in _RESTARTABLE
+        ]
+        if outputs and overwrite:
+            return self._remove_run([*outputs, self.root / LOG_NAME])
+        if outputs:
+            searched = ", ".join(str(d) for d in self.checkpoint_dirs)
+            shown = ", ".join(str(p) for p in outputs[:4]) + (" ..." if len(outputs) > 4 else "")
+            fixes = [f"continue it: point the ModelCheckpoint's dirpath at {default} (--checkpoint.dirpath)"]
+            fixes = fixes if strays else []
+            fixes += ["start this run in a new folder (--trainer.default_root_dir)"]
+            raise RunFolderError(
+                f"--ckpt_path last: there is no checkpoint to resume from in {searched}, but {self.root} "
+                f"holds a run ({shown}) that a new run would replace. {'; '.join(fixes)}; or replace "
+                "that run with --overwrite true"
+            )
+        self._start_over("there is no checkpoint to resume from")
 
     def _start_over(self, why: str) -> None:
         log_file = self.root / LOG_NAME

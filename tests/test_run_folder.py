@@ -173,6 +173,46 @@ def test_ckpt_path_last_with_no_checkpoint_starts_a_new_run_with_the_old_log_asi
     assert len(aside) == 1 and aside[0].read_text() == '{"step": 1, "reward": 0.5}\n'
 
 
+def test_ckpt_path_last_with_checkpoints_sent_elsewhere_refuses_and_keeps_the_finished_run(run, tmp_path):
+    out = run()
+    kept = {p: p.read_bytes() for p in [out / "training_log.jsonl", *sorted(out.glob("*/*.safetensors"))]}
+    elsewhere = tmp_path / "elsewhere"
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(
+        run.config.read_text().replace("save_last: true", f"save_last: true, dirpath: {elsewhere}")
+    )
+    said = (
+        f"(?s)in {elsewhere}, but {out} holds a run \\(.*{out / 'checkpoints'}.*dirpath at {out}/checkpoints"
+    )
+    with pytest.raises(SystemExit, match=said):
+        build_cli(["fit", "--config", str(moved), "--ckpt_path", "last", "--trainer.max_steps", "3"])
+    assert {p: p.read_bytes() for p in kept} == kept  # final/, reference/ and the log untouched
+    assert not list(out.glob("training_log.before-*"))
+
+
+@pytest.mark.parametrize("left", ["final", "2", "checkpoints/epoch=0-step=2.ckpt"])
+def test_ckpt_path_last_finding_no_checkpoint_never_starts_over_on_a_runs_outputs(tmp_path, left):
+    root = tmp_path / "run"
+    (root / "reference").mkdir(parents=True)
+    (root / "training_log.jsonl").write_text('{"step": 2}\n')
+    (root / left).parent.mkdir(parents=True, exist_ok=True)
+    if left.endswith(".ckpt"):
+        (root / left).write_bytes(b"a checkpoint")
+    else:
+        (root / left).mkdir()
+        (root / left / "config.json").write_text("{}")
+    folder = RunFolder(root, [tmp_path / "elsewhere"])
+    with pytest.raises(
+        RunFolderError, match=f"(?s)no checkpoint to resume from in {tmp_path / 'elsewhere'}.*{root}"
+    ):
+        folder.prepare(resume=True)
+    assert (root / "training_log.jsonl").is_file() and (root / left).exists()
+    # What a run killed before its first checkpoint leaves (log, reference) starts over, as before.
+    assert RunFolder(tmp_path / "other", [tmp_path / "other" / "checkpoints"]).prepare(resume=True) is None
+    assert folder.prepare(resume=True, overwrite=True) is None  # --overwrite true: replaced
+    assert not (root / left).exists()
+
+
 def test_resume_refuses_settings_a_run_cannot_change_and_names_each(run, tmp_path):
     out = run()
     versions = sorted((out / "tensorboard").iterdir())
