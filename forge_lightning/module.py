@@ -51,8 +51,8 @@ from forge_lightning.tool_rollout import ToolRolloutSampler, with_tools
 from forge_lightning.tools.functions import ToolsArgument, stored_tools
 from forge_lightning.validation import (
     NO_TEST_STEP,
+    EvaluationLogStep,
     check_validation_arguments,
-    epoch_logs,
     score_validation,
 )
 from forge_lightning.validation_ranks import ValidationRows, own_rows
@@ -289,6 +289,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.sampled_eval = sampled_evaluation(self.hparams, answer_key)
         self._random_state = TrainingRandomState()  # put back after each validation of a fit
         self._val_rows = ValidationRows()  # which validation rows this rank counts
+        self._log_step = EvaluationLogStep()  # the step validate's metrics reach the loggers at
         # Built in configure_model (the engine only when none was set before fit); the sampler is
         # the episode runner the rollout source, validation and predict all sample with.
         self.generator: GenerationBackend | None = None
@@ -510,16 +511,22 @@ class GRPOLightningModule(pl.LightningModule):
     def on_validation_end(self) -> None:
         if self._fitting:
             self._random_state.restore()
+        self._log_step.restore(self.trainer)
 
     @override
     def on_validation_epoch_end(self) -> None:
         values = {f"val/{k}": v for k, v in self.val_metrics.pop().items()}
-        if not values:
+        if not values or self.trainer.sanity_checking:  # Lightning logs no sanity check either
             return
-        fitting = self._fitting
-        self.log_dict(epoch_logs(values, fitting, self.evaluated_step), sync_dist=False, logger=not fitting)
-        for logger in self.loggers if fitting else []:
-            logger.log_metrics(values, step=self.global_step)
+        # The loggers get the values at the step of the weights evaluated: in a fit the optimizer
+        # steps (sent here; Lightning's step counts batches), outside one the checkpoint's.
+        if self._fitting:
+            self.log_dict(values, sync_dist=False, logger=False)
+            for logger in self.loggers:
+                logger.log_metrics(values, step=self.global_step)
+        else:
+            self._log_step.set(self.trainer, self.evaluated_step or 0)
+            self.log_dict(values, sync_dist=False)  # what trainer.validate returns
 
     @property
     def evaluated_step(self) -> int | None:

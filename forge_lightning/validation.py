@@ -101,11 +101,23 @@ def score_accuracy(
     return correct
 
 
-def epoch_logs(values: dict[str, float], fitting: bool, evaluated_step: int | None) -> dict[str, float]:
-    """What ``self.log_dict`` gets at the end of a validation epoch, from its ``val/*`` values.
+class EvaluationLogStep:
+    """Outside a fit Lightning sends an evaluation's logged metrics to the loggers at its count
+    of stepped batches (``fit_loop.epoch_loop._batches_that_stepped``, 0 in ``trainer.validate``),
+    unless a ``step`` metric is logged, which ``trainer.validate`` would then return with the
+    metrics. So the count is set to the step of the weights evaluated (a checkpoint's) for the
+    epoch's end, and put back when the validation ends, for a fit the same trainer may run later."""
 
-    ``trainer.validate`` returns and prints what Lightning sends the loggers, at the "step" given
-    (the checkpoint's), so outside a fit the values go with a ``step`` key. In a fit the loggers get
-    them directly, at the optimizer step (the module does), and there a ``step`` key would stay in
-    ``callback_metrics`` and name ModelCheckpoint's files."""
-    return values if fitting else {**values, "step": float(evaluated_step or 0)}
+    def __init__(self) -> None:
+        self._saved: int | None = None
+
+    def set(self, trainer: Any, step: int) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        if self._saved is None:
+            self._saved = loop._batches_that_stepped
+        loop._batches_that_stepped = step
+
+    def restore(self, trainer: Any) -> None:
+        if self._saved is not None:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = self._saved
+            self._saved = None

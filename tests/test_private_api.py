@@ -87,3 +87,15 @@ def test_a_timer_with_a_duration_and_no_max_steps_warns_about_the_schedule(durat
         warnings.simplefilter("always")
         assert total_optimizer_steps(trainer, 1, 1) == 4
     assert any("max_time" in str(w.message) for w in seen) == warns
+
+
+def test_an_evaluation_logs_outside_a_fit_at_the_count_of_stepped_batches(tmp_path):
+    from forge_lightning.validation import EvaluationLogStep
+
+    trainer = Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 0
+    step = EvaluationLogStep()
+    step.set(trainer, 7)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 7
+    step.restore(trainer)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 0

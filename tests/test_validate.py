@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
 from forge_lightning.cli import build_cli
@@ -163,3 +164,52 @@ def test_validate_evaluates_a_checkpoint_folder_written_by_hf_checkpoint(
 
     metrics = validate(folder, tmp_path / "val")
     assert VAL_KEYS <= metrics.keys()
+
+
+class RecordingLogger(Logger):
+    """A logger that keeps each ``log_metrics`` call as (step, metric names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int | None, set[str]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append((step, set(metrics)))
+
+    def val_steps(self) -> list[int | None]:
+        return [step for step, names in self.calls if "val/accuracy" in names]
+
+
+def test_the_sanity_check_validation_reaches_no_logger(module, trainer, loader, tmp_path):
+    # Lightning logs nothing of its sanity check; a val/* point at step 0 would be read as the
+    # untrained model's accuracy.
+    records = [{"prompt": f"q{i}", "reference": "1"} for i in range(2)]
+    logger = RecordingLogger()
+    fit = trainer(tmp_path, max_steps=2, logger=logger, num_sanity_val_steps=1, val_check_interval=2)
+    fit.fit(module(gradient_accumulation_steps=1), loader(records), loader(records))
+    assert logger.val_steps() == [2]
+
+
+def test_validate_returns_the_metrics_alone_and_logs_them_at_the_checkpoints_step(
+    module, trainer, loader, tmp_path
+):
+    records = [{"prompt": "q", "reference": "1"}] * 2
+    grpo = module(gradient_accumulation_steps=1, kl_beta=0.0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
+    trainer(tmp_path, max_steps=2, callbacks=[ckpt], enable_checkpointing=True).fit(grpo, loader(records))
+    logger = RecordingLogger()
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    (results,) = trainer(tmp_path, logger=logger).validate(grpo, loader(records), ckpt_path=last)
+    assert "step" not in results and "val/accuracy" in results
+    assert logger.val_steps() == [2]
