@@ -272,6 +272,15 @@ def test_tools_notebook_recomputes_held_out_accuracy_and_meets_every_bar(tmp_pat
     assert len(bars) == 7 and all(row[3] == "met" for row in bars[1:])
     assert "every bar met: True" in stdout(cells["bars"])
     assert has_png(cells["curves"]) and (tmp_path / "tools_curves.png").is_file()
+    # Every command it prints gives each flag once (--config files aside), at the value that ran.
+    printed = stdout(cells["system-probe"]).split("\n")
+    commands = [line.split(": ", 1)[1] for line in printed if line.startswith("dev32-")]
+    commands += [row[-1].strip("`") for row in held[1:]]
+    assert len(commands) == 10
+    for command in commands:
+        flags = [w for w in command.split() if w.startswith("--") and w != "--config"]
+        assert len(flags) == len(set(flags)), command
+    assert "--data.val_part dev --data.val_max_samples 32" in commands[0]
 
 
 def plain_vote(samples: list[dict]) -> float:

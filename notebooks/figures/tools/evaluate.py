@@ -28,22 +28,13 @@ CONFIGS = {
     ],
 }
 
+DEFAULTS = {"--data.val_part": "heldout", "--data.val_max_samples": "200", "--data.val_batch_size": "50"}
+
 label, model, setup, *extra = sys.argv[1:]
+# EXTRA FLAGS replace the defaults of the same name: the command recorded gives each flag once.
+flags = {**DEFAULTS, "--model.model": model, **dict(zip(extra[::2], extra[1::2]))}
 with tempfile.TemporaryDirectory() as out:
-    command = [
-        "forge-lightning",
-        "validate",
-        *CONFIGS[setup],
-        "--model.model",
-        model,
-        "--data.val_part",
-        "heldout",
-        "--data.val_max_samples",
-        "200",
-        "--data.val_batch_size",
-        "50",
-        *extra,
-    ]
+    command = ["forge-lightning", "validate", *CONFIGS[setup], *(w for pair in flags.items() for w in pair)]
     done = subprocess.run([*command, "--trainer.default_root_dir", out], capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(done.stderr[-3000:])
