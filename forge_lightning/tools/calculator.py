@@ -25,8 +25,11 @@ from forge_lightning.tools.base import Answer
 
 MAX_EXPRESSION_CHARS = 100
 MAX_MAGNITUDE = 10**12
-# Tokens of a row's tail decoded to look for a call: enough for an expression of a few numbers.
-TAIL_TOKENS = 24
+# Tokens of a completion's end decoded first to look for a call. A token is at least one character,
+# so any call the calculator accepts fits in them (its expression, ``<<`` or a space before it, the
+# ``=``); a call whose text fills them may begin further back, and is read again from the
+# completion's start: a call is read whole, never cut at a window.
+TAIL_TOKENS = MAX_EXPRESSION_CHARS + 8
 
 CalculatorStyle = Literal["annotation", "plain"]
 
@@ -89,8 +92,13 @@ def format_number(value: int | float) -> str:
 
 # Annotation: ``<<`` then the expression up to the first ``=``, at the very end of the text.
 _ANNOTATION = re.compile(r"<<([^<>=\n]*)=$")
-# Plain: the longest run of arithmetic characters before a final ``=`` ...
-_PLAIN_TAIL = re.compile(r"[\d.()+\-*/x×\s]+=$")
+# An annotation whose ``<<`` may lie before the text: the text is all its expression (and ``=``).
+_ANNOTATION_BODY = re.compile(r"<?[^<>=\n]*=")
+# Plain: the longest run of arithmetic characters before a final ``=``, matched on the reversed
+# text (searched for from the left, it would be tried at each position of every earlier run) ...
+_REVERSED_RUN = re.compile(r"[\d.()+\-*/x×\s]*")
+# ... searched whole up to this many characters (20 ms at worst); a longer run is refused whole.
+_LONGEST_RUN = 10 * MAX_EXPRESSION_CHARS
 # ... of which the longest suffix that is numbers joined by binary operators, matched with its
 # spaces taken out (but for one between two digits or a digit and a point, which no expression
 # has: "3. 68 / 11 =" in a numbered list is the call "68 / 11"): a pattern with a
@@ -104,6 +112,24 @@ _PLAIN_EXPRESSION = re.compile(rf"{_NUMBER}(?:[+\-*/x×]{_NUMBER})+")
 
 def _compact(text: str) -> str:
     return _SPACE_NOT_IN_A_NUMBER.sub("", _LOOSE_SPACE.sub(" ", text.strip()))
+
+
+def _plain_call_start(run: str) -> int | None:
+    """Where in ``run`` (arithmetic characters) the longest expression that ends it begins. It
+    begins where a number begins: "12345 * 6789" is never read as "2345 * 6789", nor "1.2.3 + 4" as
+    "2.3 + 4"; one over MAX_EXPRESSION_CHARS is still found whole (and refused by ``respond``)."""
+    for start in range(len(run)):
+        if run[start] not in "0123456789(-" or (start and run[start - 1] in "0123456789."):
+            continue
+        if _PLAIN_EXPRESSION.fullmatch(_compact(run[start:])):
+            return start
+    return None
+
+
+def _arithmetic_run(text: str) -> str:
+    """The longest end of ``text`` made of arithmetic characters (digits, points, operators,
+    parentheses, ``x``, spaces)."""
+    return text[len(text) - _REVERSED_RUN.match(text[::-1]).end() :]
 
 
 class InlineCalculator:
@@ -121,14 +147,24 @@ class InlineCalculator:
         if self.style == "annotation":
             found = _ANNOTATION.search(text)
             return None if found is None else found.group(1)
-        found = _PLAIN_TAIL.search(text)
-        if found is None:
-            return None
-        run = found.group(0)[:-1][-MAX_EXPRESSION_CHARS:]
-        for start in range(len(run)):
-            if run[start] in "0123456789(-" and _PLAIN_EXPRESSION.fullmatch(_compact(run[start:])):
-                return run[start:].strip()
-        return None
+        run = _arithmetic_run(text[:-1]).strip()
+        if len(run) > _LONGEST_RUN:
+            # Too long to look for where its call begins (the search takes time growing as its
+            # square): refused whole when it ends like a call, never read from a start near its end.
+            return run if _plain_call_start(run[-MAX_EXPRESSION_CHARS:]) is not None else None
+        start = _plain_call_start(run)
+        return None if start is None else run[start:]
+
+    def may_begin_before(self, text: str) -> bool:
+        """Whether a call that ``text`` ends with could begin before ``text``: its expression (or
+        its annotation) reaches ``text``'s first character, so only what comes before says where."""
+        if not text.endswith("="):
+            return False
+        if self.style == "annotation":
+            return _ANNOTATION_BODY.fullmatch(text) is not None
+        # A character cut in two by where ``text`` begins decodes as U+FFFD: "×" is two bytes.
+        body = text[:-1].lstrip("\ufffd")
+        return len(_arithmetic_run(body)) == len(body)
 
     def respond(self, expr: str) -> tuple[str, bool]:
         """The text appended after a call, and whether the expression was evaluated; a refused one
@@ -142,8 +178,8 @@ class InlineCalculator:
 
 class CalculatorTail:
     """Whether a row's completion so far ends with a call, looking at its last ``TAIL_TOKENS``
-    tokens only. Rows are only decoded when their last token's text ends with ``=`` (every call
-    does), so most decoding steps decode nothing."""
+    tokens, or at all of it when the call may begin before them. Rows are only decoded when their
+    last token's text ends with ``=`` (every call does), so most decoding steps decode nothing."""
 
     def __init__(self, calculator: InlineCalculator, tokenizer: PreTrainedTokenizerBase) -> None:
         self.calculator = calculator
@@ -152,10 +188,15 @@ class CalculatorTail:
         self.ends_with_equals = torch.tensor([p.endswith("=") for p in pieces])  # (V,)
 
     def expression(self, completion: Sequence[int]) -> str | None:
-        """The expression of the call ``completion`` (token ids) ends with, if any."""
+        """The expression of the call ``completion`` (all its token ids so far) ends with, if
+        any: the whole expression, however many tokens it takes."""
         if not completion or not self.may_end_a_call(completion[-1]):
             return None
         text = self.tokenizer.decode(list(completion[-TAIL_TOKENS:]), skip_special_tokens=True)
+        if len(completion) > TAIL_TOKENS and self.calculator.may_begin_before(text):
+            # Rare (a long run of arithmetic; for annotations, a long line before an "="): read
+            # the completion whole, a few microseconds a thousand tokens.
+            text = self.tokenizer.decode(list(completion), skip_special_tokens=True)
         return self.calculator.trigger(text)
 
     def may_end_a_call(self, token: int) -> bool:
@@ -167,7 +208,7 @@ class CalculatorStop(StoppingCriteria):
     """Stops each row of a ``generate`` call whose text ends with a calculator call.
 
     ``start`` is the input's width (the new tokens begin there); ``prior[i]`` how many of row
-    ``i``'s completion tokens are in the input already (an earlier round's), so that the tail
+    ``i``'s completion tokens are in the input already (an earlier round's), so that the text
     looked at is the completion's, never the prompt's; ``enabled[i]`` False for a row that may make
     no more calls.
     """
@@ -187,7 +228,7 @@ class CalculatorStop(StoppingCriteria):
         for row in may.nonzero().flatten().tolist():
             if not self.enabled[row]:
                 continue
-            width = min(TAIL_TOKENS, self.prior[row] + input_ids.shape[1] - self.start)
+            width = self.prior[row] + input_ids.shape[1] - self.start  # the whole completion so far
             stop[row] = self.tail.expression(input_ids[row, -width:].tolist()) is not None
         return stop
 
