@@ -100,11 +100,12 @@ DEFAULT_BEHAV_IMP_WEIGHT_CAP = 5.0
 
 
 # Settings a resumed run may change: they leave what a step computes alone (memory, speed, error
-# handling, what validation samples), or, the learning rate, take effect from the resumed step on.
-# Every other module setting must match the checkpoint's.
+# handling, what validation samples), or, the learning rate and its schedule, take effect from the
+# resumed step on (optim.rescale_schedule). Every other module setting must match the checkpoint's.
 CHANGEABLE_ON_RESUME = frozenset(
     {
         "learning_rate",
+        "lr_schedule",
         "max_consecutive_bad_steps",
         "on_reward_error",
         "reward_timeout",

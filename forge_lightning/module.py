@@ -452,7 +452,7 @@ class GRPOLightningModule(pl.LightningModule):
         # a new --model.learning_rate takes effect from here on (and on_load_checkpoint said so).
         scheduler = self.lr_schedulers()
         if scheduler is not None:
-            rescale_schedule(scheduler, self.settings.learning_rate)
+            rescale_schedule(scheduler, self.settings.learning_rate, self.plan.total_steps(self.trainer))
         self.reporter.window = []
         self._checkpoint_step = None  # the trainer's global_step counts these weights' steps now
 

@@ -222,22 +222,41 @@ def require_finite_parameters(model: torch.nn.Module, strategy: Any, step: int) 
     )
 
 
-def rescale_schedule(scheduler: Any, learning_rate: float) -> bool:
-    """Give a restored warmup/cosine schedule a new peak ``learning_rate`` from its current step on
-    (a resumed run's ``--model.learning_rate``). Returns whether anything changed."""
-    if not hasattr(scheduler, "lr_lambdas") or all(lr == learning_rate for lr in scheduler.base_lrs):
+def rescale_schedule(scheduler: Any, learning_rate: float, total_steps: int | None = None) -> bool:
+    """Bring a schedule restored from a checkpoint to this run's settings from its current step on:
+    the peak ``learning_rate`` (a resumed run's ``--model.learning_rate``) and the schedule this run
+    built, sized for its ``total_steps`` (the checkpoint restores only the step and the rate its
+    optimizer had: a longer ``max_steps`` would otherwise train its first step at the 0 where the
+    checkpoint's cosine ended, then jump). Warns for each change; returns whether anything changed."""
+    if not hasattr(scheduler, "lr_lambdas"):
         return False
-    old = scheduler.base_lrs[0]
-    for i, group in enumerate(scheduler.optimizer.param_groups):
+    step, old_peak = scheduler.last_epoch, scheduler.base_lrs[0]
+    groups = scheduler.optimizer.param_groups
+    rates = [learning_rate * fn(step) for fn in scheduler.lr_lambdas]
+    expected = groups[0]["lr"] * learning_rate / old_peak  # the checkpoint's schedule, at the new peak
+    reshaped = not math.isclose(rates[0], expected, rel_tol=1e-6, abs_tol=1e-9 * learning_rate)
+    if old_peak == learning_rate and not reshaped:
+        return False
+    for i, group in enumerate(groups):
         scheduler.base_lrs[i] = learning_rate
         group["initial_lr"] = learning_rate
-        group["lr"] = learning_rate * scheduler.lr_lambdas[i](scheduler.last_epoch)
-    set_last_lr(scheduler, [group["lr"] for group in scheduler.optimizer.param_groups])
-    warnings.warn(
-        f"resumed with learning_rate {learning_rate:g} (the checkpoint's was {old:g}): the schedule "
-        f"continues at step {scheduler.last_epoch} with the new peak rate",
-        stacklevel=2,
-    )
+        group["lr"] = rates[i]
+    set_last_lr(scheduler, rates)
+    if old_peak != learning_rate:
+        warnings.warn(
+            f"resumed with learning_rate {learning_rate:g} (the checkpoint's was {old_peak:g}): the "
+            f"schedule continues at step {step} with the new peak rate",
+            stacklevel=2,
+        )
+    if reshaped:
+        length = "length" if total_steps is None else f"{total_steps} steps"
+        warnings.warn(
+            f"the learning-rate schedule is sized for this run's {length}, not the checkpoint's: at step "
+            f"{step} it continues at {rates[0]:g} instead of {expected:g} (a longer trainer.max_steps "
+            "stretches the cosine from here on). To keep the checkpoint's schedule, resume with its "
+            "trainer.max_steps; to train on at the peak rate, with --model.lr_schedule constant",
+            stacklevel=2,
+        )
     return True
 
 

@@ -1,6 +1,7 @@
 """The optimizer side: learning-rate schedules, the non-finite guard, the fused-kernel choice, the
 one-pass scale-and-clip and the parameter finiteness check."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from forge_lightning.optim import (
     gradient_norm,
     normalise_and_clip,
     require_finite_parameters,
+    rescale_schedule,
     total_optimizer_steps,
 )
 
@@ -53,6 +55,49 @@ def test_constant_holds_the_peak_after_warmup():
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="lr_schedule"):
         rates("linear")
+
+
+def restored(total: int, schedule: str = "cosine", from_total: int = 4, steps: int = 4):
+    """A schedule of ``total`` steps given the state of one of ``from_total`` after ``steps``."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    settings = dict(learning_rate=1e-3, weight_decay=0.0, warmup_steps=0)
+    optimizer, scheduler = adamw_with_schedule([param], **settings, total_steps=from_total)
+    for _ in range(steps):
+        optimizer.step()
+        scheduler.step()
+    states = optimizer.state_dict(), scheduler.state_dict()
+    optimizer, scheduler = adamw_with_schedule([param], **settings, total_steps=total, schedule=schedule)
+    optimizer.load_state_dict(states[0])
+    scheduler.load_state_dict(states[1])
+    return optimizer, scheduler
+
+
+def test_a_longer_run_resumed_from_a_finished_cosine_continues_on_the_longer_cosine():
+    optimizer, scheduler = restored(total=8)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # where the old one ended
+    with pytest.warns(
+        UserWarning, match=r"(?s)sized for this run's 8 steps.*at step 4.*0\.0005.*instead of 0\b"
+    ):
+        assert rescale_schedule(scheduler, 1e-3, total_steps=8)
+    half = 1e-3 * 0.5 * (1 + math.cos(math.pi * 4 / 8))
+    assert optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == pytest.approx(half)
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr()[0] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 5 / 8)))
+
+
+def test_a_resume_of_the_same_length_leaves_the_schedule_alone(recwarn):
+    optimizer, scheduler = restored(total=8, from_total=8, steps=3)
+    before = optimizer.param_groups[0]["lr"]
+    assert not rescale_schedule(scheduler, 1e-3, total_steps=8)
+    assert optimizer.param_groups[0]["lr"] == before and not recwarn.list
+
+
+def test_a_finished_cosine_resumed_as_constant_continues_at_the_peak():
+    optimizer, scheduler = restored(total=8, schedule="constant")
+    with pytest.warns(UserWarning, match="at step 4"):
+        rescale_schedule(scheduler, 1e-3, total_steps=8)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
 
 
 def test_guard_skips_non_finite_steps_and_stops_at_the_limit():

@@ -4,6 +4,7 @@ on SIGTERM: the red team's cases, each on a tiny model through the CLI."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -291,6 +292,21 @@ def test_fit_from_a_checkpoint_file_refuses_settings_a_run_cannot_change_by_name
     with pytest.raises(SystemExit, match=r"(?s)group_size: 4 -> 2.*kl_beta: 0.05 -> 0.2"):
         run("--ckpt_path", ckpt, "--model.group_size", "2", "--model.kl_beta", "0.2", steps=3)
     assert steps_logged(out) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "expected"),
+    [
+        ("cosine", [0.01, 0.005, 0.005, 0.01 * 0.5 * (1 + math.cos(math.pi * 3 / 4))]),
+        ("constant", [0.01, 0.005, 0.01, 0.01]),
+    ],
+)
+def test_extending_a_finished_cosine_run_keeps_training_and_says_how(run, schedule, expected):
+    out = run("--model.lr_schedule", "cosine", steps=2)  # its rate reaches 0 at step 2
+    with pytest.warns(UserWarning, match="sized for this run's 4 steps"):
+        run("--ckpt_path", "last", "--model.lr_schedule", schedule, steps=4)
+    lrs = [json.loads(line)["lr"] for line in (out / "training_log.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx(expected)  # never steps 3 and 4 at 0
 
 
 @pytest.mark.parametrize("damage", ["replaced", "truncated"])
