@@ -109,6 +109,7 @@ class TrainMetrics(nn.Module):
         self.means = nn.ModuleDict({n.replace(".", "_"): MeanMetric() for n in names})
         self.counts = nn.ModuleDict({n: SumMetric() for n in COUNT_KEYS}) if counted else nn.ModuleDict()
         self.maxima = nn.ModuleDict({n: MaxMetric() for n in MAX_KEYS}) if counted else nn.ModuleDict()
+        self.reward_logged: set[str] = set()  # names a reward's log_metric added (add_logged)
 
     def update(self, key: str, value: Tensor) -> None:
         key = key.replace(".", "_")
@@ -124,6 +125,25 @@ class TrainMetrics(nn.Module):
         """:meth:`update` each named value (a number or a tensor of them)."""
         for key, value in values.items():
             self.update(key, value if isinstance(value, Tensor) else torch.tensor([float(value)]))
+
+    def add_logged(self, values: Mapping[str, float], stage: str) -> None:
+        """Means a reward logged with ``log_metric`` (reward_extras.py) under names of its own,
+        each a metric from its first value on; ValueError for a name the module logs itself
+        (``stage``: where it is logged, ``train`` or ``val``). Every rank must log the same names
+        (as in TRL): each joins the ranks' reduction in :meth:`pop`."""
+        own = {*self.means, *self.counts, *self.maxima} - self.reward_logged
+        for name in sorted(values):  # one order on every rank
+            key = name.replace(".", "_")
+            if key in own:
+                raise ValueError(
+                    f"log_metric({name!r}, ...) from a reward: {stage}/{name} is a metric the module "
+                    "logs itself; log the reward's under another name"
+                )
+            if key not in self.means:
+                device = next(iter(self.means.values())).device
+                self.means[key] = MeanMetric().to(device)
+                self.reward_logged.add(key)
+            self.update(key, torch.tensor([values[name]]))
 
     def pop(self) -> dict[str, float]:
         """Means since the last call (counters as totals), then reset. Metrics never updated, or

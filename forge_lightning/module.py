@@ -27,6 +27,7 @@ from forge_lightning.models import ensure_pad_token
 from forge_lightning.optim import policy_optimizer, rescale_schedule
 from forge_lightning.policy import training_policy
 from forge_lightning.preemption import Preemption, sigterm_interrupts
+from forge_lightning.reward_extras import RewardExtras, reward_arguments
 from forge_lightning.rewards import (
     GSM8KAnswerReward,
     PolicyContext,
@@ -35,7 +36,7 @@ from forge_lightning.rewards import (
     require_arguments,
     share_policy_context,
 )
-from forge_lightning.rollout import FACTS, RolloutSampler, prompt_settings, warn_when_few_tokens_count
+from forge_lightning.rollout import RolloutSampler, prompt_settings, warn_when_few_tokens_count
 from forge_lightning.rollout_sources import TrainingBatch
 from forge_lightning.sampled_eval import (
     TrainingRandomState,
@@ -339,7 +340,7 @@ class GRPOLightningModule(pl.LightningModule):
         (sync), or those due from the worker (async; none while the pipeline fills)."""
         prompts, batch_kwargs = split_batch(batch)
         if not self._rewards_checked:  # before the first generation, so a mismatch costs nothing
-            require_arguments(self.reward, {*batch_kwargs, *FACTS})
+            require_arguments(self.reward, reward_arguments(batch_kwargs, self._with_tools))
             self._rewards_checked = True
         self._stepped, self.batch_records = False, []
         batch = TrainingBatch(prompts, batch_kwargs, batch_idx)
@@ -349,10 +350,13 @@ class GRPOLightningModule(pl.LightningModule):
     def _train_on(self, item: TrainingBatch) -> None:
         """Score one rollout, backpropagate its loss and step the optimizer where the plan says."""
         s, profile, rollout = self.settings, self.trainer.profiler.profile, item.rollout
+        extras = RewardExtras(self.trainer, item.batch_idx)  # TRL's trainer_state and log_metric
         with profile("reward"), sigterm_interrupts():
             rewards, components, errors = score_groups(
-                self.reward, item.prompts, rollout, item.batch_kwargs, s.on_reward_error, s.reward_timeout
-            )
+                self.reward, item.prompts, rollout, item.batch_kwargs, s.on_reward_error, s.reward_timeout,
+                extras.arguments(),
+            )  # fmt: skip
+        self.train_metrics.add_logged(extras.logged(), "train")
         advantages = batch_advantages(
             rewards, s.group_size, s.advantage_scale, self.trainer.world_size, self.all_gather
         )
@@ -475,7 +479,7 @@ class GRPOLightningModule(pl.LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         prompts, batch_kwargs = split_batch(batch)
         if batch_idx == 0:
-            check_validation_arguments(self.reward, self.accuracy, batch_kwargs)
+            check_validation_arguments(self.reward, self.accuracy, batch_kwargs, self._with_tools)
         greedy = self.sampler(self.model, prompts, self.greedy, group_size=1, rows=batch_kwargs)
         seed = sampling_seed(run_seed(), self.global_step, batch_idx, self.global_rank)
         sampled = self.sampled_eval.sample(self.sampler, self.model, prompts, batch_kwargs, seed)
@@ -486,8 +490,9 @@ class GRPOLightningModule(pl.LightningModule):
             return
         prompts, batch_kwargs, (greedy, sampled) = own_rows(own, prompts, batch_kwargs, greedy, sampled)
         answers = score_validation(
-            self.reward, self.accuracy, prompts, greedy, batch_kwargs, self.settings, self.val_metrics
-        )
+            self.reward, self.accuracy, prompts, greedy, batch_kwargs, self.settings, self.val_metrics,
+            RewardExtras(self.trainer),
+        )  # fmt: skip
         self.validation_samples += self.sampled_eval.score(
             sampled, prompts, batch_kwargs, answers, self.accuracy, self.settings, self.val_metrics
         )
@@ -584,6 +589,11 @@ class GRPOLightningModule(pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         # async: its callback stops the worker when a fit fails.
         return fit_callbacks(self._trainer, self.needs_reference, self.rollout_source.callbacks())
+
+    @property
+    def _with_tools(self) -> bool:
+        """Whether rollouts call tools (the rewards then get tool_calls, completions, environments)."""
+        return isinstance(self.sampler, ToolRolloutSampler)
 
     @property
     def _fitting(self) -> bool:

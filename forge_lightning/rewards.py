@@ -14,7 +14,9 @@ checked lives in :mod:`forge_lightning.reward_calls`; its public names are impor
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -35,6 +37,7 @@ from forge_lightning.reward_calls import (
     takes_completions,
     trl_kwargs,
 )
+from forge_lightning.reward_extras import NOT_GIVEN, argument_advice
 from forge_lightning.reward_model import PolicyContext, RewardModel
 from forge_lightning.specs import Spec, from_spec, is_spec, to_spec
 
@@ -316,18 +319,32 @@ def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[s
 
 
 def require_arguments(reward: RewardFn, available: set[str], role: str = "reward") -> None:
-    """Raise ValueError naming each reward component's missing keyword arguments and what the
-    batch has (run before any generation, so a mismatch costs nothing)."""
+    """Raise ValueError naming each reward component's missing keyword arguments, what the batch
+    gives (``available``: reward_extras.reward_arguments) and how to give them; run before any
+    generation, so a mismatch costs nothing. A component that may take an argument the module
+    never gives (TRL's log_extra) is warned about."""
     for part in reward_parts(reward):  # an accuracy check comes here without as_reward
         refuse_async(part)
     missing = missing_arguments(reward, available)
     if missing:
         what = "; ".join(f"{name!r} needs {', '.join(keys)}" for name, keys in missing.items())
+        absent = {key for keys in missing.values() for key in keys}
         raise ValueError(
-            f"{role} {what}, but a batch gives {', '.join(sorted(available))}. Add the field to the data "
-            "(a 'reference' field arrives as references=, and also as reference= to a TRL-style "
-            "reward), or use a reward that does without it"
+            f"{role} {what}, but a batch gives {', '.join(sorted(available))}. {argument_advice(absent)}"
         )
+    for part in reward_parts(reward):
+        for key in NOT_GIVEN.keys() & _parameter_names(part) - available:
+            warnings.warn(
+                f"{role} {reward_name(part)!r} takes {key}, which it gets as None: {NOT_GIVEN[key]}",
+                stacklevel=2,
+            )
+
+
+def _parameter_names(fn: Callable[..., Any]) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature names nothing
+        return set()
 
 
 def reward_parts(reward: RewardFn) -> list[RewardFn]:

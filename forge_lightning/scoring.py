@@ -166,9 +166,12 @@ def score_groups(
     batch_kwargs: dict[str, list[Any]],
     on_error: Literal["raise", "zero"] = "raise",
     reward_timeout: float | None = None,
+    extras: dict[str, Any] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor], int]:
     """Score a rollout's G completions per prompt, each seeing its prompt's batch values and its
-    own facts (:meth:`Rollout.facts`: ``completion_ids``, ``completion_lengths``, ``truncated``).
+    own facts (:meth:`Rollout.facts`: ``completion_ids``, ``completion_lengths``, ``truncated``),
+    and ``extras``, given whole to every call (TRL's trainer_state and log_metric:
+    reward_extras.RewardExtras.arguments).
 
     Returns the total rewards ``(P*G,)``, each component's ``(P*G,)`` (on the rollout's device)
     and the number of samples whose reward raised (scored 0 under ``on_error="zero"``).
@@ -176,6 +179,7 @@ def score_groups(
     group_size = rollout.group_size
     repeated = {key: [v for v in values for _ in range(group_size)] for key, values in batch_kwargs.items()}
     repeated.update(rollout.facts())
+    repeated.update(extras or {})
     scored = score(
         reward,
         [p for p in prompts for _ in range(group_size)],

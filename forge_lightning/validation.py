@@ -8,8 +8,9 @@ from torch import Tensor
 
 from forge_lightning.metrics import TrainMetrics
 from forge_lightning.preemption import sigterm_interrupts
+from forge_lightning.reward_extras import RewardExtras, reward_arguments
 from forge_lightning.rewards import require_arguments, reward_name
-from forge_lightning.rollout import FACTS, Rollout, prompt_text
+from forge_lightning.rollout import Rollout, prompt_text
 from forge_lightning.scoring import score_groups
 
 # Lightning's own refusal (no test_step) says nothing of where the evaluation is.
@@ -19,12 +20,17 @@ NO_TEST_STEP = (
 )
 
 
-def check_validation_arguments(reward: Any, accuracy: Any, batch_kwargs: dict[str, list[Any]]) -> None:
+def check_validation_arguments(
+    reward: Any, accuracy: Any, batch_kwargs: dict[str, list[Any]], tools: bool = False
+) -> None:
     """Before the first validation batch is sampled: the reward, and the accuracy check where the
-    batch has references, must find every argument they require among the batch's columns."""
-    require_arguments(reward, {*batch_kwargs, *FACTS})
+    batch has references, must find every argument they require among the batch's columns and
+    the rollout's facts (a tool-using one's with ``tools``); TRL's trainer_state and log_metric
+    are the reward's only."""
+    require_arguments(reward, reward_arguments(batch_kwargs, tools))
     if "references" in batch_kwargs:
-        require_arguments(accuracy, {*batch_kwargs, *FACTS}, role="accuracy check")
+        available = reward_arguments(batch_kwargs, tools, extras=False)
+        require_arguments(accuracy, available, role="accuracy check")
 
 
 def score_validation(
@@ -35,14 +41,21 @@ def score_validation(
     batch_kwargs: dict[str, list[Any]],
     settings: Any,
     metrics: TrainMetrics,
+    extras: RewardExtras | None = None,
 ) -> list[dict[str, Any]]:
     """Score the batch's completions (one per prompt) with the reward, and with the accuracy check
     where the batch has references, into ``metrics``; one answer per prompt (prompt, completion,
     reference, reward, correct, completion_length, truncated; with tools, tool_calls and the
-    transcript's messages) for RewardLogger's files."""
+    transcript's messages) for RewardLogger's files. ``extras``: TRL's trainer_state and
+    log_metric for the reward, whose metrics are logged as ``val/<name>``."""
     on_error, timeout = settings.on_reward_error, settings.reward_timeout
+    given = extras.arguments() if extras is not None else None
     with sigterm_interrupts():
-        rewards, components, _ = score_groups(reward, prompts, rollout, batch_kwargs, on_error, timeout)
+        rewards, components, _ = score_groups(
+            reward, prompts, rollout, batch_kwargs, on_error, timeout, given
+        )
+    if extras is not None:
+        metrics.add_logged(extras.logged(), "val")
     metrics.update("reward", rewards)
     for name, values in components.items():
         metrics.update(f"rewards/{name}", values)

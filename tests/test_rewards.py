@@ -10,6 +10,7 @@ import time
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 
 from forge_lightning.rewards import (
@@ -543,3 +544,104 @@ def test_a_coroutine_a_reward_returns_never_becomes_a_score() -> None:
         warnings.simplefilter("error")  # no "coroutine was never awaited"
         with pytest.raises(ValueError, match=r"'hands_back_a_coroutine' returned a coroutine, not scores"):
             score(hands_back_a_coroutine, ["p"], ["r"])
+
+
+def wants_tool_calls(prompts, responses, tool_calls):
+    return [float(len(calls)) for calls in tool_calls]
+
+
+def wants_environments(prompts, completions, environments, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize(
+    "reward, needs", [(wants_tool_calls, "tool_calls"), (wants_environments, "environments")]
+)
+def test_a_reward_needing_a_tool_fact_in_a_run_without_tools_is_refused_before_generating(
+    reward, needs, module, trainer, loader, tmp_path
+) -> None:
+    grpo = module(reward=reward, group_size=2, max_new_tokens=2)
+    generated = []
+    real = grpo.configure_model
+
+    def counting_generations() -> None:
+        real()
+        sample = grpo.sampler.__call__
+        grpo.sampler = lambda *args, **kwargs: generated.append(1) or sample(*args, **kwargs)
+
+    grpo.configure_model = counting_generations
+    settings = r"model\.tools, model\.environment_factory or model\.calculator"
+    pattern = rf"needs {needs}.*only a run with tools.*{settings}"
+    records = [{"prompt": "ab"}, {"prompt": "cd"}]
+    with pytest.raises(ValueError, match=pattern):
+        trainer(tmp_path, max_steps=1).fit(grpo, loader(records))
+    with pytest.raises(ValueError, match=pattern):
+        trainer(tmp_path).validate(grpo, loader(records))
+    assert generated == []
+
+
+def test_trl_rewards_get_the_trainer_state_and_a_log_metric_that_logs_under_train(
+    module, trainer, loader, tmp_path
+) -> None:
+    seen = []
+
+    def curriculum(prompts, completions, trainer_state, log_metric, **kwargs):
+        seen.append((trainer_state.global_step, trainer_state.epoch, trainer_state.max_steps))
+        log_metric("share_with_a", sum("a" in c for c in completions) / len(completions))
+        log_metric("step_seen", trainer_state.global_step)
+        return [float(trainer_state.global_step)] * len(completions)
+
+    grpo = module(reward=curriculum, group_size=2, max_new_tokens=2, gradient_accumulation_steps=1)
+    records = [{"prompt": "ab"}, {"prompt": "cd"}]
+    logged = []
+
+    class Metrics(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+            logged.append(pl_module.last_step.metrics)
+
+    trainer(tmp_path, max_steps=2, callbacks=[Metrics()]).fit(grpo, loader(records))
+    assert seen == [(0, 0.0, 2), (1, 0.5, 2)]
+    assert [m["train/step_seen"] for m in logged] == [0.0, 1.0]
+    assert all(0.0 <= m["train/share_with_a"] <= 1.0 for m in logged)
+
+
+def test_log_metric_refuses_a_name_the_module_logs_itself(module, trainer, loader, tmp_path) -> None:
+    def shadows(prompts, completions, log_metric, **kwargs):
+        log_metric("kl", 1.0)
+        return [0.0] * len(completions)
+
+    grpo = module(reward=shadows, group_size=2, max_new_tokens=2)
+    with pytest.raises(
+        ValueError, match=r"log_metric\('kl', \.\.\.\).*train/kl is a metric the module logs itself"
+    ):
+        trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "ab"}]))
+
+
+def test_a_reward_that_needs_log_extra_is_refused_by_name_and_one_that_may_take_it_is_warned(
+    module, trainer, loader, tmp_path
+) -> None:
+    def needs_columns(prompts, completions, log_extra, **kwargs):
+        return [0.0] * len(completions)
+
+    def may_log_columns(prompts, completions, log_extra=None, **kwargs):
+        if log_extra:
+            log_extra("golden", list(completions))
+        return [0.0] * len(completions)
+
+    records = [{"prompt": "ab"}]
+    with pytest.raises(ValueError, match=r"'needs_columns' needs log_extra.*not supported"):
+        trainer(tmp_path, max_steps=1).fit(module(reward=needs_columns, group_size=2), loader(records))
+    with pytest.warns(UserWarning, match=r"'may_log_columns' takes log_extra.*not supported.*log_metric"):
+        trainer(tmp_path, max_steps=1).fit(
+            module(reward=may_log_columns, group_size=2, max_new_tokens=2), loader(records)
+        )
+
+
+def test_log_metric_in_validation_is_logged_under_val(module, trainer, loader, tmp_path) -> None:
+    def counts_b(prompts, completions, trainer_state, log_metric, **kwargs):
+        log_metric("share_with_b", sum("b" in c for c in completions) / len(completions))
+        return [0.0] * len(completions)
+
+    grpo = module(reward=counts_b, max_new_tokens=2)
+    (results,) = trainer(tmp_path).validate(grpo, loader([{"prompt": "ab"}, {"prompt": "cd"}]))
+    assert 0.0 <= results["val/share_with_b"] <= 1.0
