@@ -111,8 +111,23 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(
     assert f"model        {out / 'final'}" in summary
     assert f"tensorboard  tensorboard --logdir {out / 'tensorboard'}" in summary
     # ModelCheckpoint's advice to keep the weights from before each step does not apply here.
-    assert (out / "checkpoints" / "epoch=0-step=2.ckpt").is_file()
     assert not [w for w in recwarn if "pre-optimization state" in str(w.message)]
+    # One copy of the training state (1.6 GB for the 135M model), not last.ckpt and a step's too.
+    assert [p.name for p in (out / "checkpoints").glob("*.ckpt")] == ["last.ckpt"]
+    build_cli(
+        ["fit", *smoke_args(tiny_model_dir, out, tiny_overrides), "--trainer.max_steps=4", "--ckpt_path=last"]
+    )
+    records = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # resumed at step 2, step 3 redone
+    assert [p.name for p in (out / "checkpoints").glob("*.ckpt")] == ["last.ckpt"]
+
+
+@pytest.mark.parametrize("files", RESUMABLE, ids=["+".join(f.stem for f in c) for c in RESUMABLE])
+def test_every_config_keeps_one_copy_of_the_training_state(files, tmp_path):
+    args = [*config_args(files), f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu"]
+    args += ["--trainer.devices=1", "--trainer.strategy=auto", "--model.generation_backend=hf"]
+    (saver,) = build_cli(args, run=False).trainer.checkpoint_callbacks
+    assert saver.save_last is True and saver.save_top_k == 0  # last.ckpt alone, rewritten each time
 
 
 def test_gsm8k_recipe_runs_one_step_on_a_tiny_model_and_local_data(
