@@ -33,8 +33,8 @@ def _call_formats() -> Any:
     return CALL_FORMATS
 
 
-# field -> (predicate, the allowed range in words)
-RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+# field -> (predicate, the allowed range in words, or a function that says it when asked)
+RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "group_size": (lambda v: isinstance(v, int) and v >= 2, "an integer >= 2"),
     "temperature": (lambda v: v > 0, "> 0"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -70,8 +70,12 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rollout_worker_threads": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
     "calculator": (_optional(lambda v: v in ("annotation", "plain")), "None, 'annotation' or 'plain'"),
     "max_tool_calls": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    "tool_call_format": (lambda v: v in _call_formats(), "a format of tools/parsers.py's CALL_FORMATS"),
+    "tool_call_format": (
+        lambda v: v in _call_formats(),
+        lambda: f"one of {', '.join(map(repr, sorted(_call_formats())))} (tools/parsers.py's CALL_FORMATS)",
+    ),
     "tool_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
+    "max_tool_result_chars": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "val_num_generations": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "val_temperature": (lambda v: v > 0, "> 0"),
     "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -243,6 +247,7 @@ def check_resume(checkpoint: Mapping[str, Any], hparams: Mapping[str, Any], trai
 def check_setting(field: str, value: Any) -> None:
     """Raise ValueError naming ``field`` when ``value`` is outside its range in ``RULES``."""
     allowed, words = RULES[field]
+    words = words() if callable(words) else words
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{field} must be finite ({words}), got {value!r}")
     try:

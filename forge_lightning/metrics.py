@@ -42,11 +42,12 @@ TRAIN_KEYS = (
     "correction_weight_mean",
     "correction_masked_fraction",
     # Tool-using rollouts (tool_rollout.py), per completion: calls, calls that failed, generate
-    # rounds, and the share of the completion's tokens a tool wrote; and ``tool_calls/<name>``,
-    # each tool's calls (TrainMetrics' ``tools``).
+    # rounds, results cut to max_tool_result_chars, and the share of the completion's tokens a tool
+    # wrote; and ``tool_calls/<name>``, each tool's calls (TrainMetrics' ``tools``).
     "tool_calls",
     "tool_errors",
     "turns",
+    "tool_results_cut",
     "tool_token_fraction",
 )
 # Maxima over the step's batches (and a report's steps).

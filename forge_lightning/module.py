@@ -49,7 +49,8 @@ from forge_lightning.sampled_eval import (
 from forge_lightning.scoring import batch_advantages, score_groups
 from forge_lightning.step_plan import mean_stats, take_share
 from forge_lightning.tool_rollout import ToolRolloutSampler, with_tools
-from forge_lightning.tools.functions import ToolsArgument, stored_tools
+from forge_lightning.tools.environments import EnvironmentReward, score_name
+from forge_lightning.tools.stored import ToolsArgument, stored_tools
 from forge_lightning.validation import (
     NO_TEST_STEP,
     EvaluationLogStep,
@@ -166,11 +167,15 @@ class GRPOLightningModule(pl.LightningModule):
         tools: typed functions with docstrings (or their import paths) a completion may call in the
             ``tool_call_format``; each result comes back as the chat template's ``tool`` message
             (tools/functions.py). Stored by import path: a lambda or local function is refused.
-        environment_factory: a class (or its import path) made once per completion: ``reset(**row)``
-            starts its episode (text it returns joins the prompt), its public methods are tools, and
-            ``reward()`` may score it (EnvironmentReward). Sync rollouts with HF generate only.
+        environment_factory: a class, or a function returning an environment (or its import path),
+            made once per completion (tools/environments.py): ``reset(**row)`` starts its episode
+            (text it returns joins the prompt), ``get_reward()`` (or ``reward()``) scores it
+            (EnvironmentReward, the reward when ``reward`` is None), its other public methods are
+            tools. Sync rollouts with HF generate only.
         tool_call_format: how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``.
         tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
+        max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
+            cut before it is rendered, marked as cut and counted (``tool_results_cut``).
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
             and maj@k; 0: greedy only. With n, each validation also logs k = 1, 2, 4, ..., n,
             ``frac_all_correct``/``frac_none_correct`` and the samples' length and truncated share,
@@ -253,6 +258,7 @@ class GRPOLightningModule(pl.LightningModule):
         environment_factory: type | str | None = None,
         tool_call_format: str = "hermes",
         tool_timeout: float | None = 10.0,
+        max_tool_result_chars: int = 10_000,
         val_num_generations: int = 0,
         val_temperature: float = 1.0,
         val_top_p: float = 1.0,
@@ -272,7 +278,9 @@ class GRPOLightningModule(pl.LightningModule):
         self.model_spec = model if isinstance(model, str) else None
         self.model: PreTrainedModel | None = None if isinstance(model, str) else model
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
-        self.reward = stored.reward_fn
+        # An environment that scores its episodes (TRL's get_reward) is the reward when none is set.
+        scored = stored.reward_object is None and score_name(self.tools.environment) is not None
+        self.reward = EnvironmentReward() if scored else stored.reward_fn
         self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
         self._use_chat_template = use_chat_template
         # The flat hyperparameters as typed settings, and the collaborators that take them, once.

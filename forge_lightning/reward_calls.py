@@ -287,3 +287,23 @@ def call_within(call: Callable[[], Any], timeout: float | None, name: str) -> An
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+class UserCodeExit(Exception):
+    """User code (a reward's, a tool's) raised SystemExit or KeyboardInterrupt itself; no signal
+    did. An Exception, so that the caller treats it as that code's own failure."""
+
+
+def call_user_code(call: Callable[[], Any]) -> Any:
+    """``call()``, the one error contract of user code that must not stop the run by raising: a
+    SystemExit or KeyboardInterrupt that the code raises becomes :class:`UserCodeExit` (the
+    original as its cause), while one that a signal raised (Ctrl-C, a SIGTERM under
+    preemption.sigterm_interrupts) passes through unchanged, so the run still stops. Tools answer
+    a UserCodeExit as the call's error; a reward's stops the run with its name (invoke_reward)."""
+    try:
+        with signals_marked():
+            return call()
+    except (SystemExit, KeyboardInterrupt) as err:
+        if raised_by_signal(err):
+            raise
+        raise UserCodeExit(f"raised {err!r} from its own code (no signal did)") from err

@@ -12,6 +12,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from forge_lightning.control_tokens import encode_marked
+
 # SamplingParams was first defined here: it stays importable from rollout.py.
 from forge_lightning.sampling import GenerationBackend, SamplingParams
 
@@ -209,7 +211,9 @@ def encode_prompts(
             )
             for p in prompts
         ]
-        token_lists = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        # A tool environment's reset text in a message is data: its control tokens come marked
+        # (control_tokens.py) and are encoded as plain text; an unmarked text encodes as before.
+        token_lists = [encode_marked(tokenizer, t) for t in texts]
     else:
         if any(not isinstance(p, str) for p in prompts):
             raise ValueError(

@@ -28,7 +28,8 @@ from forge_lightning.sampling import SamplingParams
 from forge_lightning.sharding import is_sharded
 from forge_lightning.tools.base import Episode, ToolProtocol
 from forge_lightning.tools.calculator import CalculatorTools, InlineCalculator
-from forge_lightning.tools.functions import FunctionTools, StoredTools
+from forge_lightning.tools.functions import FunctionTools
+from forge_lightning.tools.stored import StoredTools
 
 # A round on a cached engine ends once this share of its rows that have not ended wait for a tool:
 # a waiting row idles while the others write, and going on costs the next round only a forward
@@ -67,7 +68,8 @@ class ToolRolloutSampler:
 
     ``max_new_tokens`` is each completion's budget over all its rounds, the policy's tokens and the
     tools' together; an answer that would cross it is cut and the completion counts as
-    truncated. A completion makes at most ``max_tool_calls`` calls; after that a call is just text.
+    truncated. A completion makes at most ``max_tool_calls`` calls; after that a call is just text
+    (a turn that wrote several calls past it has the extra ones answered as errors, not run).
     A failed call (a refused expression, a tool that raised) is answered and counted in ``tool_errors``.
     """
 
@@ -113,7 +115,7 @@ class ToolRolloutSampler:
         prompt_ids, prompt_mask, contexts = self.tools.begin(
             self.sampler, prompts, rows or {}, group_size, device
         )
-        episodes = [Episode(context=context) for context in contexts]
+        episodes = [Episode(context=context, max_calls=self.max_tool_calls) for context in contexts]
         run = self._run_cached if self._engine_continues else self._run
         run(model, prompt_ids, prompt_mask, group_size, params, episodes)
         return self._rollout(prompt_ids, prompt_mask, episodes, group_size, params.max_new_tokens)
@@ -249,9 +251,9 @@ class ToolRolloutSampler:
             episode.done = not (resumable and call is None and room > 0 and not episode.ended_with_eos)
             return
         answer = self.tools.answer(episode, call)
-        episode.calls += 1
-        episode.errors += not answer.ok
-        episode.log.append(answer.entry)
+        episode.calls += len(answer.entries)  # a turn may have written several
+        episode.errors += sum(not entry["ok"] for entry in answer.entries)
+        episode.log += answer.entries
         episode.ended_with_eos = False  # the turn goes on after the answer
         episode.add(answer.ids[:room], sampled=False)
         if answer.ends_turn:
@@ -292,6 +294,9 @@ class ToolRolloutSampler:
                 "tool_calls": torch.tensor([e.calls for e in episodes], device=device),
                 "tool_errors": torch.tensor([e.errors for e in episodes], device=device),
                 "turns": torch.tensor([e.turns for e in episodes], device=device),
+                "tool_results_cut": torch.tensor(
+                    [sum(bool(c.get("truncated")) for c in e.log) for e in episodes], device=device
+                ),
                 **{key: counts.to(device) for key, counts in per_tool.items()},
             },
             tool_calls=[e.log for e in episodes],
@@ -322,6 +327,7 @@ def with_tools(sampler: RolloutSampler, hp: Any, stored: StoredTools) -> Rollout
             hp.tool_call_format,
             hp.tool_timeout,
             hp.system_prompt,
+            hp.max_tool_result_chars,
         )
     else:
         return sampler

@@ -57,6 +57,7 @@ BAD = {
     "max_tool_calls": -1,
     "tool_call_format": "xml",
     "tool_timeout": 0.0,
+    "max_tool_result_chars": 0,
     "val_num_generations": -1,
     "val_temperature": 0.0,
     "val_top_p": 0.0,

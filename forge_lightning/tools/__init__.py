@@ -9,7 +9,8 @@ from forge_lightning.tools.calculator import (
     InlineCalculator,
     safe_eval,
 )
-from forge_lightning.tools.functions import TOOLS_SYSTEM_PROMPT, EnvironmentReward, FunctionTools
+from forge_lightning.tools.environments import EnvironmentReward
+from forge_lightning.tools.functions import TOOLS_SYSTEM_PROMPT, FunctionTools
 from forge_lightning.tools.parsers import CALL_FORMATS, HermesToolCalls, ParsedCall
 
 __all__ = [

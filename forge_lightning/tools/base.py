@@ -24,7 +24,8 @@ class Episode:
     its counts, and what the tools keep of it: ``segment`` (where the policy's current turn began,
     after the latest answer), ``context`` (the protocol's own: the conversation; its
     ``environment``, if any, is the ``environments`` fact), ``messages`` (the finished assistant
-    and tool turns) and ``log`` (one entry per call)."""
+    and tool turns) and ``log`` (one entry per call). ``max_calls``: the calls it may make in all
+    (the sampler's ``max_tool_calls``), which a turn of several calls must not run past."""
 
     ids: list[int] = field(default_factory=list)
     model: list[int] = field(default_factory=list)
@@ -37,6 +38,7 @@ class Episode:
     context: Any = None
     messages: list[dict[str, Any]] = field(default_factory=list)
     log: list[dict[str, Any]] = field(default_factory=list)
+    max_calls: int | None = None
 
     def add(self, ids: list[int], sampled: bool) -> None:
         self.ids += ids
@@ -47,12 +49,19 @@ class Episode:
 class Answer:
     """A call's answer: the tokens appended to the completion, whether the call succeeded, its
     log entry ``{name, arguments, result, ok}`` (the ``tool_calls`` fact), and whether it ends the
-    policy's turn (a ``tool`` message does; the calculator's answer is inline)."""
+    policy's turn (a ``tool`` message does; the calculator's answer is inline). A turn that wrote
+    several calls is answered at once: ``others`` are the entries of the calls after the first."""
 
     ids: list[int]
     ok: bool
     entry: dict[str, Any]
     ends_turn: bool = False
+    others: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def entries(self) -> list[dict[str, Any]]:
+        """One entry per call answered, in the order written."""
+        return [self.entry, *self.others]
 
 
 class ToolProtocol(Protocol):

@@ -1,47 +1,47 @@
-"""Tools a user writes as typed Python functions, or as the public methods of an environment.
+"""Tools a user writes as typed Python functions, or as the public methods of an environment
+(tools/environments.py).
 
 A function tool is what TRL and transformers take: type hints and a Google-style docstring, from
 which ``transformers.utils.get_json_schema`` builds its schema. The chat template shows the
 schemas where it renders ``tools``; where it ignores them, they go into the system message
-(:data:`TOOLS_SYSTEM_PROMPT`). A call is read from the completion in a :mod:`tool-call format
-<forge_lightning.tools.parsers>` and its result goes back as a ``tool`` message, whose tokens are
-the template's delta: the conversation rendered with that message (and the cue for the next
-assistant turn) less its rendering up to the end of the assistant's text. The template must be
-prefix-stable (each message rendered after the earlier ones leaves them unchanged); that is
-checked once, when the tools are built.
+(:data:`TOOLS_SYSTEM_PROMPT`). The calls are read from the policy's turn in a :mod:`tool-call
+format <forge_lightning.tools.parsers>` (every call a turn wrote, up to the completion's
+``max_tool_calls``) and each result goes back as a ``tool`` message, whose tokens are the template's
+delta: the conversation rendered with those messages (and the cue for the next assistant turn)
+less its rendering up to the end of the assistant's text. The template must be prefix-stable (each
+message rendered after the earlier ones leaves them unchanged); that is checked once, when the
+tools are built.
 
-An environment (``environment_factory``) is a class made once per completion, so no state passes
-between samples: ``reset(**row)`` starts the episode with its prompt's batch fields and may return
-text appended to the prompt's last user message; its other public methods but ``reward`` are the
-tools; ``reward()``, if there, scores the finished episode (:class:`EnvironmentReward`).
+A result is data: it is cut to ``max_result_chars`` before it is rendered, and a control token in
+it (or in an environment's reset text) is encoded as plain text (control_tokens.py), so that it
+cannot forge a turn.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import StoppingCriteria
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-from transformers.utils import get_json_schema
 
-from forge_lightning.reward_calls import (
-    BaseReward,
-    CallTimeout,
-    RewardOutput,
-    accepted_kwargs,
-    call_within,
-    trl_kwargs,
-)
+from forge_lightning.control_tokens import encode_marked, mark_data
+from forge_lightning.reward_calls import accepted_kwargs, trl_kwargs
 from forge_lightning.rollout import Prompt, RolloutSampler, prompt_messages
-from forge_lightning.specs import from_spec, import_path
 from forge_lightning.tools.base import Answer, Episode
+from forge_lightning.tools.calls import MAX_RESULT_CHARS, run_call, tool_schema
+from forge_lightning.tools.environments import (
+    RESET,
+    EnvironmentReward,  # noqa: F401  (its import path before tools/environments.py held it)
+    environment_tools,
+    refuse_async,
+)
 from forge_lightning.tools.parsers import CallFormat, ParsedCall, format_named
+from forge_lightning.tools.stored import tool_names
 
 # The system message's text where the chat template does not render ``tools`` ({tools}: one JSON
 # schema a line; {call}: how the format writes a call). Appended to a system message the prompt has.
@@ -49,29 +49,8 @@ TOOLS_SYSTEM_PROMPT = (
     "You can call these tools (JSON schemas, one per line):\n{tools}\n\n"
     "To call one, write {call}; its result comes back in a tool message."
 )
-# The environment methods that are not tools.
-RESET, SCORE = "reset", "reward"
 # Tokens of a row's tail decoded to look for the end of a call, beyond the stop string's characters.
 TAIL_MARGIN = 8
-
-
-def environment_tools(factory: type) -> list[str]:
-    """The tool names of an environment class: its public methods but ``reset`` and ``reward``."""
-    return [
-        name
-        for name, _ in inspect.getmembers(factory, inspect.isfunction)
-        if not name.startswith("_") and name not in (RESET, SCORE)
-    ]
-
-
-def tool_names(tools: Sequence[Callable[..., Any]] | None, environment_factory: type | None) -> list[str]:
-    """Every tool's name: the functions' own, then the environment's methods."""
-    names = [fn.__name__ for fn in tools or []]
-    names += environment_tools(environment_factory) if environment_factory is not None else []
-    duplicated = sorted({n for n in names if names.count(n) > 1})
-    if duplicated:
-        raise ValueError(f"two tools have the name {', '.join(duplicated)}: each tool needs its own")
-    return names
 
 
 @dataclass
@@ -90,10 +69,14 @@ class FunctionTools:
     Args:
         tokenizer: the policy's, with a chat template (prefix-stable; checked here).
         tools: typed functions with docstrings.
-        environment_factory: a class made (with no arguments) once per completion.
+        environment_factory: a class, or a function returning an environment, called (with no
+            arguments) once per completion.
         call_format: the tool-call format's name (parsers.CALL_FORMATS).
-        timeout: seconds a call may take; a longer one is abandoned and answered with an error.
+        timeout: seconds a call may take, its result made text included; a longer one is abandoned
+            and answered with an error.
         system_prompt: the module's, which a prompt without a system message gets.
+        max_result_chars: the characters of a result the model reads; a longer one is cut, marked
+            (:data:`CUT_MARK`) and counted (``tool_results_cut``).
     """
 
     calls_before_eos = True
@@ -106,15 +89,22 @@ class FunctionTools:
         call_format: str = "hermes",
         timeout: float | None = 10.0,
         system_prompt: str | None = None,
+        max_result_chars: int = MAX_RESULT_CHARS,
     ) -> None:
         if not tools and environment_factory is None:
             raise ValueError("FunctionTools needs tools or an environment_factory")
+        if max_result_chars < 1:
+            raise ValueError(f"max_tool_result_chars must be an integer >= 1, got {max_result_chars}")
         self.tokenizer, self.timeout, self.system_prompt = tokenizer, timeout, system_prompt
         self.tools, self.factory = list(tools or []), environment_factory
-        self.names = tool_names(self.tools, environment_factory)
-        self.format: CallFormat = format_named(call_format)
+        self.max_result_chars = max_result_chars
+        refuse_async([*self.tools, *([environment_factory] if environment_factory else [])], None)
         probe = environment_factory() if environment_factory is not None else None
-        self.schemas = [get_json_schema(fn) for fn in self._functions(probe).values()]
+        self.environment = None if probe is None else type(probe)
+        refuse_async([], self.environment)
+        self.names = tool_names(self.tools, self.environment)
+        self.format: CallFormat = format_named(call_format)
+        self.schemas = [tool_schema(name, fn) for name, fn in self._functions(probe).items()]
         self.template = tokenizer.name_or_path or type(tokenizer).__name__
         self.renders_tools = self.render([_USER], True, self.schemas) != self.render([_USER], True, None)
         check_prefix_stable(self)
@@ -159,10 +149,16 @@ class FunctionTools:
         return 0 <= token < len(self.ends_call) and bool(self.ends_call[token])
 
     def ends_with_call(self, tail: Sequence[int]) -> bool:
-        """Whether the text of ``tail`` (a row's last tokens) ends with the format's stop string."""
-        width = len(self.format.stop) + TAIL_MARGIN
-        text = self.tokenizer.decode(list(tail[-width:]), skip_special_tokens=True)
-        return text.rstrip().endswith(self.format.stop)
+        """Whether ``tail`` (a row's last tokens) ends a call: its text ends with the format's stop
+        string, or its last token completes one. A tokenizer may merge the stop's last characters
+        with the next call's first (``</tool_call><tool_call>`` written with a ``><`` token): the
+        call ends there all the same."""
+        tail = list(tail[-(len(self.format.stop) + TAIL_MARGIN) :])
+        text = self.tokenizer.decode(tail, skip_special_tokens=True)
+        if text.rstrip().endswith(self.format.stop):
+            return True
+        before = self.tokenizer.decode(tail[:-1], skip_special_tokens=True)
+        return text.count(self.format.stop) > before.count(self.format.stop)
 
     def call_at(self, episode: Episode, completion: Sequence[int]) -> str | None:
         """The text of the policy's turn when it ends with a call (parsed when answered)."""
@@ -177,50 +173,47 @@ class FunctionTools:
         return CallStop(self, start, [p - s for p, s in zip(prior, segments)], enabled)
 
     def answer(self, episode: Episode, call: str) -> Answer:
-        """Run the turn's call and answer with the template's ``tool`` turn."""
+        """Run each call of the turn (those past the completion's ``max_calls`` are answered as
+        errors, not run) and answer with the template's ``tool`` turns, one message per call."""
         context: EpisodeTools = episode.context
-        parsed = self.format.parse(call)
-        result, ok = self._run(parsed, context.functions)
-        name = parsed.name if isinstance(parsed, ParsedCall) else None
-        arguments = parsed.arguments if isinstance(parsed, ParsedCall) else None
+        room = None if episode.max_calls is None else episode.max_calls - episode.calls
+        entries, messages = [], []
+        for k, parsed in enumerate(self.format.parse(call)):
+            if room is not None and k >= room:
+                result, ok, cut = (
+                    f"error: not run: a completion makes at most {episode.max_calls} calls",
+                    False,
+                    False,
+                )
+            else:
+                result, ok, cut = run_call(parsed, context.functions, self.timeout, self.max_result_chars)
+            name = parsed.name if isinstance(parsed, ParsedCall) else None
+            arguments = parsed.arguments if isinstance(parsed, ParsedCall) else None
+            entries.append(
+                {"name": name, "arguments": arguments, "result": result, "ok": ok, "truncated": cut}
+            )
+            messages.append({"role": "tool", "name": name or "error", "content": result})
         turn = {"role": "assistant", "content": call}
-        message = {"role": "tool", "name": name or "error", "content": result}
         eos = self.tokenizer.decode(episode.ids[-1:]) if episode.ended_with_eos else None
-        delta = self.delta([*context.conversation, *episode.messages], turn, message, eos)
-        episode.messages += [turn, message]
-        ids = self.tokenizer(delta, add_special_tokens=False)["input_ids"]
-        return Answer(ids, ok, {"name": name, "arguments": arguments, "result": result, "ok": ok}, True)
+        # The results (and a name the model wrote) are data: their control tokens are marked, to
+        # be encoded as plain text.
+        shown = [{key: mark_data(self.tokenizer, value) for key, value in m.items()} for m in messages]
+        delta = self.delta([*context.conversation, *episode.messages], turn, shown, eos)
+        episode.messages += [turn, *messages]
+        ids = encode_marked(self.tokenizer, delta)
+        return Answer(ids, all(e["ok"] for e in entries), entries[0], True, entries[1:])
 
-    def delta(self, before: list[dict], turn: dict, message: dict, eos: str | None) -> str:
-        """The text after ``turn``'s content that ``message`` adds, with the next turn's cue;
+    def delta(self, before: list[dict], turn: dict, messages: list[dict], eos: str | None) -> str:
+        """The text after ``turn``'s content that ``messages`` add, with the next turn's cue;
         without the end-of-turn ``eos`` the policy sampled already."""
         base = self.render([*before, turn], False)
         content = turn["content"] if turn["content"] in base else turn["content"].strip()
         end = base.rfind(content) + len(content)
-        full = self.render([*before, turn, message], True)
+        full = self.render([*before, turn, *messages], True)
         if content not in base or not full.startswith(base[:end]):
             raise ValueError(self._unstable("a tool message changes the text before it"))
         text = full[end:]
         return text[len(eos) :] if eos and text.startswith(eos) else text
-
-    def _run(self, parsed: ParsedCall | str, functions: dict[str, Callable[..., Any]]) -> tuple[str, bool]:
-        """The call's result as text and whether it succeeded; every failure is a message."""
-        if isinstance(parsed, str):
-            return f"error: {parsed}", False
-        fn = functions.get(parsed.name)
-        if fn is None:
-            return f"error: no tool is named {parsed.name!r}; the tools are {', '.join(functions)}", False
-        try:
-            inspect.signature(fn).bind(**parsed.arguments)
-        except TypeError as err:
-            return f"error: wrong arguments for {parsed.name}: {err}", False
-        try:
-            value = call_within(lambda: fn(**parsed.arguments), self.timeout, f"tool {parsed.name!r}")
-        except CallTimeout:
-            return f"error: {parsed.name} took longer than {self.timeout:g}s", False
-        except Exception as err:  # the tool's own failure: the model reads it, the run goes on
-            return f"error: {parsed.name} raised {type(err).__name__}: {err}", False
-        return (value if isinstance(value, str) else json.dumps(value, default=str)), True
 
     def _reset(self, row: dict[str, Any]) -> tuple[Any, str | None]:
         env = self.factory()
@@ -231,18 +224,20 @@ class FunctionTools:
     def _functions(self, env: Any) -> dict[str, Callable[..., Any]]:
         """The tools by name: the functions, and ``env``'s methods bound to it."""
         functions = {fn.__name__: fn for fn in self.tools}
-        if self.factory is not None:
-            functions.update({name: getattr(env, name) for name in environment_tools(self.factory)})
+        if self.environment is not None:
+            functions.update({name: getattr(env, name) for name in environment_tools(self.environment)})
         return functions
 
     def conversation(self, prompt: Prompt, reset_text: str | None) -> list[dict[str, Any]]:
         """The prompt's messages, with the reset text on its last user message and, where the
-        template does not render tools, their schemas in the system message."""
+        template does not render tools, their schemas in the system message. The reset text is
+        data: its control tokens are marked, to be encoded as plain text."""
         messages = [dict(m) for m in prompt_messages(prompt, self.system_prompt)]
         if reset_text:
             users = [i for i, m in enumerate(messages) if m["role"] == "user"]
             last = users[-1] if users else len(messages) - 1
-            messages[last]["content"] = f"{messages[last]['content']}\n\n{reset_text}"
+            text = mark_data(self.tokenizer, reset_text)
+            messages[last]["content"] = f"{messages[last]['content']}\n\n{text}"
         if not self.renders_tools:
             shown = self.tools_text()
             if messages[0]["role"] == "system":
@@ -319,59 +314,3 @@ class CallStop(StoppingCriteria):
                 )
                 stop[row] = width > 0 and self.tools.ends_with_call(input_ids[row, -width:].tolist())
         return stop
-
-
-class EnvironmentReward(BaseReward):
-    """Each completion's environment's ``reward()``: the score of its finished episode (needs an
-    ``environment_factory`` whose class has a ``reward`` method)."""
-
-    needs = ("environments",)
-
-    def __call__(
-        self, prompts: list[str], responses: list[str], environments: list[Any] | None = None, **kwargs: Any
-    ) -> RewardOutput:
-        if environments is None or any(getattr(env, SCORE, None) is None for env in environments):
-            raise ValueError(
-                "EnvironmentReward scores each completion's environment with its reward() method: set "
-                "environment_factory to a class that has one"
-            )
-        return RewardOutput(scores=[float(env.reward()) for env in environments])
-
-
-ToolsArgument: TypeAlias = list[Callable[..., Any]] | None
-
-
-@dataclass
-class StoredTools:
-    """The module's ``tools`` and ``environment_factory`` as its hyperparameters keep them (import
-    paths: specs.py), and as the rollouts use them (the functions and the class)."""
-
-    tools: list[str] | None
-    environment_factory: str | None
-    functions: list[Callable[..., Any]]
-    factory: type | None
-
-    @property
-    def names(self) -> list[str]:
-        return tool_names(self.functions, self.factory)
-
-
-def stored_tools(tools: Sequence[Callable[..., Any] | str] | None, environment_factory: Any) -> StoredTools:
-    """``tools`` and ``environment_factory`` (objects or import paths) both ways. One with no
-    import path (a lambda, a local function or class, one defined in ``__main__``) is refused: a
-    checkpoint, a saved config or another process could not build it back."""
-    functions = [from_spec(t, Callable[..., Any]) if isinstance(t, str) else t for t in tools or []]
-    factory = (
-        from_spec(environment_factory, type) if isinstance(environment_factory, str) else environment_factory
-    )
-    for name, obj in [*(("tools", fn) for fn in functions), ("environment_factory", factory)]:
-        if obj is not None and (not callable(obj) or import_path(obj) is None):
-            raise ValueError(
-                f"{name} takes importable functions and classes (module.name), so that a checkpoint "
-                f"and a saved config can name them; {obj!r} has no import path (a lambda, a local "
-                "definition, or one in __main__?): define it in a module"
-            )
-    if factory is not None and not inspect.isclass(factory):
-        raise ValueError(f"environment_factory must be a class, made once per completion; got {factory!r}")
-    paths = [import_path(fn) for fn in functions] if tools is not None else None
-    return StoredTools(paths, None if factory is None else import_path(factory), functions, factory)

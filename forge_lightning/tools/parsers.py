@@ -24,31 +24,34 @@ class ParsedCall:
 
 class CallFormat(Protocol):
     """A tool-call format: the text a call starts and ends with (``start``, ``stop``), a call as
-    the model is told to write one (``example``), and how the text of the policy's turn so far
-    becomes its last call (or the message saying what is wrong with it)."""
+    the model is told to write one (``example``), and how the text of the policy's turn becomes
+    its calls (each, or the message saying what is wrong with it)."""
 
     start: str
     stop: str
     example: str
 
-    def parse(self, text: str) -> ParsedCall | str: ...
+    def parse(self, text: str) -> list[ParsedCall | str]: ...
 
 
 class HermesToolCalls:
-    """Hermes' and Qwen's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; the call
-    parsed is the turn's last, the one the round stopped at."""
+    """Hermes' and Qwen's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: every
+    complete call of the turn, in order (a model may write several in a row)."""
 
     start = "<tool_call>"
     stop = "</tool_call>"
     example = '<tool_call>{"name": "the tool\'s name", "arguments": {"argument": "value"}}</tool_call>'
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-    def parse(self, text: str) -> ParsedCall | str:
+    def parse(self, text: str) -> list[ParsedCall | str]:
         blocks = self._block.findall(text)
         if not blocks:
-            return f"no {self.start}...{self.stop} call found"
+            return [f"no {self.start}...{self.stop} call found"]
+        return [self._call(block) for block in blocks]
+
+    def _call(self, block: str) -> ParsedCall | str:
         try:
-            call = json.loads(blocks[-1])
+            call = json.loads(block)
         except json.JSONDecodeError as err:
             return f"the call is not valid JSON ({err.msg} at character {err.pos})"
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -70,5 +73,7 @@ CALL_FORMATS: dict[str, type] = {"hermes": HermesToolCalls}
 def format_named(name: str) -> CallFormat:
     """The format ``tool_call_format`` names."""
     if name not in CALL_FORMATS:
-        raise ValueError(f"tool_call_format must be one of {sorted(CALL_FORMATS)}, got {name!r}")
+        raise ValueError(
+            f"tool_call_format must be one of {', '.join(map(repr, sorted(CALL_FORMATS)))}, got {name!r}"
+        )
     return CALL_FORMATS[name]()

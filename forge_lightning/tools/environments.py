@@ -1,0 +1,88 @@
+"""An environment (``environment_factory``), as TRL takes one: a class, or a function that returns
+an instance, made once per completion so that no state passes between samples. ``reset(**row)``
+starts the episode with its prompt's batch fields and may return text appended to the prompt's
+last user message; ``get_reward()`` (TRL's name; ``reward()`` is read too) scores the finished
+episode (:class:`EnvironmentReward`); its other public methods are the tools.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from forge_lightning.reward_calls import BaseReward, RewardOutput
+
+# The environment methods that are not tools: the episode's start, and its score (TRL's name first).
+RESET = "reset"
+SCORES = ("get_reward", "reward")
+
+
+def environment_class(factory: Callable[[], Any]) -> type:
+    """The class of the environments ``factory`` makes: a class is its own; a function is called
+    once and its instance's class read."""
+    return factory if inspect.isclass(factory) else type(factory())
+
+
+def environment_tools(cls: type) -> list[str]:
+    """The tool names of an environment class: its public methods but ``reset`` and the score."""
+    return [
+        name
+        for name, _ in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_") and name not in (RESET, *SCORES)
+    ]
+
+
+def score_name(cls: type | None) -> str | None:
+    """The method that scores an episode of ``cls`` (``get_reward`` or ``reward``), if it has one."""
+    return next((name for name in SCORES if callable(getattr(cls, name, None))), None)
+
+
+def is_async(fn: Any) -> bool:
+    """Whether calling ``fn`` gives a coroutine or an async generator (an ``async def``, or an
+    object whose ``__call__`` is one)."""
+    call = fn if inspect.isroutine(fn) else getattr(type(fn), "__call__", None)
+    call = inspect.unwrap(call) if call is not None else None
+    return inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
+
+
+def refuse_async(functions: Sequence[Callable[..., Any]], cls: type | None) -> None:
+    """ValueError naming every ``async def`` tool, and every async method of the environment class
+    ``cls`` (its tools, ``reset`` and its score), before any is called."""
+    named = [getattr(fn, "__name__", repr(fn)) for fn in functions if is_async(fn)]
+    if cls is not None:
+        methods = [*environment_tools(cls), RESET, *SCORES]
+        named += [f"{cls.__name__}.{m}" for m in methods if is_async(getattr(cls, m, None))]
+    if named:
+        raise ValueError(
+            f"async tools are not supported yet: {', '.join(named)} (async def); a coroutine would be "
+            "the tool's answer, never awaited. Write them as plain def functions (one that needs an "
+            "async client can run it with asyncio.run)"
+        )
+
+
+class EnvironmentReward(BaseReward):
+    """Each completion's environment's ``get_reward()`` (or ``reward()``): the score of its
+    finished episode. The reward of a run with no reward set whose environment has one."""
+
+    needs = ("environments",)
+
+    def __call__(
+        self, prompts: list[str], responses: list[str], environments: list[Any] | None = None, **kwargs: Any
+    ) -> RewardOutput:
+        names = [score_name(type(env)) for env in environments or []]
+        if environments is None or None in names:
+            raise ValueError(
+                "EnvironmentReward scores each completion's environment with its get_reward() (or "
+                "reward()) method: set environment_factory to a class that has one"
+            )
+        scores = []
+        for env, name in zip(environments, names):
+            value = getattr(env, name)()
+            if inspect.isawaitable(value):
+                getattr(value, "close", lambda: None)()  # never awaited: no "never awaited" warning
+                raise ValueError(
+                    f"{type(env).__name__}.{name}() returned a coroutine: write it as a plain def"
+                )
+            scores.append(float(value))
+        return RewardOutput(scores=scores)
