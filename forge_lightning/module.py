@@ -431,6 +431,12 @@ class GRPOLightningModule(pl.LightningModule):
         """Whether the latest training batch ended an optimizer step (checkpoints wait for one)."""
         return self._stepped
 
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps a training batch takes when it steps (S x mu), so the step cadences a
+        callback can keep are its multiples (HFCheckpoint's default rounds to one)."""
+        return self.plan.settings.steps_per_batch
+
     def report_every(self, steps: int) -> None:
         """Report to the loggers every ``steps`` optimizer steps (a RewardLogger hands over its
         ``logging_steps``, so that its JSONL and every logger agree); else ``log_every_n_steps``."""
@@ -452,7 +458,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        self.plan.check_cadences(self.trainer)
+        self.plan.check_fit(self.trainer)
         check_generation_budget(self.hparams, *batch_sizes(self.trainer))  # before any step
         self.rollout_source.on_fit_start(self.trainer, self.model, sharded=self.device_mesh is not None)
         self._share_policy_context()

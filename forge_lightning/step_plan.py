@@ -10,6 +10,7 @@ steps once enough are gathered over the ranks (DAPO; see sampling_rounds.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,11 +96,7 @@ def generation_shares(num_prompts: int, steps: int, accumulation: int) -> list[P
     stepping after every ``accumulation``-th."""
     shares = steps * accumulation
     if num_prompts < shares:
-        raise ValueError(
-            f"a batch of {num_prompts} prompt(s) cannot be split into steps_per_generation={steps} "
-            f"optimizer steps of gradient_accumulation_steps={accumulation} share(s) each: give the "
-            f"data a batch_size of at least {shares} (a multiple of it: each step's prompts per share)"
-        )
+        raise unsplittable(f"a batch of {num_prompts} prompt(s)", steps, accumulation, PROMPTS_FIX)
     base, extra = divmod(num_prompts, shares)
     passes, start = [], 0
     for i in range(shares):
@@ -107,6 +104,50 @@ def generation_shares(num_prompts: int, steps: int, accumulation: int) -> list[P
         passes.append(Pass(slice(start, stop), (i + 1) % accumulation == 0))
         start = stop
     return passes
+
+
+PROMPTS_FIX = (
+    "set data.prompts_per_step (the training DataLoader's batch_size) to at least {shares}, best a "
+    "multiple of it (each share then holds prompts_per_step / {shares} prompts)"
+)
+
+
+def unsplittable(what: str, steps: int, accumulation: int, fix: str) -> ValueError:
+    """The error for ``what`` (a batch) holding fewer prompts than the ``steps x accumulation``
+    shares of a generation; ``fix`` names the setting to change (``{shares}`` filled in)."""
+    shares = steps * accumulation
+    return ValueError(
+        f"{what} cannot be split into steps_per_generation={steps} optimizer steps of "
+        f"gradient_accumulation_steps={accumulation} share(s) each: {fix.format(shares=shares)}"
+    )
+
+
+def check_batch_sizes(trainer: Any, steps: int, accumulation: int, steps_per_batch: int) -> None:
+    """Refuse, when a fit starts (before any generation), a datamodule whose training batches the
+    run reaches cannot be split into ``steps x accumulation`` shares: its ``prompts_per_step``, or
+    the epoch's smaller last batch (``train_size`` prompts, each rank taking its share). A loader
+    of one's own is checked at its first such batch (generation_shares)."""
+    data, shares = getattr(trainer, "datamodule", None), steps * accumulation
+    size, rows = getattr(data, "prompts_per_step", None), getattr(data, "train_size", None)
+    if not isinstance(size, int):
+        return
+    if size < shares:
+        raise unsplittable(f"data.prompts_per_step={size}", steps, accumulation, PROMPTS_FIX)
+    if not isinstance(rows, int) or not rows:
+        return
+    rows = math.ceil(rows / trainer.world_size)  # each rank's (EpochShuffleSampler pads)
+    per_epoch, last = math.ceil(rows / size), rows % size
+    reached = (
+        trainer.max_steps is None
+        or trainer.max_steps < 0
+        or trainer.max_steps > (per_epoch - 1) * steps_per_batch
+    )
+    if last and last < shares and reached:
+        fix = (
+            f"set data.max_samples so that the training prompts ({rows} per rank) are a multiple "
+            f"of prompts_per_step {size} (or leave at least {{shares}} over)"
+        )
+        raise unsplittable(f"the epoch's last batch holds {last} prompt(s) and", steps, accumulation, fix)
 
 
 def take_share(part: Pass, rollout: Rollout, advantages: Tensor, *per_row: Tensor | None) -> tuple[Any, ...]:
@@ -149,14 +190,17 @@ class StepPlan:
         stepped = accumulation_boundary(batch_idx, s.gradient_accumulation_steps, batches)
         return BatchPlan(rollout, advantages, [Pass(None, stepped)] * s.num_iterations)  # mu > 1: stepped
 
-    def check_cadences(self, trainer: Any) -> None:
+    def check_fit(self, trainer: Any) -> None:
         """With S > 1 a batch takes S x mu optimizer steps at once, and a callback that looks at
         the step after each batch sees only every (S x mu)-th: refuse step cadences that are not
-        multiples of it, naming each. (Reports to the loggers need none: they come at the first
-        batch at or past each multiple of their cadence.)"""
-        if self.settings.steps_per_generation == 1:
+        multiples of it, naming each (reports to the loggers need none: they come at the first
+        batch at or past each multiple of their cadence), and data whose batches cannot be split
+        into the generation's shares (check_batch_sizes). Called when the fit starts."""
+        s = self.settings
+        if s.steps_per_generation == 1:
             return
-        k = self.settings.steps_per_batch
+        check_batch_sizes(trainer, s.steps_per_generation, s.gradient_accumulation_steps, s.steps_per_batch)
+        k = s.steps_per_batch
         wrong = []
         if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.max_steps % k:
             wrong.append(f"trainer.max_steps={trainer.max_steps}")
@@ -172,7 +216,8 @@ class StepPlan:
             raise ValueError(
                 f"steps_per_generation={self.settings.steps_per_generation} x num_iterations="
                 f"{self.settings.num_iterations} takes {k} optimizer steps in each batch, so step "
-                f"cadences must be multiples of {k}: {', '.join(wrong)}"
+                f"cadences must be multiples of {k}: {', '.join(wrong)} (from the command line: "
+                "--trainer.max_steps, --checkpoint.every_n_train_steps, --hf_checkpoint.save_steps)"
             )
 
     def backward_calls_missing(self, made: int, trainer: Any, device: torch.device) -> int:

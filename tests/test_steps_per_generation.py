@@ -122,8 +122,62 @@ def test_generation_shares_split_by_whole_groups_in_order():
     assert generation_shares(4, 2, 1) == [Pass(slice(0, 2), True), Pass(slice(2, 4), True)]
     assert [p.step_after for p in generation_shares(4, 2, 2)] == [False, True, False, True]
     assert [(p.groups.start, p.groups.stop) for p in generation_shares(5, 2, 1)] == [(0, 3), (3, 5)]
-    with pytest.raises(ValueError, match="batch_size of at least 4"):
+    with pytest.raises(
+        ValueError, match=r"data.prompts_per_step \(the training DataLoader's batch_size\) to at least 4"
+    ):
         generation_shares(3, 2, 2)
+
+
+class NoGeneration:
+    """An engine that fails if asked: a refusal meant to come before any generation came after one."""
+
+    def generate(self, *args, **kwargs):
+        raise AssertionError("generated before the refusal")
+
+    def sync_weights(self, model) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("data", "steps", "said"),
+    [
+        ({"prompts_per_step": 3, "max_samples": 8}, 4, r"data.prompts_per_step=3 .* at least 4"),
+        # 6 prompts in batches of 4: the epoch's last batch holds 2, fewer than the 4 shares
+        ({"prompts_per_step": 4, "max_samples": 6}, 4, r"last batch holds 2 .*data.max_samples"),
+    ],
+)
+def test_data_whose_batches_cannot_be_split_is_refused_before_any_generation(
+    tmp_path, module, trainer, data, steps, said
+):
+    from forge_lightning.data import GSM8KDataModule
+
+    grpo = module(steps_per_generation=2, gradient_accumulation_steps=2)
+    grpo.generator = NoGeneration()
+    datamodule = GSM8KDataModule(source="mock", val_max_samples=1, **data)
+    with pytest.raises(ValueError, match=said):
+        trainer(tmp_path, max_steps=steps, limit_val_batches=0).fit(grpo, datamodule=datamodule)
+
+
+def test_a_last_batch_the_run_never_reaches_is_not_refused(tmp_path, module, trainer):
+    from forge_lightning.data import GSM8KDataModule
+
+    grpo = module(steps_per_generation=2, gradient_accumulation_steps=2)
+    grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+    datamodule = GSM8KDataModule(source="mock", prompts_per_step=4, max_samples=6, val_max_samples=1)
+    fit = trainer(tmp_path, max_steps=2, limit_val_batches=0)
+    fit.fit(grpo, datamodule=datamodule)  # one batch of 4: the last, of 2, is never trained
+    assert fit.global_step == 2
+
+
+def test_the_default_hf_checkpoint_cadence_fits_the_generations_steps(tmp_path, module, trainer, loader):
+    grpo = module(steps_per_generation=3, gradient_accumulation_steps=1)
+    grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+    saver = HFCheckpoint(save_final=False)  # the save_steps the user never set
+    fit = trainer(tmp_path, callbacks=[saver], max_steps=6)
+    fit.fit(grpo, loader(RECORDS[:3] * 2, batch_size=3))  # refused before: 100 is no multiple of 3
+    assert fit.global_step == 6
+    assert saver.every(grpo) == 102  # every 100 steps, rounded up to the 3 each batch takes
+    assert HFCheckpoint(save_steps=5).every(grpo) == 5  # one the user set is used as it is (or refused)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +18,8 @@ from forge_lightning.config import check_setting
 from forge_lightning.fileio import SpaceCheck, temporary_sibling, write_folder_atomically
 from forge_lightning.lora import has_adapter, lora_settings, save_merged
 from forge_lightning.sharding import full_state_dict, is_sharded, save_sharded_pretrained
+
+DEFAULT_SAVE_STEPS = 100
 
 
 class HFCheckpoint(Callback):
@@ -42,7 +45,9 @@ class HFCheckpoint(Callback):
 
     Args:
         output_dir: run folder; ``trainer.default_root_dir`` when None.
-        save_steps: optimizer steps between checkpoints; 0 saves only ``final/``.
+        save_steps: optimizer steps between checkpoints; 0 saves only ``final/``. None: every
+            100, rounded up to a multiple of the steps each batch takes (the module's
+            ``steps_per_batch``, ``steps_per_generation x num_iterations``): the steps it can save at.
         save_final: write ``final/`` at the end of training.
         save_total_limit: keep at most this many step folders, removing the oldest after each
             save (``final/`` is not counted); None keeps all.
@@ -51,11 +56,12 @@ class HFCheckpoint(Callback):
     def __init__(
         self,
         output_dir: str | None = None,
-        save_steps: int = 100,
+        save_steps: int | None = None,
         save_final: bool = True,
         save_total_limit: int | None = None,
     ) -> None:
-        check_setting("save_steps", save_steps)
+        if save_steps is not None:
+            check_setting("save_steps", save_steps)
         if save_total_limit is not None and (isinstance(save_total_limit, bool) or save_total_limit < 1):
             raise ValueError(f"save_total_limit must be None or an integer >= 1, got {save_total_limit!r}")
         self.output_dir = output_dir
@@ -70,11 +76,21 @@ class HFCheckpoint(Callback):
         step = trainer.global_step
         if trainer.fast_dev_run or not completed_step(pl_module):
             return  # a dry run writes no model files; mid-step, global_step is the previous step's
-        if self.save_steps and step > 0 and step % self.save_steps == 0 and step != self._last_saved_step:
+        every = self.every(pl_module)
+        if every and step > 0 and step % every == 0 and step != self._last_saved_step:
             self._last_saved_step = step
             folder = self.save(trainer, pl_module, str(step))
             if self.save_total_limit is not None and trainer.is_global_zero:
                 self._remove_oldest(folder.parent)
+
+    def every(self, pl_module: pl.LightningModule) -> int:
+        """The optimizer steps between step folders: ``save_steps``, or for None
+        ``DEFAULT_SAVE_STEPS`` rounded up to a multiple of the steps each of ``pl_module``'s
+        batches takes (a cadence between them would never be met, and a set one is refused)."""
+        if self.save_steps is not None:
+            return self.save_steps
+        per_batch = max(int(getattr(pl_module, "steps_per_batch", 1)), 1)
+        return math.ceil(DEFAULT_SAVE_STEPS / per_batch) * per_batch
 
     def _remove_oldest(self, root: Path) -> None:
         steps = sorted(
