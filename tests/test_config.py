@@ -140,7 +140,9 @@ def test_engine_logprobs_refuse_generation_kwargs_that_reshape_the_distribution(
 
 @pytest.mark.parametrize(("backend", "key"), [("hf", "renormalize_logits"), ("vllm", "skip_special_tokens")])
 def test_engine_logprobs_take_generation_kwargs_that_leave_the_distribution(backend, key):
-    validate_hparams({"generation_backend": backend, "use_engine_logprobs": True, "generation_kwargs": {key: True}})
+    validate_hparams(
+        {"generation_backend": backend, "use_engine_logprobs": True, "generation_kwargs": {key: True}}
+    )
 
 
 def test_the_module_checks_its_settings_when_built(module):
