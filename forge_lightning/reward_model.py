@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -213,6 +214,7 @@ def _load(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTok
             f"RewardModel: {spec!r} has no trained score head (random weights, or a GGUF causal LM); "
             "give a folder or hub id of a sequence classifier with one label"
         )
+    _refuse_missing_folder(spec)
     source = _embedded_cache() if spec == EMBEDDED else spec
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
@@ -232,6 +234,22 @@ def _load(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTok
             "model, not a reward model"
         )
     return model, tokenizer
+
+
+def _refuse_missing_folder(spec: str) -> None:
+    """FileNotFoundError where ``spec`` reads as a local path (it starts with ``.``, ``/`` or
+    ``~``, has more parts than a hub id's ``namespace/name``, or its first part exists here) that
+    does not exist; transformers would call it a malformed repo id."""
+    path = Path(spec).expanduser()
+    parts = Path(spec).parts
+    local = spec.startswith((".", "/", "~", os.sep)) or len(parts) > 2
+    if path.exists() or not (local or (len(parts) > 1 and Path(parts[0]).exists())):
+        return
+    found = next(str(parent) for parent in path.parents if parent.exists())
+    raise FileNotFoundError(
+        f"RewardModel: the folder {spec!r} does not exist ({found!r} does); give a folder written "
+        "by save_pretrained, or a hub id (namespace/name)"
+    )
 
 
 # A folder's files besides the weights that change its scores, by the name a refused resume gives

@@ -39,6 +39,7 @@ from forge_lightning.reward_calls import (
 )
 from forge_lightning.reward_extras import NOT_GIVEN, argument_advice
 from forge_lightning.reward_model import PolicyContext, RewardModel
+from forge_lightning.reward_setting import refuse_strings
 from forge_lightning.specs import Spec, from_spec, is_spec, to_spec
 
 __all__ = [
@@ -79,8 +80,10 @@ __all__ = [
 SLOW_REWARD_SECONDS = 60.0
 
 # What the module's ``reward`` takes from a config: a reward, or a list of them. The list comes
-# first: jsonargparse cannot write a list of functions back out of the other order.
-RewardArgument: TypeAlias = list[Callable[..., Any]] | Callable[..., Any]
+# first: jsonargparse cannot write a list of functions back out of the other order. A string that
+# is no import path (a reward model's folder) is read as one, to be refused by name
+# (reward_setting.py), not with jsonargparse's parse of each subtype.
+RewardArgument: TypeAlias = list[Callable[..., Any] | str] | Callable[..., Any] | str
 
 
 def call_reward(
@@ -373,7 +376,9 @@ def component_names(reward: RewardFn) -> list[str]:
 def as_reward(reward: RewardFn | Sequence[RewardFn | tuple]) -> RewardFn:
     """``reward`` itself, or a list of rewards (TRL's ``reward_funcs``; entries may also be
     ``(reward, weight[, name])``) as their CompositeReward, equally weighted where no weight is
-    given. Anything not callable is refused here, when the module is built, not at the first step."""
+    given. Anything not callable is refused here, when the module is built, not at the first step;
+    a string (a reward model's folder: RewardModel's) by what it is."""
+    refuse_strings(reward)
     if isinstance(reward, (list, tuple)):
         entries = [entry if isinstance(entry, tuple) else (entry, 1.0) for entry in reward]
         return CompositeReward(entries)
@@ -401,9 +406,11 @@ def load_reward(reward: Any) -> Any:
     if reward is None or not is_spec(reward):
         return reward
     try:
-        return from_spec(reward, RewardArgument)
+        built = from_spec(reward, RewardArgument)
     except ValueError as err:
         raise TypeError(
             "reward must be a callable (prompts, responses, **kwargs) -> scores, a list of them, or the "
             f"import path of one: {err}"
         ) from None
+    refuse_strings(built)  # no import path made it a reward: a folder, a hub id, a typo
+    return built

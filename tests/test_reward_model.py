@@ -320,3 +320,51 @@ def test_a_reward_model_that_likes_one_token_teaches_the_policy_to_write_it(trai
     trainer(tmp_path, max_steps=30, max_epochs=-1, callbacks=[Log()]).fit(grpo, loader(records, batch_size=4))
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert len(rewards) == 30 and first < 0.1 and last > 0.8, rewards
+
+
+@pytest.mark.parametrize("spec", ["no/such/folder", "./no_such_folder", "/no/such/folder"])
+def test_a_reward_model_folder_that_does_not_exist_is_named(spec):
+    with pytest.raises(FileNotFoundError, match=rf"RewardModel: the folder '{spec}' does not exist"):
+        RewardModel(spec)
+
+
+def test_a_partly_existing_reward_model_path_is_a_missing_folder_not_a_repo_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"the folder 'runs/rm' does not exist.*'runs' does"):
+        RewardModel("runs/rm")
+
+
+def _reward_setting_error(value: str, tmp_path: Path, tiny_model_dir: Path) -> str:
+    from forge_lightning.cli import build_cli
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["--config", str(root / "configs" / "smoke.yaml"), f"--model.reward={value}"]
+    args += [f"--model.model={tiny_model_dir}", f"--trainer.default_root_dir={tmp_path / 'out'}"]
+    with pytest.raises(SystemExit) as exit_:
+        build_cli(args, run=False)
+    return str(exit_.value.code)
+
+
+def test_a_reward_model_folder_given_as_the_reward_points_at_reward_model(
+    rm_dir, tmp_path, tiny_model_dir, capsys
+):
+    message = _reward_setting_error(str(rm_dir), tmp_path, tiny_model_dir)
+    assert f"reward {str(rm_dir)!r} is a model folder or hub id, not a reward" in message
+    assert "RewardModel(" in message and "class_path: forge_lightning.rewards.RewardModel" in message
+    assert "Union" not in message + capsys.readouterr().err  # no parser dump
+    lm = tmp_path / "lm"
+    make_model(len(make_tokenizer())).save_pretrained(lm)
+    message = _reward_setting_error(str(lm), tmp_path, tiny_model_dir)
+    assert "is a causal LM (a policy), not a reward model" in message and "RewardModel" in message
+    message = _reward_setting_error(
+        "OpenAssistant/reward-model-deberta-v3-large-v2", tmp_path, tiny_model_dir
+    )
+    assert "is a model folder or hub id, not a reward" in message
+
+
+def test_a_reward_model_path_given_as_a_reward_in_python_points_at_reward_model(rm_dir):
+    tok = make_tokenizer()
+    for reward in (str(rm_dir), [str(rm_dir), "forge_lightning.rewards.GSM8KAnswerReward"]):
+        with pytest.raises(ValueError, match=r"is a model folder or hub id, not a reward.*RewardModel\("):
+            GRPOLightningModule(model=make_model(len(tok)), tokenizer=tok, reward=reward)
