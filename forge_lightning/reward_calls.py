@@ -215,19 +215,20 @@ def invoke_reward(
         return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
 
     name = reward_name(reward)
+
+    def watched() -> Any:
+        if timeout is None:
+            return _call_watched(call, name, slow_after)
+        return _call_within(call, f"reward {name!r}", len(responses), timeout)
+
     try:
-        with signals_marked():
-            if timeout is None:
-                return _call_watched(call, name, slow_after)
-            return _call_within(call, f"reward {name!r}", len(responses), timeout)
-    except (SystemExit, KeyboardInterrupt) as err:
-        if isinstance(err, RewardExit) or raised_by_signal(err):
-            raise
+        return call_user_code(watched)  # the one contract of user code, as for tools
+    except UserCodeExit as err:
         raise RewardExit(
-            f"reward {name!r} raised {err!r} from its own code (no signal did): the run stops. A "
+            f"reward {name!r} raised {err.__cause__!r} from its own code (no signal did): the run stops. A "
             "reward that cannot score raises an Exception instead (model.on_reward_error decides "
             "what then happens)"
-        ) from err
+        ) from err.__cause__
 
 
 def _call_watched(call: Callable[[], Any], name: str, slow_after: float) -> Any:
