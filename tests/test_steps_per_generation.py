@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import lightning.pytorch as pl
@@ -10,6 +11,7 @@ import pytest
 import torch
 from conftest import FixedCompletions, _varied, exact_settings, make_model, other_reference
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
 from forge_lightning.grpo import group_advantages, grpo_loss
@@ -212,3 +214,48 @@ def test_a_generation_logs_once_per_batch_and_sizes_the_schedule_in_steps(tmp_pa
     assert [json.loads(line)["step"] for line in lines] == [2, 4]
     # The cosine schedule was sized for 4 steps: it ends at zero.
     assert grpo.lr_schedulers().get_last_lr()[0] == pytest.approx(0.0, abs=1e-12)
+
+
+class Recorded(Logger):
+    """A logger that keeps every ``(name, step, value)`` it is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.points: list[tuple[str, int, float]] = []
+
+    name, version = "recorded", 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.points += [(key, step, float(value)) for key, value in metrics.items()]
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def series(self, name: str) -> list[tuple[int, float]]:
+        return [(step, value) for key, step, value in self.points if key == name]
+
+
+@pytest.mark.parametrize(
+    ("settings", "batch_size"), [({"steps_per_generation": 3}, 3), ({"gradient_accumulation_steps": 2}, 1)]
+)
+def test_learning_rate_monitor_counts_optimizer_steps_as_train_lr_does(
+    tmp_path, module, trainer, loader, settings, batch_size
+):
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    grpo = module(**{"gradient_accumulation_steps": 1, **settings}, lr_schedule="cosine", warmup_steps=0)
+    grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+    logger = Recorded()
+    fit = trainer(
+        tmp_path, callbacks=[LearningRateMonitor()], logger=logger, log_every_n_steps=1, max_steps=6
+    )
+    fit.fit(grpo, loader(RECORDS[:3] * 2, batch_size=batch_size))
+    steps = [step for step, _ in logger.series("train/lr")]
+    assert steps == ([3, 6] if batch_size == 3 else [1, 2, 3])  # optimizer steps (3 batches of 2 above)
+    # Lightning's convention: at each batch's start, the optimizer steps taken so far and the rate
+    # the next step uses (train/lr at step n: the rate step n used, averaged over n's report).
+    cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * n / 6)) for n in range(6)]
+    taken = [0, 3] if batch_size == 3 else [0, 1, 2]
+    logged = logger.series("lr-AdamW")  # once per batch: a step's batches repeat its point
+    assert sorted({step for step, _ in logged}) == taken  # before: batches, 0, 1 (0 to 5 above)
+    assert dict(logged) == {n: pytest.approx(cosine[n]) for n in taken}
