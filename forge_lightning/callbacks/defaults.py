@@ -16,9 +16,10 @@ def fit_callbacks(
 ) -> list[pl.Callback]:
     """SaveAtStepBoundaries (checkpoints only between optimizer steps), OptimizerStepAxis
     (Lightning's logger step counts optimizer steps), ``extra`` (the rollout source's), and the
-    default ReferenceModel when the loss needs a reference and ``trainer`` has none: a callback returned here would replace the trainer's own of the same type (and its
-    settings, e.g. output_dir). In a fit, first refuses the trainer's automatic-optimization
-    settings (configure_callbacks is the one hook before Lightning's own checks)."""
+    default ReferenceModel when the loss needs a reference and ``trainer`` has none: a callback
+    returned here would replace the trainer's own of the same type (and its settings, e.g.
+    output_dir). In a fit, first refuses the trainer's automatic-optimization settings
+    (configure_callbacks is the one hook before Lightning's own checks)."""
     given = trainer.callbacks if trainer is not None else []
     if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
         refuse_automatic_optimization_settings(trainer)
