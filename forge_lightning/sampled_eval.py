@@ -284,8 +284,10 @@ def batch_sizes(trainer: Any) -> tuple[int | None, int | None]:
     (``prompts_per_step``, ``val_batch_size``) or else the loaders Lightning has loaded; None where
     unknown."""
     data = getattr(trainer, "datamodule", None)
-    train = getattr(data, "prompts_per_step", None) or _loader_batch(trainer.train_dataloader)
-    val = getattr(data, "val_batch_size", None) or _loader_batch(trainer.val_dataloaders)
+    train = getattr(data, "prompts_per_step", None) or _loader_batch(
+        getattr(trainer, "train_dataloader", None)
+    )
+    val = getattr(data, "val_batch_size", None) or _loader_batch(getattr(trainer, "val_dataloaders", None))
     return train, val
 
 

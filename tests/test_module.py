@@ -76,8 +76,15 @@ def test_embedded_in_bare_trainer_with_extra_batch_keys(tmp_path, module, traine
     fit = trainer(tmp_path, max_steps=1)
     fit.fit(module(reward=keyed_reward, gradient_accumulation_steps=1), loader(records, batch_size=2))
     assert received["difficulty"] == ["hard"] * 4 + ["easy"] * 4
-    # no references (the batch had no "reference" key); the per-completion facts reach **kwargs
-    assert received["other"] == ["completion_ids", "completion_lengths", "truncated"]
+    # no references (the batch had no "reference" key); the per-completion facts and TRL's
+    # log_metric and trainer_state reach **kwargs
+    assert received["other"] == [
+        "completion_ids",
+        "completion_lengths",
+        "log_metric",
+        "trainer_state",
+        "truncated",
+    ]
     assert fit.global_step == 1
 
 
