@@ -5,11 +5,11 @@ facts rewards get, and the module's settings stored by import path."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import string
 import sys
+import threading
 import time
 
 import pytest
@@ -730,7 +730,10 @@ def ctrl_c(x: int) -> int:
     Args:
         x: anything.
     """
-    os.kill(os.getpid(), signal.SIGINT)
+    # To the main thread, as a terminal's Ctrl-C reaches it: sent to the process, the kernel may
+    # hand it to another thread (an earlier test's abandoned call), and the main thread's sleep
+    # would not wake.
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
     time.sleep(5)  # the handler raises in here, or in the wait for this thread
     return x
 
@@ -741,7 +744,7 @@ def sigterm(x: int) -> int:
     Args:
         x: anything.
     """
-    os.kill(os.getpid(), signal.SIGTERM)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
     time.sleep(5)
     return x
 
