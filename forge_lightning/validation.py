@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import Tensor
 
+from forge_lightning.callbacks.step_axis import set_stepped_batches, stepped_batches
 from forge_lightning.metrics import TrainMetrics
 from forge_lightning.preemption import sigterm_interrupts
 from forge_lightning.reward_extras import RewardExtras, reward_arguments
@@ -125,12 +126,11 @@ class EvaluationLogStep:
         self._saved: int | None = None
 
     def set(self, trainer: Any, step: int) -> None:
-        loop = trainer.fit_loop.epoch_loop
         if self._saved is None:
-            self._saved = loop._batches_that_stepped
-        loop._batches_that_stepped = step
+            self._saved = stepped_batches(trainer)
+        set_stepped_batches(trainer, step)
 
     def restore(self, trainer: Any) -> None:
         if self._saved is not None:
-            trainer.fit_loop.epoch_loop._batches_that_stepped = self._saved
+            set_stepped_batches(trainer, self._saved)
             self._saved = None
