@@ -25,6 +25,7 @@ from forge_lightning.data.datamodule import EpochShuffleSampler, collate_records
 from forge_lightning.grpo import LossType
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.profiler import PhaseProfiler
+from forge_lightning.trl_names import pointing_at_settings
 
 # GRPOConfig fields that are GRPOLightningModule arguments of the same name.
 MODULE_FIELDS = (
@@ -70,6 +71,11 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         validate_hparams(dataclasses.asdict(self))
+
+
+# TRL's GRPOConfig names (num_generations, beta, ...) point at this config's field or the module's
+# setting; a close misspelling of a field gets "did you mean" (trl_names.py).
+GRPOConfig.__init__ = pointing_at_settings(GRPOConfig.__init__, config=True)  # type: ignore[method-assign]
 
 
 class GRPOTrainer:

@@ -51,6 +51,7 @@ from forge_lightning.step_plan import mean_stats, take_share
 from forge_lightning.tool_rollout import ToolRolloutSampler, with_tools
 from forge_lightning.tools.environments import EnvironmentReward, score_name
 from forge_lightning.tools.stored import ToolsArgument, stored_tools
+from forge_lightning.trl_names import pointing_at_settings
 from forge_lightning.validation import (
     NO_TEST_STEP,
     EvaluationLogStep,
@@ -193,6 +194,9 @@ class GRPOLightningModule(pl.LightningModule):
             default), ``completion -> hashable``, None for no answer. None logs no maj@k.
     """
 
+    # TRL's names (num_generations, beta, ...) and close misspellings get a pointer to the setting
+    # here instead of Python's bare TypeError (trl_names.py).
+    @pointing_at_settings
     def __init__(
         self,
         model: str | PreTrainedModel = "embedded",
