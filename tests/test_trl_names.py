@@ -163,7 +163,9 @@ TRL_FIELDS = textwrap.dedent(
     """
     import dataclasses, json
     import trl
+    from transformers import TrainingArguments
     from trl import GRPOConfig
+    inherited = [f.name for f in dataclasses.fields(TrainingArguments)]
     fields = {}
     for f in dataclasses.fields(GRPOConfig):
         if f.default is not dataclasses.MISSING:
@@ -172,7 +174,7 @@ TRL_FIELDS = textwrap.dedent(
             fields[f.name] = f.default_factory()
         else:
             fields[f.name] = "<required>"
-    print(json.dumps({"version": trl.__version__, "fields": fields}, default=repr))
+    print(json.dumps({"version": trl.__version__, "fields": fields, "inherited": inherited}, default=repr))
     """
 )
 
@@ -188,3 +190,7 @@ def test_every_trl_name_and_default_is_trls_own():
     assert not missing, f"not GRPOConfig fields of trl {TRL_VERSION}: {missing}"
     for name, trl_default, _, _ in TRL_DEFAULTS:
         assert fields[name] == trl_default, (name, fields[name])
+    # Every name GRPOConfig adds to transformers' TrainingArguments is ours too, or has a pointer.
+    ours = set(parameters(GRPOLightningModule))
+    unmapped = [n for n in fields if n not in found["inherited"] and n not in ours and n not in TRL_NAMES]
+    assert not unmapped, f"GRPOConfig names with neither a setting of that name nor a pointer: {unmapped}"
