@@ -404,7 +404,8 @@ def _refuse_foreign_settings(args: list[str]) -> None:
         if name not in accepted:
             said = unknown_setting(name, accepted)
             if said is not None:
-                raise SystemExit(f"{args[0] if args else 'fit'}: {said}")
+                subcommand = next((a for a in args if a in ("fit", "validate", "test", "predict")), "fit")
+                raise SystemExit(f"{subcommand}: {said}")
 
 
 def parse_unvalidated(parser: LightningArgumentParser, args: Any, defaults: bool = True) -> Any:
