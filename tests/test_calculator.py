@@ -1,6 +1,6 @@
 """The inline calculator reads a call whole or refuses it, never an expression cut short: the
 tokenizer here writes one token per character, as the embedded model's writes one per digit, so
-a call is many tokens long (issue (AB) 1)."""
+a call is many tokens long."""
 
 from __future__ import annotations
 

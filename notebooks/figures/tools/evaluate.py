@@ -1,4 +1,4 @@
-"""Held-out evaluations of (P)'s calculator runs: greedy ``forge-lightning validate`` of one model
+"""Held-out evaluations of the calculator runs of notebooks/tools.ipynb: greedy ``forge-lightning validate`` of one model
 under one config, its answers copied to ``evals/<label>.jsonl`` beside this file and the command
 recorded in ``evals.jsonl`` (notebooks/tools.ipynb reads both):
 
