@@ -115,11 +115,29 @@ def absent_arguments(reward: RewardFn, available: set[str]) -> list[str]:
     return [key for key in dict.fromkeys(required) if key not in given]
 
 
+def is_async(fn: Any) -> bool:
+    """Whether calling ``fn`` gives a coroutine or an async generator (an ``async def``, or an
+    object whose ``__call__`` is one), a reward's or a tool's."""
+    call = fn if inspect.isroutine(fn) else getattr(type(fn), "__call__", None)
+    call = inspect.unwrap(call) if call is not None else None
+    return inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
+
+
+def close_unawaited(value: Any) -> bool:
+    """Whether ``value`` is awaitable (what an async function returned where a plain one was
+    expected); if so it is closed, never awaited, so that Python does not warn that it was not."""
+    if not inspect.isawaitable(value):
+        return False
+    close = getattr(value, "close", None)
+    if callable(close):
+        close()
+    return True
+
+
 def refuse_async(reward: Any, name: str | None = None) -> None:
     """TypeError naming ``reward`` where it is an ``async def`` function, or an object whose
     ``__call__`` is one: its call returns a coroutine, which is no score (until rewards are awaited)."""
-    call = getattr(reward, "__call__", None)  # a reward object: its (bound) __call__
-    if not any(inspect.iscoroutinefunction(f) or inspect.isasyncgenfunction(f) for f in (reward, call)):
+    if not is_async(reward):
         return
     raise TypeError(
         f"async rewards are not supported yet: reward {name or reward_name(reward)!r} is an `async def` "
@@ -140,10 +158,7 @@ def checked_scores(output: Any, num_samples: int, name: str, allow_none: bool = 
     With ``allow_none`` (a CompositeReward's component) a None means "not applicable to this
     sample", as in TRL, and becomes NaN: it counts 0 in the total and stays out of the component's
     mean and std."""
-    if inspect.isawaitable(output):
-        close = getattr(output, "close", None)
-        if callable(close):  # never awaited: closed here, so Python does not warn that it was not
-            close()
+    if close_unawaited(output):
         raise ValueError(
             f"reward {name!r} returned a coroutine, not scores: async rewards are not supported yet. "
             "Return the scores themselves (a reward that must await can run its coroutine with asyncio.run)"

@@ -16,7 +16,7 @@ from typing import Any
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # "name" or "namespace/name"
-_CALLABLE = (
+CALLABLE_REWARD = (
     "reward must be a callable (prompts, responses, **kwargs) -> scores, a list of them, or the import "
     "path of one"
 )
@@ -38,9 +38,11 @@ def refuse_strings(reward: Any) -> None:
 def _why_not_a_reward(value: str) -> str:
     exists = Path(value).expanduser().exists()
     if _IMPORT_PATH.fullmatch(value) and not exists:
-        return f"{_CALLABLE}: {value!r} does not import here (a typo, or a package that is not installed)"
+        return (
+            f"{CALLABLE_REWARD}: {value!r} does not import here (a typo, or a package that is not installed)"
+        )
     if not exists and not _HUB_ID.fullmatch(value):
-        return f"{_CALLABLE}; got the string {value!r}, which names no function, folder or hub id"
+        return f"{CALLABLE_REWARD}; got the string {value!r}, which names no function, folder or hub id"
     what = (
         "a causal LM (a policy), not a reward model, which is a sequence classifier with one label"
         if _is_causal_lm(Path(value))

@@ -39,7 +39,7 @@ from forge_lightning.reward_calls import (
 )
 from forge_lightning.reward_extras import NOT_GIVEN, argument_advice
 from forge_lightning.reward_model import PolicyContext, RewardModel
-from forge_lightning.reward_setting import refuse_strings
+from forge_lightning.reward_setting import CALLABLE_REWARD, refuse_strings
 from forge_lightning.specs import Spec, from_spec, is_spec, to_spec
 
 __all__ = [
@@ -408,9 +408,6 @@ def load_reward(reward: Any) -> Any:
     try:
         built = from_spec(reward, RewardArgument)
     except ValueError as err:
-        raise TypeError(
-            "reward must be a callable (prompts, responses, **kwargs) -> scores, a list of them, or the "
-            f"import path of one: {err}"
-        ) from None
+        raise TypeError(f"{CALLABLE_REWARD}: {err}") from None
     refuse_strings(built)  # no import path made it a reward: a folder, a hub id, a typo
     return built

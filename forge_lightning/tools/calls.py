@@ -11,7 +11,13 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from forge_lightning.reward_calls import CallTimeout, UserCodeExit, call_user_code, call_within
+from forge_lightning.reward_calls import (
+    CallTimeout,
+    UserCodeExit,
+    call_user_code,
+    call_within,
+    close_unawaited,
+)
 from forge_lightning.tools.parsers import ParsedCall
 
 # The characters of a result the model reads at most (the module's max_tool_result_chars), and
@@ -73,8 +79,7 @@ def run_call(
 def result_text(value: Any, max_chars: int) -> tuple[str, bool]:
     """A tool's return value as the text the model reads (a string as it is, anything else as
     JSON), cut to ``max_chars``; and whether it was cut. A coroutine is refused, never shown."""
-    if inspect.isawaitable(value):
-        getattr(value, "close", lambda: None)()  # never awaited: no "never awaited" warning
+    if close_unawaited(value):
         raise TypeError("it returned a coroutine: async tools are not supported yet, write it as a plain def")
     return capped(value if isinstance(value, str) else json.dumps(value, default=str), max_chars)
 

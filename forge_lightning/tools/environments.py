@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from forge_lightning.reward_calls import BaseReward, RewardOutput
+from forge_lightning.reward_calls import BaseReward, RewardOutput, close_unawaited, is_async
 
 # The environment methods that are not tools: the episode's start, and its score (TRL's name first).
 RESET = "reset"
@@ -36,14 +36,6 @@ def environment_tools(cls: type) -> list[str]:
 def score_name(cls: type | None) -> str | None:
     """The method that scores an episode of ``cls`` (``get_reward`` or ``reward``), if it has one."""
     return next((name for name in SCORES if callable(getattr(cls, name, None))), None)
-
-
-def is_async(fn: Any) -> bool:
-    """Whether calling ``fn`` gives a coroutine or an async generator (an ``async def``, or an
-    object whose ``__call__`` is one)."""
-    call = fn if inspect.isroutine(fn) else getattr(type(fn), "__call__", None)
-    call = inspect.unwrap(call) if call is not None else None
-    return inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
 
 
 def refuse_async(functions: Sequence[Callable[..., Any]], cls: type | None) -> None:
@@ -79,8 +71,7 @@ class EnvironmentReward(BaseReward):
         scores = []
         for env, name in zip(environments, names):
             value = getattr(env, name)()
-            if inspect.isawaitable(value):
-                getattr(value, "close", lambda: None)()  # never awaited: no "never awaited" warning
+            if close_unawaited(value):
                 raise ValueError(
                     f"{type(env).__name__}.{name}() returned a coroutine: write it as a plain def"
                 )
