@@ -26,11 +26,11 @@ def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or check(v)
 
 
-def _call_formats() -> Any:
+def _parsers() -> Any:
     # Here, not at the top: the tools package imports transformers, which this module does not.
-    from forge_lightning.tools.parsers import CALL_FORMATS
+    from forge_lightning.tools import parsers
 
-    return CALL_FORMATS
+    return parsers
 
 
 # field -> (predicate, the allowed range in words, or a function that says it when asked)
@@ -71,8 +71,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "calculator": (_optional(lambda v: v in ("annotation", "plain")), "None, 'annotation' or 'plain'"),
     "max_tool_calls": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "tool_call_format": (
-        lambda v: v in _call_formats(),
-        lambda: f"one of {', '.join(map(repr, sorted(_call_formats())))} (tools/parsers.py's CALL_FORMATS)",
+        lambda v: v in _parsers().CALL_FORMATS,
+        lambda: f"one of {_parsers().format_names()} (tools/parsers.py's CALL_FORMATS)",
     ),
     "tool_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
     "max_tool_result_chars": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),

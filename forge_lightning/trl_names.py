@@ -223,8 +223,7 @@ def migration_table() -> str:
         rows.append(f"| `{name}` | {here} | {TRL_NOTES.get(name, '')} |")
     rows += ["", "| setting | TRL's default | ours |", "|---|---|---|"]
     for name, trl, target, ours in TRL_DEFAULTS:
-        shown = name if target.endswith(f".{name}") else f"`{name}` / `{flag(target)}`"
-        shown = f"`{name}`" if shown == name else shown
+        shown = f"`{name}`" if target.endswith(f".{name}") else f"`{name}` / `{flag(target)}`"
         rows.append(f"| {shown} | `{trl!r}` | `{ours!r}` |")
     return "\n".join(rows) + "\n"
 

@@ -70,10 +70,13 @@ class HermesToolCalls:
 CALL_FORMATS: dict[str, type] = {"hermes": HermesToolCalls}
 
 
+def format_names() -> str:
+    """The formats ``tool_call_format`` may name, for a message: ``'hermes'``, ..."""
+    return ", ".join(map(repr, sorted(CALL_FORMATS)))
+
+
 def format_named(name: str) -> CallFormat:
     """The format ``tool_call_format`` names."""
     if name not in CALL_FORMATS:
-        raise ValueError(
-            f"tool_call_format must be one of {', '.join(map(repr, sorted(CALL_FORMATS)))}, got {name!r}"
-        )
+        raise ValueError(f"tool_call_format must be one of {format_names()}, got {name!r}")
     return CALL_FORMATS[name]()
