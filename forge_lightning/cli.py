@@ -31,7 +31,7 @@ from forge_lightning.config import check_resume_settings, refuse_automatic_optim
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.preemption import EXIT_CODE
 from forge_lightning.run_folder import RunFolder, RunFolderError, remove_untracked_checkpoints
-from forge_lightning.trl_names import given_model_settings, unknown_setting
+from forge_lightning.trl_names import refuse_foreign_settings
 
 # The run's own callbacks, each a top-level group of the config and the command line
 # (``--hf_checkpoint.save_steps 7``), on by default, off with ``--<group> null``.
@@ -118,7 +118,7 @@ class ForgeCLI(LightningCLI):
         if isinstance(args, (dict, Namespace)):
             return super().parse_arguments(parser, args)
         self._args = args  # read again for the settings the user gave (_parse_ckpt_path)
-        _refuse_foreign_settings(list(sys.argv[1:] if args is None else args))
+        refuse_foreign_settings(list(sys.argv[1:] if args is None else args), GRPOLightningModule)
         self.config = parse_unvalidated(parser, args)
         subcommand = self.config.get("subcommand")
         trainer = (self.config[subcommand] if subcommand else self.config)["trainer"]
@@ -392,20 +392,6 @@ def read_as_string(action: argparse.Action) -> bool:
     action._enable_path = False
     action._typehint = str
     return True
-
-
-def _refuse_foreign_settings(args: list[str]) -> None:
-    """A TRL name or a misspelled setting among the module settings a command line gives
-    (``--model.<name>``, a config's ``model:`` keys) stops the command with its pointer, before
-    jsonargparse's "unrecognized arguments" or its parse of every option."""
-    module = f"{GRPOLightningModule.__module__}.{GRPOLightningModule.__qualname__}"
-    accepted = list(inspect.signature(GRPOLightningModule.__init__).parameters)[1:]
-    for name in given_model_settings(args, module):
-        if name not in accepted:
-            said = unknown_setting(name, accepted)
-            if said is not None:
-                subcommand = next((a for a in args if a in ("fit", "validate", "test", "predict")), "fit")
-                raise SystemExit(f"{subcommand}: {said}")
 
 
 def parse_unvalidated(parser: LightningArgumentParser, args: Any, defaults: bool = True) -> Any:

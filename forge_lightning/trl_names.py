@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import textwrap
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -216,11 +217,14 @@ def _edits(a: str, b: str, limit: int) -> int:
 
 
 def migration_table() -> str:
-    """README's tables: TRL's names and ours, then the defaults that differ (markdown)."""
+    """README's tables: TRL's names and ours, the names with no counterpart, then the defaults that
+    differ (markdown)."""
     rows = ["| TRL `GRPOConfig` | here | note |", "|---|---|---|"]
     for name, target in TRL_NAMES.items():
-        here = "none" if target is None else f"`{flag(target)}`"
-        rows.append(f"| `{name}` | {here} | {TRL_NOTES.get(name, '')} |")
+        if target is not None:
+            rows.append(f"| `{name}` | `{flag(target)}` | {TRL_NOTES.get(name, '')} |")
+    none = ", ".join(f"`{name}`" for name, target in TRL_NAMES.items() if target is None)
+    rows += ["", *textwrap.wrap(f"No counterpart here: {none}.", 100, break_on_hyphens=False)]
     rows += ["", "| setting | TRL's default | ours |", "|---|---|---|"]
     for name, trl, target, ours in TRL_DEFAULTS:
         shown = f"`{name}`" if target.endswith(f".{name}") else f"`{name}` / `{flag(target)}`"
@@ -230,6 +234,19 @@ def migration_table() -> str:
 
 # Keys under "--model." or a config's "model:" that are jsonargparse's own, not settings.
 _PARSER_KEYS = {"help", "class_path", "init_args", "dict_kwargs"}
+
+
+def refuse_foreign_settings(args: list[str], module: type) -> None:
+    """Stop a command line with its pointer where a module setting it gives (``--model.<name>``,
+    a config's ``model:`` keys) is a TRL name or a misspelling of one of ``module``'s settings:
+    before jsonargparse's "unrecognized arguments" or its parse of every option."""
+    accepted = list(inspect.signature(module.__init__).parameters)[1:]
+    for name in given_model_settings(args, f"{module.__module__}.{module.__qualname__}"):
+        if name not in accepted:
+            said = unknown_setting(name, accepted)
+            if said is not None:
+                subcommand = next((a for a in args if a in ("fit", "validate", "test", "predict")), "fit")
+                raise SystemExit(f"{subcommand}: {said}")
 
 
 def given_model_settings(args: list[str], default_class: str) -> list[str]:
