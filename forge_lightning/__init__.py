@@ -9,7 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from forge_lightning import _moved
+
 __version__ = "0.1.0"
+
+_moved.install()  # the module paths of the flat layout still import (_moved.py)
 
 # public name -> the submodule that defines it
 _EXPORTS = {
@@ -23,7 +27,7 @@ _EXPORTS = {
     "load_gsm8k": "forge_lightning.data",
     "load_gsm8k_mock": "forge_lightning.data",
     "GRPOLightningModule": "forge_lightning.module",
-    "PhaseProfiler": "forge_lightning.profiler",
+    "PhaseProfiler": "forge_lightning.reporting.profiler",
     "BaseReward": "forge_lightning.rewards",
     "CompositeReward": "forge_lightning.rewards",
     "ExactMatchReward": "forge_lightning.rewards",
@@ -32,7 +36,7 @@ _EXPORTS = {
     "LengthPenaltyReward": "forge_lightning.rewards",
     "OverlongPenaltyReward": "forge_lightning.rewards",
     "RewardOutput": "forge_lightning.rewards",
-    "EnvironmentReward": "forge_lightning.tools",
+    "EnvironmentReward": "forge_lightning.rewards.environment",
 }
 
 __all__ = [
@@ -76,8 +80,9 @@ if TYPE_CHECKING:
     from forge_lightning.compat import GRPOConfig, GRPOTrainer
     from forge_lightning.data import GSM8KDataModule, collate_records, load_gsm8k, load_gsm8k_mock
     from forge_lightning.module import GRPOLightningModule
-    from forge_lightning.profiler import PhaseProfiler
-    from forge_lightning.rewards import (
+    from forge_lightning.reporting.profiler import PhaseProfiler
+    from forge_lightning.rewards.environment import EnvironmentReward
+    from forge_lightning.rewards.library import (
         BaseReward,
         CompositeReward,
         ExactMatchReward,
@@ -87,4 +92,3 @@ if TYPE_CHECKING:
         OverlongPenaltyReward,
         RewardOutput,
     )
-    from forge_lightning.tools import EnvironmentReward

@@ -1,3 +1,3 @@
-from forge_lightning.cli import main
+from forge_lightning.cli.forge_cli import main
 
 main()

@@ -20,12 +20,12 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
-from forge_lightning.config import validate_hparams
 from forge_lightning.data.datamodule import EpochShuffleSampler, collate_records
 from forge_lightning.grpo import LossType
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.profiler import PhaseProfiler
-from forge_lightning.trl_names import pointing_at_settings
+from forge_lightning.reporting.profiler import PhaseProfiler
+from forge_lightning.settings.checks import validate_hparams
+from forge_lightning.settings.trl_names import pointing_at_settings
 
 # GRPOConfig fields that are GRPOLightningModule arguments of the same name.
 MODULE_FIELDS = (
@@ -74,7 +74,7 @@ class GRPOConfig:
 
 
 # TRL's GRPOConfig names (num_generations, beta, ...) point at this config's field or the module's
-# setting; a close misspelling of a field gets "did you mean" (trl_names.py).
+# setting; a close misspelling of a field gets "did you mean" (settings/trl_names.py).
 GRPOConfig.__init__ = pointing_at_settings(GRPOConfig.__init__, config=True)  # type: ignore[method-assign]
 
 

@@ -13,32 +13,10 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from forge_lightning.callbacks.defaults import fit_callbacks
-from forge_lightning.callbacks.reference import ReferenceSource
-from forge_lightning.checkpoint_io import load_run_state, refuse_unstored_objects, save_run_state
-from forge_lightning.components import build_components, stored_arguments
-from forge_lightning.config import validate_hparams
 from forge_lightning.data.datamodule import split_batch
 from forge_lightning.data.gsm8k import extract_answer
-from forge_lightning.generation import GenerationBackend, eos_token_ids
-from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType
-from forge_lightning.lora import LoraSettings
-from forge_lightning.metrics import StepRecord
-from forge_lightning.models import ensure_pad_token
-from forge_lightning.optim import policy_optimizer, rescale_schedule
-from forge_lightning.policy import training_policy
-from forge_lightning.preemption import Preemption, sigterm_interrupts
-from forge_lightning.reward_extras import RewardExtras, reward_arguments
-from forge_lightning.rewards import (
-    GSM8KAnswerReward,
-    PolicyContext,
-    RewardArgument,
-    component_names,
-    require_arguments,
-    share_policy_context,
-)
-from forge_lightning.rollout import RolloutSampler, prompt_settings, warn_when_few_tokens_count
-from forge_lightning.rollout_sources import TrainingBatch
-from forge_lightning.sampled_eval import (
+from forge_lightning.evaluation.ranks import ValidationRows, own_rows
+from forge_lightning.evaluation.sampled import (
     TrainingRandomState,
     batch_sizes,
     check_generation_budget,
@@ -46,19 +24,45 @@ from forge_lightning.sampled_eval import (
     sampled_evaluation,
     sampling_seed,
 )
-from forge_lightning.scoring import batch_advantages, score_groups
-from forge_lightning.step_plan import mean_stats, take_share
-from forge_lightning.tool_rollout import ToolRolloutSampler, with_tools
-from forge_lightning.tools.environments import EnvironmentReward, score_name
-from forge_lightning.tools.stored import ToolsArgument, stored_tools
-from forge_lightning.trl_names import pointing_at_settings
-from forge_lightning.validation import (
+from forge_lightning.evaluation.validation import (
     NO_TEST_STEP,
     EvaluationLogStep,
     check_validation_arguments,
     score_validation,
 )
-from forge_lightning.validation_ranks import ValidationRows, own_rows
+from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType
+from forge_lightning.models.loading import ensure_pad_token
+from forge_lightning.models.lora import LoraSettings
+from forge_lightning.models.policy import training_policy
+from forge_lightning.reporting.metrics import StepRecord
+from forge_lightning.rewards.environment import EnvironmentReward
+from forge_lightning.rewards.extras import RewardExtras, reward_arguments
+from forge_lightning.rewards.library import (
+    GSM8KAnswerReward,
+    PolicyContext,
+    RewardArgument,
+    component_names,
+    require_arguments,
+    share_policy_context,
+)
+from forge_lightning.rewards.scoring import batch_advantages, score_groups
+from forge_lightning.rollout.engines.base import GenerationBackend
+from forge_lightning.rollout.engines.hf import eos_token_ids
+from forge_lightning.rollout.sampler import RolloutSampler, prompt_settings
+from forge_lightning.rollout.sources import TrainingBatch
+from forge_lightning.rollout.tool_sampler import ToolRolloutSampler, with_tools
+from forge_lightning.rollout.tools.environments import score_name
+from forge_lightning.rollout.tools.stored import ToolsArgument, stored_tools
+from forge_lightning.rollout.types import warn_when_few_tokens_count
+from forge_lightning.run.checkpoint_io import refuse_unstored_objects
+from forge_lightning.run.preemption import Preemption, sigterm_interrupts
+from forge_lightning.settings.checks import validate_hparams
+from forge_lightning.settings.components import build_components, stored_arguments
+from forge_lightning.settings.trl_names import pointing_at_settings
+from forge_lightning.training.loss_passes import ReferenceSource
+from forge_lightning.training.optim import policy_optimizer, rescale_schedule
+from forge_lightning.training.plan import mean_stats, take_share
+from forge_lightning.training.run_state import load_run_state, save_run_state
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -71,7 +75,7 @@ class GRPOLightningModule(pl.LightningModule):
     ``trainer.global_step`` counts optimizer steps.
 
     Args:
-        model: a spec (``embedded``, hub id, folder, ``.gguf``, ``random:...``; models.py) or a built HF LM.
+        model: a spec (``embedded``, hub id, folder, ``.gguf``, ``random:...``; models/loading.py) or a built HF LM.
         reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``; GSM8K's if None.
             A list of them (TRL's ``reward_funcs``) is their equally weighted CompositeReward. One
             given by import path (functions, classes, their lists) is stored in the checkpoint.
@@ -89,7 +93,7 @@ class GRPOLightningModule(pl.LightningModule):
             the token that completes the first; the reward's text ends with it.
         generation_kwargs: more settings for the engine, by its own names (``GenerationConfig``
             fields for HF, ``vllm.SamplingParams`` for vLLM); keys the module sets itself and
-            unknown ones are refused by name (generation_settings.py).
+            unknown ones are refused by name (rollout/engines/generation_settings.py).
         max_new_tokens: longest completion, in tokens.
         learning_rate: AdamW's peak learning rate.
         weight_decay: AdamW's weight decay.
@@ -115,7 +119,7 @@ class GRPOLightningModule(pl.LightningModule):
         prefix_sharing: each prompt's forward once per group, its keys/values shared by the G completions.
         logprob_chunk_size: rows per chunk of the float32 log-softmax; None for no chunks.
         gradient_checkpointing: trade compute for activation memory in the training forward.
-        generation_backend: ``hf`` (the policy's ``generate``) or ``vllm`` (GPU; see vllm_backend.py).
+        generation_backend: ``hf`` (the policy's ``generate``) or ``vllm`` (GPU; see rollout/engines/vllm.py).
         vllm_gpu_memory_utilization: the share of GPU memory the vLLM engine may take.
         use_engine_logprobs: the old policy's log-probs from the engine's scores, not a forward.
             The engine (vLLM, or HF generate) is trusted: needs top_p 1, top_k 0 and a loss at
@@ -126,7 +130,7 @@ class GRPOLightningModule(pl.LightningModule):
             policy or KL weight, and is left out of the loss's normaliser; it still counts in its
             group's reward statistics (as in TRL and DAPO).
         dynamic_sampling: train on informative groups only, sampling rounds until a step has
-            enough (DAPO; see sampling_rounds.py); ``gradient_accumulation_steps`` then counts
+            enough (DAPO; see training/dynamic_sampling.py); ``gradient_accumulation_steps`` then counts
             informative prompts. Needs ``trainer.max_steps`` and ``num_iterations`` 1.
         max_sampling_rounds: with dynamic sampling, the rounds after which a step trains on what it has.
         model_dtype: the dtype a model spec is loaded in. ``float32`` (the default) keeps the weights
@@ -140,7 +144,7 @@ class GRPOLightningModule(pl.LightningModule):
         rollout_worker_threads: async: the worker's CPU threads, the trainer the rest; None: half.
         rollout_device: async: the worker's device (None: the CPU). ``cuda:N`` is another GPU,
             ``cuda`` the trainer's own (with ``rollout_memory_fraction``); the weights go device
-            to device (weight_ring.py).
+            to device (rollout/engines/weight_ring.py).
         rollout_memory_fraction: async: the GPU memory share the worker may take.
         behav_imp_weight_cap: async: the cap of the default correction (> 1; None). Without
             ``rollout_correction``, a rollout sampled by older weights weighs each token by
@@ -162,7 +166,7 @@ class GRPOLightningModule(pl.LightningModule):
             repeats the S steps). Checkpoints fall between generations; step cadences
             (``max_steps``, ``every_n_train_steps``, ``save_steps``) must be multiples of S x mu.
         calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
-            or ``plain`` (``41 + 29 =``); its answers are read, not trained on (tool_rollout.py).
+            or ``plain`` (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py).
             Sync rollouts with HF generate only. None: no tool.
         max_tool_calls: with tools, the calls one completion may make.
         tools: typed functions with docstrings (or their import paths) a completion may call in the
@@ -180,9 +184,9 @@ class GRPOLightningModule(pl.LightningModule):
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
             and maj@k; 0: greedy only. With n, each validation also logs k = 1, 2, 4, ..., n,
             ``frac_all_correct``/``frac_none_correct`` and the samples' length and truncated share,
-            and the answers file holds the samples (sampled_eval.py). They are drawn under their
+            and the answers file holds the samples (evaluation/sampled.py). They are drawn under their
             own seeded RNG: a fit trains the same with or without them. Under DDP/FSDP each
-            prompt counts once (validation_ranks.py).
+            prompt counts once (evaluation/ranks.py).
         val_temperature: temperature of the sampled validation completions.
         val_top_p: nucleus mass of the sampled validation completions.
         val_max_new_tokens: longest sampled validation completion; None: ``max_new_tokens``.
@@ -195,7 +199,7 @@ class GRPOLightningModule(pl.LightningModule):
     """
 
     # TRL's names (num_generations, beta, ...) and close misspellings get a pointer to the setting
-    # here instead of Python's bare TypeError (trl_names.py).
+    # here instead of Python's bare TypeError (settings/trl_names.py).
     @pointing_at_settings
     def __init__(
         self,

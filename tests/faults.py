@@ -69,8 +69,8 @@ class KillWhileWriting(Callback):
         spec = os.environ.get("FORGE_KILL_WRITE")
         if not spec:
             return
-        import forge_lightning.checkpoint_io as checkpoint_io
-        import forge_lightning.fileio as fileio
+        import forge_lightning.run.checkpoint_io as checkpoint_io
+        import forge_lightning.run.fileio as fileio
 
         name, step = spec.rsplit("@", 1)
         original = fileio.write_atomically

@@ -8,7 +8,7 @@ import torch
 from conftest import make_model, make_tokenizer
 
 from forge_lightning import ExactMatchReward, GRPOConfig, GRPOTrainer
-from forge_lightning.rewards import BaseReward, RewardOutput
+from forge_lightning.rewards.library import BaseReward, RewardOutput
 
 
 def test_forge_quickstart_trains_and_writes_its_outputs(tmp_path):

@@ -193,7 +193,7 @@ def test_an_import_of_a_package_name_means_its_init(tmp_path):
 # were split (at 267f81d): each must still import from there.
 OLD_PATHS = {
     "forge_lightning.rollout": ["SamplingParams", "Rollout", "RolloutSampler", "encode_prompts"],
-    "forge_lightning.generation": [
+    "forge_lightning.rollout.engines.hf": [
         "GenerationBackend",
         "LogProbGenerationBackend",
         "HFGenerate",
@@ -201,7 +201,7 @@ OLD_PATHS = {
         "eos_token_ids",
         "generation_backend",
     ],
-    # Every public name rewards.py defined, and the private one rewards_math.py imports.
+    # Every public name rewards/library.py defined, and the private one rewards/math_verify_reward.py imports.
     "forge_lightning.rewards": [
         "SLOW_REWARD_SECONDS",
         "RewardOutput",
@@ -257,7 +257,7 @@ def test_the_old_import_paths_still_work(module, names):
 
 
 def test_the_library_rewards_keep_their_import_path_in_checkpoints_and_configs():
-    from forge_lightning.rewards import CompositeReward, GSM8KAnswerReward, reward_spec
+    from forge_lightning.rewards.library import CompositeReward, GSM8KAnswerReward, reward_spec
 
     spec = reward_spec([GSM8KAnswerReward(), (GSM8KAnswerReward(), 2.0, "twice")])
     assert spec["class_path"] == "forge_lightning.rewards.CompositeReward"

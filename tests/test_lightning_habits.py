@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 import pytest
 
 from forge_lightning.callbacks import HFCheckpoint, ReferenceModel
-from forge_lightning.cli import build_cli
-from forge_lightning.rewards import CompositeReward
+from forge_lightning.cli.forge_cli import build_cli
+from forge_lightning.rewards.library import CompositeReward
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
@@ -110,7 +110,7 @@ def test_validation_metrics_reach_loggers_on_the_optimizer_step_axis(
 def test_a_conversation_goes_through_the_chat_template_as_messages():
     from conftest import make_tokenizer
 
-    from forge_lightning.rollout import encode_prompts
+    from forge_lightning.rollout.sampler import encode_prompts
 
     tok = make_tokenizer(chat_template=True)
 
@@ -168,8 +168,8 @@ def test_a_datasets_dataset_given_to_fit_unbatched_is_refused_before_training(tm
 
 
 def test_trl_style_rewards_get_completions_by_keyword_in_trls_form():
-    from forge_lightning.rewards import missing_arguments
-    from forge_lightning.scoring import score
+    from forge_lightning.rewards.library import missing_arguments
+    from forge_lightning.rewards.scoring import score
 
     seen = {}
 
@@ -202,8 +202,8 @@ def test_trl_style_rewards_get_completions_by_keyword_in_trls_form():
 
 
 def test_a_trl_style_reward_gets_the_reference_column_under_its_own_name():
-    from forge_lightning.rewards import require_arguments
-    from forge_lightning.scoring import score
+    from forge_lightning.rewards.library import require_arguments
+    from forge_lightning.rewards.scoring import score
 
     seen = {}
 
@@ -273,7 +273,7 @@ def test_a_prompt_dataset_row_without_its_field_names_file_and_line(tmp_path):
 def test_a_reward_that_needs_a_key_the_batch_lacks_fails_before_any_generation(
     tmp_path, module, trainer, loader
 ):
-    from forge_lightning.rewards import GSM8KAnswerReward
+    from forge_lightning.rewards.library import GSM8KAnswerReward
 
     def by_level(prompts, responses, level):
         return [float(x) for x in level]
@@ -368,7 +368,7 @@ def test_a_reward_given_by_import_path_is_stored_and_a_resume_may_not_change_it(
 
     from forge_lightning.examples.rewards import has_answer_line
     from forge_lightning.module import GRPOLightningModule
-    from forge_lightning.rewards import FormatReward
+    from forge_lightning.rewards.library import FormatReward
 
     reward = CompositeReward([(count_a, 3.0, "a"), (FormatReward(has_answer_line), 1.0)])
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)

@@ -14,7 +14,8 @@ from conftest import make_model, make_tokenizer
 
 from forge_lightning.callbacks import ReferenceModel
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.rollout import completion_mask, encode_prompts
+from forge_lightning.rollout.sampler import encode_prompts
+from forge_lightning.rollout.types import completion_mask
 
 
 def test_training_updates_policy_but_not_reference_and_counts_optimizer_steps(
@@ -160,7 +161,7 @@ def test_metrics_reach_loggers_once_per_optimizer_step_at_that_step(tmp_path, mo
 
     from lightning.pytorch.loggers import CSVLogger
 
-    from forge_lightning.profiler import PHASES, PhaseProfiler
+    from forge_lightning.reporting.profiler import PHASES, PhaseProfiler
 
     fit = pl.Trainer(
         accelerator="cpu",
@@ -248,7 +249,7 @@ def test_accumulated_batches_give_the_gradient_of_one_batch_holding_them(step_gr
 
 
 def test_step_reports_entropy_and_each_reward_components_spread(tmp_path, module, trainer, loader):
-    from forge_lightning.rewards import CompositeReward
+    from forge_lightning.rewards.library import CompositeReward
 
     def long(prompts, responses):
         return [float(len(r)) for r in responses]

@@ -19,10 +19,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.cli import LightningCLI
 
 from forge_lightning.callbacks.step_boundary import mark_saved
-from forge_lightning.cli import ForgeCLI, option, parse_unvalidated, parts, read_as_string
+from forge_lightning.cli.forge_cli import ForgeCLI, option, parse_unvalidated, parts, read_as_string
 from forge_lightning.data.datamodule import fingerprint
-from forge_lightning.optim import set_last_lr, total_optimizer_steps
-from forge_lightning.preemption import hide_sigterm
+from forge_lightning.run.preemption import hide_sigterm
+from forge_lightning.training.optim import set_last_lr, total_optimizer_steps
 
 
 def test_a_sigterm_can_be_hidden_from_the_trainer(tmp_path):
@@ -90,7 +90,7 @@ def test_a_timer_with_a_duration_and_no_max_steps_warns_about_the_schedule(durat
 
 
 def test_an_evaluation_logs_outside_a_fit_at_the_count_of_stepped_batches(tmp_path):
-    from forge_lightning.validation import EvaluationLogStep
+    from forge_lightning.evaluation.validation import EvaluationLogStep
 
     trainer = Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False)
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == 0

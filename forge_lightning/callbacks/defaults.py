@@ -8,7 +8,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from forge_lightning.callbacks.reference import ReferenceModel
 from forge_lightning.callbacks.step_axis import OptimizerStepAxis
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
-from forge_lightning.config import refuse_automatic_optimization_settings
+from forge_lightning.settings.checks import refuse_automatic_optimization_settings
 
 
 def fit_callbacks(

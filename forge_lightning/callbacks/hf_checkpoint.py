@@ -14,10 +14,10 @@ from typing_extensions import override
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.model_card import model_card
 from forge_lightning.callbacks.step_boundary import completed_step
-from forge_lightning.config import check_setting
-from forge_lightning.fileio import SpaceCheck, temporary_sibling, write_folder_atomically
-from forge_lightning.lora import has_adapter, lora_settings, save_merged
-from forge_lightning.sharding import full_state_dict, is_sharded, save_sharded_pretrained
+from forge_lightning.models.lora import has_adapter, lora_settings, save_merged
+from forge_lightning.models.sharding import full_state_dict, is_sharded, save_sharded_pretrained
+from forge_lightning.run.fileio import SpaceCheck, temporary_sibling, write_folder_atomically
+from forge_lightning.settings.checks import check_setting
 
 DEFAULT_SAVE_STEPS = 100
 
@@ -98,7 +98,7 @@ class HFCheckpoint(Callback):
         )
         for old in steps[: -self.save_total_limit]:
             # Renamed to a temporary name first: a kill mid-delete leaves a leftover the next
-            # start removes (run_folder.py), never a half-deleted step folder.
+            # start removes (run/folder.py), never a half-deleted step folder.
             trash = temporary_sibling(old)
             os.replace(old, trash)
             shutil.rmtree(trash, ignore_errors=True)

@@ -7,8 +7,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from forge_lightning.lora import has_adapter
-from forge_lightning.models import EMBEDDED, EMBEDDED_HUB_ID, hub_id
+from forge_lightning.models.loading import EMBEDDED, EMBEDDED_HUB_ID, hub_id
+from forge_lightning.models.lora import has_adapter
 
 _SHOWN = (
     "loss_type", "group_size", "learning_rate", "kl_beta", "max_new_tokens", "temperature",

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -16,27 +15,17 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
-from forge_lightning.fileio import write_folder_atomically
-from forge_lightning.lora import adapter_disabled, has_adapter
-from forge_lightning.sharding import (
+from forge_lightning.models.lora import adapter_disabled, has_adapter
+from forge_lightning.models.sharding import (
     full_state_dict,
     is_sharded,
     load_weights,
     save_sharded_pretrained,
     sharded_copy,
 )
+from forge_lightning.run.fileio import folder_fingerprint, weight_files, write_folder_atomically
 
 log = logging.getLogger(__name__)
-
-
-class ReferenceSource(Protocol):
-    """What the module needs of the frozen reference: the model, and the context its forward runs
-    in (the adapter switched off when a LoRA policy's own base weights are the reference)."""
-
-    @property
-    def model(self) -> PreTrainedModel: ...
-
-    def scope(self) -> AbstractContextManager[Any]: ...
 
 
 class ReferenceModel(Callback):
@@ -132,7 +121,7 @@ class ReferenceModel(Callback):
             return  # a checkpoint from before fingerprints were kept
         found = folder_fingerprint(folder)
         if found != self.fingerprint:
-            files = ", ".join(p.name for p in _weight_files(folder))
+            files = ", ".join(p.name for p in weight_files(folder))
             raise RuntimeError(
                 f"the reference policy in {folder} ({files}) is not the one this run started with: its "
                 f"fingerprint is {found[:16]}..., the checkpoint's {self.fingerprint[:16]}... (replaced "
@@ -165,7 +154,7 @@ class ReferenceModel(Callback):
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or param.dtype)
         except Exception as err:
-            files = ", ".join(str(p) for p in _weight_files(folder)) or "no weight files"
+            files = ", ".join(str(p) for p in weight_files(folder)) or "no weight files"
             raise RuntimeError(f"could not load the reference policy from {folder} ({files}): {err}") from err
         return model.to(param.device)
 
@@ -184,21 +173,6 @@ def _frozen(model: PreTrainedModel) -> PreTrainedModel:
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
-
-
-def folder_fingerprint(folder: Path) -> str:
-    """SHA-256 over the names and bytes of a model folder's weight files."""
-    digest = hashlib.sha256()
-    for path in _weight_files(folder):
-        digest.update(path.name.encode() + b"\0")
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def _check_folder(folder: Path) -> None:

@@ -16,12 +16,12 @@ from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
-from forge_lightning.config import check_setting
-from forge_lightning.fileio import append_jsonl, read_jsonl, write_atomically
-from forge_lightning.validation_ranks import gathered_answers
+from forge_lightning.evaluation.ranks import gathered_answers
+from forge_lightning.run.fileio import append_jsonl, read_jsonl, write_atomically
+from forge_lightning.settings.checks import check_setting
 
 if TYPE_CHECKING:
-    from forge_lightning.metrics import StepRecord
+    from forge_lightning.reporting.metrics import StepRecord
 
 # The JSONL line carries these (plus one ``rewards/<name>`` per reward component); the Lightning
 # logger gets every metric the module tracks.
@@ -50,7 +50,7 @@ ASYNC_JSONL_KEYS = (
 )
 # Logged where the sampler's log-probs correct the loss (rollout_correction, async rollouts).
 CORRECTION_JSONL_KEYS = ("sampler_kl", "correction_weight_mean", "correction_masked_fraction")
-# Logged with tool-using rollouts only (tool_rollout.py).
+# Logged with tool-using rollouts only (rollout/tool_sampler.py).
 TOOL_JSONL_KEYS = ("tool_calls", "tool_errors", "turns", "tool_token_fraction")
 JSONL_KEYS += ASYNC_JSONL_KEYS + CORRECTION_JSONL_KEYS + TOOL_JSONL_KEYS
 

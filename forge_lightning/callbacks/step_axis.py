@@ -6,6 +6,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from forge_lightning.reporting.lightning_step import set_stepped_batches
+
 
 class OptimizerStepAxis(Callback):
     """Keeps Lightning's count of stepped batches, the step its callbacks log at
@@ -28,18 +30,3 @@ class OptimizerStepAxis(Callback):
             return
         # Lightning adds one after this hook (every batch, under manual optimization).
         set_stepped_batches(trainer, trainer.global_step - 1)
-
-
-def stepped_batches(trainer: pl.Trainer) -> int:
-    """Lightning's count of stepped batches (private, as :func:`set_stepped_batches` says)."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
-
-
-def set_stepped_batches(trainer: pl.Trainer, count: int) -> None:
-    """Set Lightning's count of stepped batches.
-
-    Private: the fit loop keeps it in ``fit_loop.epoch_loop._batches_that_stepped`` and has no
-    setter. Checked on lightning 2.4.0 and 2.6.6; tests/test_private_api.py checks the attribute
-    (through validation.EvaluationLogStep, which sets it for validate's logged step) and
-    tests/test_steps_per_generation.py that LearningRateMonitor logs at the optimizer step."""
-    trainer.fit_loop.epoch_loop._batches_that_stepped = count

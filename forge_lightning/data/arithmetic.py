@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from forge_lightning.data.gsm8k import format_prompt
-from forge_lightning.fileio import write_atomically
+from forge_lightning.run.fileio import write_atomically
 
 DEFAULT_OUT = "runs/data/arith"
 PARTS = ("train", "dev", "heldout")

@@ -12,11 +12,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
-from forge_lightning.config import changed_settings
 from forge_lightning.data.arithmetic import DEFAULT_VARIANT, VARIANTS, generate
 from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock
 from forge_lightning.data.readers import load_prompts, require_in_memory
 from forge_lightning.data.sampler import EpochShuffleSampler
+from forge_lightning.run.resume import changed_settings
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict

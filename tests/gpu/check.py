@@ -208,7 +208,7 @@ def run_bench(
     """One benchmark line per shape and prompts-per-step, in this process, appended to ``path``."""
     import torch
 
-    from forge_lightning import bench
+    from forge_lightning.bench import throughput as bench
 
     tokens, steps = ("8", "1") if quick else ("256", "2")
     device = "cpu" if quick else "cuda"
@@ -255,7 +255,7 @@ def run_bench(
 
 def prepare(carry: Path) -> None:
     """Fill the carried folder: GSM8K prompts, SmolLM2's tokenizer, wheels of NEEDED."""
-    from forge_lightning.models import _embedded_cache
+    from forge_lightning.models.loading import _embedded_cache
 
     shared = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
     (carry / "gsm8k").mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,11 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
-from forge_lightning.async_rollout import RolloutWorker, WorkerSettings
-from forge_lightning.logprobs import LogProbScorer
-from forge_lightning.rollout import Rollout, SamplingParams, completion_mask, encode_prompts
+from forge_lightning.rollout.engines.async_worker import RolloutWorker, WorkerSettings
+from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.logprobs import LogProbScorer
+from forge_lightning.rollout.sampler import encode_prompts
+from forge_lightning.rollout.types import Rollout, completion_mask
 
 # FORGE_GPU_TEST_DEVICE=cpu rehearses these on the CPU (the worker then samples there too).
 DEVICE = os.environ.get("FORGE_GPU_TEST_DEVICE", "cuda")

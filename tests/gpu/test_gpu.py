@@ -13,9 +13,11 @@ from conftest import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
 
 from forge_lightning.callbacks import HFCheckpoint
-from forge_lightning.generation import HFGenerate
-from forge_lightning.logprobs import completion_log_probs
-from forge_lightning.rollout import SamplingParams, completion_mask, encode_prompts
+from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.hf import HFGenerate
+from forge_lightning.rollout.logprobs import completion_log_probs
+from forge_lightning.rollout.sampler import encode_prompts
+from forge_lightning.rollout.types import completion_mask
 
 # FORGE_GPU_TEST_DEVICE=cpu rehearses these on the CPU (bf16 and FSDP2 work there too, slowly);
 # the check itself never sets it.
@@ -97,7 +99,7 @@ def test_prefilled_cuda_generation_equals_plain_generate():
 
 def test_gradient_checkpointing_and_lora_train_on_cuda(tmp_path, module, loader, gpu_trainer):
     pytest.importorskip("peft")
-    from forge_lightning.lora import LoraSettings
+    from forge_lightning.models.lora import LoraSettings
 
     grpo = module(
         learning_rate=1e-2,

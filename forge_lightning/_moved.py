@@ -1,0 +1,147 @@
+"""Where the modules of the flat layout (one folder, before the package took its layer folders)
+live now: each old import path keeps working, so that configs, checkpoints (a reward or callback
+stored by import path) and users' own imports written against it still load.
+
+An old module path is the new module itself (one object under two names: a monkeypatch or an
+``isinstance`` through either agrees), except where a split sent some of its names elsewhere: then
+the old path is a thin module that looks a name up in the new modules in order. An old module
+that became a package (``forge_lightning.rollout``, ``.rewards``, ...) keeps its names through that
+package's :func:`lazy_exports`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_P = "forge_lightning."
+
+# old module path -> its new home, or the homes its names now have (searched in order)
+MOVED: dict[str, str | tuple[str, ...]] = {
+    "async_rollout": "rollout.engines.async_worker",
+    "backward": "training.loss_passes",
+    "bench_references": "bench.references",
+    "checkpoint_io": ("run.checkpoint_io", "training.run_state"),
+    "components": "settings.components",
+    "config": ("settings.checks", "run.resume"),
+    "control_tokens": "rollout.control_tokens",
+    "fileio": "run.fileio",
+    "generation": "rollout.engines",
+    "generation_settings": "rollout.engines.generation_settings",
+    "hf_compat": "models.hf_compat",
+    "logprobs": ("rollout.logprobs", "rollout.types"),
+    "lora": "models.lora",
+    "metrics": "reporting.metrics",
+    "optim": "training.optim",
+    "plot": "reporting.plot",
+    "policy": "models.policy",
+    "preemption": "run.preemption",
+    "profiler": "reporting.profiler",
+    "reward_calls": ("rewards.calls", "run.user_code"),
+    "reward_extras": "rewards.extras",
+    "reward_model": "rewards.reward_model",
+    "reward_setting": "rewards.setting",
+    "rewards_math": "rewards.math_verify_reward",
+    "rollout_sources": "rollout.sources",
+    "run_folder": "run.folder",
+    "sampled_eval": "evaluation.sampled",
+    "sampling": "rollout.engines.base",
+    "sampling_rounds": "training.dynamic_sampling",
+    "scoring": "rewards.scoring",
+    "sharding": "models.sharding",
+    "specs": "run.specs",
+    "step_plan": ("training.plan", "rollout.sources"),
+    "tool_rollout": "rollout.tool_sampler",
+    "tools": ("rollout.tools", "rewards.environment"),
+    "tools.base": "rollout.tools.base",
+    "tools.calculator": "rollout.tools.calculator",
+    "tools.calls": "rollout.tools.calls",
+    "tools.environments": ("rollout.tools.environments", "rewards.environment"),
+    "tools.functions": ("rollout.tools.functions", "rewards.environment"),
+    "tools.parsers": "rollout.tools.parsers",
+    "tools.stored": "rollout.tools.stored",
+    "trl_names": "settings.trl_names",
+    "validation": "evaluation.validation",
+    "validation_ranks": "evaluation.ranks",
+    "vllm_backend": "rollout.engines.vllm",
+    "weight_ring": "rollout.engines.weight_ring",
+}
+
+
+class _Delegate(types.ModuleType):
+    """An old module path whose names now live in several modules: each looked up in order."""
+
+    def __init__(self, name: str, homes: Sequence[str]) -> None:
+        super().__init__(name, f"Moved: its names are in {', '.join(homes)}.")
+        self._homes = list(homes)
+        self.__path__: list[str] = []  # its old submodules import through the finder below
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        for home in self._homes:
+            module = importlib.import_module(home)
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(
+            f"module {self.__name__!r} (moved to {self._homes[0]}) has no attribute {name!r}"
+        )
+
+    def __dir__(self) -> list[str]:
+        return sorted({n for home in self._homes for n in dir(importlib.import_module(home))})
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds an old module path (after every other finder found nothing) and loads it as its home."""
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith(_P) or fullname[len(_P) :] not in MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        homes = MOVED[spec.name[len(_P) :]]
+        if isinstance(homes, str):
+            module = importlib.import_module(_P + homes)
+            spec.loader_state = module.__spec__  # put back after the import system sets ours
+            return module
+        return _Delegate(spec.name, [_P + home for home in homes])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if module.__spec__ is not None and module.__spec__.loader_state is not None:
+            module.__spec__ = module.__spec__.loader_state
+
+
+def install() -> None:
+    """Let the old module paths import (once per process)."""
+    if not any(isinstance(finder, _MovedFinder) for finder in sys.meta_path):
+        sys.meta_path.append(_MovedFinder())
+
+
+def lazy_exports(package: str, homes: Sequence[str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``__getattr__`` and ``__dir__`` for a package that offers the names of ``homes`` (modules,
+    searched in order, imported on first use): the names of the old module of the same path."""
+
+    def __getattr__(name: str) -> Any:
+        if not name.startswith("__"):
+            for home in homes:
+                module = importlib.import_module(home)
+                if hasattr(module, name):
+                    value = getattr(module, name)
+                    setattr(sys.modules[package], name, value)
+                    return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted(
+            {*vars(sys.modules[package]), *(n for h in homes for n in dir(importlib.import_module(h)))}
+        )
+
+    return __getattr__, __dir__

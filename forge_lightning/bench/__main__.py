@@ -1,0 +1,3 @@
+from forge_lightning.bench.throughput import main
+
+main()

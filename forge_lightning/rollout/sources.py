@@ -1,0 +1,349 @@
+"""Rollout sources: when and where a training batch's prompts are sampled.
+
+The module holds one source, chosen once from ``rollout_mode`` (:func:`rollout_source`), and asks
+it for the rollouts each training batch trains on. :class:`SyncRollouts` samples the batch now, in
+this process. :class:`AsyncRollouts` hands the batch to a worker process (rollout/engines/async_worker.py) and
+gives back the rollouts due, ``max_staleness`` optimizer steps later; it keeps the batches in
+flight, their seeds, and their checkpoint state.
+
+How one batch of prompts becomes a :class:`~forge_lightning.rollout.types.Rollout` is the *episode
+runner*'s (:class:`EpisodeRunner`; today a :class:`~forge_lightning.rollout.sampler.RolloutSampler`, one
+``generate`` call): the sources call it, and so do validation and prediction.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import lightning.pytorch as pl
+import torch
+from transformers import PreTrainedModel
+
+from forge_lightning.rollout.engines.async_worker import (
+    InFlight,
+    RolloutWorker,
+    WorkerSettings,
+    restored_in_flight,
+    rollout_seed,
+    saved_in_flight,
+    split_threads,
+)
+from forge_lightning.rollout.engines.base import GenerationBackend, SamplingParams
+from forge_lightning.rollout.engines.registry import generation_backend
+from forge_lightning.rollout.types import Rollout
+
+
+class EpisodeRunner(Protocol):
+    """Prompts in, a :class:`Rollout` of ``group_size`` completions each out (RolloutSampler)."""
+
+    def __call__(
+        self,
+        model: PreTrainedModel,
+        prompts: list[Any],
+        params: SamplingParams,
+        group_size: int,
+        engine_logprobs: bool = False,
+        rows: dict[str, list[Any]] | None = None,
+    ) -> Rollout: ...
+
+
+@dataclass
+class TrainingBatch:
+    """A batch as Lightning gave it (every key travels with its rollout), once sampled its rollout,
+    and what the module logs of how it was sampled."""
+
+    prompts: list[Any]
+    batch_kwargs: dict[str, list[Any]]
+    batch_idx: int
+    rollout: Rollout | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How training batches are sampled (the module's flat settings, picked once)."""
+
+    mode: str
+    group_size: int
+    sampling: SamplingParams
+    engine_logprobs: bool  # the engine's scores are the old policy's (use_engine_logprobs)
+    correction: bool  # the engine's scores are the sampler's, for rollout_correction
+    generation_backend: str
+    vllm_gpu_memory_utilization: float
+    gradient_accumulation_steps: int
+    max_staleness: int
+    worker_threads: int | None
+    worker_device: str | None
+    worker_memory_fraction: float | None
+    prefix_sharing: bool
+    logprob_chunk_size: int | None
+
+
+def rollout_settings(hp: Any, sampling: SamplingParams) -> RolloutSettings:
+    return RolloutSettings(
+        mode=hp.rollout_mode,
+        group_size=hp.group_size,
+        sampling=sampling,
+        engine_logprobs=hp.use_engine_logprobs,
+        correction=hp.get("rollout_correction") is not None,
+        generation_backend=hp.generation_backend,
+        vllm_gpu_memory_utilization=hp.vllm_gpu_memory_utilization,
+        gradient_accumulation_steps=hp.gradient_accumulation_steps,
+        max_staleness=hp.max_staleness,
+        worker_threads=hp.rollout_worker_threads,
+        worker_device=hp.get("rollout_device"),
+        worker_memory_fraction=hp.get("rollout_memory_fraction"),
+        prefix_sharing=hp.prefix_sharing,
+        logprob_chunk_size=hp.logprob_chunk_size,
+    )
+
+
+def rollout_source(settings: RolloutSettings) -> SyncRollouts:
+    """The source ``settings.mode`` names."""
+    return AsyncRollouts(settings) if settings.mode == "async" else SyncRollouts(settings)
+
+
+class SyncRollouts:
+    """Each batch sampled when it trains, in this process, by the engine the module holds."""
+
+    def __init__(self, settings: RolloutSettings) -> None:
+        self.settings = settings
+        self.runner: EpisodeRunner | None = None
+        self.engine: GenerationBackend | None = None
+
+    def build_engine(
+        self, tokenizer: Any, model: PreTrainedModel, eos: list[int], scoring_temperature: float
+    ) -> GenerationBackend:
+        """The generation engine for a module that was given none."""
+        s = self.settings
+        return generation_backend(s.generation_backend, tokenizer, model, s.vllm_gpu_memory_utilization)
+
+    def use(self, runner: EpisodeRunner, engine: GenerationBackend) -> None:
+        """Sample with ``runner``; ``engine`` gets the weights after each optimizer step."""
+        self.runner, self.engine = runner, engine
+
+    def rollouts(
+        self, batch: TrainingBatch, trainer: pl.Trainer, model: PreTrainedModel
+    ) -> Iterator[TrainingBatch]:
+        """The batch's own rollout, sampled now. With rollout correction, the engine's scores come
+        with it as the sampler's log-probs (``behav_logp``), the old policy's left to the trainer."""
+        s = self.settings
+        with trainer.profiler.profile("generate"):
+            rollout = self.runner(
+                model,
+                batch.prompts,
+                s.sampling,
+                s.group_size,
+                engine_logprobs=s.engine_logprobs or s.correction,
+                rows=batch.batch_kwargs,
+            )
+        if s.correction:
+            rollout.behav_logp, rollout.old_logp = rollout.old_logp, None
+        batch.rollout = rollout
+        yield batch
+
+    def on_fit_start(self, trainer: pl.Trainer, model: PreTrainedModel, sharded: bool) -> None:
+        pass
+
+    def weights_updated(self, model: PreTrainedModel) -> None:
+        self.engine.sync_weights(model)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def callbacks(self) -> list[pl.Callback]:
+        return []
+
+
+class AsyncRollouts(SyncRollouts):
+    """Each batch handed to the rollout worker (the engine), trained ``max_staleness`` optimizer
+    steps later; the batches in flight are kept in checkpoints."""
+
+    def __init__(self, settings: RolloutSettings) -> None:
+        super().__init__(settings)
+        # The batches handed to the worker and not trained yet, oldest first; how many were
+        # handed in the run (the index that seeds each one's sampling); the run's seed; the
+        # thread count the trainer had before the split.
+        self.in_flight: deque[InFlight] = deque()
+        self.batches_handed = 0
+        self.seed: int | None = None
+        self._threads_before: int | None = None
+
+    def build_engine(
+        self, tokenizer: Any, model: PreTrainedModel, eos: list[int], scoring_temperature: float
+    ) -> GenerationBackend:
+        s = self.settings
+        worker = WorkerSettings(
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=tuple(eos),
+            scoring_temperature=scoring_temperature,
+            prefix_sharing=s.prefix_sharing,
+            logprob_chunk_size=s.logprob_chunk_size,
+            threads=split_threads(torch.get_num_threads(), s.worker_threads)[1],
+            device=s.worker_device,
+            memory_fraction=s.worker_memory_fraction,
+        )
+        return RolloutWorker(worker, s.max_staleness)
+
+    @property
+    def worker(self) -> RolloutWorker:
+        return self.engine  # type: ignore[return-value]
+
+    def rollouts(
+        self, batch: TrainingBatch, trainer: pl.Trainer, model: PreTrainedModel
+    ) -> Iterator[TrainingBatch]:
+        """Hand ``batch`` to the worker, sampled from the newest weights with the seed of its
+        index in the run; then yield the rollouts due, oldest first. A rollout trains once the
+        ``max_staleness x gradient_accumulation_steps`` batches after it are handed, so it is at
+        most ``max_staleness`` optimizer steps old. One older than that (this cadence makes none;
+        versions written from elsewhere could) is never trained on: it is sampled again from the
+        newest weights, and counted. A batch that would train after ``max_steps`` is not handed."""
+        s, worker, device = self.settings, self.worker, next(model.parameters()).device
+        last = fit_ends_with(trainer, batch.batch_idx)  # an epoch's end carries them over
+        ahead = sum(self._boundary(e.batch_idx, trainer) for e in self.in_flight)
+        handed = trainer.max_steps < 0 or trainer.global_step + ahead < trainer.max_steps
+        with trainer.profiler.profile("generate"):
+            if handed:
+                item = InFlight(batch.prompts, batch.batch_kwargs, batch.batch_idx, index=self.batches_handed)
+                item.prompt_ids, item.prompt_mask = self.runner.encode(item.prompts, device)
+                item.ticket = self._hand_to_worker(item)
+                self.in_flight.append(item)
+                self.batches_handed += 1
+        depth = s.max_staleness * s.gradient_accumulation_steps
+        due = len(self.in_flight) if last else max(len(self.in_flight) - depth, 0 if handed else 1)
+        for _ in range(min(due, len(self.in_flight))):
+            item = self.in_flight.popleft()
+            with trainer.profiler.profile("generate"):
+                finished = item.finished or worker.collect(item.ticket)
+                regenerated = 0
+                if worker.version - finished.version > s.max_staleness:  # never trained on
+                    finished, regenerated = worker.collect(self._hand_to_worker(item)), 1
+            lag = worker.version - finished.version
+            rollout = self.runner.assemble(
+                item.prompt_ids.to(device),
+                item.prompt_mask.to(device),
+                finished.completion_ids.to(device),
+                s.group_size,
+                s.sampling,
+                # At lag 0 the sampling weights are the trained ones: the loss is the synchronous
+                # one, unless rollout correction weighs the worker's scores against the trainer's.
+                behav_logp=finished.behav_logp.to(device) if lag or s.correction else None,
+            )
+            metrics = {
+                "staleness": float(lag),
+                "staleness_max": float(lag),
+                "regenerated": float(regenerated),
+                "rollout_wait_s": finished.trainer_wait_s,
+                "worker_wait_s": finished.worker_wait_s,
+            }
+            yield TrainingBatch(item.prompts, item.batch_kwargs, item.batch_idx, rollout, metrics)
+
+    def _boundary(self, batch_idx: int, trainer: pl.Trainer) -> bool:
+        accumulation = self.settings.gradient_accumulation_steps
+        return accumulation_boundary(batch_idx, accumulation, trainer.num_training_batches)
+
+    def _hand_to_worker(self, item: InFlight) -> int:
+        """Submit ``item``'s prompts, sampled from the newest weights with the seed of its index
+        in the run (the run's seed: Lightning's ``seed_everything``); the worker's ticket."""
+        if self.seed is None:
+            self.seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        seed = rollout_seed(self.seed, item.index)
+        s = self.settings
+        return self.worker.submit(item.prompt_ids, item.prompt_mask, s.group_size, s.sampling, seed=seed)
+
+    def on_fit_start(self, trainer: pl.Trainer, model: PreTrainedModel, sharded: bool) -> None:
+        if trainer.world_size > 1 or sharded:
+            raise ValueError(
+                "rollout_mode='async' runs on one device for now: it does not support DDP or FSDP "
+                f"(world_size {trainer.world_size}); use rollout_mode='sync' with several devices"
+            )
+        warn_when_the_end_drains_at_once(trainer, self.settings.max_staleness)
+        total = torch.get_num_threads()
+        trainer_threads, _ = split_threads(total, self.settings.worker_threads)
+        self._threads_before = total
+        torch.set_num_threads(trainer_threads)
+        self.worker.start(model, self.worker.version)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The batches in flight, finished and kept: regenerating them after a resume would need
+        the older weights that sampled them. The data position is Lightning's, the batch after the
+        last one handed."""
+        for item in self.in_flight:
+            item.finished = item.finished or self.worker.collect(item.ticket)
+        return {
+            "version": self.worker.version,
+            "batches_handed": self.batches_handed,
+            "seed": self.seed,
+            "in_flight": saved_in_flight(self.in_flight),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.engine is None:
+            return
+        self.worker.version = state["version"]
+        self.batches_handed = state["batches_handed"]
+        self.seed = state["seed"]
+        self.in_flight = deque(restored_in_flight(state["in_flight"]))
+
+    def close(self) -> None:
+        """Stop the worker, if one runs, and give the trainer its threads back."""
+        if isinstance(self.engine, RolloutWorker):
+            self.engine.close()
+        # What was in flight when a fit ended early (max_time, an error) is not trained: the
+        # checkpoint it resumes from holds its own in-flight rollouts.
+        self.in_flight.clear()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+
+    def callbacks(self) -> list[pl.Callback]:
+        return [StopWorkerOnError()]
+
+
+class StopWorkerOnError(pl.Callback):
+    """Stops the asynchronous rollout worker when a fit fails (teardown stops it otherwise)."""
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        pl_module.stop_rollout_worker()
+
+
+def fit_ends_with(trainer: Any, batch_idx: int) -> bool:
+    """Whether training batch ``batch_idx`` is the fit's last by its epoch limit. Only there are the
+    rollouts still in flight all trained at once (a step each, in one batch); at any other epoch's
+    end they carry over into the next, one optimizer step per batch, so that every step-cadence
+    callback sees every step. (A fit ending on ``max_steps`` hands nothing it cannot train.)"""
+    last_epoch = 0 < (trainer.max_epochs or 0) <= trainer.current_epoch + 1
+    return last_epoch and batch_idx + 1 == trainer.num_training_batches
+
+
+def warn_when_the_end_drains_at_once(trainer: Any, max_staleness: int) -> None:
+    """A fit that ends on its epoch limit trains its last ``max_staleness`` steps in its last batch
+    (the pipeline's first batches trained nothing), and a step-cadence callback sees only the last
+    of them; ``max_steps`` hands no batch it cannot train one step a batch."""
+    if max_staleness > 0 and trainer.max_steps < 0:
+        warnings.warn(
+            f"rollout_mode='async' with no trainer.max_steps: the fit's last {max_staleness + 1} "
+            "optimizer steps are taken in its last batch, so HFCheckpoint folders and "
+            "ModelCheckpoint(every_n_train_steps) files of all but the last are not written; set "
+            "trainer.max_steps (e.g. to the epochs' optimizer steps) to have every step seen",
+            stacklevel=2,
+        )
+
+
+def accumulation_boundary(batch_idx: int, accumulation: int, num_training_batches: int | float) -> bool:
+    """Whether batch ``batch_idx`` ends an accumulation: each ``accumulation``-th, and the epoch's last."""
+    last = batch_idx + 1 == num_training_batches
+    return (batch_idx + 1) % accumulation == 0 or last

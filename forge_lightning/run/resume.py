@@ -1,0 +1,100 @@
+"""What a resumed run checks against its checkpoint: the module's settings that may not change
+midway (every other one, and every trainer setting, may: applied and logged)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+# Settings a resumed run may change: they leave what a step computes alone (memory, speed, error
+# handling, what validation samples), or, the learning rate and its schedule, take effect from the
+# resumed step on (optim.rescale_schedule). Every other module setting must match the checkpoint's.
+CHANGEABLE_ON_RESUME = frozenset(
+    {
+        "learning_rate",
+        "lr_schedule",
+        "max_consecutive_bad_steps",
+        "on_reward_error",
+        "reward_timeout",
+        "tool_timeout",
+        "attn_implementation",
+        "prefix_sharing",
+        "logprob_chunk_size",
+        "train_micro_batch_size",
+        "gradient_checkpointing",
+        "vllm_gpu_memory_utilization",
+        "rollout_worker_threads",
+        "rollout_device",
+        "rollout_memory_fraction",
+        "val_num_generations",
+        "val_temperature",
+        "val_top_p",
+        "val_max_new_tokens",
+        "max_generation_tokens",
+    }
+)
+
+
+# Settings the hyperparameters hold only when they can (the reward, given by import path:
+# run/specs.py): a checkpoint that holds one and a run that cannot say what its own is differ.
+STORED_WHEN_POSSIBLE = ("reward",)
+
+
+def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, str]:
+    """``name -> "name: old -> new"`` for each setting that differs between what a checkpoint
+    recorded and this run. A setting only one side records (an older checkpoint) is not compared,
+    except a ``STORED_WHEN_POSSIBLE`` one the checkpoint holds and this run could not store."""
+    names = sorted(set(saved) & set(current))
+    changed = {n: f"{n}: {saved[n]!r} -> {current[n]!r}" for n in names if saved[n] != current[n]}
+    for n in STORED_WHEN_POSSIBLE:
+        if n in saved and n not in current:
+            changed[n] = f"{n}: {saved[n]!r} -> an object with no import path (a lambda or local function?)"
+    return dict(sorted(changed.items()))
+
+
+def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """:func:`changed_settings` of the module's hyperparameters, split into (those that may not
+    change on resume, those that may)."""
+    changed = changed_settings(saved, current)
+    fixed = [line for name, line in changed.items() if name not in CHANGEABLE_ON_RESUME]
+    return fixed, [line for name, line in changed.items() if name in CHANGEABLE_ON_RESUME]
+
+
+def check_resume_settings(
+    saved: Mapping[str, Any], current: Mapping[str, Any], data_changes: Sequence[str] = ()
+) -> None:
+    """Raise ValueError naming every setting that differs from the checkpoint's and may not change
+    on resume: the module's, and the data's ``data_changes`` (``name: old -> new`` lines, e.g. a
+    datamodule's ``resume_changes``) in the same error; log the ones that may (the learning rate is
+    applied by the module)."""
+    fixed, changeable = resume_differences(saved, current)
+    if fixed or data_changes:
+        lines = [f"model.{line}" for line in fixed]
+        lines += [f"data.{line} (the data position would point at other prompts)" for line in data_changes]
+        raise ValueError(
+            "resuming with settings that differ from the checkpoint's, which a run cannot change "
+            "midway:\n  " + "\n  ".join(lines) + "\nRun with the original settings, or start a new run in "
+            "a new folder"
+        )
+    for line in changeable:
+        log.info("resumed with a changed setting: %s", line)
+
+
+def trainer_settings(trainer: Any) -> dict[str, Any]:
+    """The trainer settings a checkpoint records, so that a resume can say which it changed (all
+    may change: a longer run, another precision or cadence)."""
+    names = ("max_steps", "max_epochs", "precision", "world_size", "log_every_n_steps")
+    return {name: getattr(trainer, name, None) for name in names}
+
+
+def check_resume(checkpoint: Mapping[str, Any], hparams: Mapping[str, Any], trainer: dict[str, Any]) -> None:
+    """A resumed fit's checks: the module's settings may not change where that breaks the run
+    (check_resume_settings); every trainer setting (``trainer``, trainer_settings) may (a longer
+    run, another cadence): applied and logged."""
+    check_resume_settings(checkpoint.get("hyper_parameters", {}), hparams)
+    for line in changed_settings(checkpoint.get("forge_trainer_settings", {}), trainer).values():
+        log.info("resumed with a changed trainer setting, applied: %s", line)

@@ -1,0 +1,333 @@
+"""Range checks for the module's settings, shared by the module and the Forge-style GRPOConfig.
+
+Each setting is checked once: the loss's own settings by :class:`~forge_lightning.grpo.LossSettings`
+(built here from the same values), LoRA's by :class:`~forge_lightning.models.lora.LoraSettings`, every
+other one by ``RULES``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from forge_lightning.grpo import ADVANTAGE_SCALES, LossSettings
+from forge_lightning.rollout.engines.generation_settings import SAMPLING_RULES, check_engine_logprob_kwargs
+from forge_lightning.rollout.engines.registry import ENGINES
+from forge_lightning.training.optim import LR_SCHEDULES
+
+log = logging.getLogger(__name__)
+
+MODEL_DTYPES = ("float32", "auto", "bfloat16", "float16")
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _parsers() -> Any:
+    # Here, not at the top: the tools package imports transformers, which this module does not.
+    from forge_lightning.rollout.tools import parsers
+
+    return parsers
+
+
+# field -> (predicate, the allowed range in words, or a function that says it when asked)
+RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
+    "group_size": (lambda v: isinstance(v, int) and v >= 2, "an integer >= 2"),
+    "temperature": (lambda v: v > 0, "> 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "min_p": SAMPLING_RULES["min_p"],
+    "repetition_penalty": SAMPLING_RULES["repetition_penalty"],
+    "stop": (_optional(SAMPLING_RULES["stop"][0]), "None or " + SAMPLING_RULES["stop"][1]),
+    "max_new_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "learning_rate": (lambda v: v > 0, "> 0"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "gradient_accumulation_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "max_grad_norm": (_optional(lambda v: v > 0), "None or > 0"),
+    "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "lr_schedule": (lambda v: v in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
+    "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES}"),
+    "num_iterations": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "train_micro_batch_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "max_prompt_length": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "prompt_truncation": (lambda v: v in ("left", "error"), "'left' or 'error'"),
+    "on_reward_error": (lambda v: v in ("raise", "zero"), "'raise' or 'zero'"),
+    "max_consecutive_bad_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "reward_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
+    "model_dtype": (lambda v: v in MODEL_DTYPES, f"one of {MODEL_DTYPES}"),
+    "generation_backend": (lambda v: v in ENGINES, lambda: " or ".join(map(repr, ENGINES))),
+    "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "logprob_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "max_sampling_rounds": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "num_train_epochs": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "save_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "logging_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "rollout_mode": (lambda v: v in ("sync", "async"), "'sync' or 'async'"),
+    "max_staleness": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "rollout_worker_threads": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "calculator": (_optional(lambda v: v in ("annotation", "plain")), "None, 'annotation' or 'plain'"),
+    "max_tool_calls": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "tool_call_format": (
+        lambda v: v in _parsers().CALL_FORMATS,
+        lambda: f"one of {_parsers().format_names()} (tools/parsers.py's CALL_FORMATS)",
+    ),
+    "tool_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
+    "max_tool_result_chars": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "val_num_generations": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "val_temperature": (lambda v: v > 0, "> 0"),
+    "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "val_max_new_tokens": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "max_generation_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "steps_per_generation": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "rollout_correction": (_optional(lambda v: v in ("mask", "truncate")), "None, 'mask' or 'truncate'"),
+    "rollout_correction_level": (lambda v: v in ("token", "sequence"), "'token' or 'sequence'"),
+    "rollout_correction_cap": (_optional(lambda v: v > 1), "None or > 1"),
+}
+
+
+# Settings of the loss, passed to LossSettings (which checks them) under the same names.
+LOSS_FIELDS = (
+    "loss_type",
+    "clip_epsilon",
+    "clip_epsilon_high",
+    "kl_beta",
+    "importance_sampling_level",
+    "kl_estimator",
+    "behav_imp_weight_cap",
+)
+# The async worker's default correction (AReaL's: masked at behav_imp_weight_cap, token level,
+# only for a rollout sampled by older weights) until rollout_correction names one.
+DEFAULT_BEHAV_IMP_WEIGHT_CAP = 5.0
+
+
+def refuse_automatic_optimization_settings(trainer: Any) -> None:
+    """Refuse the Trainer's gradient settings, which the module (it steps its optimizer itself)
+    cannot honour, naming its own. Lightning's refusal of the first two says "switch to automatic
+    optimization" and comes before ``setup``; clipping by value would fail only at the first step."""
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            f"trainer.gradient_clip_val={trainer.gradient_clip_val} does not apply here (the module "
+            "steps its optimizer itself); set model.max_grad_norm instead"
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} does not apply here "
+            "(the module steps its optimizer itself); set model.gradient_accumulation_steps instead"
+        )
+    algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+    if algorithm not in (None, "norm"):
+        raise ValueError(
+            f"trainer.gradient_clip_algorithm={algorithm!r} does not apply here: the module clips the "
+            "gradient's total norm itself; set model.max_grad_norm instead (None: no clipping)"
+        )
+
+
+def loss_settings(values: Mapping[str, Any]) -> LossSettings:
+    """The loss settings among ``values`` (``max_new_tokens`` is dr_grpo's constant). With
+    ``rollout_correction`` set, its mode, level and cap make the correction weight; else the
+    async worker's ``behav_imp_weight_cap`` (masked, token level)."""
+    picked = {name: values[name] for name in LOSS_FIELDS if name in values}
+    if values.get("rollout_correction") is not None:
+        picked["behav_imp_weight_cap"] = values.get("rollout_correction_cap", 3.0)
+        picked["rollout_correction"] = values["rollout_correction"]
+        picked["rollout_correction_level"] = values.get("rollout_correction_level", "token")
+    return LossSettings(**picked, max_completion_length=values.get("max_new_tokens"))
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The module's own settings of a training step, picked once from the flat hyperparameters."""
+
+    group_size: int
+    advantage_scale: str
+    mask_truncated_completions: bool
+    on_reward_error: str
+    reward_timeout: float | None
+    max_grad_norm: float | None
+    learning_rate: float
+
+
+def train_settings(values: Mapping[str, Any]) -> TrainSettings:
+    return TrainSettings(**{name: values[name] for name in TrainSettings.__dataclass_fields__})
+
+
+def check_setting(field: str, value: Any) -> None:
+    """Raise ValueError naming ``field`` when ``value`` is outside its range in ``RULES``."""
+    allowed, words = RULES[field]
+    words = words() if callable(words) else words
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{field} must be finite ({words}), got {value!r}")
+    try:
+        ok = bool(allowed(value))
+    except TypeError:
+        ok = False
+    if isinstance(value, bool) or not ok:
+        raise ValueError(f"{field} must be {words}, got {value!r}")
+
+
+def validate_hparams(values: Mapping[str, Any]) -> None:
+    """Raise ValueError naming the first field outside its allowed range."""
+    for field in RULES:
+        if field in values:
+            check_setting(field, values[field])
+    loss_settings(values)
+    if values.get("num_iterations", 1) > 1 and values.get("gradient_accumulation_steps", 1) != 1:
+        raise ValueError(
+            "num_iterations > 1 takes one optimizer step per pass over a rollout: set "
+            f"gradient_accumulation_steps to 1 (got {values['gradient_accumulation_steps']})"
+        )
+    if values.get("dynamic_sampling") and values.get("num_iterations", 1) > 1:
+        raise ValueError(
+            "dynamic_sampling steps when enough informative groups are gathered, num_iterations > 1 "
+            f"after every pass: use one of them (num_iterations={values['num_iterations']})"
+        )
+    if values.get("steps_per_generation", 1) > 1 and values.get("dynamic_sampling"):
+        raise ValueError(
+            "dynamic_sampling gathers informative groups over several generations per optimizer "
+            "step, steps_per_generation > 1 splits one generation into several steps: use one of "
+            f"them (steps_per_generation={values['steps_per_generation']})"
+        )
+    if _tool_mode(values) is not None:
+        _check_tools(values)
+    if values.get("use_engine_logprobs"):
+        _check_engine_logprobs(values)
+    if values.get("rollout_correction") is not None:
+        _check_rollout_correction(values)
+    if values.get("rollout_mode") == "async":
+        _check_async(values)
+    _check_rollout_device(values)
+    if values.get("generation_kwargs") is not None or values.get("stop"):
+        _check_generation(values)
+
+
+# Settings asynchronous rollouts do not take yet, each with the value they need.
+ASYNC_NEEDS = {
+    "top_p": 1.0,  # the worker's log-probs and the loss's must be of one distribution
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "stop": None,  # the worker has no tokenizer to match strings with
+    "generation_kwargs": None,
+    "peft": None,
+    "generation_backend": "hf",
+    "use_engine_logprobs": False,
+    "dynamic_sampling": False,  # its steps depend on the rewards: no fixed version per batch
+    "num_iterations": 1,
+    "steps_per_generation": 1,  # a batch in flight is one optimizer step's
+}
+
+
+def _check_async(values: Mapping[str, Any]) -> None:
+    wrong = [
+        f"{name}={values[name]!r}"
+        for name, need in ASYNC_NEEDS.items()
+        if name in values and values[name] != need
+    ]
+    if wrong:
+        needs = ", ".join(f"{name}={need!r}" for name, need in ASYNC_NEEDS.items())
+        raise ValueError(
+            f"rollout_mode='async' does not support {', '.join(wrong)} yet: it needs {needs} "
+            "(top_p/top_k/min_p/repetition_penalty so that the worker and the loss score the same "
+            "distribution); use "
+            "rollout_mode='sync' for the others"
+        )
+
+
+def _check_generation(values: Mapping[str, Any]) -> None:
+    from forge_lightning.rollout.engines.generation_settings import check_generation_kwargs  # noqa: PLC0415
+
+    check_generation_kwargs(values.get("generation_kwargs"), values.get("generation_backend", "hf"))
+    if values.get("stop") and _tool_mode(values) is not None:
+        raise ValueError(
+            f"stop does not work with {_tool_mode(values)}: tool-using rollouts end their rounds "
+            "at the tools' own calls; leave stop unset"
+        )
+
+
+def _check_rollout_device(values: Mapping[str, Any]) -> None:
+    device, fraction = values.get("rollout_device"), values.get("rollout_memory_fraction")
+    if (device is not None or fraction is not None) and values.get("rollout_mode", "sync") != "async":
+        raise ValueError(
+            "rollout_device and rollout_memory_fraction place the asynchronous rollout worker: "
+            "set rollout_mode='async', or leave them unset (sync rollouts sample on the trainer's device)"
+        )
+    from forge_lightning.rollout.engines.weight_ring import check_rollout_device
+
+    check_rollout_device(device, fraction)
+
+
+def _tool_mode(values: Mapping[str, Any]) -> str | None:
+    """The tools a run's completions call, as the setting that names them; ValueError for two."""
+    modes = [
+        f"{name}={values[name]!r}"
+        for name in ("calculator", "tools", "environment_factory")
+        if values.get(name) is not None
+    ]
+    if values.get("calculator") is not None and len(modes) > 1:
+        raise ValueError(
+            f"{' and '.join(modes)}: the calculator and function tools are two ways of calling tools, "
+            "one at a time; use the calculator, or tools/environment_factory"
+        )
+    return modes[0] if modes else None
+
+
+def _check_tools(values: Mapping[str, Any]) -> None:
+    """Tool-using rollouts are several generate calls in this process (rollout/tool_sampler.py)."""
+    reasons = {
+        "rollout_mode": ("async", "the rollout worker samples one generate call per batch"),
+        "generation_backend": ("vllm", "only HF generate can stop a row at a tool call"),
+        "use_engine_logprobs": (True, "the engine's log-probs do not cover the tools' tokens"),
+    }
+    for name, (value, why) in reasons.items():
+        if values.get(name) == value:
+            raise ValueError(
+                f"{_tool_mode(values)} does not work with {name}={value!r}: {why}; "
+                "use rollout_mode='sync', generation_backend='hf' and use_engine_logprobs=false"
+            )
+
+
+def _check_engine_logprobs(values: Mapping[str, Any]) -> None:
+    """The engine's scores stand in for the old policy's log-probs: only where they are of the
+    distribution the loss scores (the whole one, at the loss's temperature)."""
+    cut = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    if any(values.get(name, off) != off for name, off in cut.items()):
+        raise ValueError(
+            "use_engine_logprobs needs top_p=1, top_k=0, min_p=0 and repetition_penalty=1: the "
+            "engine reports log-probs of the changed distribution it sampled from, the loss "
+            "computes them over the model's own"
+        )
+    check_engine_logprob_kwargs(values.get("generation_kwargs"), values.get("generation_backend", "hf"))
+    if values.get("loss_type") == "forge":
+        raise ValueError(
+            "use_engine_logprobs does not go with loss_type='forge', which scores at temperature 1 "
+            "while the engine reports log-probs at the sampling temperature"
+        )
+    if values.get("rollout_correction") is not None:
+        raise ValueError(
+            "use_engine_logprobs trusts the engine's log-probs as the old policy's; "
+            f"rollout_correction={values['rollout_correction']!r} measures them against the "
+            "trainer's instead: use one of them"
+        )
+
+
+def _check_rollout_correction(values: Mapping[str, Any]) -> None:
+    if values.get("loss_type") == "forge":
+        raise ValueError(
+            "rollout_correction does not go with loss_type='forge' (Forge's ratio is against the "
+            "reference, not the sampler); use grpo, dapo or dr_grpo"
+        )
+    if _tool_mode(values) is not None:
+        raise ValueError(
+            f"rollout_correction does not work with {_tool_mode(values)}: the engine's log-probs "
+            "do not cover the tools' tokens; set rollout_correction to null"
+        )
+    cap = values.get("behav_imp_weight_cap", DEFAULT_BEHAV_IMP_WEIGHT_CAP)
+    if cap != DEFAULT_BEHAV_IMP_WEIGHT_CAP:
+        raise ValueError(
+            f"behav_imp_weight_cap={cap!r} is the cap of the async worker's default correction; "
+            "with rollout_correction set, its cap is rollout_correction_cap"
+        )

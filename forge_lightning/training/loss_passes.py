@@ -1,0 +1,127 @@
+"""One backward pass of the GRPO loss over a rollout, micro-batch by micro-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from forge_lightning.grpo import (
+    LossSettings,
+    backward_weight,
+    grpo_loss,
+    masked_mean,
+    micro_batch_weight,
+    step_count,
+)
+from forge_lightning.reporting.metrics import LOSS_STATS, add_micro_batch
+from forge_lightning.rollout.logprobs import LogProbScorer
+from forge_lightning.rollout.types import Rollout
+
+
+class LossPasses:
+    """Backpropagates the loss over a rollout, each micro-batch's backward weighted so that the
+    optimizer step, once it divides by the step's count (see grpo.backward_weight), has the
+    gradient of the loss over all of the step's rollouts."""
+
+    def __init__(self, scorer: LogProbScorer, loss: LossSettings, mask_truncated_completions: bool) -> None:
+        self.scorer = scorer
+        self.loss = loss
+        self.mask_truncated = mask_truncated_completions
+        self.count = torch.zeros(())  # the optimizer step's loss normaliser so far (grpo.step_count)
+
+    def take_count(self) -> Tensor:
+        """The step's loss normaliser on this rank, and start the next step's at zero."""
+        count, self.count = self.count, torch.zeros(())
+        return count
+
+    def fixed_log_probs(
+        self, model: PreTrainedModel, reference: ReferenceSource | None, rollout: Rollout, passes: int
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The old policy's and the reference's log-probs, both fixed before any update of these
+        ``passes``. With one pass the old policy is the policy itself, whose detached log-probs
+        grpo_loss takes when old_logp is None: no extra forward. (It is also the proximal policy of
+        a stale async rollout, whose sampling policy's log-probs, rollout.behav_logp, came with it.)"""
+        ref_logp = self.reference_log_probs(reference, rollout)
+        old_logp = rollout.old_logp
+        if old_logp is None and passes > 1:
+            old_logp = self.scorer.log_probs_no_grad(model, rollout)
+        return old_logp, ref_logp
+
+    def reference_log_probs(self, reference: ReferenceSource | None, rollout: Rollout) -> Tensor | None:
+        """The reference's log-probs ``(P*G, Lc)``; None when no loss term reads them."""
+        if not self.loss.needs_reference or rollout.completion_ids.shape[0] == 0:
+            return None
+        if reference is None:
+            raise RuntimeError(
+                f"kl_beta={self.loss.kl_beta} with loss_type={self.loss.loss_type!r} needs a reference "
+                "model, but no ReferenceModel callback provided one; add "
+                "forge_lightning.callbacks.ReferenceModel() to the trainer's callbacks or set kl_beta=0"
+            )
+        with reference.scope():
+            return self.scorer.log_probs_no_grad(reference.model, rollout)
+
+    def micro_batches(self, rollout: Rollout) -> list[tuple[int, int]]:
+        return self.scorer.micro_batches(rollout)
+
+    def backward(
+        self,
+        model: PreTrainedModel,
+        rollout: Rollout,
+        advantages: Tensor,
+        old_logp: Tensor | None,
+        ref_logp: Tensor | None,
+        backward: Callable[[Tensor], Any],
+        profile: Callable[[str], Any],
+        extra: int = 0,
+    ) -> dict[str, Tensor]:
+        """One pass (``backward``: the module's manual_backward), then ``extra`` zero-weight
+        backwards, so that this rank joins the other ranks' all-reduces. Adds the pass's share of
+        the step's loss normaliser to :attr:`count`; returns its loss statistics, detached."""
+        mask = rollout.loss_mask(self.mask_truncated)  # (P*G, Lc)
+        totals: dict[str, Tensor] = {}
+        for start, stop in self.scorer.micro_batches(rollout):
+            rows = slice(start, stop)
+            with profile("logprob"):
+                logp, entropy = self.scorer.log_probs_and_entropy(model, rollout, start, stop)
+                loss, metrics = grpo_loss(
+                    logp,
+                    _rows(old_logp, rows),
+                    _rows(ref_logp, rows),
+                    advantages[rows],
+                    mask[rows],
+                    self.loss,
+                    behav_logp=_rows(rollout.behav_logp, rows),
+                )
+            weight = backward_weight(self.loss, mask[rows], mask).to(loss.device)
+            with profile("backward"):
+                backward(loss * weight)
+            metrics["entropy"] = masked_mean(entropy, mask[rows])
+            share = micro_batch_weight(self.loss, mask[rows], mask).to(loss.device)
+            add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
+        if extra:
+            params = [p for p in model.parameters() if p.requires_grad]
+            for _ in range(extra):
+                backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
+        self.count = self.count + step_count(self.loss, mask)
+        if not totals or not mask.any():  # nothing trained (or every token masked): no values
+            return {key: torch.zeros(0) for key in LOSS_STATS}
+        return totals
+
+
+def _rows(values: Tensor | None, rows: slice) -> Tensor | None:
+    return None if values is None else values[rows]
+
+
+class ReferenceSource(Protocol):
+    """What the module needs of the frozen reference: the model, and the context its forward runs
+    in (the adapter switched off when a LoRA policy's own base weights are the reference)."""
+
+    @property
+    def model(self) -> PreTrainedModel: ...
+
+    def scope(self) -> AbstractContextManager[Any]: ...

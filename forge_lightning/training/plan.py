@@ -1,0 +1,265 @@
+"""Step plans: what a training batch trains, and after which of its backward passes the optimizer steps.
+
+The module holds one plan, chosen once from its settings (:func:`step_plan`). :class:`StepPlan`
+is plain accumulation (the optimizer steps every ``gradient_accumulation_steps`` batches and at an
+epoch's end) with ``num_iterations`` passes over each rollout (mu, each ending a step), and with
+``steps_per_generation`` S > 1 one batch's generation split into S optimizer steps
+(:func:`generation_shares`). :class:`DynamicSamplingPlan` trains the informative groups only and
+steps once enough are gathered over the ranks (DAPO; see training/dynamic_sampling.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from forge_lightning.grpo import informative_groups
+from forge_lightning.rollout.sources import accumulation_boundary
+from forge_lightning.rollout.types import Rollout
+from forge_lightning.training.dynamic_sampling import SamplingRounds
+from forge_lightning.training.optim import total_optimizer_steps
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    group_size: int
+    gradient_accumulation_steps: int
+    num_iterations: int
+    dynamic_sampling: bool
+    max_sampling_rounds: int
+    steps_per_generation: int = 1
+
+    @property
+    def steps_per_batch(self) -> int:
+        """S x mu: the optimizer steps each batch takes when S > 1 (with S = 1, accumulation decides)."""
+        return self.steps_per_generation * self.num_iterations
+
+
+def plan_settings(hp: Any) -> PlanSettings:
+    return PlanSettings(
+        group_size=hp.group_size,
+        gradient_accumulation_steps=hp.gradient_accumulation_steps,
+        num_iterations=hp.num_iterations,
+        dynamic_sampling=hp.dynamic_sampling,
+        max_sampling_rounds=hp.max_sampling_rounds,
+        steps_per_generation=hp.get("steps_per_generation", 1),
+    )
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One backward pass of a batch: over its prompts ``groups`` (a slice of the prompts; None:
+    all of them), then an optimizer step when ``step_after``."""
+
+    groups: slice | None
+    step_after: bool
+
+    def rows(self, group_size: int) -> slice:
+        """The completion rows of the pass's prompts."""
+        if self.groups is None:
+            return slice(None)
+        return slice(self.groups.start * group_size, self.groups.stop * group_size)
+
+
+@dataclass
+class BatchPlan:
+    """What one batch trains: ``rollout`` (the batch's, or its kept groups) with its
+    ``advantages``, and its backward passes in order (each over all or a share of its prompts)."""
+
+    rollout: Rollout
+    advantages: Tensor
+    passes: list[Pass]
+
+    @property
+    def stepped(self) -> bool:
+        return any(p.step_after for p in self.passes)
+
+    @property
+    def steps(self) -> int:
+        """The optimizer steps the batch takes."""
+        return sum(p.step_after for p in self.passes)
+
+
+def generation_shares(num_prompts: int, steps: int, accumulation: int) -> list[Pass]:
+    """The passes of one generation of ``num_prompts`` prompts for ``steps`` optimizer steps of
+    ``accumulation`` shares each: ``steps x accumulation`` shares of whole groups, in prompt order,
+    as even as the count allows (a smaller last batch gives smaller shares), the optimizer
+    stepping after every ``accumulation``-th."""
+    shares = steps * accumulation
+    if num_prompts < shares:
+        raise unsplittable(f"a batch of {num_prompts} prompt(s)", steps, accumulation, PROMPTS_FIX)
+    base, extra = divmod(num_prompts, shares)
+    passes, start = [], 0
+    for i in range(shares):
+        stop = start + base + (i < extra)
+        passes.append(Pass(slice(start, stop), (i + 1) % accumulation == 0))
+        start = stop
+    return passes
+
+
+PROMPTS_FIX = (
+    "set data.prompts_per_step (the training DataLoader's batch_size) to at least {shares}, best a "
+    "multiple of it (each share then holds prompts_per_step / {shares} prompts)"
+)
+
+
+def unsplittable(what: str, steps: int, accumulation: int, fix: str) -> ValueError:
+    """The error for ``what`` (a batch) holding fewer prompts than the ``steps x accumulation``
+    shares of a generation; ``fix`` names the setting to change (``{shares}`` filled in)."""
+    shares = steps * accumulation
+    return ValueError(
+        f"{what} cannot be split into steps_per_generation={steps} optimizer steps of "
+        f"gradient_accumulation_steps={accumulation} share(s) each: {fix.format(shares=shares)}"
+    )
+
+
+def check_batch_sizes(trainer: Any, steps: int, accumulation: int, steps_per_batch: int) -> None:
+    """Refuse, when a fit starts (before any generation), a datamodule whose training batches the
+    run reaches cannot be split into ``steps x accumulation`` shares: its ``prompts_per_step``, or
+    the epoch's smaller last batch (``train_size`` prompts, each rank taking its share). A loader
+    of one's own is checked at its first such batch (generation_shares)."""
+    data, shares = getattr(trainer, "datamodule", None), steps * accumulation
+    size, rows = getattr(data, "prompts_per_step", None), getattr(data, "train_size", None)
+    if not isinstance(size, int):
+        return
+    if size < shares:
+        raise unsplittable(f"data.prompts_per_step={size}", steps, accumulation, PROMPTS_FIX)
+    if not isinstance(rows, int) or not rows:
+        return
+    rows = math.ceil(rows / trainer.world_size)  # each rank's (EpochShuffleSampler pads)
+    per_epoch, last = math.ceil(rows / size), rows % size
+    reached = (
+        trainer.max_steps is None
+        or trainer.max_steps < 0
+        or trainer.max_steps > (per_epoch - 1) * steps_per_batch
+    )
+    if last and last < shares and reached:
+        fix = (
+            f"set data.max_samples so that the training prompts ({rows} per rank) are a multiple "
+            f"of prompts_per_step {size} (or leave at least {{shares}} over)"
+        )
+        raise unsplittable(f"the epoch's last batch holds {last} prompt(s) and", steps, accumulation, fix)
+
+
+def take_share(part: Pass, rollout: Rollout, advantages: Tensor, *per_row: Tensor | None) -> tuple[Any, ...]:
+    """The rollout, advantages and per-completion tensors (``None`` stays None) of ``part``'s prompts."""
+    if part.groups is None:
+        return (rollout, advantages, *per_row)
+    keep = torch.zeros(rollout.prompt_ids.shape[0], dtype=torch.bool, device=rollout.prompt_ids.device)
+    keep[part.groups] = True
+    rows = part.rows(rollout.group_size)
+    return (rollout.select_groups(keep), advantages[rows], *(None if t is None else t[rows] for t in per_row))
+
+
+def mean_stats(passes: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The loss statistics of several passes (a generation's shares): each key's mean over the
+    passes that trained something; one pass's own statistics as they are."""
+    if len(passes) == 1:
+        return passes[0]
+    trained = [p for p in passes if all(v.numel() for v in p.values())]
+    if not trained:
+        return passes[-1]
+    return {key: torch.stack([p[key] for p in trained]).mean() for key in trained[0]}
+
+
+class StepPlan:
+    """Plain accumulation, ``num_iterations`` passes per rollout (mu > 1 needs accumulation 1)."""
+
+    def __init__(self, settings: PlanSettings) -> None:
+        self.settings = settings
+
+    def plan(
+        self, rollout: Rollout, rewards: Tensor, advantages: Tensor, batch_idx: int, trainer: Any
+    ) -> BatchPlan:
+        s = self.settings
+        if s.steps_per_generation > 1:  # the whole generation, its steps repeated mu times
+            shares = generation_shares(
+                rollout.prompt_ids.shape[0], s.steps_per_generation, s.gradient_accumulation_steps
+            )
+            return BatchPlan(rollout, advantages, shares * s.num_iterations)
+        batches = trainer.num_training_batches
+        stepped = accumulation_boundary(batch_idx, s.gradient_accumulation_steps, batches)
+        return BatchPlan(rollout, advantages, [Pass(None, stepped)] * s.num_iterations)  # mu > 1: stepped
+
+    def check_fit(self, trainer: Any) -> None:
+        """With S > 1 a batch takes S x mu optimizer steps at once, and a callback that looks at
+        the step after each batch sees only every (S x mu)-th: refuse step cadences that are not
+        multiples of it, naming each (reports to the loggers need none: they come at the first
+        batch at or past each multiple of their cadence), and data whose batches cannot be split
+        into the generation's shares (check_batch_sizes). Called when the fit starts."""
+        s = self.settings
+        if s.steps_per_generation == 1:
+            return
+        check_batch_sizes(trainer, s.steps_per_generation, s.gradient_accumulation_steps, s.steps_per_batch)
+        k = s.steps_per_batch
+        wrong = []
+        if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.max_steps % k:
+            wrong.append(f"trainer.max_steps={trainer.max_steps}")
+        for callback in trainer.callbacks:
+            for attribute, shown in (
+                ("_every_n_train_steps", "every_n_train_steps"),
+                ("save_steps", "save_steps"),
+            ):
+                value = getattr(callback, attribute, None)
+                if isinstance(value, int) and value > 0 and value % k:
+                    wrong.append(f"{type(callback).__name__}({shown}={value})")
+        if wrong:
+            raise ValueError(
+                f"steps_per_generation={self.settings.steps_per_generation} x num_iterations="
+                f"{self.settings.num_iterations} takes {k} optimizer steps in each batch, so step "
+                f"cadences must be multiples of {k}: {', '.join(wrong)} (from the command line: "
+                "--trainer.max_steps, --checkpoint.every_n_train_steps, --hf_checkpoint.save_steps)"
+            )
+
+    def backward_calls_missing(self, made: int, trainer: Any, device: torch.device) -> int:
+        """Zero-weight backward calls this rank must add to match the others' all-reduces: none,
+        every rank trains the same micro-batches."""
+        return 0
+
+    def step_ended(self) -> dict[str, float]:
+        """The finished optimizer step's counts, for the metrics (taken or skipped)."""
+        return {}
+
+    def total_steps(self, trainer: Any) -> int:
+        """Optimizer steps of the whole fit (the schedule's length)."""
+        s = self.settings
+        accumulation, mu = s.gradient_accumulation_steps, s.num_iterations
+        if s.steps_per_generation > 1:  # every batch takes S x mu steps, its accumulation inside it
+            return total_optimizer_steps(trainer, 1, s.steps_per_batch, s.dynamic_sampling)
+        return total_optimizer_steps(trainer, accumulation, mu, s.dynamic_sampling)
+
+
+class DynamicSamplingPlan(StepPlan):
+    """Train on the informative groups only, stepping once the rounds of the step gathered enough."""
+
+    def __init__(self, settings: PlanSettings) -> None:
+        super().__init__(settings)
+        self.rounds = SamplingRounds(settings.max_sampling_rounds)  # the rounds of the step
+
+    def plan(
+        self, rollout: Rollout, rewards: Tensor, advantages: Tensor, batch_idx: int, trainer: Any
+    ) -> BatchPlan:
+        s = self.settings
+        keep = informative_groups(rewards, s.group_size)  # (P,)
+        kept = advantages.view(-1, s.group_size)[keep].reshape(-1)
+        last = batch_idx + 1 == trainer.num_training_batches
+        target = trainer.world_size * keep.numel() * s.gradient_accumulation_steps
+        stepped = self.rounds.add_round(keep, trainer.strategy, target=target, last_batch=last)
+        return BatchPlan(rollout.select_groups(keep), kept, [Pass(None, stepped)])
+
+    def backward_calls_missing(self, made: int, trainer: Any, device: torch.device) -> int:
+        if trainer.world_size == 1:
+            return 0
+        return self.rounds.backward_calls_missing(made, trainer.strategy, device)
+
+    def step_ended(self) -> dict[str, float]:
+        return self.rounds.pop()
+
+
+def step_plan(settings: PlanSettings) -> StepPlan:
+    """The plan the settings name."""
+    return DynamicSamplingPlan(settings) if settings.dynamic_sampling else StepPlan(settings)
