@@ -72,6 +72,9 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "weight_ring": "rollout.engines.weight_ring",
 }
 
+# The packages that took the path of a module of the flat layout: they offer its names (lazy_exports).
+PACKAGES_OF_OLD_MODULES = tuple(_P + name for name in ("bench", "models", "reporting", "rewards", "rollout"))
+
 
 class _Delegate(types.ModuleType):
     """An old module path whose names now live in several modules: each looked up in order."""

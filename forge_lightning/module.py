@@ -75,7 +75,8 @@ class GRPOLightningModule(pl.LightningModule):
     ``trainer.global_step`` counts optimizer steps.
 
     Args:
-        model: a spec (``embedded``, hub id, folder, ``.gguf``, ``random:...``; models/loading.py) or a built HF LM.
+        model: a spec (``embedded``, hub id, folder, ``.gguf``, ``random:...``; models/loading.py) or
+            a built HF LM.
         reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``; GSM8K's if None.
             A list of them (TRL's ``reward_funcs``) is their equally weighted CompositeReward. One
             given by import path (functions, classes, their lists) is stored in the checkpoint.

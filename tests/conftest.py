@@ -8,7 +8,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import functools  # noqa: E402
+import json  # noqa: E402
 import string  # noqa: E402
+import subprocess  # noqa: E402
+from multiprocessing.process import BaseProcess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -23,6 +27,48 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+
+
+# -- test tiers: `pytest -m unit` is the fast loop -----------------------------------------------
+# A test is `unit` unless it is marked `integration` (it builds a Lightning Trainer or starts a
+# process) or `slow` (it loads the embedded 135M model). A unit test that does one of those fails
+# and says which; FORGE_RECORD_TIERS=<file> records what each test does instead, one JSON line each.
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in ("integration", "slow")):
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_light(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    import lightning.pytorch as pl
+
+    from forge_lightning.models import loading
+
+    done: list[str] = []
+
+    def noting(what: str, original):
+        @functools.wraps(original)  # LightningCLI reads the Trainer's signature through it
+        def run(*args, **kwargs):
+            done.append(what)
+            return original(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(pl.Trainer, "__init__", noting("builds a Trainer", pl.Trainer.__init__))
+    monkeypatch.setattr(subprocess.Popen, "__init__", noting("starts a process", subprocess.Popen.__init__))
+    monkeypatch.setattr(BaseProcess, "start", noting("starts a process", BaseProcess.start))
+    for name in ("embedded_gguf_path", "_embedded_cache"):
+        monkeypatch.setattr(loading, name, noting("loads the 135M model", getattr(loading, name)))
+    yield
+    record = os.environ.get("FORGE_RECORD_TIERS")
+    if record:
+        with open(record, "a") as f:
+            f.write(json.dumps({"test": request.node.nodeid, "does": sorted(set(done))}) + "\n")
+    elif done and request.node.get_closest_marker("unit"):
+        pytest.fail(f"a unit test {' and '.join(sorted(set(done)))}: mark it integration (or slow)")
 
 
 def make_tokenizer(chat_template: bool = False) -> PreTrainedTokenizerFast:

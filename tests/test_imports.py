@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from forge_lightning._moved import MOVED
+
 PACKAGE = "forge_lightning"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
@@ -193,7 +195,7 @@ def test_an_import_of_a_package_name_means_its_init(tmp_path):
 # were split (at 267f81d): each must still import from there.
 OLD_PATHS = {
     "forge_lightning.rollout": ["SamplingParams", "Rollout", "RolloutSampler", "encode_prompts"],
-    "forge_lightning.rollout.engines.hf": [
+    "forge_lightning.generation": [
         "GenerationBackend",
         "LogProbGenerationBackend",
         "HFGenerate",
@@ -257,7 +259,7 @@ def test_the_old_import_paths_still_work(module, names):
 
 
 def test_the_library_rewards_keep_their_import_path_in_checkpoints_and_configs():
-    from forge_lightning.rewards.library import CompositeReward, GSM8KAnswerReward, reward_spec
+    from forge_lightning.rewards import CompositeReward, GSM8KAnswerReward, reward_spec
 
     spec = reward_spec([GSM8KAnswerReward(), (GSM8KAnswerReward(), 2.0, "twice")])
     assert spec["class_path"] == "forge_lightning.rewards.CompositeReward"
@@ -265,4 +267,39 @@ def test_the_library_rewards_keep_their_import_path_in_checkpoints_and_configs()
         spec["init_args"]["rewards_and_weights"][0][0]["class_path"]
         == "forge_lightning.rewards.GSM8KAnswerReward"
     )
-    assert CompositeReward.__module__ == "forge_lightning.rewards"
+    stored = importlib.import_module("forge_lightning.rewards")
+    assert stored.CompositeReward is CompositeReward and stored.GSM8KAnswerReward is GSM8KAnswerReward
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_every_module_path_of_the_flat_layout_still_imports_as_its_new_module(old):
+    imported = importlib.import_module(f"forge_lightning.{old}")
+    homes = MOVED[old]
+    if isinstance(homes, str):  # one object under two names: a monkeypatch through either agrees
+        assert imported is importlib.import_module(f"forge_lightning.{homes}")
+        assert imported.__spec__.name == f"forge_lightning.{homes}"
+    else:  # split: each name found in the first home that has it
+        first = importlib.import_module(f"forge_lightning.{homes[0]}")
+        public = [name for name in dir(first) if not name.startswith("_")]
+        assert public and all(getattr(imported, name) is getattr(first, name) for name in public)
+        with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+            imported.no_such_name  # noqa: B018
+
+
+def test_a_name_that_a_split_sent_to_another_module_imports_from_its_old_path():
+    from forge_lightning.checkpoint_io import AtomicCheckpointIO, save_run_state
+    from forge_lightning.config import check_resume, validate_hparams
+    from forge_lightning.tools import EnvironmentReward, InlineCalculator
+    from forge_lightning.tools.calculator import CalculatorTools
+
+    from forge_lightning.run.checkpoint_io import AtomicCheckpointIO as moved_io
+    from forge_lightning.training.run_state import save_run_state as moved_save
+
+    assert (AtomicCheckpointIO, save_run_state) == (moved_io, moved_save)
+    assert callable(check_resume) and callable(validate_hparams)
+    assert EnvironmentReward.__module__ == "forge_lightning.rewards.environment"
+    assert (
+        InlineCalculator.__module__
+        == CalculatorTools.__module__
+        == "forge_lightning.rollout.tools.calculator"
+    )

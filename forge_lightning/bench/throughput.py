@@ -17,8 +17,8 @@ timed step, two references are measured on the very sequences that step sampled:
 Exactly one JSON line goes to stdout (medians over the timed steps, peak memory during the
 steps, the settings); every log goes to stderr.
 
-``--rollout-mode async`` times asynchronous rollouts instead (rollout/engines/async_worker.py: a worker process
-samples while the trainer trains; ``--threads`` is split between them by ``--worker-threads``):
+``--rollout-mode async`` times asynchronous rollouts instead (rollout/engines/async_worker.py: a
+worker process samples while the trainer trains; ``--threads`` is split between them by ``--worker-threads``):
 after the warm-up step, which also fills the pipeline, each timed step trains one rollout the
 worker sampled during the step before. The references are skipped; the line adds the trainer's
 and the worker's idle shares. ``--rollout-mode compare`` runs sync, then async, at the same

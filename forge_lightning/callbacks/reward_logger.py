@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
+from forge_lightning.callbacks.protocols import KeepsValidationSamples, ReportsSteps
 from forge_lightning.evaluation.ranks import gathered_answers
 from forge_lightning.run.fileio import append_jsonl, read_jsonl, write_atomically
 from forge_lightning.settings.checks import check_setting
@@ -102,7 +103,7 @@ class RewardLogger(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The data goes one way (as ReferenceModel's): the module reports at this cadence.
-        if hasattr(pl_module, "report_every"):
+        if isinstance(pl_module, ReportsSteps):
             pl_module.report_every(self.logging_steps)
 
     @override
@@ -120,11 +121,7 @@ class RewardLogger(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         # The batch's records: one, or none (an async batch filling the pipeline), or several (an
         # async batch at an epoch's end, which trains every rollout still in flight).
-        records = getattr(pl_module, "batch_records", None)
-        if records is None:
-            last = getattr(pl_module, "last_step", None)
-            records = [] if last is None else [last]
-        for record in records:
+        for record in pl_module.batch_records if isinstance(pl_module, ReportsSteps) else []:
             self._take(trainer, record)
 
     def _take(self, trainer: pl.Trainer, record: StepRecord) -> None:
@@ -157,14 +154,13 @@ class RewardLogger(Callback):
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        samples = getattr(pl_module, "validation_samples", None)
-        if trainer.sanity_checking or samples is None:
+        if trainer.sanity_checking or not isinstance(pl_module, KeepsValidationSamples):
             return
-        samples = gathered_answers(trainer, samples)  # every rank's, on rank 0
+        samples = gathered_answers(trainer, pl_module.validation_samples)  # every rank's, on rank 0
         if not trainer.is_global_zero or not samples:
             return
         # Outside fit Lightning restores no global_step: the module knows the checkpoint's.
-        step = getattr(pl_module, "evaluated_step", trainer.global_step)
+        step = pl_module.evaluated_step
         scored = [s["correct"] for s in samples if "correct" in s]
         result = (
             f"accuracy {sum(scored) / len(scored):.4f} on {len(scored)} problems" if scored else "answers"
@@ -310,7 +306,7 @@ def _validation_file(
 
 
 def _model_spec(pl_module: pl.LightningModule) -> str | None:
-    spec = getattr(pl_module, "hparams", {}).get("model")
+    spec = pl_module.hparams.get("model")
     return spec if isinstance(spec, str) else None
 
 

@@ -7,11 +7,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from forge_lightning.callbacks.protocols import StepsInBatches
+
 
 def completed_step(pl_module: pl.LightningModule) -> bool:
     """Whether the latest training batch ended with an optimizer step (True for a module that
     does not say: it optimizes every batch)."""
-    return bool(getattr(pl_module, "stepped", True))
+    return pl_module.stepped if isinstance(pl_module, StepsInBatches) else True
 
 
 class SaveAtStepBoundaries(Callback):

@@ -1,4 +1,5 @@
-"""The rollout sampler: prompts in, G sampled completions per prompt out (:class:`~forge_lightning.rollout.types.Rollout`)."""
+"""The rollout sampler: prompts in, G sampled completions per prompt out, as a
+:class:`~forge_lightning.rollout.types.Rollout`."""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from forge_lightning.run.specs import canonical
+
 log = logging.getLogger(__name__)
 
 
@@ -49,7 +51,13 @@ def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> di
     recorded and this run. A setting only one side records (an older checkpoint) is not compared,
     except a ``STORED_WHEN_POSSIBLE`` one the checkpoint holds and this run could not store."""
     names = sorted(set(saved) & set(current))
-    changed = {n: f"{n}: {saved[n]!r} -> {current[n]!r}" for n in names if saved[n] != current[n]}
+    # An import path compares by the object it names: a checkpoint written before a module moved
+    # holds its old path.
+    changed = {
+        n: f"{n}: {saved[n]!r} -> {current[n]!r}"
+        for n in names
+        if canonical(saved[n]) != canonical(current[n])
+    }
     for n in STORED_WHEN_POSSIBLE:
         if n in saved and n not in current:
             changed[n] = f"{n}: {saved[n]!r} -> an object with no import path (a lambda or local function?)"

@@ -18,6 +18,8 @@ import importlib
 import inspect
 from typing import Any, TypeAlias
 
+from forge_lightning._moved import PACKAGES_OF_OLD_MODULES
+
 Spec: TypeAlias = "str | int | float | bool | None | list[Spec] | dict[str, Spec]"
 
 _PLAIN = (str, int, float, bool, type(None))
@@ -77,7 +79,39 @@ def import_path(obj: Any) -> str | None:
             found = getattr(found, part)
     except (ImportError, AttributeError):
         return None
-    return f"{module}.{qualname}" if found is obj else None
+    if found is not obj:
+        return None
+    return f"{_public_module(module, qualname, obj)}.{qualname}"
+
+
+def _public_module(module: str, qualname: str, obj: Any) -> str:
+    """The package above ``module`` when it replaced a module of the flat layout and offers ``obj``
+    under the same name (the library's rewards: ``forge_lightning.rewards.CompositeReward``, the
+    path configs and checkpoints have always used), else ``module``."""
+    package = module.rpartition(".")[0]
+    if "." not in qualname and package in PACKAGES_OF_OLD_MODULES:
+        if getattr(importlib.import_module(package), qualname, None) is obj:
+            return package
+    return module
+
+
+def canonical(spec: Spec) -> Spec:
+    """``spec`` with each import path of this package as where its object is defined: two specs
+    that name the same objects by an old and a new path (a checkpoint written before a module
+    moved) are then equal."""
+    if isinstance(spec, list):
+        return [canonical(item) for item in spec]
+    if isinstance(spec, dict):
+        return {key: canonical(value) for key, value in spec.items()}
+    if isinstance(spec, str) and spec.startswith("forge_lightning.") and " " not in spec:
+        module, _, name = spec.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return spec
+        defined = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        return f"{defined[0]}.{defined[1]}" if all(isinstance(d, str) for d in defined) else spec
+    return spec
 
 
 def _spec(obj: Any) -> Spec:

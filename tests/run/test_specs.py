@@ -1,4 +1,5 @@
-"""Objects as plain data and back (run/specs.py): what a checkpoint stores of a reward given by import path."""
+"""Objects as plain data and back (run/specs.py): what a checkpoint stores of a reward given by
+import path."""
 
 from __future__ import annotations
 

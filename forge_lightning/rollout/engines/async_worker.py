@@ -4,8 +4,8 @@ AReaL's design on one machine. The worker holds its own copy of the policy and s
 prompts the trainer hands it, in order; the trainer trains on the rollouts as they come back,
 ``max_staleness`` optimizer steps behind at most. After each optimizer step the trainer writes
 the new weights into a ring of copies on the worker's device
-(:class:`~forge_lightning.rollout.engines.weight_ring.WeightRing`), each tagged with its version, the number of
-weight updates before it. A rollout is sampled from exactly the version the trainer asked for,
+(:class:`~forge_lightning.rollout.engines.weight_ring.WeightRing`), each tagged with its version,
+the number of weight updates before it. A rollout is sampled from exactly the version the trainer asked for,
 with a sampling seed the trainer chose, so timing never decides which weights sampled what: a
 run is repeatable, and a rollout's log-probs are those of its version.
 

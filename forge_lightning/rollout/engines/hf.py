@@ -1,5 +1,5 @@
-"""Generation engines: a small interface so that HF ``generate`` (the default, and the CPU path)
-and other engines (vLLM) produce the same completions for a :class:`~forge_lightning.rollout.types.Rollout`."""
+"""The HF engine: the policy's own ``generate`` (the default, and the CPU path), sampling the same
+completions for a :class:`~forge_lightning.rollout.types.Rollout` as the other engines (vLLM)."""
 
 from __future__ import annotations
 

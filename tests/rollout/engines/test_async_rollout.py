@@ -31,6 +31,8 @@ from forge_lightning.settings.checks import validate_hparams
 
 TEMPERATURE = 0.9
 
+TESTS = Path(__file__).resolve().parents[2]
+
 
 def worker_for(tokenizer, max_staleness: int = 1, **device_settings) -> RolloutWorker:
     """A one-thread worker; ``device_settings``: WorkerSettings' ``device`` and ``memory_fraction``."""
@@ -187,7 +189,7 @@ def test_the_worker_exits_when_its_trainer_is_killed(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(
         "import os, signal, sys\n"
-        f"sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+        f"sys.path[:0] = [{str(TESTS)!r}, {str(Path(__file__).resolve().parent)!r}]\n"
         "from conftest import make_model, make_tokenizer\n"
         "from test_async_rollout import worker_for\n"
         "if __name__ == '__main__':\n"
