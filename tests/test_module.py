@@ -18,6 +18,7 @@ from forge_lightning.rollout.sampler import encode_prompts
 from forge_lightning.rollout.types import completion_mask
 
 
+@pytest.mark.integration
 def test_training_updates_policy_but_not_reference_and_counts_optimizer_steps(
     tmp_path, module, trainer, loader
 ):
@@ -41,12 +42,14 @@ def test_training_updates_policy_but_not_reference_and_counts_optimizer_steps(
     assert (tmp_path / "reference" / "config.json").is_file()
 
 
+@pytest.mark.integration
 def test_last_batch_of_epoch_steps_even_when_accumulation_is_incomplete(tmp_path, module, trainer, loader):
     fit = trainer(tmp_path)
     fit.fit(module(gradient_accumulation_steps=4), loader([{"prompt": f"q{i}"} for i in range(5)]))
     assert fit.global_step == 2  # steps after batch 4 and after the last (5th) batch
 
 
+@pytest.mark.integration
 def test_mean_reward_rises_on_a_learnable_task(tmp_path, module, trainer, loader):
     pl.seed_everything(0)
     rewards: list[float] = []
@@ -65,6 +68,7 @@ def test_mean_reward_rises_on_a_learnable_task(tmp_path, module, trainer, loader
     assert end >= 0.8, rewards
 
 
+@pytest.mark.integration
 def test_embedded_in_bare_trainer_with_extra_batch_keys(tmp_path, module, trainer, loader):
     received: dict[str, list[Any]] = {}
 
@@ -89,6 +93,7 @@ def test_embedded_in_bare_trainer_with_extra_batch_keys(tmp_path, module, traine
     assert fit.global_step == 1
 
 
+@pytest.mark.integration
 def test_kl_without_reference_callback_is_a_clear_error(tmp_path, module, trainer, loader):
     grpo = module()
     grpo.configure_callbacks = lambda: []
@@ -109,6 +114,7 @@ def test_model_object_needs_a_tokenizer():
         GRPOLightningModule(model=make_model(10), tokenizer=None)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "forge"])
 def test_micro_batches_give_the_unsplit_loss_and_gradient(step_gradients, loss_type):
     whole_loss, whole_grad = step_gradients(loss_type=loss_type, train_micro_batch_size=None)
@@ -120,6 +126,7 @@ def test_micro_batches_give_the_unsplit_loss_and_gradient(step_gradients, loss_t
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_the_trainers_reference_callback_is_used_with_its_own_folder(tmp_path, module, trainer, loader):
     grpo = module()
     own = ReferenceModel(output_dir=str(tmp_path / "elsewhere"))
@@ -156,6 +163,7 @@ def test_long_prompts_are_truncated_from_the_left_with_a_warning():
         encode_prompts(tok, ["abcdef"], use_chat_template=False, max_prompt_length=3, truncation="error")
 
 
+@pytest.mark.integration
 def test_metrics_reach_loggers_once_per_optimizer_step_at_that_step(tmp_path, module, loader):
     import csv
 
@@ -183,6 +191,7 @@ def test_metrics_reach_loggers_once_per_optimizer_step_at_that_step(tmp_path, mo
     assert float(fit.callback_metrics["train/reward"]) == float(rows[-1]["train/reward"])
 
 
+@pytest.mark.integration
 def test_reward_loggers_logging_steps_is_the_cadence_of_every_logger(tmp_path, module, loader):
     import csv
 
@@ -230,6 +239,7 @@ def test_reward_loggers_logging_steps_is_the_cadence_of_every_logger(tmp_path, m
     assert [int(r["step"]) for r in rows] == [3, 6]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "forge"])
 def test_accumulated_batches_give_the_gradient_of_one_batch_holding_them(step_gradients, loss_type):
     # Completions of lengths 1-6 (FixedCompletions): a short rollout's tokens must not weigh more.
@@ -248,6 +258,7 @@ def test_accumulated_batches_give_the_gradient_of_one_batch_holding_them(step_gr
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.integration
 def test_step_reports_entropy_and_each_reward_components_spread(tmp_path, module, trainer, loader):
     from forge_lightning.rewards.library import CompositeReward
 
@@ -280,6 +291,7 @@ class CutOff:
         pass
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("masked", [True, False])
 def test_masked_truncated_completions_carry_no_gradient(tmp_path, module, trainer, loader, masked):
     def varied(prompts, responses):

@@ -25,6 +25,7 @@ from forge_lightning.run.preemption import hide_sigterm
 from forge_lightning.training.optim import set_last_lr, total_optimizer_steps
 
 
+@pytest.mark.integration
 def test_a_sigterm_can_be_hidden_from_the_trainer(tmp_path):
     trainer = Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False)
     trainer._signal_connector.received_sigterm = True  # what Lightning's handler sets
@@ -89,6 +90,7 @@ def test_a_timer_with_a_duration_and_no_max_steps_warns_about_the_schedule(durat
     assert any("max_time" in str(w.message) for w in seen) == warns
 
 
+@pytest.mark.integration
 def test_an_evaluation_logs_outside_a_fit_at_the_count_of_stepped_batches(tmp_path):
     from forge_lightning.evaluation.validation import EvaluationLogStep
 

@@ -321,7 +321,7 @@ def missing_arguments(reward: RewardFn, available: set[str]) -> dict[str, list[s
 
 def require_arguments(reward: RewardFn, available: set[str], role: str = "reward") -> None:
     """Raise ValueError naming each reward component's missing keyword arguments, what the batch
-    gives (``available``: reward_extras.reward_arguments) and how to give them; run before any
+    gives (``available``: extras.reward_arguments) and how to give them; run before any
     generation, so a mismatch costs nothing. A component that may take an argument the module
     never gives (TRL's log_extra) is warned about."""
     for part in reward_parts(reward):  # an accuracy check comes here without as_reward

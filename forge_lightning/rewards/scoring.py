@@ -171,7 +171,7 @@ def score_groups(
     """Score a rollout's G completions per prompt, each seeing its prompt's batch values and its
     own facts (:meth:`Rollout.facts`: ``completion_ids``, ``completion_lengths``, ``truncated``),
     and ``extras``, given whole to every call (TRL's trainer_state and log_metric:
-    reward_extras.RewardExtras.arguments).
+    extras.RewardExtras.arguments).
 
     Returns the total rewards ``(P*G,)``, each component's ``(P*G,)`` (on the rollout's device)
     and the number of samples whose reward raised (scored 0 under ``on_error="zero"``).

@@ -1,6 +1,6 @@
 """Tool-using rollouts: completions that call tools while they are sampled.
 
-:class:`ToolRolloutSampler` is an episode runner (rollout_sources.EpisodeRunner) like
+:class:`ToolRolloutSampler` is an episode runner (sources.EpisodeRunner) like
 :class:`~forge_lightning.rollout.sampler.RolloutSampler`, whose encoding and engine it uses. Its first round
 is the usual ``generate`` of G completions per prompt, with a stop at each call; the tool's answer
 is tokenised (tools/base.py's protocol says how: the calculator's text alone, a function's result as

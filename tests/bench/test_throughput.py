@@ -72,6 +72,7 @@ def test_shared_prefix_log_probs_and_gradients_equal_the_full_forward():
         torch.testing.assert_close(shared, full, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_step_loss_and_gradient_do_not_depend_on_prefix_sharing(step_gradients):
     full_loss, full_grads = step_gradients(prefix_sharing=False)
     shared_loss, shared_grads = step_gradients(prefix_sharing=True)
@@ -93,6 +94,7 @@ def record_forward_modes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return modes
 
 
+@pytest.mark.integration
 def test_gradient_checkpointing_falls_back_to_the_full_forward_and_warns_once(
     tmp_path, monkeypatch, module, trainer, loader
 ):
@@ -108,6 +110,7 @@ def test_gradient_checkpointing_falls_back_to_the_full_forward_and_warns_once(
     assert modes and set(modes) == {"full"}
 
 
+@pytest.mark.integration
 def test_without_checkpointing_the_training_forwards_share_the_prefix(
     tmp_path, monkeypatch, module, trainer, loader
 ):
@@ -116,6 +119,7 @@ def test_without_checkpointing_the_training_forwards_share_the_prefix(
     assert modes and set(modes) == {"shared_prefix"}
 
 
+@pytest.mark.integration
 def test_two_iterations_step_twice_per_batch_and_move_the_ratio_on_the_second_pass(
     tmp_path, monkeypatch, module, trainer, loader
 ):
@@ -179,6 +183,7 @@ def write_gsm8k(folder) -> None:
     (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.integration
 def test_bench_prints_one_json_line_of_positive_figures(tiny_model_dir, tmp_path, capsys):
     write_gsm8k(tmp_path)
     args = ["--model", str(tiny_model_dir), "--data", str(tmp_path), "--steps", "2", "--group", "2"]
@@ -210,6 +215,7 @@ def test_bench_without_data_is_a_clear_error(tmp_path, capsys):
     assert "no such file or folder" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_bench_compare_prints_a_sync_and_an_async_line(tiny_model_dir, tmp_path, capsys):
     write_gsm8k(tmp_path)
     args = ["--model", str(tiny_model_dir), "--data", str(tmp_path), "--steps", "2", "--group", "2"]
@@ -226,6 +232,7 @@ def test_bench_compare_prints_a_sync_and_an_async_line(tiny_model_dir, tmp_path,
     assert "generate_seconds_per_step" in sync and "generate_seconds_per_step" not in asyn
 
 
+@pytest.mark.integration
 def test_bench_generation_compare_prints_its_four_lines_per_round(tiny_model_dir, tmp_path, capsys):
     write_gsm8k(tmp_path)
     args = ["--model", str(tiny_model_dir), "--data", str(tmp_path), "--steps", "4", "--group", "2"]

@@ -56,6 +56,7 @@ def test_every_config_and_overlay_parses_to_the_settings_it_names(files, capsys)
         assert values[key] == value, (section, key)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("files", RESUMABLE, ids=["+".join(f.stem for f in c) for c in RESUMABLE])
 def test_ckpt_path_last_finds_the_checkpoint_under_every_config_and_overlay(files, tmp_path):
     root = tmp_path / "run"
@@ -73,6 +74,7 @@ def test_ckpt_path_last_finds_the_checkpoint_under_every_config_and_overlay(file
     assert folder.newest_checkpoint() == root / "checkpoints" / "last.ckpt"
 
 
+@pytest.mark.integration
 def test_fit_writes_checkpoint_jsonl_and_tensorboard(
     tiny_model_dir, tmp_path, tiny_overrides, capsys, recwarn
 ):
@@ -122,6 +124,7 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(
     assert [p.name for p in (out / "checkpoints").glob("*.ckpt")] == ["last.ckpt"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("files", RESUMABLE, ids=["+".join(f.stem for f in c) for c in RESUMABLE])
 def test_every_config_keeps_one_copy_of_the_training_state(files, tmp_path):
     args = [*config_args(files), f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu"]
@@ -130,6 +133,7 @@ def test_every_config_keeps_one_copy_of_the_training_state(files, tmp_path):
     assert saver.save_last is True and saver.save_top_k == 0  # last.ckpt alone, rewritten each time
 
 
+@pytest.mark.integration
 def test_gsm8k_recipe_runs_one_step_on_a_tiny_model_and_local_data(
     tiny_model_dir, gsm8k_dir, tmp_path, tiny_overrides
 ):
@@ -155,6 +159,7 @@ def callbacks_of(cli, kind):
     return [cb for cb in cli.trainer.callbacks if isinstance(cb, kind)]
 
 
+@pytest.mark.integration
 def test_each_run_callback_is_set_from_the_command_line_by_name(tiny_model_dir, tmp_path, tiny_overrides):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -181,6 +186,7 @@ def test_each_run_callback_is_set_from_the_command_line_by_name(tiny_model_dir, 
     assert callbacks_of(cli, ModelCheckpoint) == [] and len(callbacks_of(cli, HFCheckpoint)) == 1
 
 
+@pytest.mark.integration
 def test_a_run_callback_listed_in_trainer_callbacks_replaces_its_group(
     tiny_model_dir, tmp_path, tiny_overrides
 ):
@@ -217,11 +223,13 @@ def smoke_args(model_dir, out, tiny_overrides) -> list[str]:
     return ["--config", str(ROOT / "configs" / "smoke.yaml"), *tiny_overrides(model_dir, out)]
 
 
+@pytest.mark.integration
 def test_checkpoint_null_keeps_no_lightning_checkpoint(tiny_model_dir, tmp_path, tiny_overrides):
     cli = build_cli([*smoke_args(tiny_model_dir, tmp_path, tiny_overrides), "--checkpoint=null"], run=False)
     assert cli.trainer.checkpoint_callbacks == []  # not Lightning's default ModelCheckpoint instead
 
 
+@pytest.mark.integration
 def test_other_loggers_write_into_the_run_folder(tiny_model_dir, tmp_path, tiny_overrides, monkeypatch):
     from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
@@ -241,6 +249,7 @@ def test_an_out_of_range_setting_is_one_line(tiny_model_dir, tmp_path, tiny_over
         build_cli([*smoke_args(tiny_model_dir, tmp_path, tiny_overrides), "--model.group_size=1"], run=False)
 
 
+@pytest.mark.integration
 def test_abbreviated_flags_are_refused_and_exact_ones_parse(tiny_model_dir, tmp_path, tiny_overrides, capsys):
     args = smoke_args(tiny_model_dir, tmp_path, tiny_overrides)
     with pytest.raises(SystemExit) as stopped:
@@ -252,6 +261,7 @@ def test_abbreviated_flags_are_refused_and_exact_ones_parse(tiny_model_dir, tmp_
     assert any(type(c).__name__ == "LearningRateMonitor" for c in cli.trainer.callbacks)
 
 
+@pytest.mark.integration
 def test_the_progress_bar_shows_no_logger_version(tmp_path):
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import CSVLogger

@@ -141,6 +141,7 @@ class RecordPrompts(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.integration
 def test_lightning_sets_the_epoch_on_the_sampler(tmp_path: Path) -> None:
     dm = GSM8KDataModule(source="mock", prompts_per_step=4, seed=11)
     model = RecordPrompts()
@@ -196,6 +197,7 @@ def quiet_trainer(root: Path, **kwargs: Any) -> L.Trainer:
     return L.Trainer(accelerator="cpu", default_root_dir=root, num_sanity_val_steps=0, **{**quiet, **kwargs})
 
 
+@pytest.mark.integration
 def test_a_datasets_dataset_trains_validates_and_resumes_only_on_the_same_rows(tmp_path: Path) -> None:
     import datasets
 

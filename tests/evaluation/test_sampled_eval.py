@@ -116,6 +116,7 @@ def scripted_validate(module, trainer, loader, root: Path, **settings):
     return grpo, {k: float(v) for k, v in results.items()}, rows
 
 
+@pytest.mark.integration
 def test_a_scripted_policy_gives_exact_sampled_metrics(module, trainer, loader, tmp_path):
     grpo, metrics, _ = scripted_validate(module, trainer, loader, tmp_path)
     assert {k: metrics[k] for k in EXPECTED} == pytest.approx(EXPECTED)
@@ -125,12 +126,14 @@ def test_a_scripted_policy_gives_exact_sampled_metrics(module, trainer, loader, 
     assert sampled == [SamplingParams(3, temperature=0.7, top_p=0.9)] * 2  # one call per batch
 
 
+@pytest.mark.integration
 def test_without_an_answer_key_no_maj_at_k_is_logged(module, trainer, loader, tmp_path):
     _, metrics, rows = scripted_validate(module, trainer, loader, tmp_path, answer_key=None)
     assert not any(k.startswith("val/maj@") for k in metrics) and "val/pass@4" in metrics
     assert "key" not in rows[0]["samples"][0]
 
 
+@pytest.mark.integration
 def test_logged_values_are_those_of_the_answers_file(module, trainer, loader, tmp_path):
     _, metrics, rows = scripted_validate(module, trainer, loader, tmp_path)
     assert [r["prompt"] for r in rows] == ["a", "b", "c"]
@@ -156,6 +159,7 @@ def test_logged_values_are_those_of_the_answers_file(module, trainer, loader, tm
     )
 
 
+@pytest.mark.integration
 def test_sampled_answers_depend_on_the_seed_not_on_the_global_rng(module, trainer, loader, tmp_path):
     """The samples are drawn under their own seeded RNG: two validations of the same weights
     sample the same, whatever the global RNG holds, and leave it as it was."""
@@ -180,6 +184,7 @@ class StepLog(pl.Callback):
         self.steps.append({k: metrics[k] for k in ("train/loss", "train/reward", "train/grad_norm")})
 
 
+@pytest.mark.integration
 def test_a_fit_trains_the_same_with_or_without_sampled_validations(trainer, loader, tmp_path):
     """Training samples with HF generate from the global RNG: validating between its steps, greedy
     or sampled, must leave that RNG as it was (Lightning's validation loader draws from it too)."""
@@ -214,6 +219,7 @@ def test_a_fit_trains_the_same_with_or_without_sampled_validations(trainer, load
     assert len(without) == 4 and with_validation == without
 
 
+@pytest.mark.integration
 def test_a_reference_the_accuracy_check_cannot_read_names_the_accuracy_setting(
     module, trainer, loader, tmp_path
 ):
@@ -233,6 +239,7 @@ def test_the_sampled_evaluation_settings_may_change_on_resume():
     assert fixed == [] and len(changeable) == 4
 
 
+@pytest.mark.integration
 def test_with_tools_the_samples_run_the_tool_loop_and_keep_their_calls(module, trainer, loader, tmp_path):
     from conftest import CalculatorCalls
 
@@ -246,6 +253,7 @@ def test_with_tools_the_samples_run_the_tool_loop_and_keep_their_calls(module, t
     assert samples[1]["completion"].startswith("#1<<1+0=1>>")
 
 
+@pytest.mark.integration
 def test_under_ddp_each_prompt_counts_once_and_rank_0_writes_every_answer(tmp_path):
     """Five prompts on two ranks: the sampler repeats one for the second rank, which samples it
     (as a sharded policy's ranks must) and counts it nowhere."""
@@ -275,6 +283,7 @@ def test_under_ddp_each_prompt_counts_once_and_rank_0_writes_every_answer(tmp_pa
     assert answers(tmp_path / "ddp") == answers(tmp_path / "one")
 
 
+@pytest.mark.integration
 def test_validations_inside_one_accumulated_step_evaluate_its_weights_into_files_of_their_own(
     module, trainer, loader, tmp_path
 ):
@@ -302,6 +311,7 @@ class CountingGenerate:
         raise AssertionError("sampled before the budget check")
 
 
+@pytest.mark.integration
 def test_a_sampled_evaluation_over_the_generation_budget_is_refused_before_any_step(
     module, trainer, tmp_path
 ):

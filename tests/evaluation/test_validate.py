@@ -16,6 +16,8 @@ from forge_lightning.cli.forge_cli import build_cli
 from forge_lightning.models.lora import LoraSettings
 from forge_lightning.module import GRPOLightningModule
 
+pytestmark = pytest.mark.integration  # every test here builds a Trainer or starts a process
+
 SMOKE = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
 VAL_KEYS = {
     "val/accuracy",

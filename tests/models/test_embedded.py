@@ -29,6 +29,7 @@ def test_embedded_model_loads_trainable_with_pad_token_and_chat_template():
     assert all(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.integration
 def test_one_grpo_step_on_the_embedded_model(tmp_path):
     grpo = GRPOLightningModule(
         model="embedded", group_size=2, max_new_tokens=8, gradient_accumulation_steps=1
@@ -52,6 +53,7 @@ def test_unloadable_spec_says_what_to_do():
         load_model("no-such-org/no-such-model-xyz")
 
 
+@pytest.mark.integration
 def test_a_step_of_the_embedded_model_with_the_calculator(tmp_path):
     from forge_lightning.data.arithmetic import generate
 
@@ -82,6 +84,7 @@ def test_a_step_of_the_embedded_model_with_the_calculator(tmp_path):
     assert math.isfinite(metrics["train/loss"])
 
 
+@pytest.mark.integration
 def test_sampled_validation_of_the_embedded_model_gives_every_metric_in_range(tmp_path):
     from forge_lightning.data.arithmetic import generate
 

@@ -66,6 +66,7 @@ def adapter_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in policy.named_parameters() if ".lora_" in n}
 
 
+@pytest.mark.integration
 def test_training_changes_only_the_adapter_weights(tmp_path, trainer, loader):
     grpo = lora_module()
     before = {name: p.detach().clone() for name, p in grpo.model.named_parameters()}
@@ -86,6 +87,7 @@ def test_training_changes_only_the_adapter_weights(tmp_path, trainer, loader):
     assert len(optimized) == len(adapters)
 
 
+@pytest.mark.integration
 def test_reference_is_the_policy_itself_with_no_copy_of_the_weights(tmp_path, trainer, loader):
     seen: dict[str, Any] = {}
 
@@ -115,6 +117,7 @@ def test_reference_is_the_policy_itself_with_no_copy_of_the_weights(tmp_path, tr
     assert not (tmp_path / "reference").exists()  # nothing to reload on resume: the base is frozen
 
 
+@pytest.mark.integration
 def test_reference_log_probs_are_the_base_models_with_the_adapter_off(tmp_path, trainer, loader):
     tok = make_tokenizer()
     original = make_model(len(tok))
@@ -158,6 +161,7 @@ def test_configure_model_wraps_once():
     assert not has_adapter(wrapped.get_base_model())
 
 
+@pytest.mark.integration
 def test_hf_checkpoint_writes_the_adapter_and_a_loadable_merged_model(
     tiny_model_dir, tmp_path, trainer, loader
 ):
@@ -205,6 +209,7 @@ def test_an_adapter_on_a_loaded_adapter_folder_stacks_on_it(tiny_model_dir, tmp_
     torch.testing.assert_close(stacked(ids).logits, second(ids).logits, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.integration
 def test_resume_from_a_lightning_checkpoint_restores_the_adapter(tiny_model_dir, tmp_path, trainer, loader):
     checkpoints = tmp_path / "checkpoints"
 
@@ -261,6 +266,7 @@ data:
 """
 
 
+@pytest.mark.integration
 def test_peft_section_of_a_yaml_config_parses_and_trains(tiny_model_dir, tmp_path, capsys):
     config = tmp_path / "lora.yaml"
     out = tmp_path / "run"

@@ -62,6 +62,7 @@ def test_committed_notebook_is_saved_executed(name):
     assert code and all(cell.execution_count is not None and cell.outputs for cell in code)
 
 
+@pytest.mark.integration
 def test_learning_notebook_final_runs_learn_the_format(tmp_path, monkeypatch):
     cells = execute("learning.ipynb", monkeypatch, tmp_path)
 
@@ -90,6 +91,7 @@ def test_learning_notebook_final_runs_learn_the_format(tmp_path, monkeypatch):
     assert (tmp_path / "learning_curves.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.integration
 def test_throughput_notebook_has_one_row_per_bench_line(tmp_path, monkeypatch):
     lines = [json.loads(line) for line in CPU_BENCH.read_text().splitlines() if line.strip()]
     cells = execute("throughput.ipynb", monkeypatch, tmp_path)
@@ -108,6 +110,7 @@ def test_throughput_notebook_has_one_row_per_bench_line(tmp_path, monkeypatch):
         assert "No GPU run is committed" in stdout(cells["gpu"])
 
 
+@pytest.mark.integration
 def test_throughput_notebook_pairs_each_sync_line_with_its_async_line(tmp_path, monkeypatch):
     lines = {r["label"]: r for r in map(json.loads, ASYNC_BENCH.read_text().splitlines())}
     cells = execute("throughput.ipynb", monkeypatch, tmp_path)
@@ -122,6 +125,7 @@ def test_throughput_notebook_pairs_each_sync_line_with_its_async_line(tmp_path, 
         assert float(row[6]) == pytest.approx(asyn["vs_sync"], abs=0.005)  # the bench's own ratio
 
 
+@pytest.mark.integration
 def test_throughput_notebook_tables_any_lines_and_gpu_runs(tmp_path, monkeypatch):
     base = json.loads(CPU_BENCH.read_text().splitlines()[0])
     before = base | {"label": "before-x", "seconds_per_step": 10.0, "completion_tokens_per_s": 50.0}
@@ -149,6 +153,7 @@ def test_throughput_notebook_tables_any_lines_and_gpu_runs(tmp_path, monkeypatch
     assert (tmp_path / "figures" / "throughput_phases.png").is_file()
 
 
+@pytest.mark.integration
 def test_arithmetic_notebook_shows_each_probe_and_attempt_from_its_files(tmp_path, monkeypatch):
     data = NOTEBOOKS / "figures" / "arithmetic"
     probes = [json.loads(line) for line in (data / "base_probes.jsonl").read_text().splitlines() if line]
@@ -168,6 +173,7 @@ def test_arithmetic_notebook_shows_each_probe_and_attempt_from_its_files(tmp_pat
     assert "attempt 2 against the base model on dev:" in stdout(cells["attempt2-log"])
 
 
+@pytest.mark.integration
 def test_arithmetic_notebook_final_runs_raise_held_out_accuracy_and_smoke_learns(tmp_path, monkeypatch):
     small = NOTEBOOKS / "figures" / "arithmetic" / "small"
     evals = {e["label"]: e for e in map(json.loads, (small / "evals.jsonl").read_text().splitlines()) if e}
@@ -252,6 +258,7 @@ def test_arithmetic_notebook_final_runs_raise_held_out_accuracy_and_smoke_learns
     assert rows["42"][-1] == "True" and sum(row[-1] == "True" for row in rows.values()) >= 2
 
 
+@pytest.mark.integration
 def test_tools_notebook_recomputes_held_out_accuracy_and_meets_every_bar(tmp_path, monkeypatch):
     tools = NOTEBOOKS / "figures" / "tools"
     evals = {e["label"]: e for e in map(json.loads, (tools / "evals.jsonl").read_text().splitlines()) if e}
@@ -294,6 +301,7 @@ def plain_vote(samples: list[dict]) -> float:
     return next(s["correct"] for s in samples if s["key"] == best)
 
 
+@pytest.mark.integration
 def test_sampled_notebook_tables_what_the_answers_files_hold(tmp_path, monkeypatch):
     sampled = NOTEBOOKS / "figures" / "sampled"
     cells = execute("sampled.ipynb", monkeypatch, tmp_path)
@@ -322,6 +330,7 @@ GENERATION_BENCH = NOTEBOOKS / "figures" / "bench" / "generation_cpu.jsonl"
 CORRECTION = NOTEBOOKS / "figures" / "correction"
 
 
+@pytest.mark.integration
 def test_throughput_notebook_tables_the_generation_lines_and_their_bars(tmp_path, monkeypatch):
     lines = [json.loads(line) for line in GENERATION_BENCH.read_text().splitlines() if line.strip()]
     cells = execute("throughput.ipynb", monkeypatch, tmp_path)
@@ -371,6 +380,7 @@ def test_the_sampler_kl_is_about_zero_where_sampler_and_trainer_agree_and_not_el
     assert moved and all(kl > 1e-4 for kl in moved) and all(kl < 1e-6 for kl in still)
 
 
+@pytest.mark.integration
 def test_throughput_notebook_tables_the_correction_runs(tmp_path, monkeypatch):
     cells = execute("throughput.ipynb", monkeypatch, tmp_path)
     runs, commands = tables(cells["correction-table"])

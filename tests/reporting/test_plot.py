@@ -87,6 +87,7 @@ def load_log_records(components):
     ]
 
 
+@pytest.mark.integration
 def test_python_dash_m_runs_the_plot_command(tmp_path):
     log = write_log(tmp_path / "training_log.jsonl", steps=3)
     result = subprocess.run(

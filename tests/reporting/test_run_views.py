@@ -44,6 +44,7 @@ def run_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
     return ["--config", str(path), *extra]
 
 
+@pytest.mark.integration
 def test_tensorboard_gets_scalars_reward_histogram_and_samples(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     build_cli(["fit", *run_args(tiny_model_dir, out, "--trainer.enable_progress_bar=false")])
@@ -81,6 +82,7 @@ def test_tensorboard_gets_scalars_reward_histogram_and_samples(tiny_model_dir, t
     assert table.startswith("| prompt | completion | reward |")
 
 
+@pytest.mark.integration
 def test_cli_trainer_uses_rich_progress_bar_when_rich_imports(tiny_model_dir, tmp_path):
     pytest.importorskip("rich")
     cli = build_cli(run_args(tiny_model_dir, tmp_path / "run"), run=False)
@@ -88,6 +90,7 @@ def test_cli_trainer_uses_rich_progress_bar_when_rich_imports(tiny_model_dir, tm
     assert sum(isinstance(c, ProgressBar) for c in cli.trainer.callbacks) == 1
 
 
+@pytest.mark.integration
 def test_disabled_progress_bar_stays_disabled(tiny_model_dir, tmp_path):
     cli = build_cli(
         run_args(tiny_model_dir, tmp_path / "run", "--trainer.enable_progress_bar=false"), run=False
@@ -100,6 +103,7 @@ def test_progress_bar_falls_back_to_tqdm_without_rich(monkeypatch):
     assert isinstance(default_progress_bar(), TQDMProgressBar)
 
 
+@pytest.mark.integration
 def test_wandb_gets_histograms_and_a_samples_table_with_each_reward_component(
     tmp_path, module, trainer, loader, monkeypatch
 ):

@@ -107,6 +107,7 @@ def test_custom_reward_config_parses(capsys):
     assert "format_fn: forge_lightning.examples.rewards.has_answer_line" in printed
 
 
+@pytest.mark.integration
 def test_custom_reward_config_logs_every_component(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     build_cli(
@@ -127,6 +128,7 @@ def test_custom_reward_config_logs_every_component(tiny_model_dir, tmp_path):
     assert all(0.0 <= record[f"rewards/{name}"] <= 1.0 for name in COMPONENTS)
 
 
+@pytest.mark.integration
 def test_a_run_with_a_reward_list_reruns_from_its_saved_config(tiny_model_dir, tmp_path, tiny_overrides):
     import yaml
 

@@ -47,6 +47,7 @@ def test_empty_dataset_is_an_error(tmp_path):
         load_gsm8k(path=tmp_path)
 
 
+@pytest.mark.integration
 def test_reward_that_raises_names_reward_and_sample(tmp_path, module, trainer, loader):
     def fragile(prompts, responses, tag):
         if "bad" in tag:
@@ -59,6 +60,7 @@ def test_reward_that_raises_names_reward_and_sample(tmp_path, module, trainer, l
     assert "sample 4" in str(err.value)
 
 
+@pytest.mark.integration
 def test_a_reward_that_calls_sys_exit_ends_the_fit_with_a_message_naming_it(
     tmp_path, module, trainer, loader
 ):
@@ -71,6 +73,7 @@ def test_a_reward_that_calls_sys_exit_ends_the_fit_with_a_message_naming_it(
     assert stop.value.code.startswith("reward 'quitter' raised SystemExit(3) from its own code")
 
 
+@pytest.mark.integration
 def test_reward_errors_score_zero_and_are_counted_when_asked(tmp_path, module, trainer, loader):
     def flaky(prompts, responses, tag):
         if "bad" in tag:
@@ -91,6 +94,7 @@ def test_reward_errors_score_zero_and_are_counted_when_asked(tmp_path, module, t
     assert counted[0]["train/reward"] == 0.5  # the failing half scored 0, the rest 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("bad", [[1.0, 2.0], [None, 1.0, 1.0, 1.0], [float("nan")] * 4, [float("inf")] * 4])
 def test_bad_reward_values_are_clear_errors(tmp_path, bad, module, trainer, loader):
     def broken(prompts, responses):
@@ -111,6 +115,7 @@ def poison_gradients(grpo, bad_batches: int) -> None:
     next(grpo.model.parameters()).register_hook(hook)
 
 
+@pytest.mark.integration
 def test_non_finite_gradient_skips_the_step_and_is_counted(tmp_path, module, trainer, loader, count_a):
     grpo = module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.0)
     grpo.configure_model()
@@ -132,6 +137,7 @@ def test_non_finite_gradient_skips_the_step_and_is_counted(tmp_path, module, tra
         torch.testing.assert_close(value, before[key])
 
 
+@pytest.mark.integration
 def test_training_stops_after_too_many_bad_steps_in_a_row(tmp_path, module, trainer, loader, count_a):
     grpo = module(reward=count_a, gradient_accumulation_steps=1, kl_beta=0.0, max_consecutive_bad_steps=3)
     grpo.configure_model()
@@ -140,6 +146,7 @@ def test_training_stops_after_too_many_bad_steps_in_a_row(tmp_path, module, trai
         trainer(tmp_path).fit(grpo, loader([{"prompt": "q"}] * 5))
 
 
+@pytest.mark.integration
 def test_immediate_eos_completions_train_without_dividing_by_zero(tmp_path, module, trainer, loader):
     grpo = module(reward=lambda prompts, responses: [float(len(r)) for r in responses])
     grpo.configure_model()
@@ -166,6 +173,7 @@ def test_immediate_eos_completions_train_without_dividing_by_zero(tmp_path, modu
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
+@pytest.mark.integration
 def test_prompt_longer_than_the_limit_errors_when_configured(tmp_path, module, trainer, loader):
     grpo = module(max_prompt_length=2, prompt_truncation="error")
     with pytest.raises(ValueError, match="max_prompt_length"):
@@ -179,6 +187,7 @@ def test_model_that_cannot_be_loaded_offline_says_what_to_do():
         load_model("./no/such/folder")
 
 
+@pytest.mark.integration
 def test_same_seed_gives_identical_losses_and_rewards(tmp_path, module, trainer, loader):
     def run() -> list[dict[str, float]]:
         pl.seed_everything(11)
@@ -196,6 +205,7 @@ def test_same_seed_gives_identical_losses_and_rewards(tmp_path, module, trainer,
     assert run() == run()
 
 
+@pytest.mark.integration
 def test_an_enormous_prompt_is_cut_to_the_models_context_by_default(tmp_path, module, trainer, loader):
     seen: list[int] = []
 

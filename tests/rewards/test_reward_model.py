@@ -167,6 +167,7 @@ def test_batch_normalisation_comes_after_the_whole_batch_even_when_retried_one_b
     assert scored.components["rm"] == pytest.approx(want, abs=1e-4) and calls == [3, 1, 1, 1]
 
 
+@pytest.mark.integration
 def test_the_reward_model_is_no_part_of_the_trained_module_and_sits_on_its_device(
     rm_dir, trainer, loader, tmp_path
 ):
@@ -186,6 +187,7 @@ def test_the_reward_model_is_no_part_of_the_trained_module_and_sits_on_its_devic
     assert not reward.classifier.training
 
 
+@pytest.mark.integration
 def test_a_changed_reward_model_folder_is_refused_on_resume(rm_dir, trainer, loader, tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -272,6 +274,7 @@ def test_a_checkpoint_from_before_the_formatting_fingerprint_still_checks_the_we
     assert reward_model_fingerprints([RewardModel(str(rm_dir))])[0]["files"]  # recorded now
 
 
+@pytest.mark.integration
 def test_a_config_names_it_beside_a_verifiable_reward_and_it_scores_a_batch(
     rm_dir, tiny_model_dir, tmp_path, tiny_overrides
 ):
@@ -300,6 +303,7 @@ def test_a_config_names_it_beside_a_verifiable_reward_and_it_scores_a_batch(
     assert scored.components["correct"] == [1.0, 0.0, 0.0]
 
 
+@pytest.mark.integration
 def test_a_reward_model_that_likes_one_token_teaches_the_policy_to_write_it(trainer, loader, tmp_path):
     tok = make_tokenizer()
     reward = RewardModel(target_classifier(tok, "a"), tokenizer=tok)

@@ -554,6 +554,7 @@ def wants_environments(prompts, completions, environments, **kwargs):
     return [0.0] * len(completions)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "reward, needs", [(wants_tool_calls, "tool_calls"), (wants_environments, "environments")]
 )
@@ -580,6 +581,7 @@ def test_a_reward_needing_a_tool_fact_in_a_run_without_tools_is_refused_before_g
     assert generated == []
 
 
+@pytest.mark.integration
 def test_trl_rewards_get_the_trainer_state_and_a_log_metric_that_logs_under_train(
     module, trainer, loader, tmp_path
 ) -> None:
@@ -605,6 +607,7 @@ def test_trl_rewards_get_the_trainer_state_and_a_log_metric_that_logs_under_trai
     assert all(0.0 <= m["train/share_with_a"] <= 1.0 for m in logged)
 
 
+@pytest.mark.integration
 def test_log_metric_refuses_a_name_the_module_logs_itself(module, trainer, loader, tmp_path) -> None:
     def shadows(prompts, completions, log_metric, **kwargs):
         log_metric("kl", 1.0)
@@ -617,6 +620,7 @@ def test_log_metric_refuses_a_name_the_module_logs_itself(module, trainer, loade
         trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "ab"}]))
 
 
+@pytest.mark.integration
 def test_a_reward_that_needs_log_extra_is_refused_by_name_and_one_that_may_take_it_is_warned(
     module, trainer, loader, tmp_path
 ) -> None:
@@ -637,6 +641,7 @@ def test_a_reward_that_needs_log_extra_is_refused_by_name_and_one_that_may_take_
         )
 
 
+@pytest.mark.integration
 def test_log_metric_in_validation_is_logged_under_val(module, trainer, loader, tmp_path) -> None:
     def counts_b(prompts, completions, trainer_state, log_metric, **kwargs):
         log_metric("share_with_b", sum("b" in c for c in completions) / len(completions))

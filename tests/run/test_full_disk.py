@@ -73,6 +73,7 @@ def test_a_save_with_less_space_left_than_the_previous_took_is_warned_once(tmp_p
         io.save_checkpoint({"w": torch.zeros(1000)}, tmp_path / "epoch=0-step=3.ckpt")
 
 
+@pytest.mark.integration
 def test_hf_folders_warn_before_a_save_with_too_little_space_and_name_a_full_disk(
     tmp_path, module, trainer, loader, count_a, monkeypatch
 ):

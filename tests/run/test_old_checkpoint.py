@@ -35,6 +35,7 @@ def class_paths(node: object) -> list[str]:
     return []
 
 
+@pytest.mark.integration
 def test_a_run_of_version_0_1_0_resumes_and_trains_its_next_step_as_that_version_did(tmp_path):
     run = shutil.copytree(FIXTURE, tmp_path / "old")
     done = subprocess.run(

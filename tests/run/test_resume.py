@@ -68,6 +68,7 @@ def run_dir(tmp_path: Path, name: str, model: Path) -> tuple[Path, Path]:
     return out, config
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("rollout_mode", ["sync", "async", "tools"])
 def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_path, rollout_mode):
     # "tools": sync rollouts whose completions call the plain calculator (conftest's bigram model
@@ -169,6 +170,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, 
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
 
+@pytest.mark.integration
 def test_resume_with_dynamic_sampling_after_a_kill_in_a_steps_second_round(tiny_model_dir, tmp_path):
     def config(name: str) -> tuple[Path, Path]:
         out, path = run_dir(tmp_path, name, tiny_model_dir)
@@ -197,6 +199,7 @@ def test_resume_with_dynamic_sampling_after_a_kill_in_a_steps_second_round(tiny_
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
 
 
+@pytest.mark.integration
 def test_resume_of_a_generation_split_into_steps_redoes_the_generation_killed(tiny_model_dir, tmp_path):
     # steps_per_generation 2: each batch of 4 prompts is one generation (one reward call) for two
     # optimizer steps; checkpoints fall between generations, every 2 steps.
@@ -297,6 +300,7 @@ def uninterrupted_accumulation_run(tiny_model_dir, tmp_path_factory) -> Path:
 # Each chain's first kill lands at a moment that matters in step 2 (its reward calls are 3 and 4:
 # one per batch); the next start resumes from step 1 and is killed in its first step's second
 # batch, after the first one ended; the last start runs to the end.
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "first_kill",
     [

@@ -96,6 +96,7 @@ def subprocess_fit(
 # -- 1. one run per folder ------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_a_second_process_in_a_held_folder_is_refused_naming_the_holder(run, tmp_path):
     root = tmp_path / "run"
     holder = subprocess.Popen(
@@ -115,6 +116,7 @@ def test_a_second_process_in_a_held_folder_is_refused_naming_the_holder(run, tmp
     assert steps_logged(root) == [1, 2]
 
 
+@pytest.mark.integration
 def test_a_fresh_fit_over_a_run_is_refused_and_overwrite_replaces_it(run):
     out = run()
     log_before = (out / "training_log.jsonl").read_text()
@@ -129,6 +131,7 @@ def needs_difficulty(prompts: list[str], responses: list[str], difficulty: list[
     return [0.0] * len(responses)
 
 
+@pytest.mark.integration
 def test_a_fit_that_took_no_step_leaves_the_folder_free(run):
     # Refused at the first batch (the data has no difficulty column), after reference/ is written.
     with pytest.raises(ValueError, match="needs difficulty"):
@@ -154,6 +157,7 @@ def test_checkpoint_folders_outside_the_run_folder_are_owned_too(tmp_path, tiny_
 # -- 2. resume continues this run, or says why not -----------------------------------------------
 
 
+@pytest.mark.integration
 def test_ckpt_path_last_without_last_ckpt_resumes_from_the_newest_complete_checkpoint(run, tmp_path):
     out = run()
     checkpoints = out / "checkpoints"
@@ -164,6 +168,7 @@ def test_ckpt_path_last_without_last_ckpt_resumes_from_the_newest_complete_check
     assert not list(checkpoints.glob(".*tmp-*"))
 
 
+@pytest.mark.integration
 def test_ckpt_path_last_with_no_checkpoint_starts_a_new_run_with_the_old_log_aside(run, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -174,6 +179,7 @@ def test_ckpt_path_last_with_no_checkpoint_starts_a_new_run_with_the_old_log_asi
     assert len(aside) == 1 and aside[0].read_text() == '{"step": 1, "reward": 0.5}\n'
 
 
+@pytest.mark.integration
 def test_ckpt_path_last_with_checkpoints_sent_elsewhere_refuses_and_keeps_the_finished_run(run, tmp_path):
     out = run()
     kept = {p: p.read_bytes() for p in [out / "training_log.jsonl", *sorted(out.glob("*/*.safetensors"))]}
@@ -214,6 +220,7 @@ def test_ckpt_path_last_finding_no_checkpoint_never_starts_over_on_a_runs_output
     assert not (root / left).exists()
 
 
+@pytest.mark.integration
 def test_resume_refuses_settings_a_run_cannot_change_and_names_each(run, tmp_path):
     out = run()
     versions = sorted((out / "tensorboard").iterdir())
@@ -227,6 +234,7 @@ def test_resume_refuses_settings_a_run_cannot_change_and_names_each(run, tmp_pat
     assert steps_logged(out) == [1, 2]
 
 
+@pytest.mark.integration
 def test_resume_refuses_another_reward_and_loading_needs_none(run):
     from forge_lightning.module import GRPOLightningModule
 
@@ -240,6 +248,7 @@ def test_resume_refuses_another_reward_and_loading_needs_none(run):
     assert loaded.reward is faults.kill_on_call  # the checkpoint holds it by import path
 
 
+@pytest.mark.integration
 def test_validate_from_a_checkpoint_may_use_other_settings(run):
     out = run()
     ckpt = str(out / "checkpoints" / "last.ckpt")
@@ -248,6 +257,7 @@ def test_validate_from_a_checkpoint_may_use_other_settings(run):
     assert "val/accuracy" in cli.trainer.callback_metrics
 
 
+@pytest.mark.integration
 def test_a_new_learning_rate_on_resume_takes_effect_and_says_so(run):
     out = run()
     with pytest.warns(UserWarning, match="resumed with learning_rate 0.02"):
@@ -256,6 +266,7 @@ def test_a_new_learning_rate_on_resume_takes_effect_and_says_so(run):
     assert lrs == pytest.approx([0.01, 0.01, 0.02])
 
 
+@pytest.mark.integration
 def test_validate_from_a_checkpoint_file_keeps_the_command_lines_module_settings(run):
     out = run()
     ckpt = str(out / "checkpoints" / "last.ckpt")
@@ -267,6 +278,7 @@ def test_validate_from_a_checkpoint_file_keeps_the_command_lines_module_settings
     assert "val_num_generations: 2" in saved.read_text()
 
 
+@pytest.mark.integration
 def test_validate_from_a_checkpoint_file_takes_what_the_command_line_leaves_out_from_it(run):
     out = run()
     ckpt = str(out / "checkpoints" / "last.ckpt")
@@ -277,6 +289,7 @@ def test_validate_from_a_checkpoint_file_takes_what_the_command_line_leaves_out_
     assert cli.model.hparams.val_num_generations == 2
 
 
+@pytest.mark.integration
 def test_fit_from_a_checkpoint_file_takes_a_new_learning_rate_as_last_does(run):
     out = run()
     ckpt = str(out / "checkpoints" / "last.ckpt")
@@ -286,6 +299,7 @@ def test_fit_from_a_checkpoint_file_takes_a_new_learning_rate_as_last_does(run):
     assert lrs == pytest.approx([0.01, 0.01, 0.02])
 
 
+@pytest.mark.integration
 def test_fit_from_a_checkpoint_file_refuses_settings_a_run_cannot_change_by_name(run):
     out = run()
     ckpt = str(out / "checkpoints" / "last.ckpt")
@@ -294,6 +308,7 @@ def test_fit_from_a_checkpoint_file_refuses_settings_a_run_cannot_change_by_name
     assert steps_logged(out) == [1, 2]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("schedule", "expected"),
     [
@@ -309,6 +324,7 @@ def test_extending_a_finished_cosine_run_keeps_training_and_says_how(run, schedu
     assert lrs == pytest.approx(expected)  # never steps 3 and 4 at 0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("damage", ["replaced", "truncated"])
 def test_a_reference_that_is_not_the_runs_own_is_refused(run, damage):
     out = run()
@@ -339,6 +355,7 @@ def test_leftovers_of_a_kill_mid_swap_are_recovered_or_removed(tmp_path):
     assert [p.name for p in (root / "checkpoints").iterdir()] == ["last.ckpt"]
 
 
+@pytest.mark.integration
 def test_save_total_limit_keeps_the_newest_step_folders(tmp_path, module, trainer, loader, count_a):
     grpo = module(reward=count_a, gradient_accumulation_steps=1)
     fit = trainer(tmp_path, callbacks=[HFCheckpoint(save_steps=1, save_total_limit=2)], max_steps=4)
@@ -353,6 +370,7 @@ def test_save_total_limit_keeps_the_newest_step_folders(tmp_path, module, traine
 # -- 3. no non-finite update is saved ------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_an_update_that_makes_weights_non_finite_stops_before_any_checkpoint(
     tmp_path, module, trainer, loader, count_a
 ):
@@ -390,6 +408,7 @@ def test_an_update_that_makes_weights_non_finite_stops_before_any_checkpoint(
 # -- 4. signals and hangs ------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_sigterm_finishes_the_optimizer_step_saves_and_exits_143(run, tmp_path):
     callbacks = "    - class_path: faults.TermAtBatch\n      init_args: {batch: 2}\n"
     # Build the config file, then run it in a subprocess (the signal goes to that process).
@@ -409,6 +428,7 @@ def test_sigterm_finishes_the_optimizer_step_saves_and_exits_143(run, tmp_path):
     assert steps_logged(out) == [1, 2, 3]
 
 
+@pytest.mark.integration
 def test_sigterm_during_a_blocking_reward_stops_the_run_at_once(run, tmp_path):
     with pytest.raises(SystemExit):
         run("--print_config", reward="term_on_call")

@@ -179,6 +179,7 @@ TRL_FIELDS = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_every_trl_name_and_default_is_trls_own():
     done = subprocess.run([str(trl_python()), "-c", TRL_FIELDS], capture_output=True, text=True, timeout=300)
     if done.returncode != 0:

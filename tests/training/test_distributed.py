@@ -81,12 +81,14 @@ def cpu_runs(tiny_model_dir, tmp_path_factory) -> dict[str, dict[str, torch.Tens
     return run_both(tiny_model_dir, tmp_path_factory.mktemp("distributed"), "cpu")
 
 
+@pytest.mark.integration
 def test_ddp_config_under_torchrun_trains_and_writes_the_final_policy(cpu_runs):
     ddp, initial = cpu_runs["ddp"], cpu_runs["initial"]
     assert ddp.keys() == initial.keys()
     assert any(not torch.equal(ddp[name], initial[name]) for name in ddp)
 
 
+@pytest.mark.integration
 def test_fsdp_config_trains_the_sharded_policy_as_ddp_trains_the_whole_one(cpu_runs):
     # Same seed, data, steps and KL term: sharding changes where the weights (the reference's
     # too) live, not the training. Had the policy not been sharded, nothing would sync the ranks'
@@ -100,6 +102,7 @@ def test_fsdp_config_trains_the_sharded_policy_as_ddp_trains_the_whole_one(cpu_r
         torch.testing.assert_close(fsdp[name], weight, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.integration  # the torchrun runs of cpu_runs
 def test_fsdp_validation_counts_each_prompt_once_though_a_rank_samples_a_repeat(cpu_runs):
     files = cpu_runs["fsdp_validation"]
     assert len(files) >= 2  # one per optimizer step validated
@@ -108,6 +111,7 @@ def test_fsdp_validation_counts_each_prompt_once_though_a_rank_samples_a_repeat(
         assert all(len(a["samples"]) == 2 for a in answers)
 
 
+@pytest.mark.integration  # the torchrun runs of cpu_runs
 def test_fsdp_run_writes_whole_hf_folders_of_the_sharded_policy(cpu_runs):
     # The final folder is the gathered policy (what the Lightning checkpoint holds), under the HF
     # class name; the reference folder is the policy before training.
@@ -164,6 +168,7 @@ def ddp_gradients(tmp_path: Path, *mode: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+@pytest.mark.integration
 def test_ddp_dynamic_sampling_with_ranks_out_of_step_matches_one_batch_of_the_informative(
     tmp_path, step_gradients
 ):
@@ -180,6 +185,7 @@ def test_ddp_dynamic_sampling_with_ranks_out_of_step_matches_one_batch_of_the_in
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.integration
 def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_path, step_gradients):
     ddp_gradients(tmp_path)
     for loss_type in ("grpo", "dapo", "dr_grpo", "forge"):
@@ -195,6 +201,7 @@ def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_pa
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.integration
 def test_ddp_tool_rollouts_with_ranks_taking_different_rounds_match_one_batch(tmp_path, step_gradients):
     from ddp_gradients import TOOL_SETTINGS
 

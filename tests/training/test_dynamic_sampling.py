@@ -31,6 +31,7 @@ def test_rounds_step_at_the_target_at_the_round_limit_or_at_the_epochs_end():
         assert rounds.should_step(target=2, last_batch=False)
 
 
+@pytest.mark.integration
 def test_only_informative_groups_are_trained_and_rounds_are_counted(
     tmp_path, module, trainer, loader, monkeypatch
 ):
@@ -61,6 +62,7 @@ def test_only_informative_groups_are_trained_and_rounds_are_counted(
     assert steps[0]["train/frac_zero_std_groups"] == pytest.approx(0.5)  # of what was sampled
 
 
+@pytest.mark.integration
 def test_a_step_without_any_informative_group_changes_nothing_but_counts(tmp_path, module, trainer, loader):
     grpo = module(reward=flat_or_live, dynamic_sampling=True, max_sampling_rounds=2, weight_decay=0.1)
     grpo.configure_model()
@@ -73,12 +75,14 @@ def test_a_step_without_any_informative_group_changes_nothing_but_counts(tmp_pat
         assert torch.equal(value, before[key])
 
 
+@pytest.mark.integration
 def test_dynamic_sampling_needs_max_steps(tmp_path, module, trainer, loader):
     grpo = module(reward=flat_or_live, dynamic_sampling=True)
     with pytest.raises(ValueError, match="max_steps"):
         trainer(tmp_path).fit(grpo, loader([{"prompt": "q", "kind": "live"}]))
 
 
+@pytest.mark.integration
 def test_a_skipped_step_ends_its_rounds_too(tmp_path, module, trainer, loader):
     grpo = module(reward=flat_or_live, dynamic_sampling=True, gradient_accumulation_steps=1, kl_beta=0.0)
     grpo.configure_model()

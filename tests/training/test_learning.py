@@ -7,12 +7,15 @@ from __future__ import annotations
 import random
 
 import lightning.pytorch as pl
+import pytest
 from conftest import make_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.library import GSM8KAnswerReward
+
+pytestmark = pytest.mark.integration  # every test here builds a Trainer or starts a process
 
 # "a + b =" -> one token, the sum: 19 number tokens, "+", "=", EOS (also the pad) and unknown.
 WORDS = ["<eos>", "<unk>", *(str(n) for n in range(19)), "+", "="]

@@ -11,6 +11,8 @@ import torch
 from forge_lightning.models.hf_compat import is_checkpointing
 from forge_lightning.models.lora import LoraSettings
 
+pytestmark = pytest.mark.integration  # every test here builds a Trainer or starts a process
+
 
 def distinct_chars(prompts: list[str], responses: list[str]) -> list[float]:
     """Scores that differ within a group, so the step has a gradient to take."""

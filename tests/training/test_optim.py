@@ -235,6 +235,7 @@ def test_non_finite_parameters_stop_with_their_names():
         require_finite_parameters(model, strategy, 4)
 
 
+@pytest.mark.integration
 def test_a_fit_steps_on_the_gradient_clipped_to_max_grad_norm(step_gradients):
     loss, free = step_gradients(max_grad_norm=None)
     clipped_loss, clipped = step_gradients(max_grad_norm=1e-3)

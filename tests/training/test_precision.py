@@ -32,6 +32,7 @@ def changed_fraction(folder, model) -> float:
     return changed / sum(v.numel() for v in before.values())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("model_dtype", "moved"), [("float32", lambda f: f > 0.95), ("auto", lambda f: f < 0.5)]
 )
@@ -52,6 +53,7 @@ def test_a_bf16_checkpoint_under_bf16_mixed_trains_full_precision_weights(
     assert moved(fraction), fraction
 
 
+@pytest.mark.integration
 def test_the_reference_is_kept_in_the_compute_dtype_and_the_first_kl_is_near_zero(
     bf16_folder, tmp_path, trainer, loader
 ):

@@ -13,6 +13,8 @@ from forge_lightning.grpo import group_advantages
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.types import Rollout, completion_mask
 
+pytestmark = pytest.mark.integration  # every test here builds a Trainer or starts a process
+
 RECORDS = [{"prompt": "ab"}, {"prompt": "abc d"}]
 CAP = 3.0
 

@@ -45,6 +45,7 @@ def fit_generation(tmp_path, trainer, loader, records, batch_size, max_steps, **
     return spy, grpo, fit
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "forge"])
 def test_two_steps_of_one_generation_equal_two_hand_built_steps_on_its_halves(
     tmp_path, trainer, loader, loss_type
@@ -87,6 +88,7 @@ def test_two_steps_of_one_generation_equal_two_hand_built_steps_on_its_halves(
     assert any(not torch.equal(a, b) for a, b in zip(spy.weights[0], spy.weights[1]))
 
 
+@pytest.mark.integration
 def test_accumulation_inside_a_generation_steps_as_accumulation_over_batches(tmp_path, trainer, loader):
     # S = 2 steps of 2 shares each: the first step's gradient is that of an ordinary accumulated
     # step over the generation's first two prompts (both on the initial weights).
@@ -101,6 +103,7 @@ def test_accumulation_inside_a_generation_steps_as_accumulation_over_batches(tmp
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.integration
 def test_num_iterations_repeats_the_generations_steps_with_one_old_policy_forward(
     tmp_path, trainer, loader, monkeypatch
 ):
@@ -140,6 +143,7 @@ class NoGeneration:
         pass
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("data", "steps", "said"),
     [
@@ -160,6 +164,7 @@ def test_data_whose_batches_cannot_be_split_is_refused_before_any_generation(
         trainer(tmp_path, max_steps=steps, limit_val_batches=0).fit(grpo, datamodule=datamodule)
 
 
+@pytest.mark.integration
 def test_a_last_batch_the_run_never_reaches_is_not_refused(tmp_path, module, trainer):
     from forge_lightning.data import GSM8KDataModule
 
@@ -171,6 +176,7 @@ def test_a_last_batch_the_run_never_reaches_is_not_refused(tmp_path, module, tra
     assert fit.global_step == 2
 
 
+@pytest.mark.integration
 def test_the_default_hf_checkpoint_cadence_fits_the_generations_steps(tmp_path, module, trainer, loader):
     grpo = module(steps_per_generation=3, gradient_accumulation_steps=1)
     grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
@@ -182,6 +188,7 @@ def test_the_default_hf_checkpoint_cadence_fits_the_generations_steps(tmp_path, 
     assert HFCheckpoint(save_steps=5).every(grpo) == 5  # one the user set is used as it is (or refused)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("kwargs", "callbacks", "named"),
     [
@@ -204,6 +211,7 @@ def test_step_cadences_that_are_not_multiples_of_the_generations_steps_are_refus
         fit.fit(grpo, loader(RECORDS, batch_size=2))
 
 
+@pytest.mark.integration
 def test_a_generation_logs_once_per_batch_and_sizes_the_schedule_in_steps(tmp_path, module, trainer, loader):
     grpo = module(steps_per_generation=2, gradient_accumulation_steps=1, warmup_steps=0)
     logger = RewardLogger(output_dir=str(tmp_path / "log"), logging_steps=1)
@@ -235,6 +243,7 @@ class Recorded(Logger):
         return [(step, value) for key, step, value in self.points if key == name]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("settings", "batch_size"), [({"steps_per_generation": 3}, 3), ({"gradient_accumulation_steps": 2}, 1)]
 )

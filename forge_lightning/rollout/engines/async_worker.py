@@ -85,7 +85,7 @@ class Finished:
 class InFlight:
     """A training batch handed to the worker: the batch as Lightning gave it (every key travels
     with its rollout), its index in the run, its ticket, its encoded prompts and, when back, the
-    worker's result (rollout_sources.AsyncRollouts builds the rollout from it)."""
+    worker's result (sources.AsyncRollouts builds the rollout from it)."""
 
     prompts: list[Any]
     batch_kwargs: dict[str, list[Any]]

@@ -45,7 +45,7 @@ def run_call(
 ) -> tuple[str, bool, bool]:
     """A call's result as text, whether it succeeded and whether the text was cut. Every failure
     is a message the model reads and the run goes on: a raise, a timeout, a SystemExit or
-    KeyboardInterrupt of the tool's own (reward_calls.call_user_code); a signal still stops the run."""
+    KeyboardInterrupt of the tool's own (run/user_code.py's call_user_code); a signal still stops the run."""
     if isinstance(parsed, str):
         return f"error: {parsed}", False, False
     name, fn = parsed.name, functions.get(parsed.name)

@@ -70,6 +70,7 @@ def test_the_ring_refuses_a_version_it_no_longer_holds(tiny_model):
         WeightRing(tiny_model, slots=1)
 
 
+@pytest.mark.integration
 def test_each_rollout_is_sampled_from_the_version_asked_for_with_its_seed(tiny_model, tokenizer):
     worker = worker_for(tokenizer)
     params = SamplingParams(10, temperature=TEMPERATURE)
@@ -144,6 +145,7 @@ def test_asking_for_a_gpu_this_machine_lacks_is_refused_before_a_worker_is_spawn
     assert not worker.running and worker.process is None
 
 
+@pytest.mark.integration
 def test_a_cpu_device_setting_samples_what_the_default_samples(tiny_model, tokenizer):
     ids, mask = encode_prompts(tokenizer, ["abc", "de"], use_chat_template=False)
     params = SamplingParams(8, temperature=TEMPERATURE)
@@ -161,6 +163,7 @@ def test_a_cpu_device_setting_samples_what_the_default_samples(tiny_model, token
     torch.testing.assert_close(cpu.behav_logp, default.behav_logp, rtol=0, atol=0)
 
 
+@pytest.mark.integration
 def test_a_worker_that_dies_is_an_error_that_names_it(tiny_model, tokenizer):
     worker = worker_for(tokenizer)
     ids, mask = encode_prompts(tokenizer, ["abc"], use_chat_template=False)
@@ -173,6 +176,7 @@ def test_a_worker_that_dies_is_an_error_that_names_it(tiny_model, tokenizer):
     assert not worker.running
 
 
+@pytest.mark.integration
 def test_a_failure_inside_the_worker_comes_back_with_its_traceback(tiny_model, tokenizer):
     worker = worker_for(tokenizer)
     worker.start(tiny_model)
@@ -185,6 +189,7 @@ def test_a_failure_inside_the_worker_comes_back_with_its_traceback(tiny_model, t
     assert not worker.running
 
 
+@pytest.mark.integration
 def test_the_worker_exits_when_its_trainer_is_killed(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(
@@ -240,6 +245,7 @@ def fit_async(tmp_path, module, trainer, loader):
     return fit
 
 
+@pytest.mark.integration
 def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(fit_async):
     pids: list[int] = []
 
@@ -261,6 +267,7 @@ def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(fit_
     assert wait_until_gone(pids[0], seconds=10)
 
 
+@pytest.mark.integration
 def test_stale_rollouts_are_sampled_again_and_counted(fit_async):
     class SkipVersions(pl.Callback):
         """Writes two extra weight versions after batch 1, so that the rollout in flight, sampled
@@ -308,6 +315,7 @@ def test_async_refuses_several_devices(module):
     assert not grpo.generator or not grpo.generator.running
 
 
+@pytest.mark.integration
 def test_a_failing_fit_stops_the_worker(tmp_path, module, trainer, loader):
     calls = []
 
@@ -335,6 +343,7 @@ def test_worker_threads_split_the_trainers(module):
         module(rollout_mode="async", rollout_worker_threads=0)
 
 
+@pytest.mark.integration
 def test_async_step_cadence_callbacks_see_every_step_across_an_epoch_boundary(
     tmp_path, module, trainer, loader
 ):
@@ -357,6 +366,7 @@ def test_async_step_cadence_callbacks_see_every_step_across_an_epoch_boundary(
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.integration
 def test_the_worker_samples_validation_from_the_batchs_seed(tmp_path, module, trainer, loader):
     """Sampled validation goes through the worker, seeded from (seed, step, batch) as in-process
     sampling is: the same prompt in two batches gets two draws, and a second validation of the

@@ -409,6 +409,7 @@ def test_vllm_completion_lengths_are_the_ends_though_pad_is_eos(monkeypatch):
     assert rollout.truncated.tolist() == [False, False, True]
 
 
+@pytest.mark.integration
 def test_a_fit_with_stop_strings_trains_and_rewards_each_completion_up_to_its_stop(
     tmp_path, module, trainer, loader
 ):

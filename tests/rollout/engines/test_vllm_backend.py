@@ -197,6 +197,7 @@ def test_engine_is_built_once_and_gets_the_policy_weights_first():
         torch.testing.assert_close(loaded[name], param.detach())
 
 
+@pytest.mark.integration
 def test_weights_reach_the_engine_after_every_optimizer_step(tmp_path, module, trainer, loader):
     engines: list[FakeLLM] = []
     grpo = vllm_module(module, engines)
@@ -241,6 +242,7 @@ def test_hf_stays_the_default_backend():
     assert isinstance(grpo.generator, HFGenerate) and grpo.sampler.generator is grpo.generator
 
 
+@pytest.mark.integration
 def test_benchmark_backend_flag_selects_the_vllm_engine(tiny_model_dir, tmp_path, monkeypatch):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(f'{{"question": "{i}+1?", "answer": "#### {i + 1}"}}\n' for i in range(2)))

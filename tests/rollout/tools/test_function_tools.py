@@ -353,6 +353,7 @@ def scripted_for(tok, prompt: str, turns: list[dict]) -> ScriptedLlama:
     return model
 
 
+@pytest.mark.integration
 def test_a_fit_with_tools_scores_the_transcripts_and_counts_each_tool(tmp_path, trainer, loader):
     tok = chat_tokenizer()
     first = {"role": "assistant", "content": call("add", a=2, b=3)}
@@ -441,6 +442,7 @@ def test_tools_are_refused_where_the_calculator_is_and_beside_it(settings, messa
         validate_hparams(settings)
 
 
+@pytest.mark.integration
 def test_tools_and_an_environment_are_set_from_the_command_line_by_import_path(
     tiny_model_dir, tmp_path, tiny_overrides
 ):

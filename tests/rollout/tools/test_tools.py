@@ -286,6 +286,7 @@ def test_a_calculator_is_refused_where_rollouts_are_one_generate_call(setting, v
         validate_hparams({"calculator": "annotation", setting: value})
 
 
+@pytest.mark.integration
 def test_a_fit_with_the_calculator_trains_on_its_transcripts(tmp_path, trainer, loader):
     tok = make_tokenizer()
     seen: list[str] = []
@@ -347,6 +348,7 @@ def test_the_calculator_engine_takes_as_many_rounds_as_its_script_says():
     assert rollout.tool_stats["turns"].tolist() == [1, 2, 3, 1, 1, 1]
 
 
+@pytest.mark.integration
 def test_accumulated_tool_batches_give_the_gradient_of_one_batch_holding_them(step_gradients):
     # Prompt "ab" takes three rounds, "abc d" one: accumulation must still sum what one batch does.
     settings = dict(fixed="calculator", calculator="annotation", max_new_tokens=24, group_size=3)
@@ -425,6 +427,7 @@ def test_rounds_going_on_from_the_cache_sample_what_rounds_read_whole_do(group_s
     assert cached.tool_stats["tool_calls"].sum() > 0
 
 
+@pytest.mark.integration
 def test_a_lora_policy_samples_and_trains_with_the_calculator(tmp_path, trainer, loader):
     pytest.importorskip("peft")
     from forge_lightning.models.lora import LoraSettings

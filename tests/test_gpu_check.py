@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+
+pytestmark = pytest.mark.integration  # every test here builds a Trainer or starts a process
+
+ROOT = Path(__file__).resolve().parents[1]
 # What the GPU image lacks and the check must not need: packages of the CLI and the hub loaders.
 NOT_ON_THE_GPU_IMAGE = ("jsonargparse", "docstring_parser", "typeshed_client", "gguf", "datasets", "dill")
 
