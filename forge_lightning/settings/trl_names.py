@@ -1,7 +1,8 @@
 """TRL's ``GRPOConfig`` names, and where each setting lives here: the one table behind the pointers
 a TRL user gets (module keyword arguments, ``--model.*`` flags, YAML ``model:`` keys, Forge's
-``GRPOConfig``), README's migration table (:func:`migration_table`, checked equal by a test) and
-the test against TRL's own ``GRPOConfig`` (trl==1.16.0, in a virtual environment of its own).
+``GRPOConfig``), the migration table in notebooks/guide.ipynb (:func:`migration_table`, checked
+equal by a test) and the test against TRL's own ``GRPOConfig`` (trl==1.16.0, in a virtual
+environment of its own).
 
 A TRL name is refused with its pointer, never taken as an alias: one name per setting keeps the
 saved config, the checkpoints and the help to one vocabulary. Nothing heavy is imported here.
@@ -104,7 +105,7 @@ TRL_NAMES: dict[str, str | None] = {
     "log_completions_hub_repo": None,
 }
 
-# What README's table says of a row, where the names alone would mislead.
+# What the guide's migration table says of a row, where the names alone would mislead.
 TRL_NOTES: dict[str, str] = {
     "reward_weights": "a weight per reward: `[(fn, weight, name), ...]`",
     "generation_batch_size": "counts prompts here, completions in TRL",
@@ -217,7 +218,7 @@ def _edits(a: str, b: str, limit: int) -> int:
 
 
 def migration_table() -> str:
-    """README's tables: TRL's names and ours, the names with no counterpart, then the defaults that
+    """The guide's tables: TRL's names and ours, the names with no counterpart, then the defaults that
     differ (markdown)."""
     rows = ["| TRL `GRPOConfig` | here | note |", "|---|---|---|"]
     for name, target in TRL_NAMES.items():

@@ -1,5 +1,6 @@
 """notebooks/learning.ipynb and notebooks/throughput.ipynb compute their results from the committed
-logs; executed here, they must still run and still show what README says they show."""
+logs; executed here, they must still run and still show what README and notebooks/guide.ipynb say
+they show."""
 
 from __future__ import annotations
 
@@ -275,7 +276,7 @@ def test_tools_notebook_recomputes_held_out_accuracy_and_meets_every_bar(tmp_pat
         assert row[1] == "200" and len(answers) == 200
         assert float(row[2]) == pytest.approx(sum(a["correct"] for a in answers) / 200, abs=5e-4)
         assert float(row[2]) == pytest.approx(evals[f"heldout-{label}"]["accuracy"], abs=5e-4)
-    # What README says: every check of the table is met.
+    # What the guide says: every check of the table is met.
     [bars] = tables(cells["bars"])
     assert len(bars) == 7 and all(row[3] == "met" for row in bars[1:])
     assert "every check met: True" in stdout(cells["bars"])
@@ -350,11 +351,11 @@ def test_throughput_notebook_tables_the_generation_lines_and_their_bars(tmp_path
     engine_over_p4 = [tps(r, (4, 1, True)) / tps(r, (1, 4, False)) for r in rounds]
     for row, values in zip(bars[1:], (s4_over_s1, engine_over_p4)):
         assert row[1] == ", ".join(f"{v:.2f}" for v in values)
-        assert row[-1] == "True"  # what README says: both ratios reach their thresholds (medians over rounds)
+        assert row[-1] == "True"  # the guide says both ratios reach their thresholds (medians over rounds)
 
 
 def test_the_sampler_kl_is_about_zero_where_sampler_and_trainer_agree_and_not_elsewhere():
-    # What README says: at lag 0 and in one process the sampler scores what the trainer does;
+    # What the guide says: at lag 0 and in one process the sampler scores what the trainer does;
     # top_p 0.9 and a worker a step behind are mismatches the weights correct.
     logs = {
         p.stem: [json.loads(line) for line in p.read_text().splitlines()] for p in CORRECTION.glob("*.jsonl")

@@ -1,6 +1,7 @@
 """TRL's GRPOConfig names: each refused with its pointer in Python, on the command line and in a
-config file; "did you mean" for our own misspelled; README's table is the package's; and, in a
-virtual environment with trl==1.16.0, every name and stated default is TRL's own."""
+config file; "did you mean" for our own misspelled; the migration table in notebooks/guide.ipynb is
+the package's; and, in a virtual environment with trl==1.16.0, every name and stated default is
+TRL's own."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from forge_lightning.settings.trl_names import TRL_DEFAULTS, TRL_NAMES, did_you_
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "configs" / "smoke.yaml"
+GUIDE = ROOT / "notebooks" / "guide.ipynb"
 TRL_VERSION = "1.16.0"
 
 
@@ -112,10 +114,13 @@ def test_a_model_class_of_ones_own_takes_its_own_settings(tmp_path):
     ]
 
 
-def test_readme_shows_the_packages_migration_table():
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("<!-- trl-names: generated")
-    block = readme[readme.index("\n", start) + 1 : readme.index("<!-- trl-names: end -->")]
+def test_the_guide_shows_the_packages_migration_table():
+    cells = json.loads(GUIDE.read_text())["cells"]
+    [cell] = [c for c in cells if "<!-- trl-names: generated" in "".join(c["source"])]
+    assert cell["cell_type"] == "markdown"
+    text = "".join(cell["source"])
+    start = text.index("<!-- trl-names: generated")
+    block = text[text.index("\n", start) + 1 : text.index("<!-- trl-names: end -->")]
     assert block == migration_table()
 
 
@@ -125,7 +130,7 @@ def test_our_side_of_every_stated_default_is_our_default():
         assert parameters(GROUPS[group])[setting].default == ours, target
 
 
-def test_the_readme_example_from_trl_builds_the_module_it_says(module):
+def test_the_guides_example_from_trl_builds_the_module_it_says(module):
     def reward_len(completions, **kwargs):
         return [-abs(20 - len(c)) for c in completions]
 
