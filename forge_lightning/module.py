@@ -35,6 +35,7 @@ from forge_lightning.models.loading import ensure_pad_token
 from forge_lightning.models.lora import LoraSettings
 from forge_lightning.models.policy import training_policy
 from forge_lightning.reporting.metrics import StepRecord
+from forge_lightning.reporting.profiler import PhaseProfiler
 from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
 from forge_lightning.rewards.library import (
@@ -45,7 +46,6 @@ from forge_lightning.rewards.library import (
     require_arguments,
     share_policy_context,
 )
-from forge_lightning.rewards.scoring import batch_advantages, score_groups
 from forge_lightning.rollout.engines.base import GenerationBackend
 from forge_lightning.rollout.engines.hf import eos_token_ids
 from forge_lightning.rollout.sampler import RolloutSampler, prompt_settings
@@ -53,16 +53,16 @@ from forge_lightning.rollout.sources import TrainingBatch
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler, with_tools
 from forge_lightning.rollout.tools.environments import score_name
 from forge_lightning.rollout.tools.stored import ToolsArgument, stored_tools
-from forge_lightning.rollout.types import warn_when_few_tokens_count
 from forge_lightning.run.checkpoint_io import refuse_unstored_objects
-from forge_lightning.run.preemption import Preemption, sigterm_interrupts
+from forge_lightning.run.preemption import Preemption
 from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.settings.components import build_components, stored_arguments
 from forge_lightning.settings.trl_names import pointing_at_settings
+from forge_lightning.training.context import StepContext
 from forge_lightning.training.loss_passes import ReferenceSource
-from forge_lightning.training.optim import policy_optimizer, rescale_schedule
-from forge_lightning.training.plan import mean_stats, take_share
+from forge_lightning.training.optim import loss_scale, policy_optimizer, rescale_schedule
 from forge_lightning.training.run_state import load_run_state, save_run_state
+from forge_lightning.training.step import StepSettings, TrainingStep
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -300,10 +300,15 @@ class GRPOLightningModule(pl.LightningModule):
         parts = build_components(self.hparams, component_names(self.reward), tool_names)
         self.settings, self.loss_settings = parts.settings, parts.loss
         self.sampling, self.greedy = parts.sampling, parts.greedy
-        self.scorer, self.passes = parts.scorer, parts.passes
+        self.scorer = parts.scorer
         self.rollout_source, self.plan = parts.rollout_source, parts.plan
         self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
-        self.reporter, self.stepper = parts.reporter, parts.stepper
+        self.reporter = parts.reporter
+        step_settings = {name: self.hparams[name] for name in StepSettings.__dataclass_fields__}
+        self.step = TrainingStep(
+            StepSettings(**step_settings), self.reward, parts.passes, self.plan, parts.stepper,
+            self.reporter, self.train_metrics, self.rollout_source,
+        )  # fmt: skip
         self.sampled_eval = sampled_evaluation(self.hparams, answer_key)
         self._random_state = TrainingRandomState()  # put back after each validation of a fit
         self._val_rows = ValidationRows()  # which validation rows this rank counts
@@ -361,69 +366,37 @@ class GRPOLightningModule(pl.LightningModule):
             self._rewards_checked = True
         self._stepped, self.batch_records = False, []
         batch = TrainingBatch(prompts, batch_kwargs, batch_idx)
+        context = self.step_context()
         for item in self.rollout_source.rollouts(batch, self.trainer, self.model):
-            self._train_on(item)
-
-    def _train_on(self, item: TrainingBatch) -> None:
-        """Score one rollout, backpropagate its loss and step the optimizer where the plan says."""
-        s, profile, rollout = self.settings, self.trainer.profiler.profile, item.rollout
-        extras = RewardExtras(self.trainer, item.batch_idx)  # TRL's trainer_state and log_metric
-        with profile("reward"), sigterm_interrupts():
-            rewards, components, errors = score_groups(
-                self.reward, item.prompts, rollout, item.batch_kwargs, s.on_reward_error, s.reward_timeout,
-                extras.arguments(),
-            )  # fmt: skip
-        self.train_metrics.add_logged(extras.logged(), "train")
-        advantages = batch_advantages(
-            rewards, s.group_size, s.advantage_scale, self.trainer.world_size, self.all_gather
-        )
-        plan = self.plan.plan(rollout, rewards, advantages, item.batch_idx, self.trainer)
-        trained = plan.rollout  # the batch's rollout, or (dynamic sampling) its informative groups
-        if s.mask_truncated_completions:
-            warn_when_few_tokens_count(rollout)
-        with profile("logprob"):
-            old_logp, ref_logp = self.passes.fixed_log_probs(
-                self.model, self.reference, trained, len(plan.passes)
+            record, stepped = self.step.train(
+                item, self.model, self.reference, self.optimizers(), self.lr_schedulers(), context
             )
-        pass_stats = []
-        for part in plan.passes:  # the whole rollout, or (steps_per_generation) one share of it
-            share, advantages, old, ref = take_share(part, trained, plan.advantages, old_logp, ref_logp)
-            # Before any backward: DDP all-reduces in each one, so every rank must make as many.
-            made = len(self.passes.micro_batches(share))
-            extra = self.plan.backward_calls_missing(made, self.trainer, self.device)
-            pass_stats.append(
-                self.passes.backward(
-                    self.model, share, advantages, old, ref, self.manual_backward, profile, extra
-                )
-            )
-            if part.step_after:
-                with profile("optimizer"):
-                    self._optimizer_step()
-        # What the loss logs: the last pass over the rollout (the mean over its shares).
-        per_pass = len(plan.passes) // self.hparams.num_iterations
-        stats = mean_stats(pass_stats[-per_pass:])
-        num_tokens = trained.loss_mask(s.mask_truncated_completions).sum().float()
-        self.train_metrics.add({"reward_errors": errors, "num_tokens": num_tokens, **item.metrics})
-        self._stepped = self._stepped or plan.stepped
-        self._record(item, rewards, components, stats, plan.steps)
+            self._stepped = self._stepped or stepped
+            self._publish(record)
 
-    def _optimizer_step(self) -> None:
-        """Step the optimizer on the gradient of the step's batches, and give the engine the new weights."""
-        count = self.trainer.strategy.reduce(self.passes.take_count().to(self.device), reduce_op="sum")
-        self.train_metrics.add(self.plan.step_ended())  # dynamic sampling's rounds, taken or skipped
-        changed, metrics = self.stepper(
-            self.model, self.optimizers(), self.lr_schedulers(), self.trainer, count
+    def step_context(self) -> StepContext:
+        """The loop around a training batch, as the step sees it: this module's backward and
+        gather, and the trainer's reduce, step count, profiler and sizes."""
+        trainer = self.trainer
+        profiler = trainer.profiler
+        return StepContext(
+            backward=self.manual_backward,
+            gather=self.all_gather,
+            reduce=lambda tensor, op: trainer.strategy.reduce(tensor, reduce_op=op),
+            global_step=lambda: trainer.global_step,
+            profile=profiler.profile,
+            phases=profiler.last_step if isinstance(profiler, PhaseProfiler) else dict,
+            loss_scale=lambda: loss_scale(trainer.precision_plugin),
+            world_size=trainer.world_size,
+            device=self.device,
+            num_training_batches=trainer.num_training_batches,
+            epoch=trainer.current_epoch,
+            max_steps=trainer.max_steps,
+            log_every_n_steps=trainer.log_every_n_steps,
         )
-        self.train_metrics.add(metrics)
-        if changed:
-            self.rollout_source.weights_updated(self.model)
 
-    def _record(
-        self, item: TrainingBatch, rewards: Tensor, components: dict, stats: dict, steps: int
-    ) -> None:
-        """Track the batch's metrics; after its optimizer steps (if any), log them (means over the
-        step's batches, reduced across ranks); publish the batch's record in ``last_step``."""
-        record = self.reporter.record(item, rewards, components, stats, steps, self.trainer)
+    def _publish(self, record: StepRecord) -> None:
+        """Hand a batch's record to Lightning and the loggers; keep it in ``last_step``."""
         # self.log feeds Lightning's callbacks (callback_metrics, the progress bar). The loggers get
         # the report here, at the optimizer step: Lightning would count batches, and re-send a
         # logged value after every later batch of an accumulation.
@@ -514,7 +487,7 @@ class GRPOLightningModule(pl.LightningModule):
         prompts, batch_kwargs, (greedy, sampled) = own_rows(own, prompts, batch_kwargs, greedy, sampled)
         answers = score_validation(
             self.reward, self.accuracy, prompts, greedy, batch_kwargs, self.settings, self.val_metrics,
-            RewardExtras(self.trainer),
+            RewardExtras(self.trainer.global_step, self.trainer.current_epoch, self.trainer.max_steps),
         )  # fmt: skip
         self.validation_samples += self.sampled_eval.score(
             sampled, prompts, batch_kwargs, answers, self.accuracy, self.settings, self.val_metrics

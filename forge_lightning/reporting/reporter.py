@@ -8,7 +8,7 @@ module sends what it returns to ``self.log`` and the loggers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -19,7 +19,6 @@ from forge_lightning.reporting.metrics import (
     logged_name,
     window_values,
 )
-from forge_lightning.reporting.profiler import PhaseProfiler
 
 if TYPE_CHECKING:
     from forge_lightning.rollout.sources import TrainingBatch
@@ -46,18 +45,19 @@ class StepReporter:
         components: dict[str, Tensor],
         stats: dict[str, Tensor],
         steps: int,
-        trainer: Any,
+        global_step: int,
+        log_every_n_steps: int,
+        phases: dict[str, float],
     ) -> StepRecord:
         """One training batch: its values tracked (batch_metrics); after the ``steps`` optimizer
-        steps it took (if any) their metrics (step) and, at a reporting step, the report; all in
-        the batch's record."""
-        rollout, global_step, profiler = item.rollout, trainer.global_step, trainer.profiler
-        # The batch's seconds per phase (empty without a PhaseProfiler).
-        phases = profiler.last_step() if isinstance(profiler, PhaseProfiler) else {}
+        steps it took (if any, ``global_step`` the count after them) their metrics (step) and, at a
+        reporting step, the report; all in the batch's record. ``phases``: the batch's seconds per
+        phase (empty when not timed)."""
+        rollout = item.rollout
         for key, value in batch_metrics(rollout, rewards, components, stats, phases).items():
             self.metrics.update(key, value)
         logged = self.step() if steps else {}
-        report = self.report(global_step, trainer.log_every_n_steps, steps) if steps else {}
+        report = self.report(global_step, log_every_n_steps, steps) if steps else {}
         return StepRecord.of(global_step, item.prompts, rollout, rewards, logged, phases, components, report)
 
     def step(self) -> dict[str, float]:

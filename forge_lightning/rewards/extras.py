@@ -75,17 +75,13 @@ class RewardExtras:
     rank must log the same names, as in TRL.
 
     Args:
-        trainer: the Lightning trainer (its step, epoch and ``max_steps``).
-        batch_idx: the training batch's index within its epoch (its share of the epoch); None
-            outside training.
+        global_step: the optimizer steps taken so far.
+        epoch: the epoch, with the share of it the batches before this one make.
+        max_steps: the run's ``max_steps`` (-1 or None: unbounded).
     """
 
-    def __init__(self, trainer: Any, batch_idx: int | None = None) -> None:
-        batches = trainer.num_training_batches
-        within = 0.0
-        if batch_idx is not None and isinstance(batches, int) and batches > 0:
-            within = batch_idx / batches
-        self.state = RewardState(trainer.global_step, trainer.current_epoch + within, trainer.max_steps)
+    def __init__(self, global_step: int, epoch: float, max_steps: int | None) -> None:
+        self.state = RewardState(global_step, epoch, max_steps)
         self.values: dict[str, list[Any]] = {}
 
     def arguments(self) -> dict[str, Any]:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
+
+from forge_lightning.training.context import Reduce
 
 
 @dataclass
@@ -39,21 +40,21 @@ class SamplingRounds:
         self.gathered += informative
         self.dropped += dropped
 
-    def add_round(self, keep: Tensor, strategy: Any, *, target: int, last_batch: bool) -> bool:
+    def add_round(self, keep: Tensor, reduce: Reduce, *, target: int, last_batch: bool) -> bool:
         """Count a round's informative groups (``keep``, (P,) bool) and dropped ones over every rank
-        (``strategy.reduce``: every rank calls this each round); whether it ends the step."""
+        (``reduce``: every rank calls this each round); whether it ends the step."""
         counts = torch.tensor([float(keep.sum()), float((~keep).sum())], device=keep.device)
-        informative, dropped = strategy.reduce(counts, reduce_op="sum").tolist()
+        informative, dropped = reduce(counts, "sum").tolist()
         self.add(int(informative), int(dropped))
         return self.should_step(target, last_batch)
 
     @staticmethod
-    def backward_calls_missing(made: int, strategy: Any, device: torch.device) -> int:
+    def backward_calls_missing(made: int, reduce: Reduce, device: torch.device) -> int:
         """How many backward passes fewer than the most any rank makes this round (the ranks
         train different numbers of micro-batches, or none): each must still join DDP's all-reduce
         of every one, with a zero-weight backward. Call it before any backward of the round, so
         that every rank issues its collectives in the same order."""
-        most = strategy.reduce(torch.tensor(float(made), device=device), reduce_op="max")
+        most = reduce(torch.tensor(float(made), device=device), "max")
         return int(most) - made
 
     def should_step(self, target: int, last_batch: bool) -> bool:

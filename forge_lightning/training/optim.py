@@ -13,6 +13,8 @@ from lightning.pytorch.callbacks import Timer
 from torch import Tensor
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
+from forge_lightning.training.context import Reduce, StepContext
+
 LR_SCHEDULES = ("cosine", "constant")
 
 
@@ -161,23 +163,25 @@ class OptimizerStep:
         self.guard = NonFiniteGuard(max_consecutive_bad_steps)
 
     def __call__(
-        self, model: torch.nn.Module, optimizer: Any, scheduler: Any, trainer: Any, count: Tensor
+        self, model: torch.nn.Module, optimizer: Any, scheduler: Any, count: Tensor, context: StepContext
     ) -> tuple[bool, dict[str, Tensor]]:
         """Normalise by ``count`` (every rank's, summed), clip, step, zero and schedule. Returns
         whether the weights changed, and the step's metrics (``skipped_steps``; ``lr`` and
         ``grad_norm`` of a step taken)."""
         grad_norm = normalise_and_clip(
             model.parameters(),
-            trainer.world_size / count.clamp(min=1),
+            context.world_size / count.clamp(min=1),
             self.max_grad_norm,
-            loss_scale(trainer.precision_plugin),
+            context.loss_scale(),
         )
         if not self.guard.allows(grad_norm):
             optimizer.zero_grad(set_to_none=True)
             return False, {"skipped_steps": torch.tensor([1.0])}
         taken = {"skipped_steps": torch.tensor([0.0]), "lr": torch.tensor([scheduler.get_last_lr()[0]])}
         optimizer.step()  # every gradient None after a round of uninformative groups: no update
-        require_finite_parameters(model, trainer.strategy, trainer.global_step)
+        require_finite_parameters(
+            model, context.reduce if context.world_size > 1 else None, context.global_step()
+        )
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         return True, {**taken, "grad_norm": grad_norm}
@@ -200,17 +204,18 @@ def loss_scale(precision: Any) -> float:
     return float(scaler.get_scale()) if scaler is not None else 1.0
 
 
-def require_finite_parameters(model: torch.nn.Module, strategy: Any, step: int) -> None:
+def require_finite_parameters(model: torch.nn.Module, reduce: Reduce | None, step: int) -> None:
     """Raise when optimizer step ``step`` (1-based, just taken) left a trainable weight NaN or inf
-    (a finite gradient can still overflow an update), before any checkpoint can save it."""
+    (a finite gradient can still overflow an update), before any checkpoint can save it;
+    ``reduce`` sums a count over the ranks (None: one process)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not named:
         return
     local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]  # FSDP2 shards
     finite = all_finite(local)
     bad = (~finite).sum().float()
-    if getattr(strategy, "world_size", 1) > 1:
-        bad = strategy.reduce(bad, reduce_op="sum")
+    if reduce is not None:
+        bad = reduce(bad, "sum")
     if bad.item() == 0:
         return
     names = [name for (name, _), ok in zip(named, finite.tolist()) if not ok]

@@ -20,6 +20,7 @@ from torch import Tensor
 from forge_lightning.grpo import informative_groups
 from forge_lightning.rollout.sources import accumulation_boundary
 from forge_lightning.rollout.types import Rollout
+from forge_lightning.training.context import StepContext
 from forge_lightning.training.dynamic_sampling import SamplingRounds
 from forge_lightning.training.optim import total_optimizer_steps
 
@@ -37,17 +38,6 @@ class PlanSettings:
     def steps_per_batch(self) -> int:
         """S x mu: the optimizer steps each batch takes when S > 1 (with S = 1, accumulation decides)."""
         return self.steps_per_generation * self.num_iterations
-
-
-def plan_settings(hp: Any) -> PlanSettings:
-    return PlanSettings(
-        group_size=hp.group_size,
-        gradient_accumulation_steps=hp.gradient_accumulation_steps,
-        num_iterations=hp.num_iterations,
-        dynamic_sampling=hp.dynamic_sampling,
-        max_sampling_rounds=hp.max_sampling_rounds,
-        steps_per_generation=hp.get("steps_per_generation", 1),
-    )
 
 
 @dataclass(frozen=True)
@@ -173,7 +163,7 @@ class StepPlan:
         self.settings = settings
 
     def plan(
-        self, rollout: Rollout, rewards: Tensor, advantages: Tensor, batch_idx: int, trainer: Any
+        self, rollout: Rollout, rewards: Tensor, advantages: Tensor, batch_idx: int, context: StepContext
     ) -> BatchPlan:
         s = self.settings
         if s.steps_per_generation > 1:  # the whole generation, its steps repeated mu times
@@ -181,7 +171,7 @@ class StepPlan:
                 rollout.prompt_ids.shape[0], s.steps_per_generation, s.gradient_accumulation_steps
             )
             return BatchPlan(rollout, advantages, shares * s.num_iterations)
-        batches = trainer.num_training_batches
+        batches = context.num_training_batches
         stepped = accumulation_boundary(batch_idx, s.gradient_accumulation_steps, batches)
         return BatchPlan(rollout, advantages, [Pass(None, stepped)] * s.num_iterations)  # mu > 1: stepped
 
@@ -215,7 +205,7 @@ class StepPlan:
                 "--trainer.max_steps, --checkpoint.every_n_train_steps, --hf_checkpoint.save_steps)"
             )
 
-    def backward_calls_missing(self, made: int, trainer: Any, device: torch.device) -> int:
+    def backward_calls_missing(self, made: int, context: StepContext) -> int:
         """Zero-weight backward calls this rank must add to match the others' all-reduces: none,
         every rank trains the same micro-batches."""
         return 0
@@ -241,20 +231,20 @@ class DynamicSamplingPlan(StepPlan):
         self.rounds = SamplingRounds(settings.max_sampling_rounds)  # the rounds of the step
 
     def plan(
-        self, rollout: Rollout, rewards: Tensor, advantages: Tensor, batch_idx: int, trainer: Any
+        self, rollout: Rollout, rewards: Tensor, advantages: Tensor, batch_idx: int, context: StepContext
     ) -> BatchPlan:
         s = self.settings
         keep = informative_groups(rewards, s.group_size)  # (P,)
         kept = advantages.view(-1, s.group_size)[keep].reshape(-1)
-        last = batch_idx + 1 == trainer.num_training_batches
-        target = trainer.world_size * keep.numel() * s.gradient_accumulation_steps
-        stepped = self.rounds.add_round(keep, trainer.strategy, target=target, last_batch=last)
+        last = batch_idx + 1 == context.num_training_batches
+        target = context.world_size * keep.numel() * s.gradient_accumulation_steps
+        stepped = self.rounds.add_round(keep, context.reduce, target=target, last_batch=last)
         return BatchPlan(rollout.select_groups(keep), kept, [Pass(None, stepped)])
 
-    def backward_calls_missing(self, made: int, trainer: Any, device: torch.device) -> int:
-        if trainer.world_size == 1:
+    def backward_calls_missing(self, made: int, context: StepContext) -> int:
+        if context.world_size == 1:
             return 0
-        return self.rounds.backward_calls_missing(made, trainer.strategy, device)
+        return self.rounds.backward_calls_missing(made, context.reduce, context.device)
 
     def step_ended(self) -> dict[str, float]:
         return self.rounds.pop()

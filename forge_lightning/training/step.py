@@ -1,0 +1,136 @@
+"""What one training batch does, in order, on one screen.
+
+score the completions -> group-relative advantages -> the plan (what the batch trains, when the
+optimizer steps) -> the fixed log-probs (old policy, reference) -> the loss passes, each backward
+through ``context.backward`` -> the optimizer step where the plan says -> the batch's record.
+
+:class:`TrainingStep` holds the collaborators the module built once from its settings and takes
+the loop around it as a :class:`~forge_lightning.training.context.StepContext` (backward, gather,
+reduce, world size, profile): it never sees a Trainer, so it runs in a test on a plain model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from transformers import PreTrainedModel
+
+from forge_lightning.reporting.metrics import StepRecord, TrainMetrics
+from forge_lightning.reporting.reporter import StepReporter
+from forge_lightning.rewards.calls import RewardFn
+from forge_lightning.rewards.extras import RewardExtras
+from forge_lightning.rewards.scoring import batch_advantages, score_groups
+from forge_lightning.rollout.sources import SyncRollouts, TrainingBatch
+from forge_lightning.rollout.types import warn_when_few_tokens_count
+from forge_lightning.run.preemption import sigterm_interrupts
+from forge_lightning.training.context import StepContext
+from forge_lightning.training.loss_passes import LossPasses, ReferenceSource
+from forge_lightning.training.optim import OptimizerStep
+from forge_lightning.training.plan import StepPlan, mean_stats, take_share
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The settings a training batch reads itself (its collaborators hold their own)."""
+
+    group_size: int  # completions per prompt: a group, whose rewards make its advantages' baseline
+    advantage_scale: str  # the advantages' divisor: the group's std, the batch's, or none
+    mask_truncated_completions: bool  # completions cut at max_new_tokens weigh nothing in the loss
+    on_reward_error: Literal["raise", "zero"]  # a reward that raises stops the run, or scores 0
+    reward_timeout: float | None  # seconds a reward call may take
+    num_iterations: int  # passes over each rollout (mu)
+
+
+class TrainingStep:
+    """One training batch's rollout in, its gradient steps taken and its record out.
+
+    Args:
+        settings: what the batch reads itself (group size, advantage scale, reward errors, passes).
+        reward: the reward the completions are scored with.
+        loss_passes: the backward passes of the loss over a rollout, micro-batch by micro-batch.
+        plan: what each batch trains and after which of its passes the optimizer steps.
+        optimizer_step: normalise, clip, step and schedule; skip a non-finite gradient.
+        reporter: each step's metrics and, at its cadence, the report for the loggers.
+        metrics: the running training metrics the reporter reads.
+        rollouts: the rollout source, told when the weights changed (the async worker samples
+            with the new ones).
+    """
+
+    def __init__(
+        self,
+        settings: StepSettings,
+        reward: RewardFn,
+        loss_passes: LossPasses,
+        plan: StepPlan,
+        optimizer_step: OptimizerStep,
+        reporter: StepReporter,
+        metrics: TrainMetrics,
+        rollouts: SyncRollouts,
+    ) -> None:
+        self.settings, self.reward = settings, reward
+        self.loss_passes, self.plan, self.optimizer_step = loss_passes, plan, optimizer_step
+        self.reporter, self.metrics, self.rollouts = reporter, metrics, rollouts
+
+    def train(
+        self,
+        item: TrainingBatch,
+        model: PreTrainedModel,
+        reference: ReferenceSource | None,
+        optimizer: Any,
+        scheduler: Any,
+        context: StepContext,
+    ) -> tuple[StepRecord, bool]:
+        """Score ``item``'s rollout, backpropagate its loss and step ``optimizer`` where the plan
+        says. Returns the batch's record and whether it ended an optimizer step."""
+        s, profile, rollout = self.settings, context.profile, item.rollout
+        extras = RewardExtras(context.global_step(), context.epoch_at(item.batch_idx), context.max_steps)
+        with profile("reward"), sigterm_interrupts():
+            rewards, components, errors = score_groups(
+                self.reward, item.prompts, rollout, item.batch_kwargs, s.on_reward_error, s.reward_timeout,
+                extras.arguments(),
+            )  # fmt: skip
+        self.metrics.add_logged(extras.logged(), "train")  # TRL's log_metric
+        advantages = batch_advantages(  # (P*G,)
+            rewards, s.group_size, s.advantage_scale, context.world_size, context.gather
+        )
+        plan = self.plan.plan(rollout, rewards, advantages, item.batch_idx, context)
+        trained = plan.rollout  # the batch's rollout, or (dynamic sampling) its informative groups
+        if s.mask_truncated_completions:
+            warn_when_few_tokens_count(rollout)
+        with profile("logprob"):
+            old_logp, ref_logp = self.loss_passes.fixed_log_probs(model, reference, trained, len(plan.passes))
+        pass_stats = []
+        for part in plan.passes:  # the whole rollout, or (steps_per_generation) one share of it
+            share, share_advantages, old, ref = take_share(part, trained, plan.advantages, old_logp, ref_logp)
+            # Before any backward: DDP all-reduces in each one, so every rank must make as many.
+            extra = self.plan.backward_calls_missing(len(self.loss_passes.micro_batches(share)), context)
+            pass_stats.append(
+                self.loss_passes.backward(
+                    model, share, share_advantages, old, ref, context.backward, profile, extra
+                )
+            )
+            if part.step_after:
+                with profile("optimizer"):
+                    self.step_optimizer(model, optimizer, scheduler, context)
+        # What the loss logs: the last pass over the rollout (the mean over its shares).
+        per_pass = len(plan.passes) // s.num_iterations
+        stats = mean_stats(pass_stats[-per_pass:])
+        num_tokens = trained.loss_mask(s.mask_truncated_completions).sum().float()
+        self.metrics.add({"reward_errors": errors, "num_tokens": num_tokens, **item.metrics})
+        record = self.reporter.record(
+            item, rewards, components, stats, plan.steps,
+            context.global_step(), context.log_every_n_steps, context.phases(),
+        )  # fmt: skip
+        return record, plan.stepped
+
+    def step_optimizer(
+        self, model: PreTrainedModel, optimizer: Any, scheduler: Any, context: StepContext
+    ) -> None:
+        """Step the optimizer on the gradient of the step's batches, and give the engine the new weights."""
+        count = context.reduce(self.loss_passes.take_count().to(context.device), "sum")  # every rank's
+        self.metrics.add(self.plan.step_ended())  # dynamic sampling's rounds, taken or skipped
+        changed, metrics = self.optimizer_step(model, optimizer, scheduler, count, context)
+        self.metrics.add(metrics)
+        if changed:
+            self.rollouts.weights_updated(model)
