@@ -16,14 +16,7 @@ from forge_lightning.callbacks.defaults import fit_callbacks
 from forge_lightning.data.datamodule import split_batch
 from forge_lightning.data.gsm8k import extract_answer
 from forge_lightning.evaluation.ranks import ValidationRows, own_rows
-from forge_lightning.evaluation.sampled import (
-    TrainingRandomState,
-    batch_sizes,
-    check_generation_budget,
-    run_seed,
-    sampled_evaluation,
-    sampling_seed,
-)
+from forge_lightning.evaluation.sampled import TrainingRandomState, batch_sizes, run_seed, sampling_seed
 from forge_lightning.evaluation.validation import (
     NO_TEST_STEP,
     EvaluationLogStep,
@@ -48,21 +41,28 @@ from forge_lightning.rewards.library import (
 )
 from forge_lightning.rollout.engines.base import GenerationBackend
 from forge_lightning.rollout.engines.hf import eos_token_ids
-from forge_lightning.rollout.sampler import RolloutSampler, prompt_settings
+from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.sources import TrainingBatch
-from forge_lightning.rollout.tool_sampler import ToolRolloutSampler, with_tools
+from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools.environments import score_name
 from forge_lightning.rollout.tools.stored import ToolsArgument, stored_tools
 from forge_lightning.run.checkpoint_io import refuse_unstored_objects
 from forge_lightning.run.preemption import Preemption
 from forge_lightning.settings.checks import validate_hparams
-from forge_lightning.settings.components import build_components, stored_arguments
+from forge_lightning.settings.components import (
+    build_components,
+    prompt_format,
+    sampled_evaluation,
+    stored_arguments,
+    with_tools,
+)
+from forge_lightning.settings.groups import GRPOSettings, check_generation_budget
 from forge_lightning.settings.trl_names import pointing_at_settings
 from forge_lightning.training.context import StepContext
 from forge_lightning.training.loss_passes import ReferenceSource
 from forge_lightning.training.optim import loss_scale, policy_optimizer, rescale_schedule
 from forge_lightning.training.run_state import load_run_state, save_run_state
-from forge_lightning.training.step import StepSettings, TrainingStep
+from forge_lightning.training.step import TrainingStep
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -74,6 +74,11 @@ class GRPOLightningModule(pl.LightningModule):
     steps every ``gradient_accumulation_steps`` batches and at the end of an epoch, so
     ``trainer.global_step`` counts optimizer steps.
 
+    Args are listed by group, as the settings are typed in ``self.settings`` (a
+    :class:`~forge_lightning.settings.groups.GRPOSettings`): the field of each group's dataclass in
+    settings/groups.py says what its setting does in full. The model, the reward, the tokenizer,
+    LoRA, the tools, the accuracy check and the answer key are not settings of a group.
+
     Args:
         model: a spec (``embedded``, hub id, folder, ``.gguf``, ``random:...``; models/loading.py) or
             a built HF LM.
@@ -81,10 +86,9 @@ class GRPOLightningModule(pl.LightningModule):
             A list of them (TRL's ``reward_funcs``) is their equally weighted CompositeReward. One
             given by import path (functions, classes, their lists) is stored in the checkpoint.
         tokenizer: required when ``model`` is an object; loaded with the spec otherwise.
+        peft: train a LoRA adapter (lora.LoraSettings or a dict of its fields); None trains every weight.
         group_size: completions per prompt (G), at least 2.
-        clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
-        clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
-        kl_beta: weight of the KL penalty toward the reference; 0 needs no reference.
+        max_new_tokens: longest completion, in tokens.
         temperature: sampling temperature; the loss scores at it too (``forge``: at 1).
         top_p: nucleus sampling mass.
         top_k: sample among the k likeliest tokens; 0 disables it.
@@ -95,51 +99,42 @@ class GRPOLightningModule(pl.LightningModule):
         generation_kwargs: more settings for the engine, by its own names (``GenerationConfig``
             fields for HF, ``vllm.SamplingParams`` for vLLM); keys the module sets itself and
             unknown ones are refused by name (rollout/engines/generation_settings.py).
-        max_new_tokens: longest completion, in tokens.
+        max_prompt_length: longer prompts are cut from the left, or refused (``prompt_truncation``);
+            None: the model's context length less ``max_new_tokens``.
+        prompt_truncation: ``left`` (with a warning) or ``error``.
+        use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
+        system_prompt: system message for the chat template.
+        loss_type: ``grpo``, ``dapo``, ``dr_grpo`` or ``forge`` (see grpo.LossSettings).
+        clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
+        clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
+        kl_beta: weight of the KL penalty toward the reference; 0 needs no reference.
+        importance_sampling_level: ``token`` ratios, or one per completion (``sequence``, GSPO).
+        kl_estimator: ``k1``, ``k2`` or ``k3`` (grpo.LossSettings gives each one's gradient).
+        advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
+        mask_truncated_completions: a completion cut off at ``max_new_tokens`` (no EOS) gets no
+            policy or KL weight, and is left out of the loss's normaliser; it still counts in its
+            group's reward statistics (as in TRL and DAPO).
+        num_iterations: optimizer passes over each rollout (mu); above 1 needs accumulation 1.
+        steps_per_generation: optimizer steps each batch's generation feeds (S).
+        use_engine_logprobs: the old policy's log-probs from the engine's scores, not a forward.
+        behav_imp_weight_cap: async: the cap of the default correction (> 1; None).
+        rollout_correction: ``mask`` (MIS) or ``truncate`` (TIS) by the sampler's log-probs; None: off.
+        rollout_correction_level: ``token``, or ``sequence``: one weight per completion, from
+            the mean log-ratio over its model tokens.
+        rollout_correction_cap: the cap of ``w`` (> 1; TRL's 3).
         learning_rate: AdamW's peak learning rate.
         weight_decay: AdamW's weight decay.
         gradient_accumulation_steps: batches per optimizer step.
         max_grad_norm: clip the gradient's total norm to this before each step; None disables.
         warmup_steps: optimizer steps of linear warmup.
         lr_schedule: ``cosine`` to zero at the last step (Forge's) or ``constant`` after the warmup.
-        loss_type: ``grpo``, ``dapo``, ``dr_grpo`` or ``forge`` (see grpo.LossSettings).
-        importance_sampling_level: ``token`` ratios, or one per completion (``sequence``, GSPO).
-        kl_estimator: ``k1``, ``k2`` or ``k3`` (grpo.LossSettings gives each one's gradient).
-        advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
-        num_iterations: optimizer passes over each rollout (mu); above 1 needs accumulation 1.
-        train_micro_batch_size: completions per forward/backward (None: all); same gradient, less memory.
-        max_prompt_length: longer prompts are cut from the left, or refused (``prompt_truncation``);
-            None: the model's context length less ``max_new_tokens``.
-        prompt_truncation: ``left`` (with a warning) or ``error``.
-        use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
-        system_prompt: system message for the chat template.
-        on_reward_error: ``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it.
-        reward_timeout: seconds a reward call may take; a longer one is abandoned and its batch
-            fails as under ``on_reward_error``; None waits for ever.
         max_consecutive_bad_steps: non-finite gradients skip the step; this many in a row stop.
-        prefix_sharing: each prompt's forward once per group, its keys/values shared by the G completions.
-        logprob_chunk_size: rows per chunk of the float32 log-softmax; None for no chunks.
-        gradient_checkpointing: trade compute for activation memory in the training forward.
+        dynamic_sampling: train on informative groups only, sampling rounds until a step has enough
+            (DAPO; see training/dynamic_sampling.py); ``gradient_accumulation_steps`` then counts
+            informative prompts.
+        max_sampling_rounds: with dynamic sampling, the rounds after which a step trains on what it has.
         generation_backend: ``hf`` (the policy's ``generate``) or ``vllm`` (GPU; see rollout/engines/vllm.py).
         vllm_gpu_memory_utilization: the share of GPU memory the vLLM engine may take.
-        use_engine_logprobs: the old policy's log-probs from the engine's scores, not a forward.
-            The engine (vLLM, or HF generate) is trusted: needs top_p 1, top_k 0 and a loss at
-            the sampling temperature. Else see ``rollout_correction``.
-        peft: train a LoRA adapter (lora.LoraSettings or a dict of its fields); None trains every weight.
-        accuracy: the check behind ``val/accuracy`` (a reward scoring 1 when right); GSM8K's if None.
-        mask_truncated_completions: a completion cut off at ``max_new_tokens`` (no EOS) gets no
-            policy or KL weight, and is left out of the loss's normaliser; it still counts in its
-            group's reward statistics (as in TRL and DAPO).
-        dynamic_sampling: train on informative groups only, sampling rounds until a step has
-            enough (DAPO; see training/dynamic_sampling.py); ``gradient_accumulation_steps`` then counts
-            informative prompts. Needs ``trainer.max_steps`` and ``num_iterations`` 1.
-        max_sampling_rounds: with dynamic sampling, the rounds after which a step trains on what it has.
-        model_dtype: the dtype a model spec is loaded in. ``float32`` (the default) keeps the weights
-            and the AdamW state in full precision under ``bf16-mixed``/``16-mixed`` (autocast computes
-            in half precision), also when the checkpoint is stored in bf16, as most of the hub is;
-            ``auto`` keeps the checkpoint's dtype; ``bfloat16`` / ``float16`` train half-precision
-            weights, which a small learning rate barely moves (a warning says so).
-        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice.
         rollout_mode: ``sync``, or ``async``: a worker process samples while the trainer trains.
         max_staleness: async: optimizer steps a rollout may lag the weights it trains (k >= 0).
         rollout_worker_threads: async: the worker's CPU threads, the trainer the rest; None: half.
@@ -147,29 +142,30 @@ class GRPOLightningModule(pl.LightningModule):
             ``cuda`` the trainer's own (with ``rollout_memory_fraction``); the weights go device
             to device (rollout/engines/weight_ring.py).
         rollout_memory_fraction: async: the GPU memory share the worker may take.
-        behav_imp_weight_cap: async: the cap of the default correction (> 1; None). Without
-            ``rollout_correction``, a rollout sampled by older weights weighs each token by
-            ``exp(old_logp - behav_logp)``, none above this.
-        rollout_correction: ``mask`` (MIS) or ``truncate`` (TIS) by the sampler's log-probs; None: off.
-            It corrects the loss for the sampler's log-probs differing from the trainer's (vLLM's
-            kernels, top-p/top-k cuts, the async worker): the engine's scores come with the
-            rollout and weigh each token (``token``) or completion (``sequence``) by ``w`` (the
-            formula: grpo.grpo_loss), ``mask`` dropping those above the cap, ``truncate`` capping
-            them. Logs ``train/sampler_kl``, ``train/correction_weight_mean`` and
-            ``train/correction_masked_fraction``.
-        rollout_correction_level: ``token``, or ``sequence``: one weight per completion, from
-            the mean log-ratio over its model tokens.
-        rollout_correction_cap: the cap of ``w`` (> 1; TRL's 3).
-        steps_per_generation: optimizer steps each batch's generation feeds (S). With S > 1 the
-            batch (give the data S x the prompts of a step) is sampled once and split, by whole
-            groups in prompt order, into S steps of ``gradient_accumulation_steps`` shares each;
-            the old-policy log-probs are the sampling weights', fixed once (``num_iterations``
-            repeats the S steps). Checkpoints fall between generations; step cadences
-            (``max_steps``, ``every_n_train_steps``, ``save_steps``) must be multiples of S x mu.
+        train_micro_batch_size: completions per forward/backward (None: all); same gradient, less memory.
+        prefix_sharing: each prompt's forward once per group, its keys/values shared by the G completions.
+        logprob_chunk_size: rows per chunk of the float32 log-softmax; None for no chunks.
+        gradient_checkpointing: trade compute for activation memory in the training forward.
+        model_dtype: the dtype a model spec is loaded in. ``float32`` (the default) keeps the weights
+            and the AdamW state in full precision under ``bf16-mixed``/``16-mixed`` (autocast computes
+            in half precision), also when the checkpoint is stored in bf16, as most of the hub is;
+            ``auto`` keeps the checkpoint's dtype; ``bfloat16`` / ``float16`` train half-precision
+            weights, which a small learning rate barely moves (a warning says so).
+        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice.
+        max_generation_tokens: the most tokens one batch's generation may hold, counted as its rows
+            x (``max_prompt_length``, 0 when unset, + new tokens): a training batch (prompts per
+            step x ``group_size`` rows) or a sampled validation batch (``val_batch_size`` x
+            ``val_num_generations`` rows) over it is refused before any step.
+        on_reward_error: ``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it.
+        reward_timeout: seconds a reward call may take; a longer one is abandoned and its batch
+            fails as under ``on_reward_error``; None waits for ever.
         calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
             or ``plain`` (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py).
-            Sync rollouts with HF generate only. None: no tool.
         max_tool_calls: with tools, the calls one completion may make.
+        tool_call_format: how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``.
+        tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
+        max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
+            cut before it is rendered, marked as cut and counted (``tool_results_cut``).
         tools: typed functions with docstrings (or their import paths) a completion may call in the
             ``tool_call_format``; each result comes back as the chat template's ``tool`` message
             (tools/functions.py). Stored by import path: a lambda or local function is refused.
@@ -178,23 +174,12 @@ class GRPOLightningModule(pl.LightningModule):
             (text it returns joins the prompt), ``get_reward()`` (or ``reward()``) scores it
             (EnvironmentReward, the reward when ``reward`` is None), its other public methods are
             tools. Sync rollouts with HF generate only.
-        tool_call_format: how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``.
-        tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
-        max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
-            cut before it is rendered, marked as cut and counted (``tool_results_cut``).
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
-            and maj@k; 0: greedy only. With n, each validation also logs k = 1, 2, 4, ..., n,
-            ``frac_all_correct``/``frac_none_correct`` and the samples' length and truncated share,
-            and the answers file holds the samples (evaluation/sampled.py). They are drawn under their
-            own seeded RNG: a fit trains the same with or without them. Under DDP/FSDP each
-            prompt counts once (evaluation/ranks.py).
+            and maj@k; 0: greedy only.
         val_temperature: temperature of the sampled validation completions.
         val_top_p: nucleus mass of the sampled validation completions.
         val_max_new_tokens: longest sampled validation completion; None: ``max_new_tokens``.
-        max_generation_tokens: the most tokens one batch's generation may hold, counted as its rows
-            x (``max_prompt_length``, 0 when unset, + new tokens): a training batch (prompts per
-            step x ``group_size`` rows) or a sampled validation batch (``val_batch_size`` x
-            ``val_num_generations`` rows) over it is refused before any step.
+        accuracy: the check behind ``val/accuracy`` (a reward scoring 1 when right); GSM8K's if None.
         answer_key: what a sampled completion votes for in maj@k (GSM8K's extracted number by
             default), ``completion -> hashable``, None for no answer. None logs no maj@k.
     """
@@ -204,13 +189,14 @@ class GRPOLightningModule(pl.LightningModule):
     @pointing_at_settings
     def __init__(
         self,
+        # -- the policy, its reward and tokenizer
         model: str | PreTrainedModel = "embedded",
         reward: RewardArgument | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        peft: LoraSettings | None = None,
+        # -- sampling (SamplingSettings)
         group_size: int = 8,
-        clip_epsilon: float = 0.2,
-        clip_epsilon_high: float | None = None,
-        kl_beta: float = 0.01,
+        max_new_tokens: int = 512,
         temperature: float = 0.9,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -218,61 +204,73 @@ class GRPOLightningModule(pl.LightningModule):
         repetition_penalty: float = 1.0,
         stop: list[str] | None = None,
         generation_kwargs: dict[str, Any] | None = None,
-        max_new_tokens: int = 512,
+        # -- prompts (PromptSettings)
+        max_prompt_length: int | None = None,
+        prompt_truncation: Literal["left", "error"] = "left",
+        use_chat_template: bool | None = None,
+        system_prompt: str | None = None,
+        # -- the loss (grpo.LossSettings)
+        loss_type: LossType = "grpo",
+        clip_epsilon: float = 0.2,
+        clip_epsilon_high: float | None = None,
+        kl_beta: float = 0.01,
+        importance_sampling_level: ImportanceSampling = "token",
+        kl_estimator: KLEstimator = "k3",
+        # -- advantages (AdvantageSettings)
+        advantage_scale: AdvantageScale = "group",
+        mask_truncated_completions: bool = False,
+        # -- off-policy passes and corrections (OffPolicySettings)
+        num_iterations: int = 1,
+        steps_per_generation: int = 1,
+        use_engine_logprobs: bool = False,
+        behav_imp_weight_cap: float | None = 5.0,
+        rollout_correction: Literal["mask", "truncate"] | None = None,
+        rollout_correction_level: Literal["token", "sequence"] = "token",
+        rollout_correction_cap: float | None = 3.0,
+        # -- the optimizer (OptimizerSettings)
         learning_rate: float = 5e-6,
         weight_decay: float = 0.0,
         gradient_accumulation_steps: int = 4,
         max_grad_norm: float | None = 1.0,
         warmup_steps: int = 0,
         lr_schedule: Literal["cosine", "constant"] = "cosine",
-        loss_type: LossType = "grpo",
-        importance_sampling_level: ImportanceSampling = "token",
-        kl_estimator: KLEstimator = "k3",
-        advantage_scale: AdvantageScale = "group",
-        num_iterations: int = 1,
-        train_micro_batch_size: int | None = None,
-        max_prompt_length: int | None = None,
-        prompt_truncation: Literal["left", "error"] = "left",
-        use_chat_template: bool | None = None,
-        system_prompt: str | None = None,
-        on_reward_error: Literal["raise", "zero"] = "raise",
-        reward_timeout: float | None = None,
         max_consecutive_bad_steps: int = 3,
-        prefix_sharing: bool = True,
-        logprob_chunk_size: int | None = 8,
-        gradient_checkpointing: bool = False,
-        generation_backend: Literal["hf", "vllm"] = "hf",
-        vllm_gpu_memory_utilization: float = 0.3,
-        use_engine_logprobs: bool = False,
-        peft: LoraSettings | None = None,
-        accuracy: Callable[..., Any] | None = None,
-        mask_truncated_completions: bool = False,
+        # -- dynamic sampling (DynamicSamplingSettings)
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 4,
-        model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32",
-        attn_implementation: str | None = None,
+        # -- the engine and the rollout worker (EngineSettings)
+        generation_backend: Literal["hf", "vllm"] = "hf",
+        vllm_gpu_memory_utilization: float = 0.3,
         rollout_mode: Literal["sync", "async"] = "sync",
         max_staleness: int = 1,
         rollout_worker_threads: int | None = None,
         rollout_device: str | None = None,
         rollout_memory_fraction: float | None = None,
-        behav_imp_weight_cap: float | None = 5.0,
-        rollout_correction: Literal["mask", "truncate"] | None = None,
-        rollout_correction_level: Literal["token", "sequence"] = "token",
-        rollout_correction_cap: float | None = 3.0,
-        steps_per_generation: int = 1,
+        # -- memory (MemorySettings)
+        train_micro_batch_size: int | None = None,
+        prefix_sharing: bool = True,
+        logprob_chunk_size: int | None = 8,
+        gradient_checkpointing: bool = False,
+        model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32",
+        attn_implementation: str | None = None,
+        max_generation_tokens: int = 2**20,
+        # -- reward calls (RewardSettings)
+        on_reward_error: Literal["raise", "zero"] = "raise",
+        reward_timeout: float | None = None,
+        # -- tools (ToolSettings)
         calculator: Literal["annotation", "plain"] | None = None,
         max_tool_calls: int = 4,
-        tools: ToolsArgument = None,
-        environment_factory: type | str | None = None,
         tool_call_format: str = "hermes",
         tool_timeout: float | None = 10.0,
         max_tool_result_chars: int = 10_000,
+        tools: ToolsArgument = None,
+        environment_factory: type | str | None = None,
+        # -- validation (ValidationSettings)
         val_num_generations: int = 0,
         val_temperature: float = 1.0,
         val_top_p: float = 1.0,
         val_max_new_tokens: int | None = None,
-        max_generation_tokens: int = 2**20,
+        accuracy: Callable[..., Any] | None = None,
         answer_key: Callable[[str], Any] | None = extract_answer,
     ) -> None:
         super().__init__()
@@ -292,24 +290,24 @@ class GRPOLightningModule(pl.LightningModule):
         self.reward = EnvironmentReward() if scored else stored.reward_fn
         self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
         self._use_chat_template = use_chat_template
-        # The flat hyperparameters as typed settings, and the collaborators that take them, once.
-        # The rollout source decides where and when rollouts are sampled (sync or async); the plan,
-        # what each batch trains and when the optimizer steps (accumulation, mu passes, dynamic
-        # sampling's rounds); the reporter, what the loggers get.
+        # The flat hyperparameters as typed settings groups, and the collaborators built from them,
+        # once. The rollout source decides where and when rollouts are sampled (sync or async); the
+        # plan, what each batch trains and when the optimizer steps (accumulation, mu passes,
+        # dynamic sampling's rounds); the reporter, what the loggers get.
+        self.settings = GRPOSettings.from_hparams(self.hparams)
+        self.loss_settings = self.settings.loss
         tool_names = ["calculator"] if calculator is not None else self.tools.names
-        parts = build_components(self.hparams, component_names(self.reward), tool_names)
-        self.settings, self.loss_settings = parts.settings, parts.loss
+        parts = build_components(self.settings, component_names(self.reward), tool_names)
         self.sampling, self.greedy = parts.sampling, parts.greedy
         self.scorer = parts.scorer
         self.rollout_source, self.plan = parts.rollout_source, parts.plan
         self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
         self.reporter = parts.reporter
-        step_settings = {name: self.hparams[name] for name in StepSettings.__dataclass_fields__}
         self.step = TrainingStep(
-            StepSettings(**step_settings), self.reward, parts.passes, self.plan, parts.stepper,
+            parts.step_settings, self.reward, parts.passes, self.plan, parts.stepper,
             self.reporter, self.train_metrics, self.rollout_source,
         )  # fmt: skip
-        self.sampled_eval = sampled_evaluation(self.hparams, answer_key)
+        self.sampled_eval = sampled_evaluation(self.settings.validation, self.settings.sampling, answer_key)
         self._random_state = TrainingRandomState()  # put back after each validation of a fit
         self._val_rows = ValidationRows()  # which validation rows this rank counts
         self._log_step = EvaluationLogStep()  # the step validate's metrics reach the loggers at
@@ -333,17 +331,21 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def configure_model(self) -> None:
         precision = None if self._trainer is None else str(self.trainer.precision)
+        s = self.settings
         self.model, self.tokenizer = training_policy(
-            self.model, self.tokenizer, self.model_spec, self.hparams, self.device_mesh, precision
-        )
+            self.model, self.tokenizer, self.model_spec, self.device_mesh, precision,
+            model_dtype=s.memory.model_dtype, attn_implementation=s.memory.attn_implementation,
+            peft=self.hparams.peft, gradient_checkpointing=s.memory.gradient_checkpointing,
+            prefix_sharing=s.memory.prefix_sharing, generation_backend=s.engine.generation_backend,
+        )  # fmt: skip
         eos = eos_token_ids(self.tokenizer, self.model)
         if self.generator is None:
             self.generator = self.rollout_source.build_engine(
                 self.tokenizer, self.model, eos, self.scorer.temperature
             )
-        prompts = prompt_settings(self.model, self.hparams, self.use_chat_template)
+        prompts = prompt_format(self.model, s.prompts, s.sampling.max_new_tokens, self.use_chat_template)
         sampler = RolloutSampler(self.tokenizer, self.generator, eos, prompts)
-        self.sampler = with_tools(sampler, self.hparams, self.tools)
+        self.sampler = with_tools(sampler, s.tools, s.prompts.system_prompt, self.tools)
         self.rollout_source.use(self.sampler, self.generator)
 
     @override
@@ -441,7 +443,7 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def on_fit_start(self) -> None:
         self.plan.check_fit(self.trainer)
-        check_generation_budget(self.hparams, *batch_sizes(self.trainer))  # before any step
+        check_generation_budget(self.settings, *batch_sizes(self.trainer))  # before any step
         self.rollout_source.on_fit_start(self.trainer, self.model, sharded=self.device_mesh is not None)
         self._share_policy_context()
         self._random_state.save(self.device)  # the sanity check's validation leaves it as it was
@@ -452,7 +454,9 @@ class GRPOLightningModule(pl.LightningModule):
         # a new --model.learning_rate takes effect from here on (and on_load_checkpoint said so).
         scheduler = self.lr_schedulers()
         if scheduler is not None:
-            rescale_schedule(scheduler, self.settings.learning_rate, self.plan.total_steps(self.trainer))
+            rescale_schedule(
+                scheduler, self.settings.optimizer.learning_rate, self.plan.total_steps(self.trainer)
+            )
         self.reporter.window = []
         self._checkpoint_step = None  # the trainer's global_step counts these weights' steps now
 
@@ -486,11 +490,12 @@ class GRPOLightningModule(pl.LightningModule):
             return
         prompts, batch_kwargs, (greedy, sampled) = own_rows(own, prompts, batch_kwargs, greedy, sampled)
         answers = score_validation(
-            self.reward, self.accuracy, prompts, greedy, batch_kwargs, self.settings, self.val_metrics,
+            self.reward, self.accuracy, prompts, greedy, batch_kwargs, self.settings.rewards,
+            self.val_metrics,
             RewardExtras(self.trainer.global_step, self.trainer.current_epoch, self.trainer.max_steps),
         )  # fmt: skip
         self.validation_samples += self.sampled_eval.score(
-            sampled, prompts, batch_kwargs, answers, self.accuracy, self.settings, self.val_metrics
+            sampled, prompts, batch_kwargs, answers, self.accuracy, self.settings.rewards, self.val_metrics
         )
 
     @override
@@ -500,7 +505,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_validation_start(self) -> None:
-        check_generation_budget(self.hparams, *batch_sizes(self.trainer))  # the loaders are known now
+        check_generation_budget(self.settings, *batch_sizes(self.trainer))  # the loaders are known now
         self._share_policy_context()  # validate without fit: a reward model moves to the policy's device
 
     def _share_policy_context(self) -> None:

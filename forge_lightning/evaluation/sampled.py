@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -232,51 +232,6 @@ def _sample(
     if scores is not None:
         entry["correct"] = float(scores[i])
     return {**entry, **answer_facts(rollout, i)}
-
-
-def sampled_evaluation(hp: Mapping[str, Any], answer_key: AnswerKey | None) -> SampledEvaluation:
-    """The module's sampled evaluation from its ``val_*`` hyperparameters ``hp``."""
-    params = SamplingParams(
-        hp["val_max_new_tokens"] or hp["max_new_tokens"],
-        temperature=hp["val_temperature"],
-        top_p=hp["val_top_p"],
-        stop=tuple(hp.get("stop") or ()),  # a completion ends where training's do
-    )
-    return SampledEvaluation(hp["val_num_generations"], params, answer_key)
-
-
-def check_generation_budget(
-    hp: Mapping[str, Any], train_prompts: int | None, val_prompts: int | None
-) -> None:
-    """Refuse a batch whose generation would hold more than ``max_generation_tokens`` tokens,
-    counted as rows x (P + new tokens), ``P`` being ``max_prompt_length`` (0 when unset: completion
-    tokens alone): a training batch of ``train_prompts`` x ``group_size`` rows and ``max_new_tokens``,
-    and a sampled validation batch of ``val_prompts`` x ``val_num_generations`` rows and
-    ``val_max_new_tokens``. A batch that passes can still be too big for a small machine; one that
-    fails would allocate its KV cache and logits at once (a validation only after the first steps).
-    A batch size not known yet (no datamodule, no loader) is not checked."""
-    prompt = hp.get("max_prompt_length") or 0
-    n, budget = hp["val_num_generations"], hp["max_generation_tokens"]
-    batches = [
-        ("data.prompts_per_step", train_prompts, "group_size", hp["group_size"], hp["max_new_tokens"]),
-        (
-            "data.val_batch_size",
-            val_prompts,
-            "val_num_generations",
-            n,
-            hp["val_max_new_tokens"] or hp["max_new_tokens"],
-        ),
-    ]
-    for prompts_name, prompts, rows_name, per_prompt, new in batches:
-        tokens = (prompts or 0) * per_prompt * (prompt + new)
-        if tokens > budget:
-            raise ValueError(
-                f"{rows_name}={per_prompt} x {prompts_name}={prompts} rows x ({prompt} prompt + {new} new "
-                f"tokens) = {tokens:,} tokens in one batch's generation, over max_generation_tokens="
-                f"{budget:,} (the rule: rows x (max_prompt_length, 0 when unset, + new tokens) <= "
-                f"max_generation_tokens). Lower {rows_name} (at most {budget // (prompts * (prompt + new))} "
-                f"here) or {prompts_name}, or raise max_generation_tokens if the machine holds it"
-            )
 
 
 def batch_sizes(trainer: Any) -> tuple[int | None, int | None]:

@@ -53,24 +53,30 @@ def training_policy(
     model: PreTrainedModel | None,
     tokenizer: PreTrainedTokenizerBase | None,
     spec: str | None,
-    hp: Any,
     mesh: DeviceMesh | None,
     precision: str | None,
+    *,
+    model_dtype: str,
+    attn_implementation: str | None,
+    peft: dict[str, Any] | None,
+    gradient_checkpointing: bool,
+    prefix_sharing: bool,
+    generation_backend: str,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """The module's ``configure_model``: the model ``spec`` names loaded (in ``hp.model_dtype``,
-    with the spec's tokenizer unless one was given) where none is built yet, then made the policy
-    to train (prepare_policy, per the hyperparameters ``hp``)."""
+    """The module's ``configure_model``: the model ``spec`` names loaded (in ``model_dtype``, with
+    the spec's tokenizer unless one was given) where none is built yet, then made the policy to
+    train (prepare_policy)."""
     if model is None:
-        warn_when_half_precision(hp.model_dtype)
-        model, loaded = load_model(spec, hp.model_dtype, hp.attn_implementation)
+        warn_when_half_precision(model_dtype)
+        model, loaded = load_model(spec, model_dtype, attn_implementation)
         tokenizer = tokenizer or loaded
     policy = prepare_policy(
         model,
-        peft=hp.peft,
-        gradient_checkpointing=hp.gradient_checkpointing,
-        prefix_sharing=hp.prefix_sharing,
+        peft=peft,
+        gradient_checkpointing=gradient_checkpointing,
+        prefix_sharing=prefix_sharing,
         mesh=mesh,
-        generation_backend=hp.generation_backend,
+        generation_backend=generation_backend,
         precision=precision,
     )
     return policy, tokenizer

@@ -114,8 +114,9 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, completion_ids: Tenso
 
 
 @dataclass(frozen=True)
-class PromptSettings:
-    """How prompts become tokens: see :func:`encode_prompts`."""
+class PromptFormat:
+    """How prompts become tokens: see :func:`encode_prompts` (the module's prompt settings, with
+    the chat template and the longest prompt resolved for its model and tokenizer)."""
 
     use_chat_template: bool
     system_prompt: str | None = None
@@ -123,10 +124,13 @@ class PromptSettings:
     truncation: Literal["left", "error"] = "left"
 
 
+PromptSettings = PromptFormat  # its name before settings.groups.PromptSettings took it
+
+
 class RolloutSampler:
     """Prompts in, a :class:`Rollout` out: encode, sample G completions each, mask and decode.
 
-    Built once per fit from the tokenizer, the generation engine and the prompt settings.
+    Built once per fit from the tokenizer, the generation engine and its prompt format.
     """
 
     def __init__(
@@ -134,7 +138,7 @@ class RolloutSampler:
         tokenizer: PreTrainedTokenizerBase,
         generator: GenerationBackend,
         eos_ids: Sequence[int],
-        prompts: PromptSettings,
+        prompts: PromptFormat,
     ) -> None:
         self.tokenizer = tokenizer
         self.generator = generator
@@ -189,7 +193,7 @@ class RolloutSampler:
     def encode(
         self, prompts: list[Prompt], device: torch.device, tools: list[dict[str, Any]] | None = None
     ) -> tuple[Tensor, Tensor]:
-        """The prompts as left-padded ``(ids, mask)`` on ``device``, per the prompt settings (the
+        """The prompts as left-padded ``(ids, mask)`` on ``device``, per the prompt format (the
         chat template given the tools' schemas ``tools``, where there are any)."""
         s = self.prompts
         prompt_ids, prompt_mask = encode_prompts(
@@ -248,12 +252,6 @@ class RolloutSampler:
             truncated=truncated,
             behav_logp=behav_logp,
         )
-
-
-def prompt_settings(model: PreTrainedModel, hp: Any, use_chat_template: bool) -> PromptSettings:
-    """How the module's prompts are encoded for ``model``, per its hyperparameters ``hp``."""
-    longest = max_prompt_length(model, hp.max_prompt_length, hp.max_new_tokens)
-    return PromptSettings(use_chat_template, hp.system_prompt, longest, hp.prompt_truncation)
 
 
 def max_prompt_length(model: PreTrainedModel, setting: int | None, max_new_tokens: int) -> int | None:

@@ -66,7 +66,7 @@ class TrainingBatch:
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    """How training batches are sampled (the module's flat settings, picked once)."""
+    """How training batches are sampled (picked once from the module's settings: settings/components.py)."""
 
     mode: str
     group_size: int
@@ -82,25 +82,6 @@ class RolloutSettings:
     worker_memory_fraction: float | None
     prefix_sharing: bool
     logprob_chunk_size: int | None
-
-
-def rollout_settings(hp: Any, sampling: SamplingParams) -> RolloutSettings:
-    return RolloutSettings(
-        mode=hp.rollout_mode,
-        group_size=hp.group_size,
-        sampling=sampling,
-        engine_logprobs=hp.use_engine_logprobs,
-        correction=hp.get("rollout_correction") is not None,
-        generation_backend=hp.generation_backend,
-        vllm_gpu_memory_utilization=hp.vllm_gpu_memory_utilization,
-        gradient_accumulation_steps=hp.gradient_accumulation_steps,
-        max_staleness=hp.max_staleness,
-        worker_threads=hp.rollout_worker_threads,
-        worker_device=hp.get("rollout_device"),
-        worker_memory_fraction=hp.get("rollout_memory_fraction"),
-        prefix_sharing=hp.prefix_sharing,
-        logprob_chunk_size=hp.logprob_chunk_size,
-    )
 
 
 def rollout_source(settings: RolloutSettings) -> SyncRollouts:

@@ -28,8 +28,6 @@ from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.tools.base import Episode, ToolProtocol
 from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
-from forge_lightning.rollout.tools.functions import FunctionTools
-from forge_lightning.rollout.tools.stored import StoredTools
 from forge_lightning.rollout.types import Prompt, Rollout, left_pad
 
 # A round on a cached engine ends once this share of its rows that have not ended wait for a tool:
@@ -313,23 +311,3 @@ class ToolRolloutSampler:
             return list(episode.messages)
         text = self.sampler.tokenizer.decode(last, skip_special_tokens=True)
         return [*episode.messages, {"role": "assistant", "content": text}]
-
-
-def with_tools(sampler: RolloutSampler, hp: Any, stored: StoredTools) -> RolloutSampler | ToolRolloutSampler:
-    """The module's episode runner: ``sampler``, or the tools its settings ``hp`` name around it
-    (the calculator, or ``stored``'s functions and environment)."""
-    if hp.calculator is not None:
-        tools: ToolProtocol = CalculatorTools(InlineCalculator(hp.calculator), sampler.tokenizer)
-    elif stored.functions or stored.factory is not None:
-        tools = FunctionTools(
-            sampler.tokenizer,
-            stored.functions,
-            stored.factory,
-            hp.tool_call_format,
-            hp.tool_timeout,
-            hp.system_prompt,
-            hp.max_tool_result_chars,
-        )
-    else:
-        return sampler
-    return ToolRolloutSampler(sampler, tools, hp.max_tool_calls)

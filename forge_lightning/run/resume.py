@@ -99,10 +99,10 @@ def trainer_settings(trainer: Any) -> dict[str, Any]:
     return {name: getattr(trainer, name, None) for name in names}
 
 
-def check_resume(checkpoint: Mapping[str, Any], hparams: Mapping[str, Any], trainer: dict[str, Any]) -> None:
-    """A resumed fit's checks: the module's settings may not change where that breaks the run
-    (check_resume_settings); every trainer setting (``trainer``, trainer_settings) may (a longer
-    run, another cadence): applied and logged."""
-    check_resume_settings(checkpoint.get("hyper_parameters", {}), hparams)
+def check_resume(checkpoint: Mapping[str, Any], current: Mapping[str, Any], trainer: dict[str, Any]) -> None:
+    """A resumed fit's checks: the module's settings (``current``, flat as the checkpoint keeps
+    them) may not change where that breaks the run (check_resume_settings); every trainer setting
+    (``trainer``, trainer_settings) may (a longer run, another cadence): applied and logged."""
+    check_resume_settings(checkpoint.get("hyper_parameters", {}), current)
     for line in changed_settings(checkpoint.get("forge_trainer_settings", {}), trainer).values():
         log.info("resumed with a changed trainer setting, applied: %s", line)

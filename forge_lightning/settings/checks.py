@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from forge_lightning.grpo import ADVANTAGE_SCALES, LossSettings
@@ -136,23 +135,6 @@ def loss_settings(values: Mapping[str, Any]) -> LossSettings:
         picked["rollout_correction"] = values["rollout_correction"]
         picked["rollout_correction_level"] = values.get("rollout_correction_level", "token")
     return LossSettings(**picked, max_completion_length=values.get("max_new_tokens"))
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """The module's own settings of a training step, picked once from the flat hyperparameters."""
-
-    group_size: int
-    advantage_scale: str
-    mask_truncated_completions: bool
-    on_reward_error: str
-    reward_timeout: float | None
-    max_grad_norm: float | None
-    learning_rate: float
-
-
-def train_settings(values: Mapping[str, Any]) -> TrainSettings:
-    return TrainSettings(**{name: values[name] for name in TrainSettings.__dataclass_fields__})
 
 
 def check_setting(field: str, value: Any) -> None:

@@ -1,18 +1,23 @@
-"""What GRPOLightningModule is built from, once, in its ``__init__``.
+"""What GRPOLightningModule is built from, once, in its ``__init__`` (and its sampler in
+``configure_model``).
 
 The flat hyperparameters (``--model.<name>``: the CLI's, the config's and the checkpoint's
-record) become typed settings, and the collaborators the module holds take those: the log-prob
-scorer, the loss passes, the rollout source, the step plan, the metrics and their reporter.
+record) become typed settings groups (settings/groups.py), and the collaborators the module holds
+are built from those here: the log-prob scorer, the loss passes, the rollout source, the step
+plan, the metrics and their reporter, the sampled evaluation, the prompt format and the tools.
+The layers below (rollout/, training/, evaluation/, models/) cannot import the groups
+(tests/test_layers.py): each collaborator there takes its own typed settings or values, picked
+from the groups here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from forge_lightning.evaluation.sampled import sampled_keys
-from forge_lightning.grpo import LossSettings
+from transformers import PreTrainedModel
+
+from forge_lightning.evaluation.sampled import AnswerKey, SampledEvaluation, sampled_keys
 from forge_lightning.models.lora import LoraSettings, lora_settings
 from forge_lightning.reporting.metrics import TrainMetrics
 from forge_lightning.reporting.reporter import StepReporter
@@ -26,11 +31,24 @@ from forge_lightning.rewards.library import (
 )
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.logprobs import LogProbScorer
-from forge_lightning.rollout.sources import SyncRollouts, rollout_settings, rollout_source
-from forge_lightning.settings.checks import TrainSettings, loss_settings, train_settings
+from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
+from forge_lightning.rollout.sources import RolloutSettings, SyncRollouts, rollout_source
+from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
+from forge_lightning.rollout.tools.base import ToolProtocol
+from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
+from forge_lightning.rollout.tools.functions import FunctionTools
+from forge_lightning.rollout.tools.stored import StoredTools
+from forge_lightning.settings.groups import (
+    GRPOSettings,
+    PromptSettings,
+    SamplingSettings,
+    ToolSettings,
+    ValidationSettings,
+)
 from forge_lightning.training.loss_passes import LossPasses
 from forge_lightning.training.optim import OptimizerStep
-from forge_lightning.training.plan import StepPlan, plan_settings, step_plan
+from forge_lightning.training.plan import PlanSettings, StepPlan, step_plan
+from forge_lightning.training.step import StepSettings
 
 VALIDATION_KEYS = ("accuracy", "reward", "completion_length", "truncated_fraction")
 
@@ -69,10 +87,8 @@ def stored_arguments(
 
 @dataclass
 class Components:
-    """The module's typed settings and collaborators (see GRPOLightningModule.__init__)."""
+    """The module's collaborators (see GRPOLightningModule.__init__), built from its settings."""
 
-    settings: TrainSettings
-    loss: LossSettings
     sampling: SamplingParams  # training's
     greedy: SamplingParams  # validation's and predict's
     scorer: LogProbScorer
@@ -83,43 +99,135 @@ class Components:
     val_metrics: TrainMetrics
     reporter: StepReporter
     stepper: OptimizerStep
+    step_settings: StepSettings  # what a training batch reads itself (training/step.py)
 
 
-def build_components(hp: Mapping[str, Any], reward_names: list[str], tool_names: list[str]) -> Components:
-    """Everything the module holds that its hyperparameters ``hp`` decide; ``reward_names``: the
-    reward's components, and ``tool_names`` the tools, each tracked as a metric."""
-    loss = loss_settings(hp)
-    stop = tuple(hp.get("stop") or ())
+def build_components(settings: GRPOSettings, reward_names: list[str], tool_names: list[str]) -> Components:
+    """Everything the module holds that its ``settings`` decide; ``reward_names``: the reward's
+    components, and ``tool_names`` the tools, each tracked as a metric."""
+    s, loss = settings.sampling, settings.loss
+    stop = tuple(s.stop or ())
     sampling = SamplingParams(
-        hp["max_new_tokens"],
-        temperature=hp["temperature"],
-        top_p=hp["top_p"],
-        top_k=hp["top_k"],
-        min_p=hp.get("min_p", 0.0),
-        repetition_penalty=hp.get("repetition_penalty", 1.0),
+        s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
         stop=stop,
-        extra=hp.get("generation_kwargs"),
+        extra=s.generation_kwargs,
     )
+    memory = settings.memory
     scorer = LogProbScorer(
-        temperature=loss.scoring_temperature(hp["temperature"]),
-        shared_prefix=hp["prefix_sharing"],
-        chunk_size=hp["logprob_chunk_size"],
-        micro_batch_size=hp["train_micro_batch_size"],
+        temperature=loss.scoring_temperature(s.temperature),
+        shared_prefix=memory.prefix_sharing,
+        chunk_size=memory.logprob_chunk_size,
+        micro_batch_size=memory.train_micro_batch_size,
     )
     train_metrics = TrainMetrics(reward_names, tools=tool_names)
+    sampled = sampled_keys(settings.validation.val_num_generations)
+    optimizer = settings.optimizer
     return Components(
-        settings=train_settings(hp),
-        loss=loss,
         sampling=sampling,
-        greedy=SamplingParams(hp["max_new_tokens"], greedy=True, stop=stop),
+        greedy=SamplingParams(s.max_new_tokens, greedy=True, stop=stop),
         scorer=scorer,
-        passes=LossPasses(scorer, loss, hp["mask_truncated_completions"]),
-        rollout_source=rollout_source(rollout_settings(hp, sampling)),
-        plan=step_plan(plan_settings(hp)),
+        passes=LossPasses(scorer, loss, settings.advantages.mask_truncated_completions),
+        rollout_source=rollout_source(rollout_settings(settings, sampling)),
+        plan=step_plan(plan_settings(settings)),
         train_metrics=train_metrics,
-        val_metrics=TrainMetrics(
-            reward_names, keys=(*VALIDATION_KEYS, *sampled_keys(hp["val_num_generations"]))
-        ),
+        val_metrics=TrainMetrics(reward_names, keys=(*VALIDATION_KEYS, *sampled)),
         reporter=StepReporter(train_metrics),  # its cadence handed over by module.report_every
-        stepper=OptimizerStep(hp["max_grad_norm"], hp["max_consecutive_bad_steps"]),
+        stepper=OptimizerStep(optimizer.max_grad_norm, optimizer.max_consecutive_bad_steps),
+        step_settings=step_settings(settings),
     )
+
+
+def step_settings(settings: GRPOSettings) -> StepSettings:
+    """What a training batch reads itself: the groups' sizes, the advantages, how rewards fail, mu."""
+    advantages, rewards = settings.advantages, settings.rewards
+    return StepSettings(
+        group_size=settings.sampling.group_size,
+        advantage_scale=advantages.advantage_scale,
+        mask_truncated_completions=advantages.mask_truncated_completions,
+        on_reward_error=rewards.on_reward_error,
+        reward_timeout=rewards.reward_timeout,
+        num_iterations=settings.off_policy.num_iterations,
+    )
+
+
+def rollout_settings(settings: GRPOSettings, sampling: SamplingParams) -> RolloutSettings:
+    """How training batches are sampled: the engine's group, with what the rollouts must carry."""
+    engine, off_policy, memory = settings.engine, settings.off_policy, settings.memory
+    return RolloutSettings(
+        mode=engine.rollout_mode,
+        group_size=settings.sampling.group_size,
+        sampling=sampling,
+        engine_logprobs=off_policy.use_engine_logprobs,
+        correction=off_policy.rollout_correction is not None,
+        generation_backend=engine.generation_backend,
+        vllm_gpu_memory_utilization=engine.vllm_gpu_memory_utilization,
+        gradient_accumulation_steps=settings.optimizer.gradient_accumulation_steps,
+        max_staleness=engine.max_staleness,
+        worker_threads=engine.rollout_worker_threads,
+        worker_device=engine.rollout_device,
+        worker_memory_fraction=engine.rollout_memory_fraction,
+        prefix_sharing=memory.prefix_sharing,
+        logprob_chunk_size=memory.logprob_chunk_size,
+    )
+
+
+def plan_settings(settings: GRPOSettings) -> PlanSettings:
+    """What the step plan reads: accumulation, the passes over a rollout, dynamic sampling's rounds."""
+    off_policy, dynamic = settings.off_policy, settings.dynamic_sampling
+    return PlanSettings(
+        group_size=settings.sampling.group_size,
+        gradient_accumulation_steps=settings.optimizer.gradient_accumulation_steps,
+        num_iterations=off_policy.num_iterations,
+        dynamic_sampling=dynamic.enabled,
+        max_sampling_rounds=dynamic.max_sampling_rounds,
+        steps_per_generation=off_policy.steps_per_generation,
+    )
+
+
+def sampled_evaluation(
+    validation: ValidationSettings, sampling: SamplingSettings, answer_key: AnswerKey | None
+) -> SampledEvaluation:
+    """The module's sampled evaluation; a completion ends where training's do (``stop``)."""
+    params = SamplingParams(
+        validation.max_new_tokens(sampling.max_new_tokens),
+        temperature=validation.val_temperature,
+        top_p=validation.val_top_p,
+        stop=tuple(sampling.stop or ()),
+    )
+    return SampledEvaluation(validation.val_num_generations, params, answer_key)
+
+
+def prompt_format(
+    model: PreTrainedModel, prompts: PromptSettings, max_new_tokens: int, use_chat_template: bool
+) -> PromptFormat:
+    """How the module's prompts are encoded for ``model`` (``use_chat_template`` resolved: the
+    setting, or whether the tokenizer has one)."""
+    longest = max_prompt_length(model, prompts.max_prompt_length, max_new_tokens)
+    return PromptFormat(use_chat_template, prompts.system_prompt, longest, prompts.prompt_truncation)
+
+
+def with_tools(
+    sampler: RolloutSampler, tools: ToolSettings, system_prompt: str | None, stored: StoredTools
+) -> RolloutSampler | ToolRolloutSampler:
+    """The module's episode runner: ``sampler``, or the tools its settings name around it (the
+    calculator, or ``stored``'s functions and environment)."""
+    if tools.calculator is not None:
+        calls: ToolProtocol = CalculatorTools(InlineCalculator(tools.calculator), sampler.tokenizer)
+    elif stored.functions or stored.factory is not None:
+        calls = FunctionTools(
+            sampler.tokenizer,
+            stored.functions,
+            stored.factory,
+            tools.tool_call_format,
+            tools.tool_timeout,
+            system_prompt,
+            tools.max_tool_result_chars,
+        )
+    else:
+        return sampler
+    return ToolRolloutSampler(sampler, calls, tools.max_tool_calls)

@@ -4,6 +4,7 @@ asynchronous rollouts in flight; and what a resume checks and restores of them."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from forge_lightning.rewards.library import reward_parts
@@ -36,16 +37,17 @@ def save_run_state(
 def load_run_state(
     checkpoint: dict[str, Any],
     resumed: Any,
-    hparams: Any,
+    current: Mapping[str, Any],
     reporter: StepReporter,
     rollouts: SyncRollouts,
     reward: Any,
 ) -> None:
     """Restore what :func:`save_run_state` added (``on_load_checkpoint``); ``resumed``: the trainer
     of a fit that resumes from ``checkpoint`` (its settings checked against the checkpoint's, and
-    the run's state restored), None outside fit."""
+    the run's state restored), None outside fit; ``current``: the module's flat hyperparameters,
+    compared with those the checkpoint holds."""
     if resumed is not None:
-        check_resume(checkpoint, hparams, trainer_settings(resumed))
+        check_resume(checkpoint, current, trainer_settings(resumed))
         check_reward_models(checkpoint.get("forge_reward_models", []), reward_parts(reward))
         reporter.tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
         if "forge_async" in checkpoint:

@@ -336,7 +336,7 @@ def test_a_sampled_evaluation_over_the_generation_budget_is_refused_before_any_s
 
 
 def test_the_generation_budget_counts_rows_times_prompt_and_new_tokens():
-    from forge_lightning.evaluation.sampled import check_generation_budget
+    from forge_lightning.settings.groups import GRPOSettings, check_generation_budget
 
     hp = {
         "val_num_generations": 16,
@@ -346,10 +346,12 @@ def test_the_generation_budget_counts_rows_times_prompt_and_new_tokens():
         "max_prompt_length": 48,
         "max_generation_tokens": 16 * 4 * 64,
     }
-    check_generation_budget(hp, train_prompts=8, val_prompts=4)  # both exactly at the budget
-    check_generation_budget(hp, train_prompts=None, val_prompts=None)  # not known yet
+    settings = GRPOSettings.from_hparams(hp)
+    check_generation_budget(settings, train_prompts=8, val_prompts=4)  # both exactly at the budget
+    check_generation_budget(settings, train_prompts=None, val_prompts=None)  # not known yet
     with pytest.raises(ValueError, match=r"^val_num_generations=16 x data.val_batch_size=5 rows"):
-        check_generation_budget(hp, train_prompts=8, val_prompts=5)
+        check_generation_budget(settings, train_prompts=8, val_prompts=5)
     with pytest.raises(ValueError, match=r"^group_size=8 x data.prompts_per_step=9 rows .*at most 7 here"):
-        check_generation_budget(hp, train_prompts=9, val_prompts=1)
-    check_generation_budget({**hp, "max_generation_tokens": 10**9}, train_prompts=9, val_prompts=5)
+        check_generation_budget(settings, train_prompts=9, val_prompts=1)
+    roomy = GRPOSettings.from_hparams({**hp, "max_generation_tokens": 10**9})
+    check_generation_budget(roomy, train_prompts=9, val_prompts=5)

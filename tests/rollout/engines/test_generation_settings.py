@@ -22,7 +22,7 @@ from forge_lightning.rollout.engines.generation_settings import (
 )
 from forge_lightning.rollout.engines.hf import HFGenerate
 from forge_lightning.rollout.engines.vllm import VLLMGenerate, vllm_sampling_params
-from forge_lightning.rollout.sampler import PromptSettings, RolloutSampler
+from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import InlineCalculator
 from forge_lightning.rollout.types import completion_mask
@@ -56,7 +56,7 @@ def bigram_model(tokenizer, chain: dict[str, str] = CHAIN, default: str = "3") -
 def sampler(tokenizer, generator=None) -> RolloutSampler:
     eos = [tokenizer.eos_token_id]
     generator = generator or HFGenerate(tokenizer.pad_token_id, eos, tokenizer)
-    return RolloutSampler(tokenizer, generator, eos, PromptSettings(use_chat_template=False))
+    return RolloutSampler(tokenizer, generator, eos, PromptFormat(use_chat_template=False))
 
 
 def ids_of(tokenizer, text: str) -> list[int]:

@@ -9,7 +9,7 @@ import torch
 from conftest import make_model, make_tokenizer
 
 from forge_lightning.rollout.engines.base import SamplingParams
-from forge_lightning.rollout.sampler import PromptSettings, RolloutSampler
+from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import InlineCalculator
 from forge_lightning.rollout.tools.calculator import (
@@ -127,7 +127,7 @@ class OneCall:
 def test_a_rollout_answers_a_long_call_whole_or_counts_its_refusal(expression, answer, errors):
     tok = make_tokenizer()
     eos = [tok.eos_token_id]
-    base = RolloutSampler(tok, OneCall(tok, expression), eos, PromptSettings(use_chat_template=False))
+    base = RolloutSampler(tok, OneCall(tok, expression), eos, PromptFormat(use_chat_template=False))
     sampler = ToolRolloutSampler(base, InlineCalculator("plain"))
     rollout = sampler(make_model(len(tok)), ["Q:"], SamplingParams(max_new_tokens=240, greedy=True), 2)
 

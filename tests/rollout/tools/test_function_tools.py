@@ -24,7 +24,7 @@ from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
-from forge_lightning.rollout.sampler import PromptSettings, RolloutSampler
+from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import CALL_FORMATS, FunctionTools, HermesToolCalls, ParsedCall
 from forge_lightning.rollout.tools.base import Episode
@@ -121,7 +121,7 @@ def call(name: str, **arguments) -> str:
 def sampler(tok, tools, generator=None, max_tool_calls=4, timeout=10.0, env=None, **settings):
     eos = [tok.eos_token_id]
     generator = generator or HFGenerate(tok.pad_token_id, eos)
-    base = RolloutSampler(tok, generator, eos, PromptSettings(use_chat_template=True))
+    base = RolloutSampler(tok, generator, eos, PromptFormat(use_chat_template=True))
     protocol = FunctionTools(tok, tools, environment_factory=env, timeout=timeout, **settings)
     return ToolRolloutSampler(base, protocol, max_tool_calls)
 

@@ -15,7 +15,7 @@ from forge_lightning.grpo import LossSettings, grpo_loss, loss_normalizer
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
-from forge_lightning.rollout.sampler import PromptSettings, RolloutSampler
+from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import CalculatorError, InlineCalculator, safe_eval
 from forge_lightning.rollout.tools.base import Answer
@@ -112,7 +112,7 @@ def scripted(tokenizer, text: str, seed: int = 0) -> ScriptedLlama:
 def tool_sampler(tokenizer, generator=None, style="annotation", max_tool_calls=4) -> ToolRolloutSampler:
     eos = [tokenizer.eos_token_id]
     generator = generator or HFGenerate(tokenizer.pad_token_id, eos)
-    base = RolloutSampler(tokenizer, generator, eos, PromptSettings(use_chat_template=False))
+    base = RolloutSampler(tokenizer, generator, eos, PromptFormat(use_chat_template=False))
     return ToolRolloutSampler(base, InlineCalculator(style), max_tool_calls)
 
 

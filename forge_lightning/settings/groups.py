@@ -1,0 +1,358 @@
+"""The module's settings as typed groups: :class:`GRPOSettings`, built once from the flat
+hyperparameters (``--model.<name>``, a config's ``model:`` keys, a checkpoint's ``hparams``).
+
+Each group is a frozen dataclass whose fields carry the module's names (``dynamic_sampling`` is
+:attr:`DynamicSamplingSettings.enabled`), defaults and help, and whose ``__post_init__`` checks
+the ranges of its own fields by the rules of settings/checks.py (``RULES``, the same messages).
+The checks across fields and groups stay in :func:`~forge_lightning.settings.checks.validate_hparams`.
+A collaborator takes its group, not the flat mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar
+
+from forge_lightning.grpo import AdvantageScale, LossSettings
+from forge_lightning.rollout.engines.weight_ring import check_rollout_device
+from forge_lightning.settings.checks import RULES, check_setting, loss_settings
+
+
+def setting_name(item: Any) -> str:
+    """The module's name (``--model.<name>``) of a group's dataclass field."""
+    return item.metadata.get("setting", item.name)
+
+
+class _Group:
+    """A settings group: its fields' ranges checked by ``RULES`` when it is made."""
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            name = setting_name(item)
+            if name in RULES:
+                check_setting(name, getattr(self, item.name))
+
+
+@dataclass(frozen=True)
+class SamplingSettings(_Group):
+    """How training completions are sampled."""
+
+    group_size: int = 8
+    """completions per prompt (G), at least 2."""
+    max_new_tokens: int = 512
+    """longest completion, in tokens."""
+    temperature: float = 0.9
+    """sampling temperature; the loss scores at it too (``forge``: at 1)."""
+    top_p: float = 1.0
+    """nucleus sampling mass."""
+    top_k: int = 0
+    """sample among the k likeliest tokens; 0 disables it."""
+    min_p: float = 0.0
+    """drop tokens below this share of the likeliest one's probability; 0 disables it."""
+    repetition_penalty: float = 1.0
+    """HF's and vLLM's penalty on tokens already in the sequence; 1 disables it."""
+    stop: list[str] | None = None
+    """strings that end a completion (training and validation), the mask running through the
+    token that completes the first; the reward's text ends with it."""
+    generation_kwargs: dict[str, Any] | None = None
+    """more settings for the engine, by its own names (``GenerationConfig`` fields for HF,
+    ``vllm.SamplingParams`` for vLLM); keys the module sets itself and unknown ones are refused by
+    name (rollout/engines/generation_settings.py)."""
+
+
+@dataclass(frozen=True)
+class PromptSettings(_Group):
+    """How prompts are encoded."""
+
+    max_prompt_length: int | None = None
+    """longer prompts are cut from the left, or refused (``prompt_truncation``); None: the model's
+    context length less ``max_new_tokens``."""
+    prompt_truncation: Literal["left", "error"] = "left"
+    """``left`` (with a warning) or ``error``."""
+    use_chat_template: bool | None = None
+    """prompts through the tokenizer's chat template; None: when it has one."""
+    system_prompt: str | None = None
+    """system message for the chat template."""
+
+
+@dataclass(frozen=True)
+class AdvantageSettings(_Group):
+    """How rewards become advantages, and which completions carry them."""
+
+    advantage_scale: AdvantageScale = "group"
+    """divide centred rewards by the group's std, the batch's, or nothing."""
+    mask_truncated_completions: bool = False
+    """a completion cut off at ``max_new_tokens`` (no EOS) gets no policy or KL weight, and is left
+    out of the loss's normaliser; it still counts in its group's reward statistics (as in TRL and
+    DAPO)."""
+
+
+@dataclass(frozen=True)
+class OffPolicySettings(_Group):
+    """Training on a rollout more than once, or on one sampled by other weights or another engine."""
+
+    num_iterations: int = 1
+    """optimizer passes over each rollout (mu); above 1 needs accumulation 1."""
+    steps_per_generation: int = 1
+    """optimizer steps each batch's generation feeds (S). With S > 1 the batch (give the data S x
+    the prompts of a step) is sampled once and split, by whole groups in prompt order, into S
+    steps of ``gradient_accumulation_steps`` shares each; the old-policy log-probs are the
+    sampling weights', fixed once (``num_iterations`` repeats the S steps). Checkpoints fall
+    between generations; step cadences (``max_steps``, ``every_n_train_steps``, ``save_steps``)
+    must be multiples of S x mu."""
+    use_engine_logprobs: bool = False
+    """the old policy's log-probs from the engine's scores, not a forward. The engine (vLLM, or HF
+    generate) is trusted: needs top_p 1, top_k 0 and a loss at the sampling temperature. Else see
+    ``rollout_correction``."""
+    behav_imp_weight_cap: float | None = 5.0
+    """async: the cap of the default correction (> 1; None). Without ``rollout_correction``, a
+    rollout sampled by older weights weighs each token by ``exp(old_logp - behav_logp)``, none
+    above this."""
+    rollout_correction: Literal["mask", "truncate"] | None = None
+    """``mask`` (MIS) or ``truncate`` (TIS) by the sampler's log-probs; None: off. It corrects the
+    loss for the sampler's log-probs differing from the trainer's (vLLM's kernels, top-p/top-k
+    cuts, the async worker): the engine's scores come with the rollout and weigh each token
+    (``token``) or completion (``sequence``) by ``w`` (the formula: grpo.grpo_loss), ``mask``
+    dropping those above the cap, ``truncate`` capping them. Logs ``train/sampler_kl``,
+    ``train/correction_weight_mean`` and ``train/correction_masked_fraction``."""
+    rollout_correction_level: Literal["token", "sequence"] = "token"
+    """``token``, or ``sequence``: one weight per completion, from the mean log-ratio over its model
+    tokens."""
+    rollout_correction_cap: float | None = 3.0
+    """the cap of ``w`` (> 1; TRL's 3)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        LossSettings(behav_imp_weight_cap=self.behav_imp_weight_cap)  # the loss's rule for its cap
+
+
+@dataclass(frozen=True)
+class OptimizerSettings(_Group):
+    """AdamW, its schedule, and the gradient it steps on."""
+
+    learning_rate: float = 5e-6
+    """AdamW's peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW's weight decay."""
+    gradient_accumulation_steps: int = 4
+    """batches per optimizer step."""
+    max_grad_norm: float | None = 1.0
+    """clip the gradient's total norm to this before each step; None disables."""
+    warmup_steps: int = 0
+    """optimizer steps of linear warmup."""
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    """``cosine`` to zero at the last step (Forge's) or ``constant`` after the warmup."""
+    max_consecutive_bad_steps: int = 3
+    """non-finite gradients skip the step; this many in a row stop."""
+
+
+@dataclass(frozen=True)
+class DynamicSamplingSettings(_Group):
+    """DAPO's dynamic sampling (training/dynamic_sampling.py)."""
+
+    enabled: bool = field(default=False, metadata={"setting": "dynamic_sampling"})
+    """``dynamic_sampling``: train on informative groups only, sampling rounds until a step has
+    enough (DAPO; see training/dynamic_sampling.py); ``gradient_accumulation_steps`` then counts
+    informative prompts. Needs ``trainer.max_steps`` and ``num_iterations`` 1."""
+    max_sampling_rounds: int = 4
+    """with dynamic sampling, the rounds after which a step trains on what it has."""
+
+
+@dataclass(frozen=True)
+class EngineSettings(_Group):
+    """What samples the rollouts, and where: the generation engine and the async rollout worker."""
+
+    generation_backend: Literal["hf", "vllm"] = "hf"
+    """``hf`` (the policy's ``generate``) or ``vllm`` (GPU; see rollout/engines/vllm.py)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """the share of GPU memory the vLLM engine may take."""
+    rollout_mode: Literal["sync", "async"] = "sync"
+    """``sync``, or ``async``: a worker process samples while the trainer trains."""
+    max_staleness: int = 1
+    """async: optimizer steps a rollout may lag the weights it trains (k >= 0)."""
+    rollout_worker_threads: int | None = None
+    """async: the worker's CPU threads, the trainer the rest; None: half."""
+    rollout_device: str | None = None
+    """async: the worker's device (None: the CPU). ``cuda:N`` is another GPU, ``cuda`` the
+    trainer's own (with ``rollout_memory_fraction``); the weights go device to device
+    (rollout/engines/weight_ring.py)."""
+    rollout_memory_fraction: float | None = None
+    """async: the GPU memory share the worker may take."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_rollout_device(self.rollout_device, self.rollout_memory_fraction)
+
+
+@dataclass(frozen=True)
+class MemorySettings(_Group):
+    """What a step holds in memory: micro-batches, shared prefixes, chunks, dtypes, the generation budget."""
+
+    train_micro_batch_size: int | None = None
+    """completions per forward/backward (None: all); same gradient, less memory."""
+    prefix_sharing: bool = True
+    """each prompt's forward once per group, its keys/values shared by the G completions."""
+    logprob_chunk_size: int | None = 8
+    """rows per chunk of the float32 log-softmax; None for no chunks."""
+    gradient_checkpointing: bool = False
+    """trade compute for activation memory in the training forward."""
+    model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32"
+    """the dtype a model spec is loaded in. ``float32`` (the default) keeps the weights and the
+    AdamW state in full precision under ``bf16-mixed``/``16-mixed`` (autocast computes in half
+    precision), also when the checkpoint is stored in bf16, as most of the hub is; ``auto`` keeps
+    the checkpoint's dtype; ``bfloat16`` / ``float16`` train half-precision weights, which a small
+    learning rate barely moves (a warning says so)."""
+    attn_implementation: str | None = None
+    """``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice."""
+    max_generation_tokens: int = 2**20
+    """the most tokens one batch's generation may hold, counted as its rows x
+    (``max_prompt_length``, 0 when unset, + new tokens): a training batch (prompts per step x
+    ``group_size`` rows) or a sampled validation batch (``val_batch_size`` x
+    ``val_num_generations`` rows) over it is refused before any step (check_generation_budget)."""
+
+
+@dataclass(frozen=True)
+class RewardSettings(_Group):
+    """How reward calls fail."""
+
+    on_reward_error: Literal["raise", "zero"] = "raise"
+    """``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it."""
+    reward_timeout: float | None = None
+    """seconds a reward call may take; a longer one is abandoned and its batch fails as under
+    ``on_reward_error``; None waits for ever."""
+
+
+@dataclass(frozen=True)
+class ToolSettings(_Group):
+    """Tool calls in a completion (rollout/tool_sampler.py); the module's ``tools`` and
+    ``environment_factory`` name the functions, stored by import path."""
+
+    calculator: Literal["annotation", "plain"] | None = None
+    """completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``) or ``plain``
+    (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py). Sync rollouts
+    with HF generate only. None: no tool."""
+    max_tool_calls: int = 4
+    """with tools, the calls one completion may make."""
+    tool_call_format: str = "hermes"
+    """how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``."""
+    tool_timeout: float | None = 10.0
+    """seconds a tool call may take before it is abandoned and answered with an error."""
+    max_tool_result_chars: int = 10_000
+    """the characters of a tool's result the model reads; a longer one is cut before it is
+    rendered, marked as cut and counted (``tool_results_cut``)."""
+
+
+@dataclass(frozen=True)
+class ValidationSettings(_Group):
+    """The sampled completions of a validation, besides the greedy one (evaluation/sampled.py)."""
+
+    val_num_generations: int = 0
+    """completions sampled per validation prompt (n) for val/mean@n, pass@k and maj@k; 0: greedy
+    only. With n, each validation also logs k = 1, 2, 4, ..., n,
+    ``frac_all_correct``/``frac_none_correct`` and the samples' length and truncated share, and
+    the answers file holds the samples (evaluation/sampled.py). They are drawn under their own
+    seeded RNG: a fit trains the same with or without them. Under DDP/FSDP each prompt counts once
+    (evaluation/ranks.py)."""
+    val_temperature: float = 1.0
+    """temperature of the sampled validation completions."""
+    val_top_p: float = 1.0
+    """nucleus mass of the sampled validation completions."""
+    val_max_new_tokens: int | None = None
+    """longest sampled validation completion; None: ``max_new_tokens``."""
+
+    def max_new_tokens(self, training: int) -> int:
+        """The longest sampled validation completion, given training's ``max_new_tokens``."""
+        return self.val_max_new_tokens or training
+
+
+# Every group but the loss's, by its attribute of GRPOSettings.
+GROUPS: dict[str, type[_Group]] = {
+    "sampling": SamplingSettings,
+    "prompts": PromptSettings,
+    "advantages": AdvantageSettings,
+    "off_policy": OffPolicySettings,
+    "optimizer": OptimizerSettings,
+    "dynamic_sampling": DynamicSamplingSettings,
+    "engine": EngineSettings,
+    "memory": MemorySettings,
+    "rewards": RewardSettings,
+    "tools": ToolSettings,
+    "validation": ValidationSettings,
+}
+
+G = TypeVar("G", bound=_Group)
+
+
+def picked(kind: type[G], values: Mapping[str, Any]) -> G:
+    """The group ``kind`` of the flat settings ``values``; a setting they lack takes its default."""
+    names = {item.name: setting_name(item) for item in fields(kind)}
+    return kind(**{name: values[setting] for name, setting in names.items() if setting in values})
+
+
+def flat_values(group: _Group) -> dict[str, Any]:
+    """A group's settings by the module's names (``--model.<name>``)."""
+    return {setting_name(item): getattr(group, item.name) for item in fields(group)}
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """Every setting of GRPOLightningModule but the objects it is given (model, reward, tokenizer,
+    LoRA, tools, accuracy and answer key), by group; build it with :meth:`from_hparams`."""
+
+    sampling: SamplingSettings
+    prompts: PromptSettings
+    loss: LossSettings  # as settings/checks.loss_settings builds it, with the correction's cap
+    advantages: AdvantageSettings
+    off_policy: OffPolicySettings
+    optimizer: OptimizerSettings
+    dynamic_sampling: DynamicSamplingSettings
+    engine: EngineSettings
+    memory: MemorySettings
+    rewards: RewardSettings
+    tools: ToolSettings
+    validation: ValidationSettings
+
+    @classmethod
+    def from_hparams(cls, values: Mapping[str, Any]) -> GRPOSettings:
+        """The groups of the module's flat hyperparameters ``values``. A key they lack (a
+        checkpoint written before the setting existed) takes the group's default, which is the
+        module's."""
+        groups = {name: picked(kind, values) for name, kind in GROUPS.items()}
+        every = {name: v for group in groups.values() for name, v in flat_values(group).items()}
+        return cls(**groups, loss=loss_settings({**every, **values}))
+
+
+def check_generation_budget(
+    settings: GRPOSettings, train_prompts: int | None, val_prompts: int | None
+) -> None:
+    """Refuse a batch whose generation would hold more than ``max_generation_tokens`` tokens,
+    counted as rows x (P + new tokens), ``P`` being ``max_prompt_length`` (0 when unset: completion
+    tokens alone): a training batch of ``train_prompts`` x ``group_size`` rows and ``max_new_tokens``,
+    and a sampled validation batch of ``val_prompts`` x ``val_num_generations`` rows and
+    ``val_max_new_tokens``. A batch that passes can still be too big for a small machine; one that
+    fails would allocate its KV cache and logits at once (a validation only after the first steps).
+    A batch size not known yet (no datamodule, no loader) is not checked."""
+    sampling, validation = settings.sampling, settings.validation
+    prompt = settings.prompts.max_prompt_length or 0
+    n, budget = validation.val_num_generations, settings.memory.max_generation_tokens
+    batches = [
+        ("data.prompts_per_step", train_prompts, "group_size", sampling.group_size, sampling.max_new_tokens),
+        (
+            "data.val_batch_size",
+            val_prompts,
+            "val_num_generations",
+            n,
+            validation.max_new_tokens(sampling.max_new_tokens),
+        ),
+    ]
+    for prompts_name, prompts, rows_name, per_prompt, new in batches:
+        tokens = (prompts or 0) * per_prompt * (prompt + new)
+        if tokens > budget:
+            raise ValueError(
+                f"{rows_name}={per_prompt} x {prompts_name}={prompts} rows x ({prompt} prompt + {new} new "
+                f"tokens) = {tokens:,} tokens in one batch's generation, over max_generation_tokens="
+                f"{budget:,} (the rule: rows x (max_prompt_length, 0 when unset, + new tokens) <= "
+                f"max_generation_tokens). Lower {rows_name} (at most {budget // (prompts * (prompt + new))} "
+                f"here) or {prompts_name}, or raise max_generation_tokens if the machine holds it"
+            )
