@@ -15,13 +15,12 @@ from typing_extensions import override
 from forge_lightning.callbacks.defaults import fit_callbacks
 from forge_lightning.data.datamodule import split_batch
 from forge_lightning.data.gsm8k import extract_answer
-from forge_lightning.evaluation.ranks import ValidationRows, own_rows
+from forge_lightning.evaluation.evaluator import Evaluator
+from forge_lightning.evaluation.ranks import owned_samples
 from forge_lightning.evaluation.sampled import TrainingRandomState, batch_sizes, run_seed, sampling_seed
 from forge_lightning.evaluation.validation import (
     NO_TEST_STEP,
     EvaluationLogStep,
-    check_validation_arguments,
-    score_validation,
 )
 from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType
 from forge_lightning.models.loading import ensure_pad_token
@@ -301,24 +300,23 @@ class GRPOLightningModule(pl.LightningModule):
         self.sampling, self.greedy = parts.sampling, parts.greedy
         self.scorer = parts.scorer
         self.rollout_source, self.plan = parts.rollout_source, parts.plan
-        self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
+        self.train_metrics = parts.train_metrics
         self.reporter = parts.reporter
         self.step = TrainingStep(
             parts.step_settings, self.reward, parts.passes, self.plan, parts.stepper,
             self.reporter, self.train_metrics, self.rollout_source,
         )  # fmt: skip
-        self.sampled_eval = sampled_evaluation(self.settings.validation, self.settings.sampling, answer_key)
+        sampled = sampled_evaluation(self.settings.validation, self.settings.sampling, answer_key)
+        self.evaluator = Evaluator(
+            self.reward, self.accuracy, self.greedy, sampled, self.settings.rewards, parts.val_metrics
+        )
         self._random_state = TrainingRandomState()  # put back after each validation of a fit
-        self._val_rows = ValidationRows()  # which validation rows this rank counts
         self._log_step = EvaluationLogStep()  # the step validate's metrics reach the loggers at
         # Built in configure_model (the engine only when none was set before fit); the sampler is
         # the episode runner the rollout source, validation and predict all sample with.
         self.generator: GenerationBackend | None = None
         self.sampler: RolloutSampler | ToolRolloutSampler | None = None
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
-        # This rank's validation answers since the epoch began: one dict per prompt (prompt,
-        # completion, reference, reward, correct, completion_length, truncated); RewardLogger writes them.
-        self.validation_samples: list[dict[str, Any]] = []
         self._checkpoint_step: int | None = None  # the global_step of a checkpoint loaded outside fit
         self.last_step: StepRecord | None = None
         # The StepRecords of the optimizer steps the latest training batch took (an async batch at
@@ -478,30 +476,20 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         prompts, batch_kwargs = split_batch(batch)
-        if batch_idx == 0:
-            check_validation_arguments(self.reward, self.accuracy, batch_kwargs, self._with_tools)
-        greedy = self.sampler(self.model, prompts, self.greedy, group_size=1, rows=batch_kwargs)
         seed = sampling_seed(run_seed(), self.global_step, batch_idx, self.global_rank)
-        sampled = self.sampled_eval.sample(self.sampler, self.model, prompts, batch_kwargs, seed)
-        # Under DDP/FSDP the last rows of a rank's share may repeat other ranks' prompts: sampled
-        # with the rest, to keep the ranks in step, but counted by their own rank only.
-        own = self._val_rows.take(len(prompts))
-        if own == 0:
-            return
-        prompts, batch_kwargs, (greedy, sampled) = own_rows(own, prompts, batch_kwargs, greedy, sampled)
-        answers = score_validation(
-            self.reward, self.accuracy, prompts, greedy, batch_kwargs, self.settings.rewards,
-            self.val_metrics,
-            RewardExtras(self.trainer.global_step, self.trainer.current_epoch, self.trainer.max_steps),
-        )  # fmt: skip
-        self.validation_samples += self.sampled_eval.score(
-            sampled, prompts, batch_kwargs, answers, self.accuracy, self.settings.rewards, self.val_metrics
+        extras = RewardExtras(self.trainer.global_step, self.trainer.current_epoch, self.trainer.max_steps)
+        self.evaluator.batch(
+            self.sampler, self.model, prompts, batch_kwargs, seed, extras, self._with_tools, batch_idx == 0
         )
+
+    @property
+    def validation_samples(self) -> list[dict[str, Any]]:
+        """This rank's validation answers since the epoch began (RewardLogger writes them)."""
+        return self.evaluator.samples
 
     @override
     def on_validation_epoch_start(self) -> None:
-        self.validation_samples = []
-        self._val_rows.start(self.trainer)
+        self.evaluator.start(owned_samples(self.trainer))
 
     @override
     def on_validation_start(self) -> None:
@@ -521,7 +509,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        values = {f"val/{k}": v for k, v in self.val_metrics.pop().items()}
+        values = self.evaluator.values()
         if not values or self.trainer.sanity_checking:  # Lightning logs no sanity check either
             return
         # The loggers get the values at the step of the weights evaluated: in a fit the optimizer
@@ -563,8 +551,16 @@ class GRPOLightningModule(pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         total_steps = self.plan.total_steps(self.trainer)
         sharded = self.device_mesh is not None
+        s = self.settings.optimizer
         optimizer, scheduler = policy_optimizer(
-            self.model, self.hparams, total_steps, self.trainer.precision, sharded
+            self.model,
+            learning_rate=s.learning_rate,
+            weight_decay=s.weight_decay,
+            warmup_steps=s.warmup_steps,
+            lr_schedule=s.lr_schedule,
+            total_steps=total_steps,
+            precision=self.trainer.precision,
+            sharded=sharded,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -49,8 +49,9 @@ class ValidationRows:
         self.owned: int | None = None
         self.seen = 0
 
-    def start(self, trainer: pl.Trainer) -> None:
-        self.owned, self.seen = owned_samples(trainer), 0
+    def start(self, owned: int | None) -> None:
+        """A new epoch: this rank owns its first ``owned`` rows (:func:`owned_samples`; None: all)."""
+        self.owned, self.seen = owned, 0
 
     def take(self, rows: int) -> int:
         """How many of the next ``rows`` rows (the first ones) this rank owns."""

@@ -49,15 +49,29 @@ def can_fuse_adamw(params: Iterable[Tensor], *, precision: str, sharded: bool) -
 
 
 def policy_optimizer(
-    model: Any, hp: Any, total_steps: int, precision: str, sharded: bool
+    model: Any,
+    *,
+    learning_rate: float,
+    weight_decay: float,
+    warmup_steps: int,
+    lr_schedule: str,
+    total_steps: int,
+    precision: str,
+    sharded: bool,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """The module's AdamW over ``model``'s trainable parameters, and its schedule, per the
-    hyperparameters ``hp`` (fused where can_fuse_adamw allows)."""
+    """The module's AdamW over ``model``'s trainable parameters, and its schedule (fused where
+    can_fuse_adamw allows)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    settings = {name: hp[name] for name in ("learning_rate", "weight_decay", "warmup_steps")}
     fused = can_fuse_adamw(params, precision=precision, sharded=sharded)
-    schedule = hp.lr_schedule
-    return adamw_with_schedule(params, **settings, total_steps=total_steps, schedule=schedule, fused=fused)
+    return adamw_with_schedule(
+        params,
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+        schedule=lr_schedule,
+        fused=fused,
+    )
 
 
 def total_optimizer_steps(

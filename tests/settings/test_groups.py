@@ -204,13 +204,8 @@ def flat_parameters(root: Path = PACKAGE) -> list[str]:
     return found
 
 
-# training/optim.py belongs to another change, which moves policy_optimizer to the optimizer
-# group's values; until then it is the one function left that takes the flat mapping.
-NOT_YET = {"training/optim.py:policy_optimizer"}
-
-
 def test_below_the_module_no_function_takes_the_flat_hyperparameters():
-    assert set(flat_parameters()) <= NOT_YET
+    assert flat_parameters() == []
 
 
 def test_the_flat_parameter_check_finds_hp_and_hparams_where_they_are_not_allowed(tmp_path):
