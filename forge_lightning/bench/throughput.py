@@ -61,7 +61,7 @@ from forge_lightning.models.loading import load_model
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.reporting.profiler import PHASES, PhaseProfiler, synchronize
 from forge_lightning.rollout.engines.async_worker import split_threads
-from forge_lightning.rollout.sources import SyncRollouts, TrainingBatch
+from forge_lightning.rollout.sources import RolloutSource, TrainingBatch
 from forge_lightning.rollout.types import Rollout
 
 log = logging.getLogger("forge_lightning.bench")
@@ -233,7 +233,7 @@ class RecordingRollouts:
     """The module's own rollout source (sync or async), also keeping each rollout it gives the
     module to train (so the references can replay it) and, async, the waits on either side of it."""
 
-    def __init__(self, source: SyncRollouts) -> None:
+    def __init__(self, source: RolloutSource) -> None:
         self.source = source
         self.kept: list[Rollout] = []
         self.waits: list[dict[str, float]] = []

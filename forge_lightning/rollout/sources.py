@@ -84,13 +84,16 @@ class RolloutSettings:
     logprob_chunk_size: int | None
 
 
-def rollout_source(settings: RolloutSettings) -> SyncRollouts:
+def rollout_source(settings: RolloutSettings) -> RolloutSource:
     """The source ``settings.mode`` names."""
     return AsyncRollouts(settings) if settings.mode == "async" else SyncRollouts(settings)
 
 
-class SyncRollouts:
-    """Each batch sampled when it trains, in this process, by the engine the module holds."""
+class RolloutSource:
+    """Where and when a training batch's rollouts are sampled: the engine and episode runner it
+    samples with, the rollouts each batch trains on (:meth:`rollouts`), and its part of the fit
+    (its state in checkpoints, its callbacks, its end). :class:`SyncRollouts` and
+    :class:`AsyncRollouts` are the two."""
 
     def __init__(self, settings: RolloutSettings) -> None:
         self.settings = settings
@@ -107,6 +110,34 @@ class SyncRollouts:
     def use(self, runner: EpisodeRunner, engine: GenerationBackend) -> None:
         """Sample with ``runner``; ``engine`` gets the weights after each optimizer step."""
         self.runner, self.engine = runner, engine
+
+    def rollouts(
+        self, batch: TrainingBatch, trainer: pl.Trainer, model: PreTrainedModel
+    ) -> Iterator[TrainingBatch]:
+        """The rollouts ``batch`` trains on (none, one, or several), each with its rollout set."""
+        raise NotImplementedError
+
+    def on_fit_start(self, trainer: pl.Trainer, model: PreTrainedModel, sharded: bool) -> None:
+        pass
+
+    def weights_updated(self, model: PreTrainedModel) -> None:
+        self.engine.sync_weights(model)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def callbacks(self) -> list[pl.Callback]:
+        return []
+
+
+class SyncRollouts(RolloutSource):
+    """Each batch sampled when it trains, in this process, by the engine the module holds."""
 
     def rollouts(
         self, batch: TrainingBatch, trainer: pl.Trainer, model: PreTrainedModel
@@ -128,26 +159,8 @@ class SyncRollouts:
         batch.rollout = rollout
         yield batch
 
-    def on_fit_start(self, trainer: pl.Trainer, model: PreTrainedModel, sharded: bool) -> None:
-        pass
 
-    def weights_updated(self, model: PreTrainedModel) -> None:
-        self.engine.sync_weights(model)
-
-    def state_dict(self) -> dict[str, Any] | None:
-        return None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def callbacks(self) -> list[pl.Callback]:
-        return []
-
-
-class AsyncRollouts(SyncRollouts):
+class AsyncRollouts(RolloutSource):
     """Each batch handed to the rollout worker (the engine), trained ``max_staleness`` optimizer
     steps later; the batches in flight are kept in checkpoints."""
 

@@ -32,7 +32,7 @@ from forge_lightning.rewards.library import (
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
-from forge_lightning.rollout.sources import RolloutSettings, SyncRollouts, rollout_source
+from forge_lightning.rollout.sources import RolloutSettings, RolloutSource, rollout_source
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools.base import ToolProtocol
 from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
@@ -93,7 +93,7 @@ class Components:
     greedy: SamplingParams  # validation's and predict's
     scorer: LogProbScorer
     passes: LossPasses
-    rollout_source: SyncRollouts
+    rollout_source: RolloutSource
     plan: StepPlan
     train_metrics: TrainMetrics
     val_metrics: TrainMetrics

@@ -14,11 +14,11 @@ from forge_lightning.run.resume import check_resume, trainer_settings
 
 if TYPE_CHECKING:
     from forge_lightning.reporting.reporter import StepReporter
-    from forge_lightning.rollout.sources import SyncRollouts
+    from forge_lightning.rollout.sources import RolloutSource
 
 
 def save_run_state(
-    checkpoint: dict[str, Any], trainer: Any, reporter: StepReporter, rollouts: SyncRollouts, reward: Any
+    checkpoint: dict[str, Any], trainer: Any, reporter: StepReporter, rollouts: RolloutSource, reward: Any
 ) -> None:
     """What the module adds to a Lightning checkpoint (``on_save_checkpoint``). Lightning does not
     keep the RNG states; without them a resumed run would sample other completions than the
@@ -39,7 +39,7 @@ def load_run_state(
     resumed: Any,
     current: Mapping[str, Any],
     reporter: StepReporter,
-    rollouts: SyncRollouts,
+    rollouts: RolloutSource,
     reward: Any,
 ) -> None:
     """Restore what :func:`save_run_state` added (``on_load_checkpoint``); ``resumed``: the trainer

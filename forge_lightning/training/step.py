@@ -21,7 +21,7 @@ from forge_lightning.reporting.reporter import StepReporter
 from forge_lightning.rewards.calls import RewardFn
 from forge_lightning.rewards.extras import RewardExtras
 from forge_lightning.rewards.scoring import batch_advantages, score_groups
-from forge_lightning.rollout.sources import SyncRollouts, TrainingBatch
+from forge_lightning.rollout.sources import RolloutSource, TrainingBatch
 from forge_lightning.rollout.types import warn_when_few_tokens_count
 from forge_lightning.run.preemption import sigterm_interrupts
 from forge_lightning.training.context import StepContext
@@ -66,7 +66,7 @@ class TrainingStep:
         optimizer_step: OptimizerStep,
         reporter: StepReporter,
         metrics: TrainMetrics,
-        rollouts: SyncRollouts,
+        rollouts: RolloutSource,
     ) -> None:
         self.settings, self.reward = settings, reward
         self.loss_passes, self.plan, self.optimizer_step = loss_passes, plan, optimizer_step
