@@ -312,10 +312,6 @@ class GRPOLightningModule(pl.LightningModule):
         )
         self._random_state = TrainingRandomState()  # put back after each validation of a fit
         self._log_step = EvaluationLogStep()  # the step validate's metrics reach the loggers at
-        # Built in configure_model (the engine only when none was set before fit); the sampler is
-        # the episode runner the rollout source, validation and predict all sample with.
-        self.generator: GenerationBackend | None = None
-        self.sampler: RolloutSampler | ToolRolloutSampler | None = None
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
         self._checkpoint_step: int | None = None  # the global_step of a checkpoint loaded outside fit
         self.last_step: StepRecord | None = None
@@ -337,14 +333,31 @@ class GRPOLightningModule(pl.LightningModule):
             prefix_sharing=s.memory.prefix_sharing, generation_backend=s.engine.generation_backend,
         )  # fmt: skip
         eos = eos_token_ids(self.tokenizer, self.model)
-        if self.generator is None:
-            self.generator = self.rollout_source.build_engine(
-                self.tokenizer, self.model, eos, self.scorer.temperature
-            )
         prompts = prompt_format(self.model, s.prompts, s.sampling.max_new_tokens, self.use_chat_template)
-        sampler = RolloutSampler(self.tokenizer, self.generator, eos, prompts)
-        self.sampler = with_tools(sampler, s.tools, s.prompts.system_prompt, self.tools)
-        self.rollout_source.use(self.sampler, self.generator)
+        self.rollout_source.prepare(
+            self.tokenizer, self.model, eos, prompts, self.scorer.temperature,
+            lambda sampler: with_tools(sampler, s.tools, s.prompts.system_prompt, self.tools),
+        )  # fmt: skip
+
+    # The rollout source owns the engine and the episode runner (built in configure_model); one
+    # set before the fit (a custom engine, a wrapped sampler) is the one it uses.
+    @property
+    def generator(self) -> GenerationBackend | None:
+        """The engine that samples the rollouts (the async worker under ``rollout_mode: async``)."""
+        return self.rollout_source.engine
+
+    @generator.setter
+    def generator(self, engine: GenerationBackend | None) -> None:
+        self.rollout_source.engine = engine
+
+    @property
+    def sampler(self) -> RolloutSampler | ToolRolloutSampler | None:
+        """The episode runner training, validation and prediction sample with."""
+        return self.rollout_source.runner
+
+    @sampler.setter
+    def sampler(self, runner: RolloutSampler | ToolRolloutSampler | None) -> None:
+        self.rollout_source.runner = runner
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ from forge_lightning.rollout.engines.async_worker import (
 )
 from forge_lightning.rollout.engines.base import GenerationBackend, SamplingParams
 from forge_lightning.rollout.engines.registry import generation_backend
+from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.types import Rollout
 
 
@@ -107,9 +108,22 @@ class RolloutSource:
         s = self.settings
         return generation_backend(s.generation_backend, tokenizer, model, s.vllm_gpu_memory_utilization)
 
-    def use(self, runner: EpisodeRunner, engine: GenerationBackend) -> None:
-        """Sample with ``runner``; ``engine`` gets the weights after each optimizer step."""
-        self.runner, self.engine = runner, engine
+    def prepare(
+        self,
+        tokenizer: Any,
+        model: PreTrainedModel,
+        eos: list[int],
+        prompts: PromptFormat,
+        scoring_temperature: float,
+        episodes: Callable[[RolloutSampler], EpisodeRunner],
+    ) -> None:
+        """Build the engine (unless one was set before: ``engine``) and the episode runner that
+        samples with it, training's, validation's and prediction's: a :class:`RolloutSampler`,
+        made what ``episodes`` makes of it (a tool-using runner when the run has tools). The
+        engine gets the weights after each optimizer step."""
+        if self.engine is None:
+            self.engine = self.build_engine(tokenizer, model, eos, scoring_temperature)
+        self.runner = episodes(RolloutSampler(tokenizer, self.engine, eos, prompts))
 
     def rollouts(
         self, batch: TrainingBatch, trainer: pl.Trainer, model: PreTrainedModel
