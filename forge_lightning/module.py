@@ -300,7 +300,8 @@ class GRPOLightningModule(pl.LightningModule):
         self.sampling, self.greedy = parts.sampling, parts.greedy
         self.scorer = parts.scorer
         self.rollout_source, self.plan = parts.rollout_source, parts.plan
-        self.train_metrics = parts.train_metrics
+        # Submodules, so that their running means move to the policy's device with the module.
+        self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
         self.reporter = parts.reporter
         self.step = TrainingStep(
             parts.step_settings, self.reward, parts.passes, self.plan, parts.stepper,
@@ -308,7 +309,7 @@ class GRPOLightningModule(pl.LightningModule):
         )  # fmt: skip
         sampled = sampled_evaluation(self.settings.validation, self.settings.sampling, answer_key)
         self.evaluator = Evaluator(
-            self.reward, self.accuracy, self.greedy, sampled, self.settings.rewards, parts.val_metrics
+            self.reward, self.accuracy, self.greedy, sampled, self.settings.rewards, self.val_metrics
         )
         self._random_state = TrainingRandomState()  # put back after each validation of a fit
         self._log_step = EvaluationLogStep()  # the step validate's metrics reach the loggers at

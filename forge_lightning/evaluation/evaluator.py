@@ -9,7 +9,7 @@ from typing import Any
 from forge_lightning.evaluation.ranks import ValidationRows, own_rows
 from forge_lightning.evaluation.sampled import SampledEvaluation
 from forge_lightning.evaluation.validation import check_validation_arguments, score_validation
-from forge_lightning.reporting.metrics import TrainMetrics
+from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.rewards.extras import RewardExtras
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.types import Rollout
@@ -34,7 +34,7 @@ class Evaluator:
         greedy: SamplingParams,
         sampled: SampledEvaluation,
         settings: Any,
-        metrics: TrainMetrics,
+        metrics: RunningMetrics,
     ) -> None:
         self.reward, self.accuracy, self.greedy, self.sampled = reward, accuracy, greedy, sampled
         self.settings, self.metrics = settings, metrics

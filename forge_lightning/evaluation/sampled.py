@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from forge_lightning.evaluation.validation import answer_facts, score_accuracy
-from forge_lightning.reporting.metrics import TrainMetrics
+from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.types import Rollout
 
@@ -197,7 +197,7 @@ class SampledEvaluation:
         answers: list[dict[str, Any]],
         accuracy: Any,
         settings: Any,
-        metrics: TrainMetrics,
+        metrics: RunningMetrics,
     ) -> list[dict[str, Any]]:
         """The batch's greedy ``answers``, each with its prompt's ``samples`` from ``rollout``
         (completion, key, correct, completion_length, truncated; with tools, tool_calls), and

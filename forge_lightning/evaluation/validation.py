@@ -7,7 +7,7 @@ from typing import Any
 from torch import Tensor
 
 from forge_lightning.reporting.lightning_step import set_stepped_batches, stepped_batches
-from forge_lightning.reporting.metrics import TrainMetrics
+from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
 from forge_lightning.rewards.library import require_arguments, reward_name
 from forge_lightning.rewards.scoring import score_groups
@@ -42,7 +42,7 @@ def score_validation(
     rollout: Rollout,
     batch_kwargs: dict[str, list[Any]],
     settings: Any,
-    metrics: TrainMetrics,
+    metrics: RunningMetrics,
     extras: RewardExtras | None = None,
 ) -> list[dict[str, Any]]:
     """Score the batch's completions (one per prompt) with the reward, and with the accuracy check

@@ -44,7 +44,7 @@ TRAIN_KEYS = (
     "correction_masked_fraction",
     # Tool-using rollouts (rollout/tool_sampler.py), per completion: calls, calls that failed, generate
     # rounds, results cut to max_tool_result_chars, and the share of the completion's tokens a tool
-    # wrote; and ``tool_calls/<name>``, each tool's calls (TrainMetrics' ``tools``).
+    # wrote; and ``tool_calls/<name>``, each tool's calls (RunningMetrics' ``tools``).
     "tool_calls",
     "tool_errors",
     "turns",
@@ -96,8 +96,9 @@ def window_values(window: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-class TrainMetrics(nn.Module):
-    """Named means (and counters) since the last :meth:`pop`."""
+class RunningMetrics(nn.Module):
+    """Named means (and counters) since the last :meth:`pop`: training's, reduced across ranks at
+    each optimizer step, and validation's, at each validation's end."""
 
     def __init__(
         self, reward_components: Iterable[str], keys: Iterable[str] | None = None, tools: Iterable[str] = ()
@@ -162,6 +163,9 @@ class TrainMetrics(nn.Module):
         return out
 
 
+TrainMetrics = RunningMetrics  # its name before it held validation's metrics too
+
+
 def batch_metrics(
     rollout: Rollout,
     rewards: Tensor,
@@ -169,7 +173,7 @@ def batch_metrics(
     stats: dict[str, Tensor],
     phases: dict[str, float],
 ) -> dict[str, Tensor]:
-    """One training batch's values for :class:`TrainMetrics`: rewards ``(P*G,)`` and their
+    """One training batch's values for :class:`RunningMetrics`: rewards ``(P*G,)`` and their
     components, the rollout's lengths, the loss statistics ``stats`` and, when the profiler timed
     the phases, their seconds and the completion tokens per second of them."""
     group_std = rewards.view(-1, rollout.group_size).std(dim=1)

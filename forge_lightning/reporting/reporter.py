@@ -2,7 +2,7 @@
 loggers get (the window of steps since the previous report).
 
 :class:`StepReporter` keeps the running state (the window, the completion tokens trained so far,
-which checkpoints keep) next to the :class:`~forge_lightning.reporting.metrics.TrainMetrics` it pops; the
+which checkpoints keep) next to the :class:`~forge_lightning.reporting.metrics.RunningMetrics` it pops; the
 module sends what it returns to ``self.log`` and the loggers.
 """
 
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from forge_lightning.reporting.metrics import (
+    RunningMetrics,
     StepRecord,
-    TrainMetrics,
     batch_metrics,
     logged_name,
     window_values,
@@ -32,7 +32,7 @@ class StepReporter:
     steps; else the trainer's ``log_every_n_steps``, counted in optimizer steps.
     """
 
-    def __init__(self, metrics: TrainMetrics) -> None:
+    def __init__(self, metrics: RunningMetrics) -> None:
         self.metrics = metrics
         self.every: int | None = None
         self.tokens_trained = 0.0  # train/num_tokens, kept in checkpoints

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from forge_lightning.evaluation.sampled import AnswerKey, SampledEvaluation, sampled_keys
 from forge_lightning.models.lora import LoraSettings, lora_settings
-from forge_lightning.reporting.metrics import TrainMetrics
+from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.reporting.reporter import StepReporter
 from forge_lightning.rewards.library import (
     GSM8KAnswerReward,
@@ -95,8 +95,8 @@ class Components:
     passes: LossPasses
     rollout_source: RolloutSource
     plan: StepPlan
-    train_metrics: TrainMetrics
-    val_metrics: TrainMetrics
+    train_metrics: RunningMetrics
+    val_metrics: RunningMetrics
     reporter: StepReporter
     stepper: OptimizerStep
     step_settings: StepSettings  # what a training batch reads itself (training/step.py)
@@ -124,7 +124,7 @@ def build_components(settings: GRPOSettings, reward_names: list[str], tool_names
         chunk_size=memory.logprob_chunk_size,
         micro_batch_size=memory.train_micro_batch_size,
     )
-    train_metrics = TrainMetrics(reward_names, tools=tool_names)
+    train_metrics = RunningMetrics(reward_names, tools=tool_names)
     sampled = sampled_keys(settings.validation.val_num_generations)
     optimizer = settings.optimizer
     return Components(
@@ -135,7 +135,7 @@ def build_components(settings: GRPOSettings, reward_names: list[str], tool_names
         rollout_source=rollout_source(rollout_settings(settings, sampling)),
         plan=step_plan(plan_settings(settings)),
         train_metrics=train_metrics,
-        val_metrics=TrainMetrics(reward_names, keys=(*VALIDATION_KEYS, *sampled)),
+        val_metrics=RunningMetrics(reward_names, keys=(*VALIDATION_KEYS, *sampled)),
         reporter=StepReporter(train_metrics),  # its cadence handed over by module.report_every
         stepper=OptimizerStep(optimizer.max_grad_norm, optimizer.max_consecutive_bad_steps),
         step_settings=step_settings(settings),

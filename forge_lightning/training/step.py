@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from transformers import PreTrainedModel
 
-from forge_lightning.reporting.metrics import StepRecord, TrainMetrics
+from forge_lightning.reporting.metrics import RunningMetrics, StepRecord
 from forge_lightning.reporting.reporter import StepReporter
 from forge_lightning.rewards.calls import RewardFn
 from forge_lightning.rewards.extras import RewardExtras
@@ -65,7 +65,7 @@ class TrainingStep:
         plan: StepPlan,
         optimizer_step: OptimizerStep,
         reporter: StepReporter,
-        metrics: TrainMetrics,
+        metrics: RunningMetrics,
         rollouts: RolloutSource,
     ) -> None:
         self.settings, self.reward = settings, reward
