@@ -451,12 +451,18 @@ def test_a_signal_during_a_reward_call_passes_through_unchanged():
 
         return reward
 
-    with pytest.raises(KeyboardInterrupt):  # a Ctrl-C, as Python raises it
-        score(signals(signal.SIGINT), ["p"], ["a"])
-    with sigterm_interrupts(), pytest.raises(SIGTERMException) as stop:  # the module's reward calls
-        score(signals(signal.SIGTERM), ["p"], ["a"])
-    assert type(stop.value) is SIGTERMException and stop.value.code == 143
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    # Python's own Ctrl-C handler, as an interactive run has it (a process started in the
+    # background of a shell script inherits SIGINT ignored, and Python then installs none).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):  # a Ctrl-C, as Python raises it
+            score(signals(signal.SIGINT), ["p"], ["a"])
+        with sigterm_interrupts(), pytest.raises(SIGTERMException) as stop:  # the module's reward calls
+            score(signals(signal.SIGTERM), ["p"], ["a"])
+        assert type(stop.value) is SIGTERMException and stop.value.code == 143
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_a_slow_reward_without_a_timeout_is_warned_about_once(monkeypatch):
