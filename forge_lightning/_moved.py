@@ -75,6 +75,23 @@ MOVED: dict[str, str | tuple[str, ...]] = {
 # The packages that took the path of a module of the flat layout: they offer its names (lazy_exports).
 PACKAGES_OF_OLD_MODULES = tuple(_P + name for name in ("bench", "models", "reporting", "rewards", "rollout"))
 
+_MISSING = object()
+
+
+def _look_up(name: str, homes: Sequence[str]) -> Any:
+    """``name`` from the first of ``homes`` (modules, imported on first use) that has it; else
+    ``_MISSING``. A dunder name is never looked up there (``__path__``, ``__file__``...)."""
+    if not name.startswith("__"):
+        for home in homes:
+            module = importlib.import_module(home)
+            if hasattr(module, name):
+                return getattr(module, name)
+    return _MISSING
+
+
+def _names_of(homes: Sequence[str]) -> set[str]:
+    return {name for home in homes for name in dir(importlib.import_module(home))}
+
 
 class _Delegate(types.ModuleType):
     """An old module path whose names now live in several modules: each looked up in order."""
@@ -85,18 +102,15 @@ class _Delegate(types.ModuleType):
         self.__path__: list[str] = []  # its old submodules import through the finder below
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        for home in self._homes:
-            module = importlib.import_module(home)
-            if hasattr(module, name):
-                return getattr(module, name)
-        raise AttributeError(
-            f"module {self.__name__!r} (moved to {self._homes[0]}) has no attribute {name!r}"
-        )
+        value = _look_up(name, self._homes)
+        if value is _MISSING:
+            raise AttributeError(
+                f"module {self.__name__!r} (moved to {self._homes[0]}) has no attribute {name!r}"
+            )
+        return value
 
     def __dir__(self) -> list[str]:
-        return sorted({n for home in self._homes for n in dir(importlib.import_module(home))})
+        return sorted(_names_of(self._homes))
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -133,18 +147,13 @@ def lazy_exports(package: str, homes: Sequence[str]) -> tuple[Callable[[str], An
     searched in order, imported on first use): the names of the old module of the same path."""
 
     def __getattr__(name: str) -> Any:
-        if not name.startswith("__"):
-            for home in homes:
-                module = importlib.import_module(home)
-                if hasattr(module, name):
-                    value = getattr(module, name)
-                    setattr(sys.modules[package], name, value)
-                    return value
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = _look_up(name, homes)
+        if value is _MISSING:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        setattr(sys.modules[package], name, value)  # found once: later reads skip the search
+        return value
 
     def __dir__() -> list[str]:
-        return sorted(
-            {*vars(sys.modules[package]), *(n for h in homes for n in dir(importlib.import_module(h)))}
-        )
+        return sorted({*vars(sys.modules[package]), *_names_of(homes)})
 
     return __getattr__, __dir__
