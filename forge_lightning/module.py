@@ -1,4 +1,9 @@
-"""GRPOLightningModule: group rollouts, rewards and the clipped policy-gradient step in Lightning."""
+"""GRPOLightningModule: group rollouts, rewards and the clipped policy-gradient step in Lightning.
+
+What one training batch does is training/step.py's (score, advantages, plan, log-probs, loss
+passes, optimizer step, record); the math, grpo/; validation, evaluation/evaluator.py. The module
+builds them once from its settings (settings/components.py) and runs them from Lightning's hooks.
+"""
 
 from __future__ import annotations
 
@@ -13,55 +18,45 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from forge_lightning.callbacks.defaults import fit_callbacks
+from forge_lightning.callbacks.preemption import Preemption
+from forge_lightning.callbacks.publish import publish_step, publish_validation
+from forge_lightning.callbacks.step_axis import EvaluationLogStep
+from forge_lightning.callbacks.trainer_view import fit_shape, step_context
 from forge_lightning.data.datamodule import split_batch
 from forge_lightning.data.gsm8k import extract_answer
-from forge_lightning.evaluation.evaluator import Evaluator
 from forge_lightning.evaluation.ranks import owned_samples
 from forge_lightning.evaluation.sampled import TrainingRandomState, batch_sizes, run_seed, sampling_seed
-from forge_lightning.evaluation.validation import (
-    NO_TEST_STEP,
-    EvaluationLogStep,
-)
+from forge_lightning.evaluation.validation import NO_TEST_STEP
 from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType
 from forge_lightning.models.loading import ensure_pad_token
 from forge_lightning.models.lora import LoraSettings
-from forge_lightning.models.policy import training_policy
 from forge_lightning.reporting.metrics import StepRecord
-from forge_lightning.reporting.profiler import PhaseProfiler
-from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
 from forge_lightning.rewards.library import (
-    GSM8KAnswerReward,
     PolicyContext,
     RewardArgument,
-    component_names,
     require_arguments,
     share_policy_context,
 )
 from forge_lightning.rollout.engines.base import GenerationBackend
-from forge_lightning.rollout.engines.hf import eos_token_ids
 from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.sources import TrainingBatch
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
-from forge_lightning.rollout.tools.environments import score_name
 from forge_lightning.rollout.tools.stored import ToolsArgument, stored_tools
 from forge_lightning.run.checkpoint_io import refuse_unstored_objects
-from forge_lightning.run.preemption import Preemption
 from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.settings.components import (
     build_components,
-    prompt_format,
-    sampled_evaluation,
+    optimizer_config,
+    policy,
+    prepare_rollouts,
     stored_arguments,
-    with_tools,
 )
 from forge_lightning.settings.groups import GRPOSettings, check_generation_budget
 from forge_lightning.settings.trl_names import pointing_at_settings
-from forge_lightning.training.context import StepContext
 from forge_lightning.training.loss_passes import ReferenceSource
-from forge_lightning.training.optim import loss_scale, policy_optimizer, rescale_schedule
+from forge_lightning.training.optim import rescale_schedule
 from forge_lightning.training.run_state import load_run_state, save_run_state
-from forge_lightning.training.step import TrainingStep
 
 
 class GRPOLightningModule(pl.LightningModule):
@@ -284,60 +279,43 @@ class GRPOLightningModule(pl.LightningModule):
         self.model_spec = model if isinstance(model, str) else None
         self.model: PreTrainedModel | None = None if isinstance(model, str) else model
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
-        # An environment that scores its episodes (TRL's get_reward) is the reward when none is set.
-        scored = stored.reward_object is None and score_name(self.tools.environment) is not None
-        self.reward = EnvironmentReward() if scored else stored.reward_fn
-        self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
         self._use_chat_template = use_chat_template
-        # The flat hyperparameters as typed settings groups, and the collaborators built from them,
-        # once. The rollout source decides where and when rollouts are sampled (sync or async); the
-        # plan, what each batch trains and when the optimizer steps (accumulation, mu passes,
-        # dynamic sampling's rounds); the reporter, what the loggers get.
+        # The flat hyperparameters as typed settings groups, and what is built from them, once: the
+        # rollout source (where and when rollouts are sampled), the plan (what each batch trains,
+        # when the optimizer steps), the step, the evaluator, the reporter (what loggers get).
         self.settings = GRPOSettings.from_hparams(self.hparams)
-        self.loss_settings = self.settings.loss
-        tool_names = ["calculator"] if calculator is not None else self.tools.names
-        parts = build_components(self.settings, component_names(self.reward), tool_names)
-        self.sampling, self.greedy = parts.sampling, parts.greedy
-        self.scorer = parts.scorer
-        self.rollout_source, self.plan = parts.rollout_source, parts.plan
+        parts = build_components(self.settings, stored, self.tools, accuracy, answer_key)
+        self.reward, self.accuracy, self.step, self.evaluator = (
+            parts.reward,
+            parts.accuracy,
+            parts.step,
+            parts.evaluator,
+        )
+        self.sampling, self.greedy, self.scorer = parts.sampling, parts.greedy, parts.scorer
+        self.rollout_source, self.plan, self.reporter = parts.rollout_source, parts.plan, parts.reporter
         # Submodules, so that their running means move to the policy's device with the module.
         self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
-        self.reporter = parts.reporter
-        self.step = TrainingStep(
-            parts.step_settings, self.reward, parts.passes, self.plan, parts.stepper,
-            self.reporter, self.train_metrics, self.rollout_source,
-        )  # fmt: skip
-        sampled = sampled_evaluation(self.settings.validation, self.settings.sampling, answer_key)
-        self.evaluator = Evaluator(
-            self.reward, self.accuracy, self.greedy, sampled, self.settings.rewards, self.val_metrics
-        )
-        self._random_state = TrainingRandomState()  # put back after each validation of a fit
-        self._log_step = EvaluationLogStep()  # the step validate's metrics reach the loggers at
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
-        self._checkpoint_step: int | None = None  # the global_step of a checkpoint loaded outside fit
         self.last_step: StepRecord | None = None
         # The StepRecords of the optimizer steps the latest training batch took (an async batch at
         # the end of the fit trains every rollout still in flight); last_step is the last of them.
         self.batch_records: list[StepRecord] = []
+        self._random_state = TrainingRandomState()  # put back after each validation of a fit
+        self._log_step = EvaluationLogStep()  # the step validate's metrics reach the loggers at
+        self._checkpoint_step: int | None = None  # the global_step of a checkpoint loaded outside fit
         self._preemption = Preemption()
-        self._rewards_checked = False
-        self._stepped = False
+        self._rewards_checked = self._stepped = False
 
     @override
     def configure_model(self) -> None:
         precision = None if self._trainer is None else str(self.trainer.precision)
-        s = self.settings
-        self.model, self.tokenizer = training_policy(
-            self.model, self.tokenizer, self.model_spec, self.device_mesh, precision,
-            model_dtype=s.memory.model_dtype, attn_implementation=s.memory.attn_implementation,
-            peft=self.hparams.peft, gradient_checkpointing=s.memory.gradient_checkpointing,
-            prefix_sharing=s.memory.prefix_sharing, generation_backend=s.engine.generation_backend,
-        )  # fmt: skip
-        eos = eos_token_ids(self.tokenizer, self.model)
-        prompts = prompt_format(self.model, s.prompts, s.sampling.max_new_tokens, self.use_chat_template)
-        self.rollout_source.prepare(
-            self.tokenizer, self.model, eos, prompts, self.scorer.temperature,
-            lambda sampler: with_tools(sampler, s.tools, s.prompts.system_prompt, self.tools),
+        spec, mesh, peft = self.model_spec, self.device_mesh, self.hparams.peft
+        self.model, self.tokenizer = policy(
+            self.model, self.tokenizer, spec, mesh, precision, self.settings, peft
+        )
+        prepare_rollouts(
+            self.rollout_source, self.tokenizer, self.model, self.settings, self.tools,
+            self.use_chat_template, self.scorer.temperature,
         )  # fmt: skip
 
     # The rollout source owns the engine and the episode runner (built in configure_model); one
@@ -379,48 +357,15 @@ class GRPOLightningModule(pl.LightningModule):
             require_arguments(self.reward, reward_arguments(batch_kwargs, self._with_tools))
             self._rewards_checked = True
         self._stepped, self.batch_records = False, []
-        batch = TrainingBatch(prompts, batch_kwargs, batch_idx)
-        context = self.step_context()
-        for item in self.rollout_source.rollouts(batch, self.trainer, self.model):
+        context, batch = step_context(self), TrainingBatch(prompts, batch_kwargs, batch_idx)
+        for item in self.rollout_source.rollouts(batch, context, self.model):
             record, stepped = self.step.train(
                 item, self.model, self.reference, self.optimizers(), self.lr_schedulers(), context
             )
             self._stepped = self._stepped or stepped
-            self._publish(record)
-
-    def step_context(self) -> StepContext:
-        """The loop around a training batch, as the step sees it: this module's backward and
-        gather, and the trainer's reduce, step count, profiler and sizes."""
-        trainer = self.trainer
-        profiler = trainer.profiler
-        return StepContext(
-            backward=self.manual_backward,
-            gather=self.all_gather,
-            reduce=lambda tensor, op: trainer.strategy.reduce(tensor, reduce_op=op),
-            global_step=lambda: trainer.global_step,
-            profile=profiler.profile,
-            phases=profiler.last_step if isinstance(profiler, PhaseProfiler) else dict,
-            loss_scale=lambda: loss_scale(trainer.precision_plugin),
-            world_size=trainer.world_size,
-            device=self.device,
-            num_training_batches=trainer.num_training_batches,
-            epoch=trainer.current_epoch,
-            max_steps=trainer.max_steps,
-            log_every_n_steps=trainer.log_every_n_steps,
-        )
-
-    def _publish(self, record: StepRecord) -> None:
-        """Hand a batch's record to Lightning and the loggers; keep it in ``last_step``."""
-        # self.log feeds Lightning's callbacks (callback_metrics, the progress bar). The loggers get
-        # the report here, at the optimizer step: Lightning would count batches, and re-send a
-        # logged value after every later batch of an accumulation.
-        for key, value in record.metrics.items():
-            shown = key in ("train/reward", "train/kl")
-            self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown, logger=False)
-        for logger in self.loggers if record.report else []:
-            logger.log_metrics(record.report, step=self.global_step)
-        self.last_step = record
-        self.batch_records.append(record)
+            publish_step(self, record)
+            self.last_step = record
+            self.batch_records.append(record)
 
     @property
     def stepped(self) -> bool:
@@ -440,7 +385,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     @property
     def needs_reference(self) -> bool:
-        return self.loss_settings.needs_reference
+        return self.settings.loss.needs_reference
 
     def use_reference(self, source: ReferenceSource) -> None:
         """Take the frozen reference from ``source`` (the ReferenceModel callback calls this)."""
@@ -454,9 +399,10 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        self.plan.check_fit(self.trainer)
-        check_generation_budget(self.settings, *batch_sizes(self.trainer))  # before any step
-        self.rollout_source.on_fit_start(self.trainer, self.model, sharded=self.device_mesh is not None)
+        fit = fit_shape(self.trainer)
+        self.plan.check_fit(fit)
+        check_generation_budget(self.settings, *batch_sizes(fit))  # before any step
+        self.rollout_source.on_fit_start(fit, self.model, sharded=self.device_mesh is not None)
         self._share_policy_context()
         self._random_state.save(self.device)  # the sanity check's validation leaves it as it was
 
@@ -466,9 +412,8 @@ class GRPOLightningModule(pl.LightningModule):
         # a new --model.learning_rate takes effect from here on (and on_load_checkpoint said so).
         scheduler = self.lr_schedulers()
         if scheduler is not None:
-            rescale_schedule(
-                scheduler, self.settings.optimizer.learning_rate, self.plan.total_steps(self.trainer)
-            )
+            total = self.plan.total_steps(fit_shape(self.trainer))
+            rescale_schedule(scheduler, self.settings.optimizer.learning_rate, total)
         self.reporter.window = []
         self._checkpoint_step = None  # the trainer's global_step counts these weights' steps now
 
@@ -503,11 +448,12 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_validation_epoch_start(self) -> None:
-        self.evaluator.start(owned_samples(self.trainer))
+        self.evaluator.start(owned_samples(self.trainer.val_dataloaders, self.trainer.world_size))
 
     @override
     def on_validation_start(self) -> None:
-        check_generation_budget(self.settings, *batch_sizes(self.trainer))  # the loaders are known now
+        # The loaders are known now.
+        check_generation_budget(self.settings, *batch_sizes(fit_shape(self.trainer)))
         self._share_policy_context()  # validate without fit: a reward model moves to the policy's device
 
     def _share_policy_context(self) -> None:
@@ -523,18 +469,8 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        values = self.evaluator.values()
-        if not values or self.trainer.sanity_checking:  # Lightning logs no sanity check either
-            return
-        # The loggers get the values at the step of the weights evaluated: in a fit the optimizer
-        # steps (sent here; Lightning's step counts batches), outside one the checkpoint's.
-        if self._fitting:
-            self.log_dict(values, sync_dist=False, logger=False)
-            for logger in self.loggers:
-                logger.log_metrics(values, step=self.global_step)
-        else:
-            self._log_step.set(self.trainer, self.evaluated_step or 0)
-            self.log_dict(values, sync_dist=False)  # what trainer.validate returns
+        values, step = self.evaluator.values(), self.evaluated_step or 0
+        publish_validation(self, values, self._fitting, self._log_step, step)
 
     @property
     def evaluated_step(self) -> int | None:
@@ -563,20 +499,8 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        total_steps = self.plan.total_steps(self.trainer)
-        sharded = self.device_mesh is not None
-        s = self.settings.optimizer
-        optimizer, scheduler = policy_optimizer(
-            self.model,
-            learning_rate=s.learning_rate,
-            weight_decay=s.weight_decay,
-            warmup_steps=s.warmup_steps,
-            lr_schedule=s.lr_schedule,
-            total_steps=total_steps,
-            precision=self.trainer.precision,
-            sharded=sharded,
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        total, sharded = self.plan.total_steps(fit_shape(self.trainer)), self.device_mesh is not None
+        return optimizer_config(self.model, self.settings.optimizer, total, self.trainer.precision, sharded)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> GRPOLightningModule:
@@ -587,19 +511,18 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        save_run_state(checkpoint, self.trainer, self.reporter, self.rollout_source, self.reward)
+        save_run_state(checkpoint, fit_shape(self.trainer), self.reporter, self.rollout_source, self.reward)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_step = checkpoint.get("global_step")
         # Resuming a fit checks and restores the run; validate or load_from_checkpoint may use other settings.
-        resumed = self.trainer if self._fitting else None
+        resumed = fit_shape(self.trainer) if self._fitting else None
         load_run_state(checkpoint, resumed, self.hparams, self.reporter, self.rollout_source, self.reward)
 
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
-        # async: its callback stops the worker when a fit fails.
-        return fit_callbacks(self._trainer, self.needs_reference, self.rollout_source.callbacks())
+        return fit_callbacks(self._trainer, self.needs_reference, self.rollout_source.runs_a_worker)
 
     @property
     def _with_tools(self) -> bool:

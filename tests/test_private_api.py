@@ -7,7 +7,6 @@ import argparse
 import inspect
 import warnings
 from datetime import timedelta
-from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -18,10 +17,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.cli import LightningCLI
 
+from forge_lightning.callbacks.preemption import hide_sigterm
 from forge_lightning.callbacks.step_boundary import mark_saved
+from forge_lightning.callbacks.trainer_view import max_time_set
 from forge_lightning.cli.forge_cli import ForgeCLI, option, parse_unvalidated, parts, read_as_string
 from forge_lightning.data.datamodule import fingerprint
-from forge_lightning.run.preemption import hide_sigterm
+from forge_lightning.run.fit import FitShape
 from forge_lightning.training.optim import set_last_lr, total_optimizer_steps
 
 
@@ -81,18 +82,18 @@ def test_a_transformers_model_lists_its_block_classes():
 @pytest.mark.parametrize(("duration", "warns"), [(timedelta(minutes=5), True), (None, False)])
 def test_a_timer_with_a_duration_and_no_max_steps_warns_about_the_schedule(duration, warns):
     """Read through the Timer's public ``time_remaining()`` (None exactly without a duration)."""
-    trainer = SimpleNamespace(
-        max_steps=-1, max_epochs=1, estimated_stepping_batches=4, callbacks=[Timer(duration=duration)]
+    fit = FitShape(
+        max_epochs=1, stepping_batches=lambda: 4, max_time_set=max_time_set([Timer(duration=duration)])
     )
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert total_optimizer_steps(trainer, 1, 1) == 4
+        assert total_optimizer_steps(fit, 1, 1) == 4
     assert any("max_time" in str(w.message) for w in seen) == warns
 
 
 @pytest.mark.integration
 def test_an_evaluation_logs_outside_a_fit_at_the_count_of_stepped_batches(tmp_path):
-    from forge_lightning.evaluation.validation import EvaluationLogStep
+    from forge_lightning.callbacks.step_axis import EvaluationLogStep
 
     trainer = Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False)
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == 0

@@ -61,7 +61,7 @@ from forge_lightning.models.loading import load_model
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.reporting.profiler import PHASES, PhaseProfiler, synchronize
 from forge_lightning.rollout.engines.async_worker import split_threads
-from forge_lightning.rollout.sources import RolloutSource, TrainingBatch
+from forge_lightning.rollout.sources import RolloutSource, TrainingBatch, TrainingLoop
 from forge_lightning.rollout.types import Rollout
 
 log = logging.getLogger("forge_lightning.bench")
@@ -238,8 +238,8 @@ class RecordingRollouts:
         self.kept: list[Rollout] = []
         self.waits: list[dict[str, float]] = []
 
-    def rollouts(self, batch: TrainingBatch, trainer: pl.Trainer, model: Any) -> Iterator[TrainingBatch]:
-        for item in self.source.rollouts(batch, trainer, model):
+    def rollouts(self, batch: TrainingBatch, loop: TrainingLoop, model: Any) -> Iterator[TrainingBatch]:
+        for item in self.source.rollouts(batch, loop, model):
             self.kept.append(item.rollout)
             if item.metrics:
                 self.waits.append(item.metrics)

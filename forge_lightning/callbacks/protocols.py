@@ -65,3 +65,10 @@ class NamesItsModel(Protocol):
 
     model: PreTrainedModel
     model_spec: str | None
+
+
+@runtime_checkable
+class RunsRollouts(Protocol):
+    """A module whose rollouts may come from a worker process, stopped when a fit fails."""
+
+    def stop_rollout_worker(self) -> None: ...

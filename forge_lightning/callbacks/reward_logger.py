@@ -156,7 +156,7 @@ class RewardLogger(Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or not isinstance(pl_module, KeepsValidationSamples):
             return
-        samples = gathered_answers(trainer, pl_module.validation_samples)  # every rank's, on rank 0
+        samples = gathered_answers(pl_module.validation_samples)  # every rank's, on rank 0
         if not trainer.is_global_zero or not samples:
             return
         # Outside fit Lightning restores no global_step: the module knows the checkpoint's.

@@ -1,4 +1,6 @@
-"""Lightning's logger step counts optimizer steps under manual optimization too."""
+"""Lightning's count of stepped batches, the step its loggers and callbacks log at: kept equal to
+the optimizer steps in a fit (:class:`OptimizerStepAxis`), and set to the evaluated weights' step
+for ``trainer.validate`` (:class:`EvaluationLogStep`)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,20 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from forge_lightning.reporting.lightning_step import set_stepped_batches
+
+def stepped_batches(trainer: pl.Trainer) -> int:
+    """Lightning's count of stepped batches (private, as :func:`set_stepped_batches` says)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def set_stepped_batches(trainer: pl.Trainer, count: int) -> None:
+    """Set Lightning's count of stepped batches.
+
+    Private: the fit loop keeps it in ``fit_loop.epoch_loop._batches_that_stepped`` and has no
+    setter. Checked on lightning 2.4.0 and 2.6.6; tests/test_private_api.py checks the attribute
+    (through :class:`EvaluationLogStep`) and tests/training/test_steps_per_generation.py that
+    LearningRateMonitor logs at the optimizer step."""
+    trainer.fit_loop.epoch_loop._batches_that_stepped = count
 
 
 class OptimizerStepAxis(Callback):
@@ -30,3 +45,24 @@ class OptimizerStepAxis(Callback):
             return
         # Lightning adds one after this hook (every batch, under manual optimization).
         set_stepped_batches(trainer, trainer.global_step - 1)
+
+
+class EvaluationLogStep:
+    """Outside a fit Lightning sends an evaluation's logged metrics to the loggers at its count
+    of stepped batches (``fit_loop.epoch_loop._batches_that_stepped``, 0 in ``trainer.validate``),
+    unless a ``step`` metric is logged, which ``trainer.validate`` would then return with the
+    metrics. So the count is set to the step of the weights evaluated (a checkpoint's) for the
+    epoch's end, and put back when the validation ends, for a fit the same trainer may run later."""
+
+    def __init__(self) -> None:
+        self._saved: int | None = None
+
+    def set(self, trainer: pl.Trainer, step: int) -> None:
+        if self._saved is None:
+            self._saved = stepped_batches(trainer)
+        set_stepped_batches(trainer, step)
+
+    def restore(self, trainer: pl.Trainer) -> None:
+        if self._saved is not None:
+            set_stepped_batches(trainer, self._saved)
+            self._saved = None

@@ -27,11 +27,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
+from forge_lightning.callbacks.defaults import refuse_automatic_optimization_settings
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.run.folder import RunFolder, RunFolderError, remove_untracked_checkpoints
 from forge_lightning.run.preemption import EXIT_CODE
 from forge_lightning.run.resume import check_resume_settings
-from forge_lightning.settings.checks import refuse_automatic_optimization_settings
 from forge_lightning.settings.trl_names import refuse_foreign_settings
 
 # The run's own callbacks, each a top-level group of the config and the command line

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
@@ -22,13 +21,12 @@ from torch.utils.data import DistributedSampler
 from forge_lightning.rollout.types import Rollout
 
 
-def owned_samples(trainer: pl.Trainer) -> int | None:
-    """How many of this rank's validation samples are its own (the rest repeat other ranks'
-    prompts); None when all of them are."""
-    loaders = trainer.val_dataloaders
+def owned_samples(loaders: Any, world_size: int) -> int | None:
+    """How many of this rank's validation samples (from ``loaders``, Lightning's
+    ``val_dataloaders``) are its own (the rest repeat other ranks' prompts); None when all are."""
     loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
     sampler = getattr(loader, "sampler", None)
-    if trainer.world_size == 1 or not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+    if world_size == 1 or not isinstance(sampler, DistributedSampler) or sampler.drop_last:
         return None
     size = getattr(sampler, "dataset_size", None)  # EpochShuffleSampler counts without a dataset
     size = len(sampler.dataset) if size is None else size
@@ -76,15 +74,15 @@ def own_rows(
     return prompts[:own], columns, kept
 
 
-def gathered_answers(trainer: pl.Trainer, answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def gathered_answers(answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every rank's answers on rank 0, in the order of the sampler's positions (rank r's i-th at
     r + i * W: the dataset's order for Lightning's unshuffled validation sampler); elsewhere this
     rank's own. Every rank must call it."""
-    if trainer.world_size == 1 or not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return answers
     shares: list[list[dict[str, Any]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, answers)
-    if not trainer.is_global_zero:
+    if dist.get_rank() != 0:
         return answers
     longest = max(len(share or []) for share in shares)
     return [share[i] for i in range(longest) for share in shares if share and i < len(share)]

@@ -35,6 +35,7 @@ from forge_lightning.evaluation.validation import answer_facts, score_accuracy
 from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.types import Rollout
+from forge_lightning.run.fit import FitShape
 
 AnswerKey = Callable[[str], Hashable]
 
@@ -234,22 +235,14 @@ def _sample(
     return {**entry, **answer_facts(rollout, i)}
 
 
-def batch_sizes(trainer: Any) -> tuple[int | None, int | None]:
+def batch_sizes(fit: FitShape) -> tuple[int | None, int | None]:
     """The prompts of a training and of a validation batch, from the datamodule's settings
     (``prompts_per_step``, ``val_batch_size``) or else the loaders Lightning has loaded; None where
     unknown."""
-    data = getattr(trainer, "datamodule", None)
-    train = getattr(data, "prompts_per_step", None) or _loader_batch(
-        getattr(trainer, "train_dataloader", None)
+    return (
+        fit.prompts_per_step or fit.train_loader_batch_size,
+        fit.val_batch_size or fit.val_loader_batch_size,
     )
-    val = getattr(data, "val_batch_size", None) or _loader_batch(getattr(trainer, "val_dataloaders", None))
-    return train, val
-
-
-def _loader_batch(loaders: Any) -> int | None:
-    loader = loaders[0] if isinstance(loaders, Sequence) and loaders else loaders
-    size = getattr(loader, "batch_size", None)
-    return size if isinstance(size, int) else None
 
 
 def run_seed() -> int:

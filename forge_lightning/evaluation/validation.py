@@ -6,7 +6,6 @@ from typing import Any
 
 from torch import Tensor
 
-from forge_lightning.reporting.lightning_step import set_stepped_batches, stepped_batches
 from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
 from forge_lightning.rewards.library import require_arguments, reward_name
@@ -114,24 +113,3 @@ def score_accuracy(
             "--model.accuracy forge_lightning.rewards.ExactMatchReward"
         ) from err
     return correct
-
-
-class EvaluationLogStep:
-    """Outside a fit Lightning sends an evaluation's logged metrics to the loggers at its count
-    of stepped batches (``fit_loop.epoch_loop._batches_that_stepped``, 0 in ``trainer.validate``),
-    unless a ``step`` metric is logged, which ``trainer.validate`` would then return with the
-    metrics. So the count is set to the step of the weights evaluated (a checkpoint's) for the
-    epoch's end, and put back when the validation ends, for a fit the same trainer may run later."""
-
-    def __init__(self) -> None:
-        self._saved: int | None = None
-
-    def set(self, trainer: Any, step: int) -> None:
-        if self._saved is None:
-            self._saved = stepped_batches(trainer)
-        set_stepped_batches(trainer, step)
-
-    def restore(self, trainer: Any) -> None:
-        if self._saved is not None:
-            set_stepped_batches(trainer, self._saved)
-            self._saved = None

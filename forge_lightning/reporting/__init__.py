@@ -1,5 +1,5 @@
 """What a run reports: each step's metrics (metrics.py, reporter.py), phase timings (profiler.py),
-Lightning's logged step (lightning_step.py) and the curves of a log (plot.py)."""
+and the curves of a log (plot.py)."""
 
 from forge_lightning._moved import lazy_exports
 

@@ -17,10 +17,10 @@ import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import lightning.pytorch as pl
 import torch
 from transformers import PreTrainedModel
 
@@ -37,6 +37,7 @@ from forge_lightning.rollout.engines.base import GenerationBackend, SamplingPara
 from forge_lightning.rollout.engines.registry import generation_backend
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.types import Rollout
+from forge_lightning.run.fit import FitShape
 
 
 class EpisodeRunner(Protocol):
@@ -51,6 +52,17 @@ class EpisodeRunner(Protocol):
         engine_logprobs: bool = False,
         rows: dict[str, list[Any]] | None = None,
     ) -> Rollout: ...
+
+
+class TrainingLoop(Protocol):
+    """What a source reads of the loop around a training batch (training/context.py's StepContext)."""
+
+    global_step: Callable[[], int]  # optimizer steps taken so far
+    profile: Callable[[str], AbstractContextManager[Any]]  # a phase's timer
+    max_steps: int  # -1: no limit
+    max_epochs: int | None
+    epoch: int
+    num_training_batches: int | float
 
 
 @dataclass
@@ -126,12 +138,12 @@ class RolloutSource:
         self.runner = episodes(RolloutSampler(tokenizer, self.engine, eos, prompts))
 
     def rollouts(
-        self, batch: TrainingBatch, trainer: pl.Trainer, model: PreTrainedModel
+        self, batch: TrainingBatch, loop: TrainingLoop, model: PreTrainedModel
     ) -> Iterator[TrainingBatch]:
         """The rollouts ``batch`` trains on (none, one, or several), each with its rollout set."""
         raise NotImplementedError
 
-    def on_fit_start(self, trainer: pl.Trainer, model: PreTrainedModel, sharded: bool) -> None:
+    def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
         pass
 
     def weights_updated(self, model: PreTrainedModel) -> None:
@@ -146,20 +158,22 @@ class RolloutSource:
     def close(self) -> None:
         pass
 
-    def callbacks(self) -> list[pl.Callback]:
-        return []
+    @property
+    def runs_a_worker(self) -> bool:
+        """Whether a worker process samples (a failed fit must stop it: callbacks/defaults.py)."""
+        return False
 
 
 class SyncRollouts(RolloutSource):
     """Each batch sampled when it trains, in this process, by the engine the module holds."""
 
     def rollouts(
-        self, batch: TrainingBatch, trainer: pl.Trainer, model: PreTrainedModel
+        self, batch: TrainingBatch, loop: TrainingLoop, model: PreTrainedModel
     ) -> Iterator[TrainingBatch]:
         """The batch's own rollout, sampled now. With rollout correction, the engine's scores come
         with it as the sampler's log-probs (``behav_logp``), the old policy's left to the trainer."""
         s = self.settings
-        with trainer.profiler.profile("generate"):
+        with loop.profile("generate"):
             rollout = self.runner(
                 model,
                 batch.prompts,
@@ -209,7 +223,7 @@ class AsyncRollouts(RolloutSource):
         return self.engine  # type: ignore[return-value]
 
     def rollouts(
-        self, batch: TrainingBatch, trainer: pl.Trainer, model: PreTrainedModel
+        self, batch: TrainingBatch, loop: TrainingLoop, model: PreTrainedModel
     ) -> Iterator[TrainingBatch]:
         """Hand ``batch`` to the worker, sampled from the newest weights with the seed of its
         index in the run; then yield the rollouts due, oldest first. A rollout trains once the
@@ -218,10 +232,14 @@ class AsyncRollouts(RolloutSource):
         versions written from elsewhere could) is never trained on: it is sampled again from the
         newest weights, and counted. A batch that would train after ``max_steps`` is not handed."""
         s, worker, device = self.settings, self.worker, next(model.parameters()).device
-        last = fit_ends_with(trainer, batch.batch_idx)  # an epoch's end carries them over
-        ahead = sum(self._boundary(e.batch_idx, trainer) for e in self.in_flight)
-        handed = trainer.max_steps < 0 or trainer.global_step + ahead < trainer.max_steps
-        with trainer.profiler.profile("generate"):
+        last = fit_ends_with(loop, batch.batch_idx)  # an epoch's end carries them over
+        accumulation = s.gradient_accumulation_steps
+        ahead = sum(
+            accumulation_boundary(e.batch_idx, accumulation, loop.num_training_batches)
+            for e in self.in_flight
+        )
+        handed = loop.max_steps < 0 or loop.global_step() + ahead < loop.max_steps
+        with loop.profile("generate"):
             if handed:
                 item = InFlight(batch.prompts, batch.batch_kwargs, batch.batch_idx, index=self.batches_handed)
                 item.prompt_ids, item.prompt_mask = self.runner.encode(item.prompts, device)
@@ -232,7 +250,7 @@ class AsyncRollouts(RolloutSource):
         due = len(self.in_flight) if last else max(len(self.in_flight) - depth, 0 if handed else 1)
         for _ in range(min(due, len(self.in_flight))):
             item = self.in_flight.popleft()
-            with trainer.profiler.profile("generate"):
+            with loop.profile("generate"):
                 finished = item.finished or worker.collect(item.ticket)
                 regenerated = 0
                 if worker.version - finished.version > s.max_staleness:  # never trained on
@@ -257,10 +275,6 @@ class AsyncRollouts(RolloutSource):
             }
             yield TrainingBatch(item.prompts, item.batch_kwargs, item.batch_idx, rollout, metrics)
 
-    def _boundary(self, batch_idx: int, trainer: pl.Trainer) -> bool:
-        accumulation = self.settings.gradient_accumulation_steps
-        return accumulation_boundary(batch_idx, accumulation, trainer.num_training_batches)
-
     def _hand_to_worker(self, item: InFlight) -> int:
         """Submit ``item``'s prompts, sampled from the newest weights with the seed of its index
         in the run (the run's seed: Lightning's ``seed_everything``); the worker's ticket."""
@@ -270,13 +284,13 @@ class AsyncRollouts(RolloutSource):
         s = self.settings
         return self.worker.submit(item.prompt_ids, item.prompt_mask, s.group_size, s.sampling, seed=seed)
 
-    def on_fit_start(self, trainer: pl.Trainer, model: PreTrainedModel, sharded: bool) -> None:
-        if trainer.world_size > 1 or sharded:
+    def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
+        if fit.world_size > 1 or sharded:
             raise ValueError(
                 "rollout_mode='async' runs on one device for now: it does not support DDP or FSDP "
-                f"(world_size {trainer.world_size}); use rollout_mode='sync' with several devices"
+                f"(world_size {fit.world_size}); use rollout_mode='sync' with several devices"
             )
-        warn_when_the_end_drains_at_once(trainer, self.settings.max_staleness)
+        warn_when_the_end_drains_at_once(fit, self.settings.max_staleness)
         total = torch.get_num_threads()
         trainer_threads, _ = split_threads(total, self.settings.worker_threads)
         self._threads_before = total
@@ -315,33 +329,25 @@ class AsyncRollouts(RolloutSource):
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
 
-    def callbacks(self) -> list[pl.Callback]:
-        return [StopWorkerOnError()]
+    @property
+    def runs_a_worker(self) -> bool:
+        return True
 
 
-class StopWorkerOnError(pl.Callback):
-    """Stops the asynchronous rollout worker when a fit fails (teardown stops it otherwise)."""
-
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        pl_module.stop_rollout_worker()
-
-
-def fit_ends_with(trainer: Any, batch_idx: int) -> bool:
+def fit_ends_with(loop: TrainingLoop, batch_idx: int) -> bool:
     """Whether training batch ``batch_idx`` is the fit's last by its epoch limit. Only there are the
     rollouts still in flight all trained at once (a step each, in one batch); at any other epoch's
     end they carry over into the next, one optimizer step per batch, so that every step-cadence
     callback sees every step. (A fit ending on ``max_steps`` hands nothing it cannot train.)"""
-    last_epoch = 0 < (trainer.max_epochs or 0) <= trainer.current_epoch + 1
-    return last_epoch and batch_idx + 1 == trainer.num_training_batches
+    last_epoch = 0 < (loop.max_epochs or 0) <= loop.epoch + 1
+    return last_epoch and batch_idx + 1 == loop.num_training_batches
 
 
-def warn_when_the_end_drains_at_once(trainer: Any, max_staleness: int) -> None:
+def warn_when_the_end_drains_at_once(fit: FitShape, max_staleness: int) -> None:
     """A fit that ends on its epoch limit trains its last ``max_staleness`` steps in its last batch
     (the pipeline's first batches trained nothing), and a step-cadence callback sees only the last
     of them; ``max_steps`` hands no batch it cannot train one step a batch."""
-    if max_staleness > 0 and trainer.max_steps < 0:
+    if max_staleness > 0 and fit.step_limit is None:
         warnings.warn(
             f"rollout_mode='async' with no trainer.max_steps: the fit's last {max_staleness + 1} "
             "optimizer steps are taken in its last batch, so HFCheckpoint folders and "

@@ -92,17 +92,11 @@ def check_resume_settings(
         log.info("resumed with a changed setting: %s", line)
 
 
-def trainer_settings(trainer: Any) -> dict[str, Any]:
-    """The trainer settings a checkpoint records, so that a resume can say which it changed (all
-    may change: a longer run, another precision or cadence)."""
-    names = ("max_steps", "max_epochs", "precision", "world_size", "log_every_n_steps")
-    return {name: getattr(trainer, name, None) for name in names}
-
-
-def check_resume(checkpoint: Mapping[str, Any], current: Mapping[str, Any], trainer: dict[str, Any]) -> None:
+def check_resume(checkpoint: Mapping[str, Any], current: Mapping[str, Any], fit: Mapping[str, Any]) -> None:
     """A resumed fit's checks: the module's settings (``current``, flat as the checkpoint keeps
     them) may not change where that breaks the run (check_resume_settings); every trainer setting
-    (``trainer``, trainer_settings) may (a longer run, another cadence): applied and logged."""
+    (``fit``, run/fit.py's ``FitShape.recorded``) may (a longer run, another cadence): applied and
+    logged."""
     check_resume_settings(checkpoint.get("hyper_parameters", {}), current)
-    for line in changed_settings(checkpoint.get("forge_trainer_settings", {}), trainer).values():
+    for line in changed_settings(checkpoint.get("forge_trainer_settings", {}), fit).values():
         log.info("resumed with a changed trainer setting, applied: %s", line)

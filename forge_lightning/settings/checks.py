@@ -103,28 +103,6 @@ LOSS_FIELDS = (
 DEFAULT_BEHAV_IMP_WEIGHT_CAP = 5.0
 
 
-def refuse_automatic_optimization_settings(trainer: Any) -> None:
-    """Refuse the Trainer's gradient settings, which the module (it steps its optimizer itself)
-    cannot honour, naming its own. Lightning's refusal of the first two says "switch to automatic
-    optimization" and comes before ``setup``; clipping by value would fail only at the first step."""
-    if trainer.gradient_clip_val:
-        raise ValueError(
-            f"trainer.gradient_clip_val={trainer.gradient_clip_val} does not apply here (the module "
-            "steps its optimizer itself); set model.max_grad_norm instead"
-        )
-    if trainer.accumulate_grad_batches != 1:
-        raise ValueError(
-            f"trainer.accumulate_grad_batches={trainer.accumulate_grad_batches} does not apply here "
-            "(the module steps its optimizer itself); set model.gradient_accumulation_steps instead"
-        )
-    algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
-    if algorithm not in (None, "norm"):
-        raise ValueError(
-            f"trainer.gradient_clip_algorithm={algorithm!r} does not apply here: the module clips the "
-            "gradient's total norm itself; set model.max_grad_norm instead (None: no clipping)"
-        )
-
-
 def loss_settings(values: Mapping[str, Any]) -> LossSettings:
     """The loss settings among ``values`` (``max_new_tokens`` is dr_grpo's constant). With
     ``rollout_correction`` set, its mode, level and cap make the correction weight; else the

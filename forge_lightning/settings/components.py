@@ -1,5 +1,5 @@
 """What GRPOLightningModule is built from, once, in its ``__init__`` (and its sampler in
-``configure_model``).
+``configure_model``, its optimizer in ``configure_optimizers``).
 
 The flat hyperparameters (``--model.<name>``: the CLI's, the config's and the checkpoint's
 record) become typed settings groups (settings/groups.py), and the collaborators the module holds
@@ -17,38 +17,45 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from forge_lightning.evaluation.evaluator import Evaluator
 from forge_lightning.evaluation.sampled import AnswerKey, SampledEvaluation, sampled_keys
 from forge_lightning.models.lora import LoraSettings, lora_settings
+from forge_lightning.models.policy import training_policy
 from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.reporting.reporter import StepReporter
+from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rewards.library import (
     GSM8KAnswerReward,
     RewardArgument,
     RewardFn,
     as_reward,
+    component_names,
     load_reward,
     reward_spec,
 )
 from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.hf import eos_token_ids
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
 from forge_lightning.rollout.sources import RolloutSettings, RolloutSource, rollout_source
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools.base import ToolProtocol
 from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
+from forge_lightning.rollout.tools.environments import score_name
 from forge_lightning.rollout.tools.functions import FunctionTools
 from forge_lightning.rollout.tools.stored import StoredTools
 from forge_lightning.settings.groups import (
     GRPOSettings,
+    OptimizerSettings,
     PromptSettings,
     SamplingSettings,
     ToolSettings,
     ValidationSettings,
 )
 from forge_lightning.training.loss_passes import LossPasses
-from forge_lightning.training.optim import OptimizerStep
+from forge_lightning.training.optim import OptimizerStep, policy_optimizer
 from forge_lightning.training.plan import PlanSettings, StepPlan, step_plan
-from forge_lightning.training.step import StepSettings
+from forge_lightning.training.step import StepSettings, TrainingStep
 
 VALIDATION_KEYS = ("accuracy", "reward", "completion_length", "truncated_fraction")
 
@@ -89,22 +96,36 @@ def stored_arguments(
 class Components:
     """The module's collaborators (see GRPOLightningModule.__init__), built from its settings."""
 
+    reward: RewardFn  # the one given, an environment's score, or GSM8K's answer check
+    accuracy: RewardFn  # validation's correctness check
+    step: TrainingStep  # what one training batch does
+    evaluator: Evaluator  # what one validation batch does
     sampling: SamplingParams  # training's
     greedy: SamplingParams  # validation's and predict's
     scorer: LogProbScorer
-    passes: LossPasses
     rollout_source: RolloutSource
     plan: StepPlan
     train_metrics: RunningMetrics
     val_metrics: RunningMetrics
     reporter: StepReporter
-    stepper: OptimizerStep
-    step_settings: StepSettings  # what a training batch reads itself (training/step.py)
 
 
-def build_components(settings: GRPOSettings, reward_names: list[str], tool_names: list[str]) -> Components:
-    """Everything the module holds that its ``settings`` decide; ``reward_names``: the reward's
-    components, and ``tool_names`` the tools, each tracked as a metric."""
+def build_components(
+    settings: GRPOSettings,
+    stored: StoredArguments,
+    tools: StoredTools,
+    accuracy: RewardFn | None,
+    answer_key: AnswerKey | None,
+) -> Components:
+    """Everything the module holds that its ``settings`` decide, around the reward ``stored``
+    holds (an environment that scores its episodes, TRL's ``get_reward``, is the reward when none
+    is given), the ``tools``, the ``accuracy`` check (GSM8K's if None) and sampled evaluation's
+    ``answer_key``. The reward's components and the tools are each tracked as a metric."""
+    scored = stored.reward_object is None and score_name(tools.environment) is not None
+    reward = EnvironmentReward() if scored else stored.reward_fn
+    accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
+    reward_names = component_names(reward)
+    tool_names = ["calculator"] if settings.tools.calculator is not None else tools.names
     s, loss = settings.sampling, settings.loss
     stop = tuple(s.stop or ())
     sampling = SamplingParams(
@@ -125,21 +146,41 @@ def build_components(settings: GRPOSettings, reward_names: list[str], tool_names
         micro_batch_size=memory.train_micro_batch_size,
     )
     train_metrics = RunningMetrics(reward_names, tools=tool_names)
-    sampled = sampled_keys(settings.validation.val_num_generations)
-    optimizer = settings.optimizer
-    return Components(
-        sampling=sampling,
-        greedy=SamplingParams(s.max_new_tokens, greedy=True, stop=stop),
-        scorer=scorer,
-        passes=LossPasses(scorer, loss, settings.advantages.mask_truncated_completions),
-        rollout_source=rollout_source(rollout_settings(settings, sampling)),
-        plan=step_plan(plan_settings(settings)),
-        train_metrics=train_metrics,
-        val_metrics=RunningMetrics(reward_names, keys=(*VALIDATION_KEYS, *sampled)),
-        reporter=StepReporter(train_metrics),  # its cadence handed over by module.report_every
-        stepper=OptimizerStep(optimizer.max_grad_norm, optimizer.max_consecutive_bad_steps),
-        step_settings=step_settings(settings),
+    val_metrics = RunningMetrics(
+        reward_names, keys=(*VALIDATION_KEYS, *sampled_keys(settings.validation.val_num_generations))
     )
+    greedy = SamplingParams(s.max_new_tokens, greedy=True, stop=stop)
+    passes = LossPasses(scorer, loss, settings.advantages.mask_truncated_completions)
+    source, plan = rollout_source(rollout_settings(settings, sampling)), step_plan(plan_settings(settings))
+    reporter = StepReporter(train_metrics)  # its cadence handed over by module.report_every
+    optimizer = settings.optimizer
+    stepper = OptimizerStep(optimizer.max_grad_norm, optimizer.max_consecutive_bad_steps)
+    step = TrainingStep(
+        step_settings(settings), reward, passes, plan, stepper, reporter, train_metrics, source
+    )
+    sampled = sampled_evaluation(settings.validation, settings.sampling, answer_key)
+    evaluator = Evaluator(reward, accuracy, greedy, sampled, settings.rewards, val_metrics)
+    return Components(
+        reward, accuracy, step, evaluator, sampling, greedy, scorer, source, plan,
+        train_metrics, val_metrics, reporter,
+    )  # fmt: skip
+
+
+def optimizer_config(
+    model: PreTrainedModel, settings: OptimizerSettings, total_steps: int, precision: str, sharded: bool
+) -> dict[str, Any]:
+    """Lightning's ``configure_optimizers`` answer: AdamW and its per-step schedule over ``total_steps``."""
+    optimizer, scheduler = policy_optimizer(
+        model,
+        learning_rate=settings.learning_rate,
+        weight_decay=settings.weight_decay,
+        warmup_steps=settings.warmup_steps,
+        lr_schedule=settings.lr_schedule,
+        total_steps=total_steps,
+        precision=precision,
+        sharded=sharded,
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def step_settings(settings: GRPOSettings) -> StepSettings:
@@ -231,3 +272,43 @@ def with_tools(
     else:
         return sampler
     return ToolRolloutSampler(sampler, calls, tools.max_tool_calls)
+
+
+def policy(
+    model: PreTrainedModel | None,
+    tokenizer: Any,
+    spec: str | None,
+    mesh: Any,
+    precision: str | None,
+    settings: GRPOSettings,
+    peft: dict[str, Any] | None,
+) -> tuple[PreTrainedModel, Any]:
+    """``configure_model``'s policy and tokenizer (models/policy.py), as the memory and engine
+    settings say: ``spec`` loaded where no model is built yet, LoRA, checkpointing, prefix sharing."""
+    memory = settings.memory
+    return training_policy(
+        model, tokenizer, spec, mesh, precision,
+        model_dtype=memory.model_dtype, attn_implementation=memory.attn_implementation, peft=peft,
+        gradient_checkpointing=memory.gradient_checkpointing, prefix_sharing=memory.prefix_sharing,
+        generation_backend=settings.engine.generation_backend,
+    )  # fmt: skip
+
+
+def prepare_rollouts(
+    source: RolloutSource,
+    tokenizer: Any,
+    model: PreTrainedModel,
+    settings: GRPOSettings,
+    tools: StoredTools,
+    use_chat_template: bool,
+    scoring_temperature: float,
+) -> None:
+    """The rollout source's engine and episode runner for ``model``: its prompts encoded as the
+    prompt settings say, its completions ending at the model's EOS tokens, its tools if any."""
+    eos = eos_token_ids(tokenizer, model)
+    prompts = prompt_format(model, settings.prompts, settings.sampling.max_new_tokens, use_chat_template)
+    system_prompt = settings.prompts.system_prompt
+    source.prepare(
+        tokenizer, model, eos, prompts, scoring_temperature,
+        lambda sampler: with_tools(sampler, settings.tools, system_prompt, tools),
+    )  # fmt: skip

@@ -2,7 +2,7 @@
 
 The step (training/step.py), the plan and the optimizer step read these instead of a Trainer, so
 each runs, and is tested, without one. The module builds a context per batch from its Lightning
-trainer (``GRPOLightningModule.step_context``); :meth:`StepContext.one_process` is the plain one.
+trainer (callbacks/trainer_view.py's ``step_context``); :meth:`StepContext.one_process` is the plain one.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class StepContext:
     num_training_batches: int | float = float("inf")  # batches in an epoch; inf when unknown
     epoch: int = 0
     max_steps: int = -1
+    max_epochs: int | None = None
     log_every_n_steps: int = 50
 
     @classmethod

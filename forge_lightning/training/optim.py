@@ -9,10 +9,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from lightning.pytorch.callbacks import Timer
 from torch import Tensor
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
+from forge_lightning.run.fit import FitShape
 from forge_lightning.training.context import Reduce, StepContext
 
 LR_SCHEDULES = ("cosine", "constant")
@@ -75,16 +75,15 @@ def policy_optimizer(
 
 
 def total_optimizer_steps(
-    trainer: Any, gradient_accumulation_steps: int, num_iterations: int, dynamic_sampling: bool = False
+    fit: FitShape, gradient_accumulation_steps: int, num_iterations: int, dynamic_sampling: bool = False
 ) -> int:
     """Optimizer steps of the whole fit: ``max_steps`` when set, else counted from the batches."""
-    if trainer.max_steps is not None and trainer.max_steps > 0:
-        return trainer.max_steps
-    timers = [cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, Timer)]
-    if any(timer.time_remaining() is not None for timer in timers):  # None: the Timer has no duration
+    if fit.step_limit is not None:
+        return fit.step_limit
+    if fit.max_time_set:
         warnings.warn(
             f"trainer.max_time is set but trainer.max_steps is not: the learning-rate schedule is sized "
-            f"from max_epochs ({trainer.max_epochs}), and a run stopped by max_time ends wherever it is "
+            f"from max_epochs ({fit.max_epochs}), and a run stopped by max_time ends wherever it is "
             "on it (with the default 1000 epochs the cosine barely moves). Set trainer.max_steps to "
             "give the schedule its length",
             stacklevel=2,
@@ -94,10 +93,10 @@ def total_optimizer_steps(
             "dynamic_sampling needs trainer.max_steps: how many batches an optimizer step takes is "
             "not known in advance, so the learning-rate schedule cannot be sized from the data"
         )
-    batches = trainer.estimated_stepping_batches
+    batches = fit.stepping_batches()
     if not math.isfinite(batches):
         raise ValueError("the dataset has no length: set trainer.max_steps so the schedule has an end")
-    epochs = max(trainer.max_epochs or 1, 1)
+    epochs = max(fit.max_epochs or 1, 1)
     per_epoch = math.ceil(batches / epochs)
     if num_iterations > 1:
         return per_epoch * epochs * num_iterations

@@ -20,6 +20,7 @@ from torch import Tensor
 from forge_lightning.grpo import informative_groups
 from forge_lightning.rollout.sources import accumulation_boundary
 from forge_lightning.rollout.types import Rollout
+from forge_lightning.run.fit import FitShape
 from forge_lightning.training.context import StepContext
 from forge_lightning.training.dynamic_sampling import SamplingRounds
 from forge_lightning.training.optim import total_optimizer_steps
@@ -107,26 +108,21 @@ def unsplittable(what: str, steps: int, accumulation: int, fix: str) -> ValueErr
     )
 
 
-def check_batch_sizes(trainer: Any, steps: int, accumulation: int, steps_per_batch: int) -> None:
+def check_batch_sizes(fit: FitShape, steps: int, accumulation: int, steps_per_batch: int) -> None:
     """Refuse, when a fit starts (before any generation), a datamodule whose training batches the
     run reaches cannot be split into ``steps x accumulation`` shares: its ``prompts_per_step``, or
     the epoch's smaller last batch (``train_size`` prompts, each rank taking its share). A loader
     of one's own is checked at its first such batch (generation_shares)."""
-    data, shares = getattr(trainer, "datamodule", None), steps * accumulation
-    size, rows = getattr(data, "prompts_per_step", None), getattr(data, "train_size", None)
+    size, rows, shares = fit.prompts_per_step, fit.train_size, steps * accumulation
     if not isinstance(size, int):
         return
     if size < shares:
         raise unsplittable(f"data.prompts_per_step={size}", steps, accumulation, PROMPTS_FIX)
     if not isinstance(rows, int) or not rows:
         return
-    rows = math.ceil(rows / trainer.world_size)  # each rank's (EpochShuffleSampler pads)
+    rows = math.ceil(rows / fit.world_size)  # each rank's (EpochShuffleSampler pads)
     per_epoch, last = math.ceil(rows / size), rows % size
-    reached = (
-        trainer.max_steps is None
-        or trainer.max_steps < 0
-        or trainer.max_steps > (per_epoch - 1) * steps_per_batch
-    )
+    reached = fit.step_limit is None or fit.step_limit > (per_epoch - 1) * steps_per_batch
     if last and last < shares and reached:
         fix = (
             f"set data.max_samples so that the training prompts ({rows} per rank) are a multiple "
@@ -175,7 +171,7 @@ class StepPlan:
         stepped = accumulation_boundary(batch_idx, s.gradient_accumulation_steps, batches)
         return BatchPlan(rollout, advantages, [Pass(None, stepped)] * s.num_iterations)  # mu > 1: stepped
 
-    def check_fit(self, trainer: Any) -> None:
+    def check_fit(self, fit: FitShape) -> None:
         """With S > 1 a batch takes S x mu optimizer steps at once, and a callback that looks at
         the step after each batch sees only every (S x mu)-th: refuse step cadences that are not
         multiples of it, naming each (reports to the loggers need none: they come at the first
@@ -184,19 +180,10 @@ class StepPlan:
         s = self.settings
         if s.steps_per_generation == 1:
             return
-        check_batch_sizes(trainer, s.steps_per_generation, s.gradient_accumulation_steps, s.steps_per_batch)
+        check_batch_sizes(fit, s.steps_per_generation, s.gradient_accumulation_steps, s.steps_per_batch)
         k = s.steps_per_batch
-        wrong = []
-        if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.max_steps % k:
-            wrong.append(f"trainer.max_steps={trainer.max_steps}")
-        for callback in trainer.callbacks:
-            for attribute, shown in (
-                ("_every_n_train_steps", "every_n_train_steps"),
-                ("save_steps", "save_steps"),
-            ):
-                value = getattr(callback, attribute, None)
-                if isinstance(value, int) and value > 0 and value % k:
-                    wrong.append(f"{type(callback).__name__}({shown}={value})")
+        wrong = [f"trainer.max_steps={fit.max_steps}"] if fit.step_limit and fit.step_limit % k else []
+        wrong += [str(cadence) for cadence in fit.step_cadences if cadence.every % k]
         if wrong:
             raise ValueError(
                 f"steps_per_generation={self.settings.steps_per_generation} x num_iterations="
@@ -214,13 +201,13 @@ class StepPlan:
         """The finished optimizer step's counts, for the metrics (taken or skipped)."""
         return {}
 
-    def total_steps(self, trainer: Any) -> int:
+    def total_steps(self, fit: FitShape) -> int:
         """Optimizer steps of the whole fit (the schedule's length)."""
         s = self.settings
         accumulation, mu = s.gradient_accumulation_steps, s.num_iterations
         if s.steps_per_generation > 1:  # every batch takes S x mu steps, its accumulation inside it
-            return total_optimizer_steps(trainer, 1, s.steps_per_batch, s.dynamic_sampling)
-        return total_optimizer_steps(trainer, accumulation, mu, s.dynamic_sampling)
+            return total_optimizer_steps(fit, 1, s.steps_per_batch, s.dynamic_sampling)
+        return total_optimizer_steps(fit, accumulation, mu, s.dynamic_sampling)
 
 
 class DynamicSamplingPlan(StepPlan):

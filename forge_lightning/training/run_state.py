@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 from forge_lightning.rewards.library import reward_parts
 from forge_lightning.rewards.reward_model import check_reward_models, reward_model_fingerprints
 from forge_lightning.run.checkpoint_io import rng_states, set_rng_states
-from forge_lightning.run.resume import check_resume, trainer_settings
+from forge_lightning.run.fit import FitShape
+from forge_lightning.run.resume import check_resume
 
 if TYPE_CHECKING:
     from forge_lightning.reporting.reporter import StepReporter
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def save_run_state(
-    checkpoint: dict[str, Any], trainer: Any, reporter: StepReporter, rollouts: RolloutSource, reward: Any
+    checkpoint: dict[str, Any], fit: FitShape, reporter: StepReporter, rollouts: RolloutSource, reward: Any
 ) -> None:
     """What the module adds to a Lightning checkpoint (``on_save_checkpoint``). Lightning does not
     keep the RNG states; without them a resumed run would sample other completions than the
@@ -27,7 +28,7 @@ def save_run_state(
     reward_models = reward_model_fingerprints(reward_parts(reward))
     if reward_models:
         checkpoint["forge_reward_models"] = reward_models
-    checkpoint["forge_trainer_settings"] = trainer_settings(trainer)
+    checkpoint["forge_trainer_settings"] = fit.recorded()
     checkpoint["forge_tokens_trained"] = reporter.tokens_trained
     state = rollouts.state_dict()  # async: the batches in flight
     if state is not None:
@@ -36,18 +37,18 @@ def save_run_state(
 
 def load_run_state(
     checkpoint: dict[str, Any],
-    resumed: Any,
+    resumed: FitShape | None,
     current: Mapping[str, Any],
     reporter: StepReporter,
     rollouts: RolloutSource,
     reward: Any,
 ) -> None:
-    """Restore what :func:`save_run_state` added (``on_load_checkpoint``); ``resumed``: the trainer
-    of a fit that resumes from ``checkpoint`` (its settings checked against the checkpoint's, and
+    """Restore what :func:`save_run_state` added (``on_load_checkpoint``); ``resumed``: the fit that
+    resumes from ``checkpoint`` (its settings checked against the checkpoint's, and
     the run's state restored), None outside fit; ``current``: the module's flat hyperparameters,
     compared with those the checkpoint holds."""
     if resumed is not None:
-        check_resume(checkpoint, current, trainer_settings(resumed))
+        check_resume(checkpoint, current, resumed.recorded())
         check_reward_models(checkpoint.get("forge_reward_models", []), reward_parts(reward))
         reporter.tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
         if "forge_async" in checkpoint:

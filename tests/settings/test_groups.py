@@ -187,34 +187,43 @@ def test_hparams_without_the_newer_settings_build_with_their_defaults():
     )
 
 
-def flat_parameters(root: Path = PACKAGE) -> list[str]:
-    """``file:function`` for each function or method of the package that takes a parameter named
-    ``hp`` or ``hparams``, outside module.py, callbacks/ and cli/ (which hold the flat mapping)."""
+# The Lightning side: the module, its callbacks and the applications that drive a Trainer (the
+# CLI, and the benchmark, whose step timer is a Lightning callback). Below them a collaborator
+# takes its settings group and plain values (run/fit.py's FitShape, training/context.py's
+# StepContext), never the flat hyperparameters or the Trainer.
+LIGHTNING_SIDE = ("module.py", "callbacks", "cli", "bench")
+HIDDEN = {"hp", "hparams", "trainer"}
+
+
+def lightning_parameters(root: Path = PACKAGE) -> list[str]:
+    """``file:function(name)`` for each function or method of the package that takes a parameter
+    named ``hp``, ``hparams`` or ``trainer`` outside the Lightning side."""
     found = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root).as_posix()
-        if relative == "module.py" or relative.split("/")[0] in ("callbacks", "cli"):
+        if relative.split("/")[0] in LIGHTNING_SIDE:
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
                 a = node.args
                 names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p]
-                if {"hp", "hparams"} & set(names):
-                    found.append(f"{relative}:{getattr(node, 'name', 'lambda')}")
+                found += [f"{relative}:{getattr(node, 'name', 'lambda')}({n})" for n in names if n in HIDDEN]
     return found
 
 
-def test_below_the_module_no_function_takes_the_flat_hyperparameters():
-    assert flat_parameters() == []
+def test_below_the_lightning_side_no_function_takes_the_flat_hyperparameters_or_the_trainer():
+    assert lightning_parameters() == []
 
 
-def test_the_flat_parameter_check_finds_hp_and_hparams_where_they_are_not_allowed(tmp_path):
+def test_the_parameter_check_finds_hp_hparams_and_trainer_where_they_are_not_allowed(tmp_path):
     for relative, source in {
         "rollout/a.py": "def pick(model, hp):\n    return hp\n",
         "training/b.py": "class C:\n    def f(self, *, hparams=None):\n        pass\n",
-        "module.py": "def g(hp):\n    pass\n",  # the module holds the flat mapping
-        "callbacks/c.py": "def h(hparams):\n    pass\n",
+        "evaluation/c.py": "def steps(trainer):\n    return trainer.max_steps\n",
+        "module.py": "def g(hp, trainer):\n    pass\n",  # the module holds the flat mapping
+        "callbacks/c.py": "def h(hparams, trainer):\n    pass\n",
     }.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(source)
-    assert flat_parameters(tmp_path) == ["rollout/a.py:pick", "training/b.py:f"]
+    found = lightning_parameters(tmp_path)
+    assert found == ["evaluation/c.py:steps(trainer)", "rollout/a.py:pick(hp)", "training/b.py:f(hparams)"]

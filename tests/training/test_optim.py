@@ -2,11 +2,11 @@
 one-pass scale-and-clip and the parameter finiteness check."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from forge_lightning.run.fit import FitShape
 from forge_lightning.training.optim import (
     NonFiniteGuard,
     adamw_with_schedule,
@@ -136,14 +136,14 @@ def test_fused_adamw_only_on_plain_full_precision_parameters():
     ],
 )
 def test_total_optimizer_steps(max_steps, batches, epochs, accumulation, mu, expected):
-    trainer = SimpleNamespace(max_steps=max_steps, estimated_stepping_batches=batches, max_epochs=epochs)
-    assert total_optimizer_steps(trainer, accumulation, mu) == expected
+    fit = FitShape(max_steps=max_steps, stepping_batches=lambda: batches, max_epochs=epochs)
+    assert total_optimizer_steps(fit, accumulation, mu) == expected
 
 
 def test_total_optimizer_steps_needs_an_end():
-    trainer = SimpleNamespace(max_steps=-1, estimated_stepping_batches=float("inf"), max_epochs=1)
+    fit = FitShape(max_steps=-1, stepping_batches=lambda: float("inf"), max_epochs=1)
     with pytest.raises(ValueError, match="max_steps"):
-        total_optimizer_steps(trainer, 1, 1)
+        total_optimizer_steps(fit, 1, 1)
 
 
 def with_gradients(*grads: torch.Tensor) -> list[torch.nn.Parameter]:

@@ -27,6 +27,7 @@ from forge_lightning.rollout.engines.weight_ring import check_rollout_device, re
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import encode_prompts
 from forge_lightning.rollout.types import Rollout, completion_mask
+from forge_lightning.run.fit import FitShape
 from forge_lightning.settings.checks import validate_hparams
 
 TEMPERATURE = 0.9
@@ -305,13 +306,8 @@ def test_async_refuses_what_it_does_not_support_yet(setting):
 
 def test_async_refuses_several_devices(module):
     grpo = module(rollout_mode="async")
-
-    class TwoRanks:
-        world_size = 2
-
-    grpo._trainer = TwoRanks()  # what on_fit_start reads
     with pytest.raises(ValueError, match="one device for now: it does not support DDP or FSDP"):
-        grpo.on_fit_start()
+        grpo.rollout_source.on_fit_start(FitShape(world_size=2), grpo.model, sharded=False)
     assert not grpo.generator or not grpo.generator.running
 
 

@@ -224,7 +224,7 @@ def test_engine_logprobs_are_the_old_logprobs_of_the_loss(module):
 
     def clip_fraction(old_logp: torch.Tensor | None) -> float:
         logp = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
-        settings = dataclasses.replace(grpo.loss_settings, kl_beta=0.0)
+        settings = dataclasses.replace(grpo.settings.loss, kl_beta=0.0)
         advantages = torch.full((4,), -1.0)
         _, metrics = grpo_loss(logp, old_logp, None, advantages, rollout.completion_mask, settings)
         return float(metrics["clip_fraction_low"] + metrics["clip_fraction_high"])
