@@ -23,6 +23,7 @@ _EXPORTS = {
     "GRPOConfig": "forge_lightning.compat",
     "GRPOTrainer": "forge_lightning.compat",
     "GSM8KDataModule": "forge_lightning.data",
+    "PromptDataModule": "forge_lightning.data",
     "collate_records": "forge_lightning.data",
     "load_gsm8k": "forge_lightning.data",
     "load_gsm8k_mock": "forge_lightning.data",
@@ -54,6 +55,7 @@ __all__ = [
     "LengthPenaltyReward",
     "OverlongPenaltyReward",
     "PhaseProfiler",
+    "PromptDataModule",
     "ReferenceModel",
     "RewardLogger",
     "RewardOutput",
@@ -78,7 +80,13 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from forge_lightning.callbacks import HFCheckpoint, ReferenceModel, RewardLogger
     from forge_lightning.compat import GRPOConfig, GRPOTrainer
-    from forge_lightning.data import GSM8KDataModule, collate_records, load_gsm8k, load_gsm8k_mock
+    from forge_lightning.data import (
+        GSM8KDataModule,
+        PromptDataModule,
+        collate_records,
+        load_gsm8k,
+        load_gsm8k_mock,
+    )
     from forge_lightning.module import GRPOLightningModule
     from forge_lightning.reporting.profiler import PhaseProfiler
     from forge_lightning.rewards.environment import EnvironmentReward

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from forge_lightning.callbacks import RewardLogger
-from forge_lightning.data import GSM8KDataModule
+from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
 
 RECORDS = [
@@ -64,7 +64,7 @@ def test_trainer_test_is_refused_pointing_to_validate_and_predict(data, tmp_path
     given = (
         {"dataloaders": loader(RECORDS)}
         if data == "dataloader"
-        else {"datamodule": GSM8KDataModule(source="mock")}
+        else {"datamodule": PromptDataModule(source="mock")}
     )
     with pytest.raises(NotImplementedError, match="no test step: evaluate with trainer.validate"):
         trainer(tmp_path).test(module(), **given)

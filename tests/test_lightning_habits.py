@@ -265,17 +265,17 @@ def test_any_prompt_dataset_from_the_cli_with_conversations_and_extra_fields(
 
 
 def test_a_prompt_dataset_row_without_its_field_names_file_and_line(tmp_path):
-    from forge_lightning.data import GSM8KDataModule
+    from forge_lightning.data import PromptDataModule
 
     (tmp_path / "train.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n')
-    data = GSM8KDataModule(source="local", path=str(tmp_path / "train.jsonl"), prompt_field="prompt")
+    data = PromptDataModule(source="local", path=str(tmp_path / "train.jsonl"), prompt_field="prompt")
     with pytest.raises(
         ValueError,
         match=r"malformed prompt row in .*train.jsonl, line 2: no 'prompt' field \(fields: \['text'\]\)",
     ):
         data.setup()
     with pytest.raises(ValueError, match="needs dataset="):
-        GSM8KDataModule(source="hub", prompt_field="prompt")
+        PromptDataModule(source="hub", prompt_field="prompt")
 
 
 @pytest.mark.integration
@@ -338,9 +338,9 @@ def test_each_hf_checkpoint_folder_has_a_model_card(tmp_path, module, trainer, l
 
 
 def test_a_hub_prompt_dataset_offline_is_a_clear_error():
-    from forge_lightning.data import GSM8KDataModule
+    from forge_lightning.data import PromptDataModule
 
-    data = GSM8KDataModule(source="hub", prompt_field="prompt", dataset="someone/prompts")
+    data = PromptDataModule(source="hub", prompt_field="prompt", dataset="someone/prompts")
     with pytest.raises(RuntimeError, match="could not load the dataset 'someone/prompts'.*pass data.path"):
         data.setup()
 
@@ -427,7 +427,7 @@ def test_help_is_short_plain_text(subcommand, capsys):
     )
     assert "optimizer steps and:" not in text and "The main advantage is:" not in text
     # --data takes any datamodule, so its settings are not listed: the help says how to see them.
-    assert "--data.help forge_lightning.data.GSM8KDataModule" in joined
+    assert "--data.help forge_lightning.data.PromptDataModule" in joined
     assert "--hf_checkpoint.help HFCheckpoint; off with --hf_checkpoint null" in joined
 
 
@@ -498,4 +498,4 @@ def test_the_cli_takes_any_lightning_datamodule(tmp_path, tiny_model_dir, tiny_o
     plain = build_cli(
         [*args[1:3], *tiny_overrides(tiny_model_dir, tmp_path / "other"), "--data.source=mock"], run=False
     )
-    assert type(plain.datamodule).__name__ == "GSM8KDataModule"  # the default, no class_path needed
+    assert type(plain.datamodule).__name__ == "PromptDataModule"  # the default, no class_path needed

@@ -39,7 +39,7 @@ def fit_shape(trainer: pl.Trainer) -> FitShape:
         stepping_batches=lambda: trainer.estimated_stepping_batches,
         max_time_set=max_time_set(trainer.callbacks),
         step_cadences=tuple(cadences),
-        prompts_per_step=_setting(data, "prompts_per_step"),
+        prompts_per_batch=_setting(data, "prompts_per_step"),
         train_size=_setting(data, "train_size"),
         val_batch_size=_setting(data, "val_batch_size"),
         train_loader_batch_size=_loader_batch(trainer.train_dataloader),

@@ -76,9 +76,9 @@ class ForgeCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # Any LightningDataModule (--data my_package.MyDataModule), GSM8KDataModule by default, so
+        # Any LightningDataModule (--data my_package.MyDataModule), PromptDataModule by default, so
         # that a config's plain `data: {source: ...}` needs no class_path.
-        parser.set_defaults({"data": {"class_path": "forge_lightning.data.GSM8KDataModule"}})
+        parser.set_defaults({"data": {"class_path": "forge_lightning.data.PromptDataModule"}})
         parser.add_argument(
             "--overwrite",
             type=bool,
@@ -320,7 +320,7 @@ def _group_headings(parser: LightningArgumentParser) -> None:
     groups), saying how to list its settings: those of a class chosen by ``--<group> CLASS`` are
     not in this help."""
     titles = {
-        "data": "The datamodule: GSM8KDataModule unless --data names another LightningDataModule",
+        "data": "The datamodule: PromptDataModule unless --data names another LightningDataModule",
         "checkpoint": "Lightning's ModelCheckpoint: the training state that --ckpt_path last resumes",
     }
     for key in ("data", *CALLBACK_GROUPS):
@@ -330,7 +330,7 @@ def _group_headings(parser: LightningArgumentParser) -> None:
         kind = CALLBACK_GROUPS.get(key)
         if kind is None:
             group.description = (
-                f"Its settings (--{key}.<setting>): --{key}.help forge_lightning.data.GSM8KDataModule"
+                f"Its settings (--{key}.<setting>): --{key}.help forge_lightning.data.PromptDataModule"
             )
         else:
             summary = _first_sentence(inspect.getdoc(kind).split("\n\n")[0]).rstrip(".")

@@ -1,6 +1,12 @@
-"""forge_lightning data: GSM8K loading, prompt formatting and the datamodule."""
+"""forge_lightning data: GSM8K loading, prompt formatting and the datamodule (PromptDataModule,
+first named GSM8KDataModule: it loads GSM8K by default, and any prompt dataset)."""
 
-from forge_lightning.data.datamodule import EpochShuffleSampler, GSM8KDataModule, collate_records
+from forge_lightning.data.datamodule import (
+    EpochShuffleSampler,
+    GSM8KDataModule,
+    PromptDataModule,
+    collate_records,
+)
 from forge_lightning.data.gsm8k import (
     extract_answer,
     format_prompt,
@@ -13,6 +19,7 @@ from forge_lightning.data.gsm8k import (
 __all__ = [
     "EpochShuffleSampler",
     "GSM8KDataModule",
+    "PromptDataModule",
     "collate_records",
     "extract_answer",
     "format_prompt",

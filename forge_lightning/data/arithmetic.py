@@ -9,13 +9,13 @@ appears in two parts; only the person's name varies on top of it, and it is not 
 :func:`write_task` writes them as GSM8K rows (``question``, ``answer`` ending in ``#### <n>``)::
 
     <out>/train.jsonl        the train part
-    <out>/test.jsonl         the held-out part (GSM8KDataModule reads "test" as its validation split)
+    <out>/test.jsonl         the held-out part (PromptDataModule reads "test" as its validation split)
     <out>/dev.jsonl          the dev part
     <out>/dev/train.jsonl    the train part again, and
     <out>/dev/test.jsonl     the dev part: point a run's in-training validation here
     <out>/manifest.json      seed, variant, sizes and the templates used
 
-so that ``GSM8KDataModule(source="local", path=<out>)`` trains on the train part and validates on
+so that ``PromptDataModule(source="local", path=<out>)`` trains on the train part and validates on
 the held-out part, ``path=<out>/dev`` validates on the dev part, and
 ``load_gsm8k("dev", path=<out>)`` reads the dev part alone. Regenerate with one command::
 
@@ -37,7 +37,7 @@ from forge_lightning.run.fileio import write_atomically
 
 DEFAULT_OUT = "runs/data/arith"
 PARTS = ("train", "dev", "heldout")
-# File stem each part is written under; "test" is the split GSM8KDataModule validates on.
+# File stem each part is written under; "test" is the split PromptDataModule validates on.
 _FILE_STEM = {"train": "train", "dev": "dev", "heldout": "test"}
 
 _NAMES = (

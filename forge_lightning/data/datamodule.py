@@ -83,7 +83,7 @@ def _batched_prompts(value: Any) -> list[Any]:
     return prompts
 
 
-class GSM8KDataModule(L.LightningDataModule):
+class PromptDataModule(L.LightningDataModule):
     """Prompts for GRPO: train from the train split, validation from the test split. GSM8K's by
     default; any prompt dataset with ``prompt_field`` (a local JSON-lines/parquet/CSV folder or
     file, or a hub dataset by name).
@@ -98,7 +98,9 @@ class GSM8KDataModule(L.LightningDataModule):
             file, used for both); only for source="local".
         max_samples: training prompts to keep (the first ones in file order); None keeps all.
         val_max_samples: validation prompts to keep (the first ones); None keeps all.
-        prompts_per_step: prompts per training batch, i.e. per ``training_step``.
+        prompts_per_step: prompts per training batch, i.e. per ``training_step`` (not per optimizer
+            step: with gradient accumulation or ``steps_per_generation`` the two differ; the name
+            is kept as the flag configs and checkpoints use).
         val_batch_size: prompts per validation batch.
         shuffle: reshuffle the training prompts every epoch.
         seed: seed of the shuffle; epoch ``e`` uses ``seed + e``.
@@ -273,7 +275,7 @@ class GSM8KDataModule(L.LightningDataModule):
 
     def _loaded(self, split: list[dict[str, str]] | None) -> list[dict[str, str]]:
         if split is None:
-            raise RuntimeError("GSM8KDataModule.setup() must run before its data is used")
+            raise RuntimeError("PromptDataModule.setup() must run before its data is used")
         return split
 
     def _loader(
@@ -346,3 +348,6 @@ def _validate(
             raise ValueError(f"{field} must be >= 1, got {value}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+
+
+GSM8KDataModule = PromptDataModule  # its first name: it loads GSM8K by default, and any prompts

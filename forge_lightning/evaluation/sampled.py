@@ -240,7 +240,7 @@ def batch_sizes(fit: FitShape) -> tuple[int | None, int | None]:
     (``prompts_per_step``, ``val_batch_size``) or else the loaders Lightning has loaded; None where
     unknown."""
     return (
-        fit.prompts_per_step or fit.train_loader_batch_size,
+        fit.prompts_per_batch or fit.train_loader_batch_size,
         fit.val_batch_size or fit.val_loader_batch_size,
     )
 

@@ -41,7 +41,7 @@ class FitShape:
     max_time_set: bool = False  # a Timer with a duration stops the fit
     step_cadences: tuple[StepCadence, ...] = ()  # the callbacks' every_n_train_steps / save_steps
     # The datamodule's settings (None for a loader of one's own) and the loaders' batch sizes.
-    prompts_per_step: int | None = None
+    prompts_per_batch: int | None = None  # the datamodule's prompts_per_step
     train_size: int | None = None
     val_batch_size: int | None = None
     train_loader_batch_size: int | None = None

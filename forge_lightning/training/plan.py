@@ -113,7 +113,7 @@ def check_batch_sizes(fit: FitShape, steps: int, accumulation: int, steps_per_ba
     run reaches cannot be split into ``steps x accumulation`` shares: its ``prompts_per_step``, or
     the epoch's smaller last batch (``train_size`` prompts, each rank taking its share). A loader
     of one's own is checked at its first such batch (generation_shares)."""
-    size, rows, shares = fit.prompts_per_step, fit.train_size, steps * accumulation
+    size, rows, shares = fit.prompts_per_batch, fit.train_size, steps * accumulation
     if not isinstance(size, int):
         return
     if size < shares:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from forge_lightning.data import GSM8KDataModule, load_gsm8k, parse_reference
+from forge_lightning.data import PromptDataModule, load_gsm8k, parse_reference
 from forge_lightning.data.arithmetic import PARTS, TEMPLATES, VARIANTS, generate, main, write_task
 
 SIZES = {"train": 300, "dev": 60, "heldout": 80}
@@ -104,7 +104,7 @@ def test_files_are_gsm8k_rows_the_datamodule_reads(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in files["heldout"].read_text().splitlines()]
     assert [parse_reference(r["answer"]) for r in rows] == [str(p.answer) for p in parts["heldout"]]
 
-    dm = GSM8KDataModule(source="local", path=str(tmp_path), max_samples=None, val_max_samples=None)
+    dm = PromptDataModule(source="local", path=str(tmp_path), max_samples=None, val_max_samples=None)
     dm.setup("fit")
     val_refs = [r for batch in dm.val_dataloader() for r in batch["reference"]]
     assert dm.train_size == SIZES["train"]
@@ -112,7 +112,7 @@ def test_files_are_gsm8k_rows_the_datamodule_reads(tmp_path: Path) -> None:
     assert "Problem: " + parts["heldout"][0].question in next(iter(dm.val_dataloader()))["prompt"][0]
 
     dev_path = str(tmp_path / "dev")
-    dev_dm = GSM8KDataModule(source="local", path=dev_path, max_samples=None, val_max_samples=None)
+    dev_dm = PromptDataModule(source="local", path=dev_path, max_samples=None, val_max_samples=None)
     dev_dm.setup("fit")
     assert [r for batch in dev_dm.val_dataloader() for r in batch["reference"]] == [
         str(p.answer) for p in parts["dev"]
@@ -145,12 +145,12 @@ def test_bad_sizes_and_too_small_a_space_are_refused() -> None:
 
 
 def test_the_arithmetic_source_serves_the_parts_in_memory_without_leakage() -> None:
-    data = GSM8KDataModule(source="arithmetic", max_samples=None, val_max_samples=None)
+    data = PromptDataModule(source="arithmetic", max_samples=None, val_max_samples=None)
     data.setup()
     parts = generate(seed=0)
     assert [r["reference"] for r in data._train] == [str(p.answer) for p in parts["train"]]
     assert [r["reference"] for r in data._val] == [str(p.answer) for p in parts["heldout"]]
-    dev = GSM8KDataModule(source="arithmetic", val_part="dev", val_max_samples=None)
+    dev = PromptDataModule(source="arithmetic", val_part="dev", val_max_samples=None)
     dev.setup()
     assert [r["reference"] for r in dev._val] == [str(p.answer) for p in parts["dev"]]
     train_prompts = {r["prompt"] for r in data._train}
@@ -161,7 +161,7 @@ def test_the_arithmetic_source_serves_the_parts_in_memory_without_leakage() -> N
 
 
 def test_the_arithmetic_source_serves_the_task_variant() -> None:
-    data = GSM8KDataModule(
+    data = PromptDataModule(
         source="arithmetic", task_variant="add_sub_small", max_samples=None, val_max_samples=None
     )
     data.setup()
@@ -175,15 +175,15 @@ def test_arithmetic_settings_belong_to_the_arithmetic_source() -> None:
     # Another source with the arithmetic task's settings (smoke.yaml with --data.source local) is
     # said to ignore them, and validates on its own split.
     with pytest.warns(UserWarning, match="ignored with source='mock'"):
-        mock = GSM8KDataModule(source="mock", val_part="dev", val_max_samples=None)
+        mock = PromptDataModule(source="mock", val_part="dev", val_max_samples=None)
     mock.setup()
     assert len(mock._val) == 4  # the mock source's own validation problems
     with pytest.warns(UserWarning, match="task_seed, task_variant and val_part"):
-        GSM8KDataModule(source="mock", task_variant="add_sub_small")
+        PromptDataModule(source="mock", task_variant="add_sub_small")
     with pytest.raises(ValueError, match="task_variant must be one of"):
-        GSM8KDataModule(source="arithmetic", task_variant="nope")
+        PromptDataModule(source="arithmetic", task_variant="nope")
     with pytest.raises(ValueError, match="val_part must be"):
-        GSM8KDataModule(source="arithmetic", val_part="test")
+        PromptDataModule(source="arithmetic", val_part="test")
 
 
 def _digest(parts: dict) -> str:

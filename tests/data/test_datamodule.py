@@ -1,4 +1,4 @@
-"""GSM8KDataModule batches, its seeded per-epoch shuffle, the mock split, and argument checks."""
+"""PromptDataModule batches, its seeded per-epoch shuffle, the mock split, and argument checks."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import lightning as L
 import pytest
 import torch
 
-from forge_lightning.data import EpochShuffleSampler, GSM8KDataModule, collate_records, load_gsm8k_mock
+from forge_lightning.data import EpochShuffleSampler, PromptDataModule, collate_records, load_gsm8k_mock
 
 
-def mock_module(**kwargs: Any) -> GSM8KDataModule:
-    dm = GSM8KDataModule(source="mock", **kwargs)
+def mock_module(**kwargs: Any) -> PromptDataModule:
+    dm = PromptDataModule(source="mock", **kwargs)
     dm.setup("fit")
     return dm
 
 
-def epoch_order(dm: GSM8KDataModule, epoch: int) -> list[str]:
+def epoch_order(dm: PromptDataModule, epoch: int) -> list[str]:
     loader = dm.train_dataloader()
     loader.sampler.set_epoch(epoch)
     return [prompt for batch in loader for prompt in batch["prompt"]]
@@ -89,14 +89,14 @@ def test_local_source_reads_train_and_test_files(tmp_path: Path) -> None:
     for split, count in (("train", 6), ("test", 3)):
         rows = [{"question": f"{split} {i}?", "answer": f"#### {i}"} for i in range(count)]
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    dm = GSM8KDataModule(source="local", path=str(tmp_path), max_samples=4, val_max_samples=None)
+    dm = PromptDataModule(source="local", path=str(tmp_path), max_samples=4, val_max_samples=None)
     dm.setup("fit")
     assert dm.train_size == 4
     assert [r for b in dm.val_dataloader() for r in b["reference"]] == ["0", "1", "2"]
 
 
 def test_local_source_on_real_gsm8k(gsm8k_dir: Path) -> None:
-    dm = GSM8KDataModule(source="local", path=str(gsm8k_dir), max_samples=None, val_max_samples=10)
+    dm = PromptDataModule(source="local", path=str(gsm8k_dir), max_samples=None, val_max_samples=10)
     dm.setup("fit")
     assert dm.train_size == 7473
     assert sum(len(b["prompt"]) for b in dm.val_dataloader()) == 10
@@ -104,7 +104,7 @@ def test_local_source_on_real_gsm8k(gsm8k_dir: Path) -> None:
 
 def test_data_is_needed_before_use() -> None:
     with pytest.raises(RuntimeError, match="setup"):
-        _ = GSM8KDataModule(source="mock").train_size
+        _ = PromptDataModule(source="mock").train_size
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_data_is_needed_before_use() -> None:
 )
 def test_constructor_errors_name_the_field(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        GSM8KDataModule(**kwargs)
+        PromptDataModule(**kwargs)
 
 
 class RecordPrompts(L.LightningModule):
@@ -143,7 +143,7 @@ class RecordPrompts(L.LightningModule):
 
 @pytest.mark.integration
 def test_lightning_sets_the_epoch_on_the_sampler(tmp_path: Path) -> None:
-    dm = GSM8KDataModule(source="mock", prompts_per_step=4, seed=11)
+    dm = PromptDataModule(source="mock", prompts_per_step=4, seed=11)
     model = RecordPrompts()
     trainer = L.Trainer(
         max_epochs=2,
@@ -204,8 +204,8 @@ def test_a_datasets_dataset_trains_validates_and_resumes_only_on_the_same_rows(t
     rows = [{"text": f"Say {i}", "label": i} for i in range(4)]
     prompts = [row["text"] for row in rows]
 
-    def data(rows: list[dict[str, Any]]) -> GSM8KDataModule:
-        return GSM8KDataModule(dataset=datasets.Dataset.from_list(rows), prompt_field="text", shuffle=False)
+    def data(rows: list[dict[str, Any]]) -> PromptDataModule:
+        return PromptDataModule(dataset=datasets.Dataset.from_list(rows), prompt_field="text", shuffle=False)
 
     first, model = data(rows), RecordValidation()
     every_2 = L.pytorch.callbacks.ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=2, save_top_k=-1)
@@ -233,12 +233,12 @@ def test_a_gsm8k_datasetdict_gives_its_train_and_test_splits() -> None:
         )
         for split, n in (("train", 3), ("test", 2))
     }
-    data = GSM8KDataModule(dataset=datasets.DatasetDict(splits))
+    data = PromptDataModule(dataset=datasets.DatasetDict(splits))
     data.setup("fit")
     assert data.train_size == 3 and [r for b in data.val_dataloader() for r in b["reference"]] == ["0", "1"]
     assert "Problem: test 0?" in data._val[0]["prompt"]
     with pytest.raises(ValueError, match=r"no 'dev' split \(splits: \['test', 'train'\]\)"):
-        GSM8KDataModule(dataset=datasets.DatasetDict(splits), val_split="dev").setup("fit")
+        PromptDataModule(dataset=datasets.DatasetDict(splits), val_split="dev").setup("fit")
 
 
 def test_a_dataset_that_cannot_be_read_is_refused_by_name() -> None:
@@ -247,6 +247,6 @@ def test_a_dataset_that_cannot_be_read_is_refused_by_name() -> None:
     with pytest.raises(
         TypeError, match=r"datasets\.Dataset or a datasets\.DatasetDict, got list.*collate_records"
     ):
-        GSM8KDataModule(dataset=[{"prompt": "a"}])
+        PromptDataModule(dataset=[{"prompt": "a"}])
     with pytest.raises(ValueError, match=r"leave source at 'hub', got 'mock'"):
-        GSM8KDataModule(dataset=datasets.Dataset.from_list([{"prompt": "a"}]), source="mock")
+        PromptDataModule(dataset=datasets.Dataset.from_list([{"prompt": "a"}]), source="mock")

@@ -317,11 +317,11 @@ def test_a_sampled_evaluation_over_the_generation_budget_is_refused_before_any_s
 ):
     # 200000 samples x 8 prompts x 8 tokens would allocate tens of GB at the first validation,
     # after the first training steps; the budget check refuses it when the fit starts.
-    from forge_lightning.data import GSM8KDataModule
+    from forge_lightning.data import PromptDataModule
 
     grpo = module(val_num_generations=200_000, max_new_tokens=8)
     grpo.generator = CountingGenerate()
-    data = GSM8KDataModule(source="arithmetic", max_samples=4, val_max_samples=8, prompts_per_step=2)
+    data = PromptDataModule(source="arithmetic", max_samples=4, val_max_samples=8, prompts_per_step=2)
     rule = (
         r"val_num_generations=200000 x data.val_batch_size=8 rows x \(0 prompt \+ 8 new tokens\) = "
         r"12,800,000 tokens in one batch's generation, over max_generation_tokens=1,048,576"

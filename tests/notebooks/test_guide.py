@@ -17,7 +17,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
-from forge_lightning.data import GSM8KDataModule
+from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ README = ROOT / "README.md"
 # The class each flag group sets (`--model.kl_beta` is GRPOLightningModule's `kl_beta`).
 GROUPS = {
     "model": GRPOLightningModule,
-    "data": GSM8KDataModule,
+    "data": PromptDataModule,
     "trainer": pl.Trainer,
     "checkpoint": ModelCheckpoint,
     "hf_checkpoint": HFCheckpoint,

@@ -13,13 +13,13 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
-from forge_lightning.data import GSM8KDataModule, load_gsm8k
+from forge_lightning.data import PromptDataModule, load_gsm8k
 from forge_lightning.models.loading import ModelLoadError, load_model
 from forge_lightning.rollout.engines.base import SamplingParams
 
 
 def test_missing_dataset_path_fails_before_training(tmp_path):
-    data = GSM8KDataModule(source="local", path=str(tmp_path / "nowhere"))
+    data = PromptDataModule(source="local", path=str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError):
         data.setup("fit")
 

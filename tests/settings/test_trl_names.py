@@ -20,7 +20,7 @@ import pytest
 from forge_lightning import GRPOConfig
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
 from forge_lightning.cli.forge_cli import build_cli
-from forge_lightning.data import GSM8KDataModule
+from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.settings.trl_names import TRL_DEFAULTS, TRL_NAMES, did_you_mean, migration_table, pointer
 
@@ -37,7 +37,7 @@ def parameters(cls: type) -> dict[str, inspect.Parameter]:
 # Where each group of flags lands, to check that every pointer names a real setting.
 GROUPS = {
     "model": GRPOLightningModule,
-    "data": GSM8KDataModule,
+    "data": PromptDataModule,
     "trainer": pl.Trainer,
     "reward_logger": RewardLogger,
     "hf_checkpoint": HFCheckpoint,

@@ -155,22 +155,22 @@ class NoGeneration:
 def test_data_whose_batches_cannot_be_split_is_refused_before_any_generation(
     tmp_path, module, trainer, data, steps, said
 ):
-    from forge_lightning.data import GSM8KDataModule
+    from forge_lightning.data import PromptDataModule
 
     grpo = module(steps_per_generation=2, gradient_accumulation_steps=2)
     grpo.generator = NoGeneration()
-    datamodule = GSM8KDataModule(source="mock", val_max_samples=1, **data)
+    datamodule = PromptDataModule(source="mock", val_max_samples=1, **data)
     with pytest.raises(ValueError, match=said):
         trainer(tmp_path, max_steps=steps, limit_val_batches=0).fit(grpo, datamodule=datamodule)
 
 
 @pytest.mark.integration
 def test_a_last_batch_the_run_never_reaches_is_not_refused(tmp_path, module, trainer):
-    from forge_lightning.data import GSM8KDataModule
+    from forge_lightning.data import PromptDataModule
 
     grpo = module(steps_per_generation=2, gradient_accumulation_steps=2)
     grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
-    datamodule = GSM8KDataModule(source="mock", prompts_per_step=4, max_samples=6, val_max_samples=1)
+    datamodule = PromptDataModule(source="mock", prompts_per_step=4, max_samples=6, val_max_samples=1)
     fit = trainer(tmp_path, max_steps=2, limit_val_batches=0)
     fit.fit(grpo, datamodule=datamodule)  # one batch of 4: the last, of 2, is never trained
     assert fit.global_step == 2
