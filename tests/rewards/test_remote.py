@@ -1,4 +1,4 @@
-"""RemoteReward against real local HTTP servers (tests/rewards/conftest.py): what it posts, its
+"""RemoteReward against real local HTTP servers (tests/conftest.py): what it posts, its
 retries, and each way a server fails."""
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def test_a_server_still_failing_after_the_last_retry_fails_the_batch_naming_url_
 
     server = serve(broken)
     reward = RemoteReward(server.url, timeout=2.0, retries=1, backoff=0.0)
-    with pytest.raises(RewardServerError, match=rf"POST {server.url} failed after 2 tries.*HTTP 500.*crashed"):
+    with pytest.raises(
+        RewardServerError, match=rf"POST {server.url} failed after 2 tries.*HTTP 500.*crashed"
+    ):
         reward(["p"], ["abc"])
     assert len(server.requests) == 2
 
@@ -124,7 +126,9 @@ def test_a_key_from_the_environment_is_sent_as_a_bearer_token(serve, monkeypatch
     RemoteReward(server.url, api_key_env="SCORER_KEY")(["p"], ["abc"])
     assert server.headers[0]["Authorization"] == "Bearer s3cret"
     monkeypatch.delenv("SCORER_KEY")
-    with pytest.raises(ValueError, match="api_key_env='SCORER_KEY' names an environment variable that is not set"):
+    with pytest.raises(
+        ValueError, match="api_key_env='SCORER_KEY' names an environment variable that is not set"
+    ):
         RemoteReward(server.url, api_key_env="SCORER_KEY")(["p"], ["abc"])
 
 
