@@ -7,7 +7,9 @@ completion is written into ``template``; the text is the judge's user message (t
 model's chat template when its tokenizer has one), its greedy reply is read by ``parse``. A reply
 ``parse`` cannot read is no score: the reward reports it as unscored (rewards/scoring.py), and
 ``model.on_reward_error`` decides: ``raise`` names the sample and the reply, ``zero`` scores it 0
-and counts it in ``reward_errors``.
+and counts it in ``reward_errors``. A checkpoint stores the judge's spec and, for a local folder,
+its fingerprints as a reward model's (rewards/reward_model.py): a resume refuses other weights,
+config, tokenizer or chat template, and a changed template or parser (rewards/resume.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import re
 import string
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import aiohttp
@@ -33,12 +36,13 @@ from forge_lightning.rewards.http import (
     post_json,
     run_coroutine,
 )
-from forge_lightning.rewards.reward_model import PolicyContext
+from forge_lightning.rewards.reward_model import PolicyContext, formatting_fingerprints
 from forge_lightning.rewards.scoring import UNSCORED
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate, eos_token_ids
 from forge_lightning.rollout.sampler import decode_completions, prompt_text
 from forge_lightning.rollout.types import completion_mask, left_pad
+from forge_lightning.run.fileio import folder_fingerprint
 
 DEFAULT_TEMPLATE = (
     "Rate the response to the question from 0 (useless) to 10 (perfect). Reply with the number "
@@ -122,6 +126,11 @@ class JudgeReward(BaseReward):
         self.batch_size, self.device = batch_size, device
         self.timeout, self.retries, self.backoff, self.api_key_env = timeout, retries, backoff, api_key_env
         self.needs = tuple(name for name in template_fields(template) if name not in ("prompt", "completion"))
+        # A local judge's folder and its fingerprints, which checkpoints record as a reward
+        # model's (reward_model.reward_model_fingerprints): a resume refuses a changed judge.
+        self.folder = Path(model) if url is None and isinstance(model, str) and Path(model).is_dir() else None
+        self.fingerprint = folder_fingerprint(self.folder) if self.folder is not None else None
+        self.file_fingerprints: dict[str, str] = {}
         if url is not None:
             if model is not None and not isinstance(model, str):
                 raise ValueError("JudgeReward: with url, model is the served model's name (a string) or None")
@@ -136,6 +145,8 @@ class JudgeReward(BaseReward):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"JudgeReward dtype must name a torch dtype (float32, bfloat16), got {dtype!r}")
         self.generator, self._tokenizer = _causal_lm(model, tokenizer, getattr(torch, dtype))
+        if self.folder is not None:
+            self.file_fingerprints = formatting_fingerprints(self.folder, self._tokenizer)
         # What samples the replies: HF generate (a test or a user may set another engine with the
         # same generate signature, as the module's).
         self.engine = HFGenerate(

@@ -176,3 +176,18 @@ def test_a_field_the_template_names_is_required_of_the_batch_before_any_generati
 def test_a_judge_needs_a_model_or_a_url():
     with pytest.raises(ValueError, match=r"JudgeReward needs a judge: model= .* or url="):
         JudgeReward(template="{completion}")
+
+
+def test_a_local_judge_folder_that_changed_is_refused_on_resume(tmp_path):
+    from forge_lightning.rewards.reward_model import check_reward_models, reward_model_fingerprints
+
+    tok, folder = make_tokenizer(), tmp_path / "judge"
+    make_model(len(tok)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    saved = reward_model_fingerprints([JudgeReward(str(folder), template="{completion}")])
+    assert saved[0]["folder"] == str(folder) and saved[0]["fingerprint"]
+    check_reward_models(saved, [JudgeReward(str(folder), template="{completion}")])  # the same judge
+    make_model(len(tok), seed=1).save_pretrained(folder)
+    with pytest.raises(RuntimeError, match=rf"in {folder} is not the one .*its weights changed"):
+        check_reward_models(saved, [JudgeReward(str(folder), template="{completion}")])
+    assert reward_model_fingerprints([JudgeReward(url="http://h:1/v1", template="{completion}")]) == []
