@@ -149,9 +149,8 @@ class JudgeReward(BaseReward):
             self.file_fingerprints = formatting_fingerprints(self.folder, self._tokenizer)
         # What samples the replies: HF generate (a test or a user may set another engine with the
         # same generate signature, as the module's).
-        self.engine = HFGenerate(
-            self._tokenizer.pad_token_id, eos_token_ids(self._tokenizer, self.generator), self._tokenizer
-        )
+        self._eos = eos_token_ids(self._tokenizer, self.generator)
+        self.engine = HFGenerate(self._tokenizer.pad_token_id, self._eos, self._tokenizer)
         if device is not None:
             self.generator.to(device)
 
@@ -206,7 +205,7 @@ class JudgeReward(BaseReward):
             # In its own dtype: a mixed-precision fit's autocast is off here (the engine's no_grad is on).
             with torch.autocast(device.type, enabled=False):
                 out = self.engine.generate(model, ids, mask, 1, params)  # (B, Lr)
-            replies += decode_completions(tok, out, completion_mask(out, self.engine.eos_token_ids))
+            replies += decode_completions(tok, out, completion_mask(out, self._eos))
         return replies
 
     def _encode(self, text: str) -> list[int]:

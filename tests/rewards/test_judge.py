@@ -92,7 +92,6 @@ class ScriptedJudge:
 
     def __init__(self, tokenizer) -> None:
         self.tok, self.batches = tokenizer, []
-        self.eos_token_ids = [tokenizer.eos_token_id]
 
     def generate(self, model, prompt_ids, prompt_mask, group_size, params):
         texts = [
