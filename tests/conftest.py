@@ -8,15 +8,21 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import asyncio  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import socket  # noqa: E402
 import string  # noqa: E402
 import subprocess  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Awaitable, Callable  # noqa: E402
 from multiprocessing.process import BaseProcess  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from aiohttp import web  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
@@ -415,3 +421,65 @@ def step_gradients(tmp_path, module, trainer, loader):
         return grpo.last_step.metrics["train/loss"], grads
 
     return run
+
+
+# -- a real local HTTP server (rewards scored over HTTP): aiohttp on 127.0.0.1, an ephemeral port,
+# its event loop in a thread of the test
+
+# A handler gets the request's JSON body and the number of the request (0 for the first) and
+# returns the answer: a JSON-able value (HTTP 200), or a web.Response of its own.
+Handler = Callable[[Any, int], Awaitable[Any]]
+
+
+class LocalServer:
+    """One aiohttp app answering POSTs to ``path`` with ``handler``; ``requests`` holds each
+    request's JSON body and ``headers`` its headers, in order."""
+
+    def __init__(self, handler: Handler, path: str) -> None:
+        self.handler, self.requests, self.headers = handler, [], []
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}{path}"
+        app = web.Application()
+        app.router.add_post(path, self._answer)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)  # a stalled handler is cut at stop
+        self._run(self._start(sock))
+
+    async def _start(self, sock: socket.socket) -> None:
+        await self.runner.setup()
+        await web.SockSite(self.runner, sock).start()
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        answer = await self.handler(body, len(self.requests) - 1)
+        return answer if isinstance(answer, web.StreamResponse) else web.Response(text=json.dumps(answer))
+
+    def _run(self, coroutine: Awaitable[Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=10)
+
+    def stop(self) -> None:
+        """Close the server (its port then refuses connections) and end its thread; twice is once."""
+        if self.thread.is_alive():
+            self._run(self.runner.cleanup())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+            self.loop.close()
+
+
+@pytest.fixture
+def serve():
+    """``serve(handler, path="/score")``: a started :class:`LocalServer`, stopped after the test."""
+    servers: list[LocalServer] = []
+
+    def start(handler: Handler, path: str = "/score") -> LocalServer:
+        servers.append(LocalServer(handler, path))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()

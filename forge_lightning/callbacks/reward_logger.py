@@ -37,6 +37,7 @@ JSONL_KEYS = (
     "sampling_rounds",
     "groups_dropped",
     "entropy",
+    "reward_errors",  # samples whose reward failed (scored 0 under on_reward_error zero)
     "num_tokens",
     "lr",
     "grad_norm",

@@ -1,6 +1,7 @@
 """Rewards: the reward library (library.py), the call contract (calls.py), a trained reward model
 (reward_model.py), math-verify answers (math_verify_reward.py), an environment's score
-(environment.py) and the scoring of a batch (scoring.py).
+(environment.py), a scorer over HTTP (remote.py), an LLM judge (judge.py), the HTTP both use
+(http.py), what a resume may change of a reward (resume.py) and the scoring of a batch (scoring.py).
 
 The library's names are offered here, the import path configs and checkpoints use
 (``forge_lightning.rewards.CompositeReward``)."""
@@ -16,5 +17,7 @@ __getattr__, __dir__ = lazy_exports(
         "forge_lightning.run.user_code",
         "forge_lightning.rewards.environment",
         "forge_lightning.rewards.math_verify_reward",
+        "forge_lightning.rewards.remote",
+        "forge_lightning.rewards.judge",
     ),
 )

@@ -299,12 +299,13 @@ def _digest(paths: list[Path], value: Any = None) -> str:
 
 def reward_model_fingerprints(parts: Sequence[Any]) -> list[dict[str, Any]]:
     """Folder, weights fingerprint and formatting fingerprints (:func:`formatting_fingerprints`)
-    of each RewardModel among ``parts`` loaded from a folder, for the Lightning checkpoint (the
-    weights themselves are not saved there)."""
+    of each reward among ``parts`` that runs a model loaded from a folder (a RewardModel, a local
+    JudgeReward: its ``folder``, ``fingerprint`` and ``file_fingerprints``), for the Lightning
+    checkpoint (the weights themselves are not saved there)."""
     return [
         {"folder": str(part.folder), "fingerprint": part.fingerprint, "files": dict(part.file_fingerprints)}
         for part in parts
-        if isinstance(part, RewardModel) and part.folder is not None
+        if getattr(part, "folder", None) is not None and hasattr(part, "file_fingerprints")
     ]
 
 

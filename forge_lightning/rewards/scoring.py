@@ -1,4 +1,7 @@
-"""Scoring a batch: the one place responses are turned into checked scores, per component."""
+"""Scoring a batch: the one place responses are turned into checked scores, per component.
+
+A reward may report samples it could not score without raising (a judge's unreadable reply):
+``RewardOutput.metadata[UNSCORED]``, ``{index: why}``; each counts as that sample's error."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from forge_lightning.grpo import group_advantages
 from forge_lightning.rewards.library import (
     CompositeReward,
     RewardFn,
+    RewardOutput,
     RewardTimeout,
     call_reward,
     checked_scores,
@@ -21,6 +25,9 @@ from forge_lightning.rewards.library import (
 )
 from forge_lightning.rewards.reward_model import batch_zscore
 from forge_lightning.rollout.types import Rollout
+
+# The RewardOutput.metadata key of the samples a reward could not score ({index: why}).
+UNSCORED = "unscored"
 
 
 @dataclass
@@ -119,7 +126,7 @@ def _score_one(
     except Exception as err:
         batch_error = err
     else:
-        return checked_scores(output, len(responses), name, allow_none), []
+        return _unscored(output, checked_scores(output, len(responses), name, allow_none), name, on_error)
     size = len(responses)
     scores: list[float] = []
     failures: list[tuple[int, Exception]] = []
@@ -128,6 +135,8 @@ def _score_one(
             output = call_reward(
                 reward, prompts[i : i + 1], responses[i : i + 1], _sample_kwargs(kwargs, i, size), timeout
             )
+            if isinstance(output, RewardOutput) and output.metadata.get(UNSCORED):
+                raise ValueError(next(iter(output.metadata[UNSCORED].values())))
         except Exception as err:
             if on_error == "raise":
                 raise RuntimeError(f"reward {name!r} failed on sample {i}: {err!r}") from batch_error
@@ -149,6 +158,27 @@ def _score_one(
             f"{_batch_only(name, size, batch_error)}; each sample keeps its own score", stacklevel=3
         )
     return scores, [i for i, _ in failures]
+
+
+def _unscored(output: Any, scores: list[float], name: str, on_error: str) -> tuple[list[float], list[int]]:
+    """``scores`` with the samples ``output`` reports unscored (module docstring) handled as
+    ``on_error`` says: a RuntimeError naming the first, or each scored 0.0, warned about and
+    returned as a failure."""
+    unscored = output.metadata.get(UNSCORED) if isinstance(output, RewardOutput) else None
+    if not unscored:
+        return scores, []
+    first = min(unscored)
+    if on_error == "raise":
+        raise RuntimeError(
+            f"reward {name!r} could not score sample {first}: {unscored[first]} (model.on_reward_error: "
+            "zero scores such a sample 0 and counts it)"
+        )
+    warnings.warn(
+        f"reward {name!r} could not score {len(unscored)} of {len(scores)} samples, which score 0.0 "
+        f"(first: sample {first}: {unscored[first]})",
+        stacklevel=4,
+    )
+    return [0.0 if i in unscored else s for i, s in enumerate(scores)], sorted(unscored)
 
 
 def _batch_only(name: str, size: int, error: Exception) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from forge_lightning.rewards.library import reward_parts
+from forge_lightning.rewards.resume import reward_on_resume
 from forge_lightning.rewards.reward_model import check_reward_models, reward_model_fingerprints
 from forge_lightning.run.checkpoint_io import rng_states, set_rng_states
 from forge_lightning.run.fit import FitShape
@@ -48,7 +49,9 @@ def load_run_state(
     the run's state restored), None outside fit; ``current``: the module's flat hyperparameters,
     compared with those the checkpoint holds."""
     if resumed is not None:
-        check_resume(checkpoint, current, resumed.recorded())
+        # A served reward's URL may change (warned), its other scoring arguments not (named).
+        saved = reward_on_resume(checkpoint.get("hyper_parameters", {}), current)
+        check_resume({**checkpoint, "hyper_parameters": saved}, current, resumed.recorded())
         check_reward_models(checkpoint.get("forge_reward_models", []), reward_parts(reward))
         reporter.tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
         if "forge_async" in checkpoint:

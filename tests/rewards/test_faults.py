@@ -86,12 +86,17 @@ def test_reward_errors_score_zero_and_are_counted_when_asked(tmp_path, module, t
         def on_train_batch_end(self, trainer, pl_module, *args):
             counted.append(pl_module.last_step.metrics)
 
+    from forge_lightning.callbacks import RewardLogger
+
     records = [{"prompt": "q", "tag": "ok"}, {"prompt": "r", "tag": "bad"}]
     grpo = module(reward=flaky, on_reward_error="zero", gradient_accumulation_steps=1)
+    callbacks = [Record(), RewardLogger(logging_steps=1)]
     with pytest.warns(UserWarning, match="raised on 4 of 8 samples, which score 0.0"):
-        trainer(tmp_path, callbacks=[Record()]).fit(grpo, loader(records, batch_size=2))
+        trainer(tmp_path, callbacks=callbacks).fit(grpo, loader(records, batch_size=2))
     assert counted[0]["train/reward_errors"] == 4.0
     assert counted[0]["train/reward"] == 0.5  # the failing half scored 0, the rest 1
+    (line,) = (tmp_path / "training_log.jsonl").read_text().splitlines()
+    assert json.loads(line)["reward_errors"] == 4.0  # the run's file says how many failed too
 
 
 @pytest.mark.integration
