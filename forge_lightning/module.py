@@ -43,8 +43,7 @@ from forge_lightning.rollout.engines.hf import eos_token_ids
 from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.sources import TrainingBatch
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
-from forge_lightning.rollout.tools.environments import score_name
-from forge_lightning.rollout.tools.stored import ToolsArgument, stored_tools
+from forge_lightning.rollout.tools.stored import EnvironmentArgument, ToolsArgument, stored_tools
 from forge_lightning.run.checkpoint_io import refuse_unstored_objects
 from forge_lightning.run.preemption import Preemption
 from forge_lightning.settings.checks import validate_hparams
@@ -103,6 +102,9 @@ class GRPOLightningModule(pl.LightningModule):
         prompt_truncation: ``left`` (with a warning) or ``error``.
         use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
         system_prompt: system message for the chat template.
+        chat_template_kwargs: more variables for the chat template (Qwen3's ``enable_thinking``,
+            Llama 3.1's ``tools_in_user_message``), passed to every rendering of prompts (training
+            and validation) and tool turns.
         loss_type: ``grpo``, ``dapo``, ``dr_grpo`` or ``forge`` (see grpo.LossSettings).
         clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
         clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
@@ -161,10 +163,13 @@ class GRPOLightningModule(pl.LightningModule):
         calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
             or ``plain`` (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py).
         max_tool_calls: with tools, the calls one completion may make.
-        tool_call_format: how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``.
+        tool_call_format: how a completion writes a call: ``hermes`` (``<tool_call>{json}</tool_call>``),
+            ``llama3_json`` (Llama 3.1/3.2's JSON reply) or ``qwen3_coder`` (``<function=...>`` XML).
         tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
         max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
             cut before it is rendered, marked as cut and counted (``tool_results_cut``).
+        max_parallel_tool_calls: the tool calls (of every row waiting for one, and of one turn)
+            that run at once, each under ``tool_timeout``; ``async def`` tools are awaited.
         tools: typed functions with docstrings (or their import paths) a completion may call in the
             ``tool_call_format``; each result comes back as the chat template's ``tool`` message
             (tools/functions.py). Stored by import path: a lambda or local function is refused.
@@ -172,7 +177,8 @@ class GRPOLightningModule(pl.LightningModule):
             made once per completion (tools/environments.py): ``reset(**row)`` starts its episode
             (text it returns joins the prompt), ``get_reward()`` (or ``reward()``) scores it
             (EnvironmentReward, the reward when ``reward`` is None), its other public methods are
-            tools. Sync rollouts with HF generate only.
+            tools. Or a mapping name -> such a factory: each row's ``environment`` field picks its
+            own (TRL's pattern). Sync rollouts with HF generate only.
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
             and maj@k; 0: greedy only.
         val_temperature: temperature of the sampled validation completions.
@@ -208,6 +214,7 @@ class GRPOLightningModule(pl.LightningModule):
         prompt_truncation: Literal["left", "error"] = "left",
         use_chat_template: bool | None = None,
         system_prompt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         # -- the loss (grpo.LossSettings)
         loss_type: LossType = "grpo",
         clip_epsilon: float = 0.2,
@@ -262,8 +269,9 @@ class GRPOLightningModule(pl.LightningModule):
         tool_call_format: str = "hermes",
         tool_timeout: float | None = 10.0,
         max_tool_result_chars: int = 10_000,
+        max_parallel_tool_calls: int = 16,
         tools: ToolsArgument = None,
-        environment_factory: type | str | None = None,
+        environment_factory: EnvironmentArgument = None,
         # -- validation (ValidationSettings)
         val_num_generations: int = 0,
         val_temperature: float = 1.0,
@@ -285,7 +293,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.model: PreTrainedModel | None = None if isinstance(model, str) else model
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
         # An environment that scores its episodes (TRL's get_reward) is the reward when none is set.
-        scored = stored.reward_object is None and score_name(self.tools.environment) is not None
+        scored = stored.reward_object is None and self.tools.scored
         self.reward = EnvironmentReward() if scored else stored.reward_fn
         self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
         self._use_chat_template = use_chat_template

@@ -208,7 +208,13 @@ def prompt_format(
     """How the module's prompts are encoded for ``model`` (``use_chat_template`` resolved: the
     setting, or whether the tokenizer has one)."""
     longest = max_prompt_length(model, prompts.max_prompt_length, max_new_tokens)
-    return PromptFormat(use_chat_template, prompts.system_prompt, longest, prompts.prompt_truncation)
+    return PromptFormat(
+        use_chat_template,
+        prompts.system_prompt,
+        longest,
+        prompts.prompt_truncation,
+        prompts.chat_template_kwargs,
+    )
 
 
 def with_tools(
@@ -227,6 +233,8 @@ def with_tools(
             tools.tool_timeout,
             system_prompt,
             tools.max_tool_result_chars,
+            tools.max_parallel_tool_calls,
+            sampler.prompts.chat_template_kwargs,
         )
     else:
         return sampler
