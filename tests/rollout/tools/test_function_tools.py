@@ -606,11 +606,13 @@ def sprawl(x: int) -> list:
     return [Slow()] * 1_000_000
 
 
-def test_a_huge_result_is_cut_before_it_is_rendered_marked_and_counted():
+@pytest.mark.parametrize("call_format", sorted(CALL_FORMATS))
+def test_a_huge_result_is_cut_before_it_is_rendered_marked_and_counted(call_format):
     tok = chat_tokenizer()
-    engine = TurnEngine(tok, [call("flood", x=1), "ok."])
+    engine = TurnEngine(tok, [call_in(call_format, "flood", x=1), "ok."])
     start = time.monotonic()
-    rollout = sampler(tok, [flood], engine, max_result_chars=100)(tiny(tok), ["Q"], GREEDY, 2)
+    run = sampler(tok, [flood], engine, max_result_chars=100, call_format=call_format)
+    rollout = run(tiny(tok), ["Q"], GREEDY, 2)
     assert time.monotonic() - start < 10
     entry = rollout.facts()["tool_calls"][0][0]
     assert entry["result"] == "x" * 100 + CUT_MARK.format(total=20_000_000, kept=100)
