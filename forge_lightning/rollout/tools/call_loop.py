@@ -1,6 +1,7 @@
 """Running many tool calls at once: the calls of every row that waits for a tool, and every call
 of one turn, on one event loop, at most ``max_parallel`` at a time, each within its time limit;
-the answers come back in the order the calls were written.
+the answers come back in the order the calls were written. The calls on one environment (its
+methods, bound to it) run one at a time in that order, so that its state changes as written.
 
 The loop runs in a daemon thread of its own, started on first use and kept while the runner
 lives, so that an ``async def`` tool's client stays on one loop from call to call. Each call is
@@ -14,6 +15,7 @@ cancelled) and answered with an error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
@@ -57,11 +59,15 @@ class CallLoop:
 
     async def _all(self, jobs: Sequence[Job]) -> list[Outcome]:
         semaphore = asyncio.Semaphore(self.max_parallel)
-        return list(await asyncio.gather(*(self._one(job, semaphore) for job in jobs)))
+        # One lock per environment: its calls take it in the order written (asyncio.Lock is FIFO).
+        locks = {id(job.owner): asyncio.Lock() for job in jobs if job.owner is not None}
+        own = [locks[id(job.owner)] if job.owner is not None else contextlib.nullcontext() for job in jobs]
+        return list(await asyncio.gather(*(self._one(job, semaphore, lock) for job, lock in zip(jobs, own))))
 
-    async def _one(self, job: Job, semaphore: asyncio.Semaphore) -> Outcome:
-        """One call's answer; its time limit runs from when it starts, not while it waits its turn."""
-        async with semaphore:
+    async def _one(self, job: Job, semaphore: asyncio.Semaphore, lock: Any) -> Outcome:
+        """One call's answer; its time limit runs from when it starts, not while it waits its turn
+        (behind the calls on its environment, then for a free place)."""
+        async with lock, semaphore:
             task = asyncio.ensure_future(invoke(job, self.max_chars))
             try:
                 # asyncio.wait, not wait_for: a TimeoutError the tool raises is its own failure.

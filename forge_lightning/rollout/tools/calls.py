@@ -9,7 +9,7 @@ import asyncio
 import inspect
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
@@ -42,11 +42,13 @@ def tool_schema(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
 
 @dataclass
 class Job:
-    """A call ready to run: the tool, its arguments (checked against its signature) and its name."""
+    """A call ready to run: the tool, its arguments (checked against its signature), its name, and
+    the environment it is a method of (None for a function), whose calls run one at a time."""
 
     fn: Callable[..., Any]
     arguments: dict[str, Any]
     name: str
+    owner: Any = None
 
 
 # A call's answer: its text, whether it succeeded, whether the text was cut.
@@ -65,23 +67,31 @@ def check_call(parsed: ParsedCall | str, functions: dict[str, Callable[..., Any]
         inspect.signature(fn).bind(**parsed.arguments)
     except TypeError as err:
         return f"error: wrong arguments for {name}: {err}", False, False
-    return Job(fn, parsed.arguments, name)
+    return Job(fn, parsed.arguments, name, getattr(fn, "__self__", None))
+
+
+def called(job: Job, max_chars: int) -> tuple[str, bool] | Awaitable[Any]:
+    """The one place a tool is called: ``fn(**arguments)``, its value made the text the model
+    reads, cut to ``max_chars`` (whether it was cut too): the JSON of a huge or pathological value
+    (circular, a raising ``__str__``) is the tool's own failure, within its time limit. What runs
+    this elsewhere (another process) hands back text already cut. An ``async def`` tool's
+    awaitable comes back as it is, for :func:`invoke` to await."""
+    value = job.fn(**job.arguments)
+    return value if inspect.isawaitable(value) else result_text(value, max_chars)
 
 
 async def invoke(job: Job, max_chars: int) -> tuple[str, bool]:
-    """The one place a tool is called: ``fn(**arguments)`` in a thread of its own, the value of an
-    ``async def`` (anything awaitable it returns) awaited on the running loop, and the value made
-    the text the model reads (cut to ``max_chars``) in a thread too: the JSON of a huge or
-    pathological value (circular, a raising ``__str__``) is the tool's own failure, within its
-    time limit. Whatever runs the call elsewhere (another process) cuts the text there, before it
-    crosses. A SystemExit or KeyboardInterrupt the tool raises is its own (:class:`UserCodeExit`):
-    no signal reaches any thread but the main one, which only waits."""
-    value = await in_thread(lambda: job.fn(**job.arguments), job.name)
-    if inspect.isawaitable(value):
-        try:
-            value = await value
-        except (SystemExit, KeyboardInterrupt) as err:
-            raise UserCodeExit(f"raised {err!r} from its own code (no signal did)") from err
+    """``job``'s text and whether it was cut: :func:`called` in a thread of its own, an async
+    tool's awaitable awaited on the running loop and its value made text in a thread. A SystemExit
+    or KeyboardInterrupt the tool raises is its own (:class:`UserCodeExit`): no signal reaches any
+    thread but the main one, which only waits."""
+    made = await in_thread(lambda: called(job, max_chars), job.name)
+    if not inspect.isawaitable(made):
+        return made
+    try:
+        value = await made
+    except (SystemExit, KeyboardInterrupt) as err:
+        raise UserCodeExit(f"raised {err!r} from its own code (no signal did)") from err
     return await in_thread(lambda: result_text(value, max_chars), job.name)
 
 

@@ -61,6 +61,34 @@ def test_calls_of_all_rows_and_of_one_turn_take_the_longest_not_the_sum(tool):
     assert all(text.endswith("done.") for text in rollout.completions)
 
 
+class Notebook:
+    """An environment whose tool writes its tag down after a nap."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def note(self, seconds: float, tag: str) -> str:
+        """Writes a tag down.
+
+        Args:
+            seconds: how long it takes.
+            tag: what to write.
+        """
+        time.sleep(seconds)
+        self.notes.append(tag)
+        return tag
+
+
+def test_calls_on_one_environment_take_effect_in_the_order_written_while_rows_run_at_once():
+    tok = chat_tokenizer()
+    engine = TurnEngine(tok, [two_naps("note", 0.25, 0.0), "done."])
+    run = sampler(tok, None, engine, env=Notebook, call_format="llama3_json")
+    start = time.monotonic()
+    rollout = run(tiny(tok), ["Q", "R"], GREEDY, 2)
+    assert time.monotonic() - start < 0.8  # four rows of 0.25 s each
+    assert [env.notes for env in rollout.facts()["environments"]] == [["first", "second"]] * 4
+
+
 def test_at_most_max_parallel_calls_run_at_once():
     jobs = [Job(nap, {"seconds": 0.2, "tag": str(k)}, "nap") for k in range(4)]
     start = time.monotonic()

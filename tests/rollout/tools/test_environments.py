@@ -147,3 +147,22 @@ def increment(by: int) -> int:
         by: how much.
     """
     return by
+
+
+@pytest.mark.integration
+def test_several_environments_are_set_from_the_command_line_by_import_path(
+    tiny_model_dir, tmp_path, tiny_overrides
+):
+    from pathlib import Path
+
+    from forge_lightning.cli.forge_cli import build_cli
+
+    smoke = Path(__file__).resolve().parents[3] / "configs" / "smoke.yaml"
+    mapping = "{doubler: test_environments.Doubler, counter: test_function_tools.Counter}"
+    flag = f"--model.environment_factory={mapping}"
+    cli = build_cli(["--config", str(smoke), *tiny_overrides(tiny_model_dir, tmp_path), flag], run=False)
+    assert cli.model.tools.factory == {"doubler": Doubler, "counter": Counter}
+    assert cli.model.hparams.environment_factory == {
+        "doubler": "test_environments.Doubler",
+        "counter": "test_function_tools.Counter",
+    }
