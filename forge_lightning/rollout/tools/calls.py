@@ -67,7 +67,7 @@ def check_call(parsed: ParsedCall | str, functions: dict[str, Callable[..., Any]
         inspect.signature(fn).bind(**parsed.arguments)
     except TypeError as err:
         return f"error: wrong arguments for {name}: {err}", False, False
-    return Job(fn, parsed.arguments, name, getattr(fn, "__self__", None))
+    return Job(fn, parsed.arguments, name, fn.__self__ if inspect.ismethod(fn) else None)
 
 
 def called(job: Job, max_chars: int) -> tuple[str, bool] | Awaitable[Any]:

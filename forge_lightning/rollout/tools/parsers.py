@@ -104,6 +104,7 @@ class Llama3JsonToolCalls:
     stop = None
     example = '{"name": "the tool\'s name", "parameters": {"argument": "value"}} as the whole reply'
     _tag = "<|python_tag|>"
+    _call = re.compile(r'\{\s*"name"\s*:')  # how a call begins; other JSON is an answer
 
     def __init__(self, schemas: Sequence[dict[str, Any]] = ()) -> None:
         pass  # JSON carries each argument's type
@@ -112,7 +113,7 @@ class Llama3JsonToolCalls:
         return json.dumps({"name": name, "parameters": arguments})
 
     def ends_with_call(self, text: str) -> bool:
-        return self._body(text).startswith("{")
+        return self._call.match(self._body(text)) is not None
 
     def _body(self, text: str) -> str:
         return text.strip().removeprefix(self._tag).strip()
@@ -190,6 +191,8 @@ class Qwen3CoderToolCalls:
     def _value(text: str, kind: Any) -> Any:
         if kind == "string" or kind is None:
             return text
+        if kind == "boolean" and text.strip().lower() in ("true", "false"):
+            return text.strip().lower() == "true"  # the template writes Python's True and False
         try:
             return json.loads(text)
         except json.JSONDecodeError:

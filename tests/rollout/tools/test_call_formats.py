@@ -118,9 +118,8 @@ def test_the_llama_parser_reads_every_call_of_the_turn():
     good, bad = parser.parse('{"name": "a", "parameters": {}} {"name": "b", "parameters": {"x": 1,}}')
     assert good == ParsedCall("a", {}) and bad.startswith("the call is not valid JSON")
     assert parser.parse("It is 5.")[0].startswith("no call found")
-    assert parser.ends_with_call(' {"name": "a", "parameters": {}}') and not parser.ends_with_call(
-        "It is {5}."
-    )
+    assert parser.ends_with_call(' {"name": "a", "parameters": {}}')
+    assert not parser.ends_with_call("It is {5}.") and not parser.ends_with_call('{"answer": 5}')  # no call
 
 
 def test_the_qwen3_coder_parser_reads_each_value_by_its_schemas_type():
@@ -137,6 +136,9 @@ def test_the_qwen3_coder_parser_reads_each_value_by_its_schemas_type():
     ]
     assert parser.parse("<tool_call>oops</tool_call>")[0].startswith("a call is <tool_call><function=name>")
     assert parser.parse(parser.write("add", {"a": 1, "b": 2})) == [ParsedCall("add", {"a": 1, "b": 2})]
+    on = {"function": {"name": "f", "parameters": {"properties": {"on": {"type": "boolean"}}}}}
+    flag = "<tool_call><function=f><parameter=on>\nTrue\n</parameter></function></tool_call>"
+    assert CALL_FORMATS["qwen3_coder"]([on]).parse(flag) == [ParsedCall("f", {"on": True})]  # Python's True
 
 
 def echo(text: str) -> str:
