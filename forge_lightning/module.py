@@ -102,9 +102,8 @@ class GRPOLightningModule(pl.LightningModule):
         prompt_truncation: ``left`` (with a warning) or ``error``.
         use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
         system_prompt: system message for the chat template.
-        chat_template_kwargs: more variables for the chat template (Qwen3's ``enable_thinking``,
-            Llama 3.1's ``tools_in_user_message``), passed to every rendering of prompts (training
-            and validation) and tool turns.
+        chat_template_kwargs: more variables for the chat template (``enable_thinking``), given to
+            every rendering of prompts and tool turns.
         loss_type: ``grpo``, ``dapo``, ``dr_grpo`` or ``forge`` (see grpo.LossSettings).
         clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
         clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
@@ -163,13 +162,11 @@ class GRPOLightningModule(pl.LightningModule):
         calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
             or ``plain`` (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py).
         max_tool_calls: with tools, the calls one completion may make.
-        tool_call_format: how a completion writes a call: ``hermes`` (``<tool_call>{json}</tool_call>``),
-            ``llama3_json`` (Llama 3.1/3.2's JSON reply) or ``qwen3_coder`` (``<function=...>`` XML).
+        tool_call_format: how a completion writes a call: ``hermes``, ``llama3_json`` or ``qwen3_coder``.
         tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
         max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
             cut before it is rendered, marked as cut and counted (``tool_results_cut``).
-        max_parallel_tool_calls: the tool calls (of every row waiting for one, and of one turn)
-            that run at once, each under ``tool_timeout``; ``async def`` tools are awaited.
+        max_parallel_tool_calls: the tool calls that run at once (``async def`` ones are awaited).
         tools: typed functions with docstrings (or their import paths) a completion may call in the
             ``tool_call_format``; each result comes back as the chat template's ``tool`` message
             (tools/functions.py). Stored by import path: a lambda or local function is refused.
@@ -177,8 +174,8 @@ class GRPOLightningModule(pl.LightningModule):
             made once per completion (tools/environments.py): ``reset(**row)`` starts its episode
             (text it returns joins the prompt), ``get_reward()`` (or ``reward()``) scores it
             (EnvironmentReward, the reward when ``reward`` is None), its other public methods are
-            tools. Or a mapping name -> such a factory: each row's ``environment`` field picks its
-            own (TRL's pattern). Sync rollouts with HF generate only.
+            tools; or a mapping name -> factory, a row's ``environment`` field picking its own. Sync
+            rollouts with HF generate only.
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
             and maj@k; 0: greedy only.
         val_temperature: temperature of the sampled validation completions.
