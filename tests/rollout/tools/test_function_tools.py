@@ -547,21 +547,29 @@ def back_to_back(tok, first: str, second: str) -> list[int]:
     return [*ids(first[:-1]), tok.convert_tokens_to_ids("><"), *ids(second[1:]), tok.eos_token_id]
 
 
-def test_a_call_ends_where_its_closing_tag_merges_with_the_next_call():
+# The formats whose calls end with a closing text (the others end with the turn's EOS).
+CLOSED = [name for name, fmt in sorted(CALL_FORMATS.items()) if fmt.stop]
+
+
+@pytest.mark.parametrize("call_format", CLOSED)
+def test_a_call_ends_where_its_closing_tag_merges_with_the_next_call(call_format):
     tok = merged_tokenizer()
-    tools = FunctionTools(tok, [add])
-    written = back_to_back(tok, call("add", a=1, b=2), call("add", a=3, b=4))
-    at_merge = len(tok(call("add", a=1, b=2)[:-1], add_special_tokens=False)["input_ids"]) + 1
+    tools = FunctionTools(tok, [add], call_format=call_format)
+    first = call_in(call_format, "add", a=1, b=2)
+    written = back_to_back(tok, first, call_in(call_format, "add", a=3, b=4))
+    at_merge = len(tok(first[:-1], add_special_tokens=False)["input_ids"]) + 1
     row = torch.tensor([written[:at_merge]])
     assert CallStop(tools, 0, [0], [True])(row, None).tolist() == [True]  # generate stops here
     assert CallStop(tools, 0, [0], [True])(row[:, :-1], None).tolist() == [False]
 
 
-def test_back_to_back_calls_each_run_and_none_vanishes():
+@pytest.mark.parametrize("call_format", CLOSED)
+def test_back_to_back_calls_each_run_and_none_vanishes(call_format):
     tok = merged_tokenizer()
-    engine = TurnEngine(tok, [back_to_back(tok, call("add", a=1, b=2), call("add", a=3, b=4)), "done."])
+    both = back_to_back(tok, call_in(call_format, "add", a=1, b=2), call_in(call_format, "add", a=3, b=4))
+    engine = TurnEngine(tok, [both, "done."])
     SEEN.clear()
-    rollout = sampler(tok, [add], engine)(tiny(tok), ["Q"], GREEDY, 1)
+    rollout = sampler(tok, [add], engine, call_format=call_format)(tiny(tok), ["Q"], GREEDY, 1)
     assert SEEN == [{"a": 1, "b": 2}]  # the round stopped at the first call: it ran first
     assert [c["result"] for c in rollout.facts()["tool_calls"][0]] == ["3"]
     assert rollout.completions[0].endswith("done.")
