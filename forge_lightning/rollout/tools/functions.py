@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 from transformers import StoppingCriteria
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -38,6 +37,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from forge_lightning.rollout.control_tokens import encode_marked, mark_data
 from forge_lightning.rollout.sampler import RolloutSampler, prompt_messages
 from forge_lightning.rollout.tools.base import Answer, Episode
+from forge_lightning.rollout.tools.call_ends import CallEnds, CallStop
 from forge_lightning.rollout.tools.call_loop import MAX_PARALLEL_CALLS, CallLoop
 from forge_lightning.rollout.tools.calls import MAX_RESULT_CHARS, Job, Outcome, check_call, tool_schema
 from forge_lightning.rollout.tools.environments import (
@@ -58,8 +58,6 @@ TOOLS_SYSTEM_PROMPT = (
     "You can call these tools (JSON schemas, one per line):\n{tools}\n\n"
     "To call one, write {call}; its result comes back in a tool message."
 )
-# Tokens of a row's tail decoded to look for the end of a call, beyond the stop string's characters.
-TAIL_MARGIN = 8
 
 
 @dataclass
@@ -133,10 +131,7 @@ class FunctionTools:
         first = next(iter(self.schemas.values()))
         self.renders_tools = self.render([_USER], True, first) != self.render([_USER], True, None)
         check_prefix_stable(self)
-        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
-        stop = self.format.stop
-        # Where a call ends with its turn (no stop text), no token ends one mid-turn.
-        self.ends_call = torch.tensor([bool(stop) and stop[-1] in piece for piece in pieces])  # (V,)
+        self.ends = CallEnds(tokenizer, self.format)
 
     def begin(
         self,
@@ -190,37 +185,16 @@ class FunctionTools:
         return ids.to(device), mask.to(device)
 
     def may_end_a_call(self, token: int) -> bool:
-        return 0 <= token < len(self.ends_call) and bool(self.ends_call[token])
-
-    def ends_with_call(self, tail: Sequence[int]) -> bool:
-        """Whether ``tail`` (a row's last tokens) ends a call: its text ends with the format's stop
-        string, or its last token completes one. A tokenizer may merge the stop's last characters
-        with the next call's first (``</tool_call><tool_call>`` written with a ``><`` token): the
-        call ends there all the same. A format whose calls end with the turn has none mid-turn."""
-        if self.format.stop is None:
-            return False
-        tail = list(tail[-(len(self.format.stop) + TAIL_MARGIN) :])
-        text = self.tokenizer.decode(tail, skip_special_tokens=True)
-        if text.rstrip().endswith(self.format.stop):
-            return True
-        before = self.tokenizer.decode(tail[:-1], skip_special_tokens=True)
-        return text.count(self.format.stop) > before.count(self.format.stop)
+        return self.ends.may_end_a_call(token)
 
     def call_at(self, episode: Episode, completion: Sequence[int]) -> str | None:
-        """The text of the policy's turn when it ends with a call (parsed when answered). A call
-        that ends with its turn (Llama's JSON) is read at the end-of-turn token, the turn whole."""
-        turn = list(completion[episode.segment :])
-        if self.format.stop is None and turn:
-            text = self.tokenizer.decode(turn, skip_special_tokens=True)
-            return text if self.format.ends_with_call(text) else None
-        if not turn or not self.ends_with_call(turn):
-            return None
-        return self.tokenizer.decode(turn, skip_special_tokens=True)
+        """The text of the policy's turn when it ends with a call (parsed when answered)."""
+        return self.ends.call_in(completion[episode.segment :])
 
     def stop(
         self, start: int, prior: Sequence[int], enabled: Sequence[bool], segments: Sequence[int]
     ) -> StoppingCriteria:
-        return CallStop(self, start, [p - s for p, s in zip(prior, segments)], enabled)
+        return CallStop(self.ends, start, [p - s for p, s in zip(prior, segments)], enabled)
 
     def answer(self, turns: Sequence[tuple[Episode, str]]) -> list[Answer]:
         """Run the calls of every turn at once (tools/call_loop.py; those past a completion's
@@ -372,26 +346,3 @@ def check_prefix_stable(tools: FunctionTools) -> None:
         raise ValueError(tools._unstable("a tool message changes the text before it"))
     if not tools.render([*head, first, message, second], False).startswith(after_tool + second["content"]):
         raise ValueError(tools._unstable("a second assistant turn does not continue the first's"))
-
-
-class CallStop(StoppingCriteria):
-    """Stops each row of a ``generate`` call whose turn ends with a call (the format's stop
-    string). ``start``: the input's width; ``prior[i]``: row ``i``'s tokens of the current turn in
-    the input already; ``enabled[i]`` False for a row that may make no more calls."""
-
-    def __init__(
-        self, tools: FunctionTools, start: int, prior: Sequence[int], enabled: Sequence[bool]
-    ) -> None:
-        self.tools, self.start, self.prior, self.enabled = tools, start, list(prior), list(enabled)
-
-    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs: Any) -> Tensor:
-        stop = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
-        last = input_ids[:, -1].cpu().clamp(0, len(self.tools.ends_call) - 1)
-        for row in self.tools.ends_call[last].nonzero().flatten().tolist():
-            if self.enabled[row]:
-                width = min(
-                    len(self.tools.format.stop) + TAIL_MARGIN,
-                    self.prior[row] + input_ids.shape[1] - self.start,
-                )
-                stop[row] = width > 0 and self.tools.ends_with_call(input_ids[row, -width:].tolist())
-        return stop

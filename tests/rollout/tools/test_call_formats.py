@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerFast
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.tools import CALL_FORMATS, FunctionTools, ParsedCall
 from forge_lightning.rollout.tools.base import Episode
-from forge_lightning.rollout.tools.functions import CallStop
+from forge_lightning.rollout.tools.call_ends import CallStop
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CHARS = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
@@ -156,9 +156,9 @@ def test_a_qwen3_coder_call_ends_at_its_closing_tag_token():
     call = ids_of(tok, tools.format.write("add", {"a": 2, "b": 3}))
     assert call[-1] == tok.convert_tokens_to_ids("</tool_call>")  # one token, as the model writes it
     row = torch.tensor([call])
-    assert CallStop(tools, 0, [0], [True])(row, None).tolist() == [True]  # generate stops here
-    assert CallStop(tools, 0, [0], [True])(row[:, :-1], None).tolist() == [False]
-    assert CallStop(tools, 0, [0], [False])(row, None).tolist() == [False]  # no calls left
+    assert CallStop(tools.ends, 0, [0], [True])(row, None).tolist() == [True]  # generate stops here
+    assert CallStop(tools.ends, 0, [0], [True])(row[:, :-1], None).tolist() == [False]
+    assert CallStop(tools.ends, 0, [0], [False])(row, None).tolist() == [False]  # no calls left
 
 
 def test_a_llama_call_ends_with_its_turn_and_never_mid_turn():
@@ -166,8 +166,8 @@ def test_a_llama_call_ends_with_its_turn_and_never_mid_turn():
     tools = FunctionTools(tok, [add], call_format="llama3_json")
     call = ids_of(tok, tools.format.write("add", {"a": 2, "b": 3}))
     # Nothing stops generate mid-turn: the JSON may go on, and only the end-of-turn token ends it.
-    assert not tools.ends_call.any()
-    assert CallStop(tools, 0, [0], [True])(torch.tensor([call]), None).tolist() == [False]
+    assert not tools.ends.ends_call.any()
+    assert CallStop(tools.ends, 0, [0], [True])(torch.tensor([call]), None).tolist() == [False]
     # At the end of the turn, the turn is the call; prose is no call.
     assert tools.call_at(Episode(), call) == tools.format.write("add", {"a": 2, "b": 3})
     assert tools.call_at(Episode(), ids_of(tok, "It is 5.")) is None

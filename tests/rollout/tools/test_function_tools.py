@@ -28,8 +28,9 @@ from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import CALL_FORMATS, FunctionTools, HermesToolCalls, ParsedCall
 from forge_lightning.rollout.tools.base import Episode
+from forge_lightning.rollout.tools.call_ends import CallStop
 from forge_lightning.rollout.tools.calls import CUT_MARK
-from forge_lightning.rollout.tools.functions import CallStop, EpisodeTools
+from forge_lightning.rollout.tools.functions import EpisodeTools
 from forge_lightning.settings.checks import validate_hparams
 
 GREEDY = SamplingParams(max_new_tokens=400, greedy=True)
@@ -559,8 +560,8 @@ def test_a_call_ends_where_its_closing_tag_merges_with_the_next_call(call_format
     written = back_to_back(tok, first, call_in(call_format, "add", a=3, b=4))
     at_merge = len(tok(first[:-1], add_special_tokens=False)["input_ids"]) + 1
     row = torch.tensor([written[:at_merge]])
-    assert CallStop(tools, 0, [0], [True])(row, None).tolist() == [True]  # generate stops here
-    assert CallStop(tools, 0, [0], [True])(row[:, :-1], None).tolist() == [False]
+    assert CallStop(tools.ends, 0, [0], [True])(row, None).tolist() == [True]  # generate stops here
+    assert CallStop(tools.ends, 0, [0], [True])(row[:, :-1], None).tolist() == [False]
 
 
 @pytest.mark.parametrize("call_format", CLOSED)
