@@ -42,7 +42,7 @@ from forge_lightning.rollout.engines.base import GenerationBackend
 from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.sources import TrainingBatch
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
-from forge_lightning.rollout.tools.stored import ToolsArgument, stored_tools
+from forge_lightning.rollout.tools.stored import EnvironmentArgument, ToolsArgument, stored_tools
 from forge_lightning.run.checkpoint_io import refuse_unstored_objects
 from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.settings.components import (
@@ -98,6 +98,8 @@ class GRPOLightningModule(pl.LightningModule):
         prompt_truncation: ``left`` (with a warning) or ``error``.
         use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
         system_prompt: system message for the chat template.
+        chat_template_kwargs: more variables for the chat template (``enable_thinking``), given to
+            every rendering of prompts and tool turns.
         loss_type: ``grpo``, ``dapo``, ``dr_grpo`` or ``forge`` (see grpo.LossSettings).
         clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
         clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
@@ -156,10 +158,11 @@ class GRPOLightningModule(pl.LightningModule):
         calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
             or ``plain`` (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py).
         max_tool_calls: with tools, the calls one completion may make.
-        tool_call_format: how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``.
+        tool_call_format: how a completion writes a call: ``hermes``, ``llama3_json`` or ``qwen3_coder``.
         tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
         max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
             cut before it is rendered, marked as cut and counted (``tool_results_cut``).
+        max_parallel_tool_calls: the tool calls that run at once (``async def`` ones are awaited).
         tools: typed functions with docstrings (or their import paths) a completion may call in the
             ``tool_call_format``; each result comes back as the chat template's ``tool`` message
             (tools/functions.py). Stored by import path: a lambda or local function is refused.
@@ -167,7 +170,8 @@ class GRPOLightningModule(pl.LightningModule):
             made once per completion (tools/environments.py): ``reset(**row)`` starts its episode
             (text it returns joins the prompt), ``get_reward()`` (or ``reward()``) scores it
             (EnvironmentReward, the reward when ``reward`` is None), its other public methods are
-            tools. Sync rollouts with HF generate only.
+            tools; or a mapping name -> factory, a row's ``environment`` field picking its own. Sync
+            rollouts with HF generate only.
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
             and maj@k; 0: greedy only.
         val_temperature: temperature of the sampled validation completions.
@@ -203,6 +207,7 @@ class GRPOLightningModule(pl.LightningModule):
         prompt_truncation: Literal["left", "error"] = "left",
         use_chat_template: bool | None = None,
         system_prompt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         # -- the loss (grpo.LossSettings)
         loss_type: LossType = "grpo",
         clip_epsilon: float = 0.2,
@@ -257,8 +262,9 @@ class GRPOLightningModule(pl.LightningModule):
         tool_call_format: str = "hermes",
         tool_timeout: float | None = 10.0,
         max_tool_result_chars: int = 10_000,
+        max_parallel_tool_calls: int = 16,
         tools: ToolsArgument = None,
-        environment_factory: type | str | None = None,
+        environment_factory: EnvironmentArgument = None,
         # -- validation (ValidationSettings)
         val_num_generations: int = 0,
         val_temperature: float = 1.0,
@@ -285,12 +291,8 @@ class GRPOLightningModule(pl.LightningModule):
         # when the optimizer steps), the step, the evaluator, the reporter (what loggers get).
         self.settings = GRPOSettings.from_hparams(self.hparams)
         parts = build_components(self.settings, stored, self.tools, accuracy, answer_key)
-        self.reward, self.accuracy, self.step, self.evaluator = (
-            parts.reward,
-            parts.accuracy,
-            parts.step,
-            parts.evaluator,
-        )
+        self.reward, self.accuracy = parts.reward, parts.accuracy
+        self.step, self.evaluator = parts.step, parts.evaluator
         self.sampling, self.greedy, self.scorer = parts.sampling, parts.greedy, parts.scorer
         self.rollout_source, self.plan, self.reporter = parts.rollout_source, parts.plan, parts.reporter
         # Submodules, so that their running means move to the policy's device with the module.

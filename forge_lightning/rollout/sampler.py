@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,12 +35,14 @@ def encode_prompts(
     max_prompt_length: int | None = None,
     truncation: str = "left",
     tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Tokenize prompts (through the chat template when asked) into left-padded ``(ids, mask)``.
 
     A prompt is a string (the user message) or a conversation, a list of ``{"role", "content"}``
     messages (TRL's conversational format), which goes through the template as it is; its own
-    system message wins over ``system_prompt``.
+    system message wins over ``system_prompt``. ``chat_template_kwargs``: more variables for the
+    template.
 
     Prompts longer than ``max_prompt_length`` keep their last tokens (the question and the cue to
     answer sit at the end) with a warning, or raise when ``truncation="error"``.
@@ -48,7 +50,11 @@ def encode_prompts(
     if use_chat_template:
         texts = [
             tokenizer.apply_chat_template(
-                prompt_messages(p, system_prompt), tools=tools, tokenize=False, add_generation_prompt=True
+                prompt_messages(p, system_prompt),
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=True,
+                **(chat_template_kwargs or {}),
             )
             for p in prompts
         ]
@@ -122,6 +128,7 @@ class PromptFormat:
     system_prompt: str | None = None
     max_prompt_length: int | None = None
     truncation: Literal["left", "error"] = "left"
+    chat_template_kwargs: Mapping[str, Any] | None = None
 
 
 PromptSettings = PromptFormat  # its name before settings.groups.PromptSettings took it
@@ -204,6 +211,7 @@ class RolloutSampler:
             max_prompt_length=s.max_prompt_length,
             truncation=s.truncation,
             tools=tools,
+            chat_template_kwargs=s.chat_template_kwargs,
         )
         return prompt_ids.to(device), prompt_mask.to(device)
 

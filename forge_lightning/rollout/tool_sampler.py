@@ -6,10 +6,11 @@ is the usual ``generate`` of G completions per prompt, with a stop at each call;
 is tokenised (tools/base.py's protocol says how: the calculator's text alone, a function's result as
 the chat template's ``tool`` turn) and appended to the calls' rows, and the unfinished rows
 generate again until every row has ended: on HF generate from the last round's KV cache (only the
-new tokens go through the model), elsewhere from their whole sequence so far. Everything happens in
-token ids: the transcript is never re-tokenised, so the log-prob forward scores exactly the tokens
-that were sampled. The answer's tokens are in the completion (the model reads them, the reward sees
-them) but not in the loss: ``Rollout.model_mask`` is 0 on them.
+new tokens go through the model), elsewhere from their whole sequence so far. The calls of every
+row that waits at the end of a round are answered at once (the tools may run them concurrently).
+Everything happens in token ids: the transcript is never re-tokenised, so the log-prob forward
+scores exactly the tokens that were sampled. The answer's tokens are in the completion (the model
+reads them, the reward sees them) but not in the loss: ``Rollout.model_mask`` is 0 on them.
 """
 
 from __future__ import annotations
@@ -146,18 +147,22 @@ class ToolRolloutSampler:
             groups, width = 1, ids.shape[1]
             cached = cache.get_seq_length()
             mask = torch.cat([mask, torch.zeros_like(sequences[:, width:])], dim=1)
+            before = [len(episodes[row].ids) for row in rows]
+            stops = [
+                (episodes[row], self._take(episodes[row], sequences[k, width:].tolist(), budget, stop.cut))
+                for k, row in enumerate(rows)
+            ]
+            self._answer([(e, call) for e, call in stops if call is not None], budget)
             kept, pending = [], []
             for k, row in enumerate(rows):
                 e = episodes[row]
-                before = len(e.ids)
-                self._take(e, sequences[k, width:].tolist(), budget, resumable=stop.cut)
-                taken = sum(e.model[before:])  # this round's sampled tokens come first
+                taken = sum(e.model[before[k] :])  # this round's sampled tokens come first
                 mask[k, width : width + taken] = 1
                 if not e.done:
                     # What the cache lacks: the row's real tokens past it, then the tool's answer.
                     tail = sequences[k, cached:][mask[k, cached:].bool()].tolist()
                     kept.append(k)
-                    pending.append(tail + e.ids[before + taken :])
+                    pending.append(tail + e.ids[before[k] + taken :])
             if not kept:
                 return
             keep = torch.tensor(kept, device=sequences.device)
@@ -183,8 +188,8 @@ class ToolRolloutSampler:
         rows = list(range(len(episodes)))
         new = self._generate(model, prompt_ids, prompt_mask, group_size, params, episodes)
         while rows:
-            for row, ids in zip(rows, new):
-                self._take(episodes[row], ids, budget)
+            stops = [(episodes[row], self._take(episodes[row], ids, budget)) for row, ids in zip(rows, new)]
+            self._answer([(e, call) for e, call in stops if call is not None], budget)
             rows = [r for r, e in enumerate(episodes) if not e.done]
             if rows:
                 sequences = [heads[r // group_size] + episodes[r].ids for r in rows]
@@ -222,9 +227,9 @@ class ToolRolloutSampler:
         prior, segments = [len(e.ids) for e in episodes], [e.segment for e in episodes]
         return self.tools.stop(start, prior, enabled, segments)
 
-    def _take(self, episode: Episode, new: list[int], budget: int, resumable: bool = False) -> None:
+    def _take(self, episode: Episode, new: list[int], budget: int, resumable: bool = False) -> Any | None:
         """Add a round's tokens to ``episode`` up to its stop (an EOS, a call, the budget; what the
-        engine wrote after it is padding), and the tool's answer when the stop is a call.
+        engine wrote after it is padding); the call to answer when the stop is one with room left.
         ``resumable``: the round was cut, and a row with none of those stops goes on."""
         if not episode.model or not episode.model[-1]:
             episode.turns += 1  # the policy's first turn, or its turn after a tool's answer
@@ -248,16 +253,24 @@ class ToolRolloutSampler:
             # An EOS, the budget spent, or (an engine's early stop) nothing more; unless the round
             # was cut while this row was still writing.
             episode.done = not (resumable and call is None and room > 0 and not episode.ended_with_eos)
+            return None
+        return call
+
+    def _answer(self, calls: list[tuple[Episode, Any]], budget: int) -> None:
+        """Answer the calls of every row that stopped at one, at once, and append each answer
+        (cut to the row's budget)."""
+        if not calls:
             return
-        answer = self.tools.answer(episode, call)
-        episode.calls += len(answer.entries)  # a turn may have written several
-        episode.errors += sum(not entry["ok"] for entry in answer.entries)
-        episode.log += answer.entries
-        episode.ended_with_eos = False  # the turn goes on after the answer
-        episode.add(answer.ids[:room], sampled=False)
-        if answer.ends_turn:
-            episode.segment = len(episode.ids)
-        episode.done = len(answer.ids) >= room
+        for (episode, _), answer in zip(calls, self.tools.answer(calls)):
+            room = budget - len(episode.ids)
+            episode.calls += len(answer.entries)  # a turn may have written several
+            episode.errors += sum(not entry["ok"] for entry in answer.entries)
+            episode.log += answer.entries
+            episode.ended_with_eos = False  # the turn goes on after the answer
+            episode.add(answer.ids[:room], sampled=False)
+            if answer.ends_turn:
+                episode.segment = len(episode.ids)
+            episode.done = len(answer.ids) >= room
 
     def _rollout(
         self, prompt_ids: Tensor, prompt_mask: Tensor, episodes: list[Episode], group_size: int, budget: int

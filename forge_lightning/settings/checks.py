@@ -26,6 +26,12 @@ def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or check(v)
 
 
+# The arguments of apply_chat_template the rollouts set themselves (chat_template_kwargs may not).
+_SET_BY_US = frozenset(
+    {"conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message"}
+)
+
+
 def _parsers() -> Any:
     # Here, not at the top: the tools package imports transformers, which this module does not.
     from forge_lightning.rollout.tools import parsers
@@ -76,6 +82,13 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     ),
     "tool_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
     "max_tool_result_chars": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "max_parallel_tool_calls": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "chat_template_kwargs": (
+        _optional(
+            lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v) and not set(v) & _SET_BY_US
+        ),
+        f"None or a dict of the template's variables by name, none of {sorted(_SET_BY_US)}",
+    ),
     "val_num_generations": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "val_temperature": (lambda v: v > 0, "> 0"),
     "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),

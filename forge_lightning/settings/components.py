@@ -41,7 +41,6 @@ from forge_lightning.rollout.sources import RolloutSettings, RolloutSource, roll
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools.base import ToolProtocol
 from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
-from forge_lightning.rollout.tools.environments import score_name
 from forge_lightning.rollout.tools.functions import FunctionTools
 from forge_lightning.rollout.tools.stored import StoredTools
 from forge_lightning.settings.groups import (
@@ -121,7 +120,7 @@ def build_components(
     holds (an environment that scores its episodes, TRL's ``get_reward``, is the reward when none
     is given), the ``tools``, the ``accuracy`` check (GSM8K's if None) and sampled evaluation's
     ``answer_key``. The reward's components and the tools are each tracked as a metric."""
-    scored = stored.reward_object is None and score_name(tools.environment) is not None
+    scored = stored.reward_object is None and tools.scored
     reward = EnvironmentReward() if scored else stored.reward_fn
     accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
     reward_names = component_names(reward)
@@ -249,7 +248,13 @@ def prompt_format(
     """How the module's prompts are encoded for ``model`` (``use_chat_template`` resolved: the
     setting, or whether the tokenizer has one)."""
     longest = max_prompt_length(model, prompts.max_prompt_length, max_new_tokens)
-    return PromptFormat(use_chat_template, prompts.system_prompt, longest, prompts.prompt_truncation)
+    return PromptFormat(
+        use_chat_template,
+        prompts.system_prompt,
+        longest,
+        prompts.prompt_truncation,
+        prompts.chat_template_kwargs,
+    )
 
 
 def with_tools(
@@ -268,6 +273,8 @@ def with_tools(
             tools.tool_timeout,
             system_prompt,
             tools.max_tool_result_chars,
+            tools.max_parallel_tool_calls,
+            sampler.prompts.chat_template_kwargs,
         )
     else:
         return sampler

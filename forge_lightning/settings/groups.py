@@ -74,6 +74,11 @@ class PromptSettings(_Group):
     """prompts through the tokenizer's chat template; None: when it has one."""
     system_prompt: str | None = None
     """system message for the chat template."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """more variables for the chat template (Qwen3's ``enable_thinking``, Llama 3.1's
+    ``tools_in_user_message``), passed to every rendering of prompts (training and validation) and
+    tool turns; the names the rollouts set themselves (``tools``, ``add_generation_prompt``) are
+    refused."""
 
 
 @dataclass(frozen=True)
@@ -235,12 +240,18 @@ class ToolSettings(_Group):
     max_tool_calls: int = 4
     """with tools, the calls one completion may make."""
     tool_call_format: str = "hermes"
-    """how a completion writes a call: ``hermes``, ``<tool_call>{json}</tool_call>``."""
+    """how a completion writes a call (tools/parsers.py's CALL_FORMATS): ``hermes``
+    (``<tool_call>{json}</tool_call>``), ``llama3_json`` (Llama 3.1/3.2's JSON reply) or
+    ``qwen3_coder`` (Qwen3-Coder's ``<function=...>`` XML)."""
     tool_timeout: float | None = 10.0
     """seconds a tool call may take before it is abandoned and answered with an error."""
     max_tool_result_chars: int = 10_000
     """the characters of a tool's result the model reads; a longer one is cut before it is
     rendered, marked as cut and counted (``tool_results_cut``)."""
+    max_parallel_tool_calls: int = 16
+    """the tool calls that run at once: the calls of every row that waits for a tool, and every
+    call of one turn, run concurrently up to this many (an ``async def`` tool is awaited), each
+    under ``tool_timeout``; the answers keep the order the calls were written."""
 
 
 @dataclass(frozen=True)

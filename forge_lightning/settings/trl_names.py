@@ -69,7 +69,6 @@ TRL_NAMES: dict[str, str | None] = {
     "use_transformers_continuous_batching": None,
     "transformers_continuous_batching_config": None,
     "cache_implementation": "model.generation_kwargs",
-    "chat_template_kwargs": None,
     "use_transformers_paged": None,
     "max_tool_calling_iterations": "model.max_tool_calls",
     # Correcting the sampler's mismatch

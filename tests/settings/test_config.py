@@ -58,6 +58,8 @@ BAD = {
     "tool_call_format": "xml",
     "tool_timeout": 0.0,
     "max_tool_result_chars": 0,
+    "max_parallel_tool_calls": 0,
+    "chat_template_kwargs": {"tools": []},
     "val_num_generations": -1,
     "val_temperature": 0.0,
     "val_top_p": 0.0,

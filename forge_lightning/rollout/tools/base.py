@@ -102,6 +102,7 @@ class ToolProtocol(Protocol):
         completion tokens in the input, whether it may call (``enabled``), and its turn's start."""
         ...
 
-    def answer(self, episode: Episode, call: Any) -> Answer:
-        """Run ``call`` and say what the completion reads back."""
+    def answer(self, calls: Sequence[tuple[Episode, Any]]) -> list[Answer]:
+        """Run each ``(episode, call)`` (those of every row that waits; they may run at once) and
+        say what each completion reads back, in order."""
         ...

@@ -262,7 +262,10 @@ class CalculatorTools:
     ) -> CalculatorStop:
         return CalculatorStop(self.tail, start, prior, enabled)
 
-    def answer(self, episode: Any, call: str) -> Answer:
+    def answer(self, calls: Sequence[tuple[Any, str]]) -> list[Answer]:
+        return [self._answer(call) for _, call in calls]
+
+    def _answer(self, call: str) -> Answer:
         text, ok = self.calculator.respond(call)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         # The result as a value ("6"), not as the text written after the call (" 6", "6>>").

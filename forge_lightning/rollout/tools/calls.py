@@ -1,24 +1,24 @@
-"""One call of a function tool: run within its time limit, its result made the text the model
-reads (cut to a length, marked where cut), and every failure of the tool's own an error message
-the model reads back while the run goes on."""
+"""One call of a function tool: checked against its signature, invoked (the one place a tool is
+called; tools/call_loop.py runs many at once, each within its time limit), its result made the text
+the model reads (cut to a length, marked where cut), and every failure of the tool's own an error
+message the model reads back while the run goes on."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
-from collections.abc import Callable
-from typing import Any
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias, TypeVar
 
 from transformers.utils import get_json_schema
 
 from forge_lightning.rollout.tools.parsers import ParsedCall
-from forge_lightning.run.user_code import (
-    CallTimeout,
-    UserCodeExit,
-    call_user_code,
-    call_within,
-    close_unawaited,
-)
+from forge_lightning.run.user_code import UserCodeExit, call_user_code, close_unawaited
+
+T = TypeVar("T")
 
 # The characters of a result the model reads at most (the module's max_tool_result_chars), and
 # what follows a result that was cut.
@@ -40,12 +40,24 @@ def tool_schema(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
         raise ValueError(f"tool {name!r} has no schema the model can read ({err}): {WHAT_A_TOOL_IS}") from err
 
 
-def run_call(
-    parsed: ParsedCall | str, functions: dict[str, Callable[..., Any]], timeout: float | None, max_chars: int
-) -> tuple[str, bool, bool]:
-    """A call's result as text, whether it succeeded and whether the text was cut. Every failure
-    is a message the model reads and the run goes on: a raise, a timeout, a SystemExit or
-    KeyboardInterrupt of the tool's own (run/user_code.py's call_user_code); a signal still stops the run."""
+@dataclass
+class Job:
+    """A call ready to run: the tool, its arguments (checked against its signature), its name, and
+    the environment it is a method of (None for a function), whose calls run one at a time."""
+
+    fn: Callable[..., Any]
+    arguments: dict[str, Any]
+    name: str
+    owner: Any = None
+
+
+# A call's answer: its text, whether it succeeded, whether the text was cut.
+Outcome: TypeAlias = tuple[str, bool, bool]
+
+
+def check_call(parsed: ParsedCall | str, functions: dict[str, Callable[..., Any]]) -> Job | Outcome:
+    """The :class:`Job` of a parsed call, or the error the model reads where the call cannot run
+    (the parser's message, an unknown tool, arguments that do not fit its signature)."""
     if isinstance(parsed, str):
         return f"error: {parsed}", False, False
     name, fn = parsed.name, functions.get(parsed.name)
@@ -55,32 +67,70 @@ def run_call(
         inspect.signature(fn).bind(**parsed.arguments)
     except TypeError as err:
         return f"error: wrong arguments for {name}: {err}", False, False
+    return Job(fn, parsed.arguments, name, fn.__self__ if inspect.ismethod(fn) else None)
 
-    def call() -> tuple[str, bool]:
-        # The text is made here, within the time limit and the error handling: the JSON of a huge
-        # or pathological value (circular, a raising __str__) is the tool's own failure.
-        return result_text(fn(**parsed.arguments), max_chars)
 
+def called(job: Job, max_chars: int) -> tuple[str, bool] | Awaitable[Any]:
+    """The one place a tool is called: ``fn(**arguments)``, its value made the text the model
+    reads, cut to ``max_chars`` (whether it was cut too): the JSON of a huge or pathological value
+    (circular, a raising ``__str__``) is the tool's own failure, within its time limit. What runs
+    this elsewhere (another process) hands back text already cut. An ``async def`` tool's
+    awaitable comes back as it is, for :func:`invoke` to await."""
+    value = job.fn(**job.arguments)
+    return value if inspect.isawaitable(value) else result_text(value, max_chars)
+
+
+async def invoke(job: Job, max_chars: int) -> tuple[str, bool]:
+    """``job``'s text and whether it was cut: :func:`called` in a thread of its own, an async
+    tool's awaitable awaited on the running loop and its value made text in a thread. A SystemExit
+    or KeyboardInterrupt the tool raises is its own (:class:`UserCodeExit`): no signal reaches any
+    thread but the main one, which only waits."""
+    made = await in_thread(lambda: called(job, max_chars), job.name)
+    if not inspect.isawaitable(made):
+        return made
     try:
-        text, cut = call_user_code(lambda: call_within(call, timeout, f"tool {name!r}"))
-    except CallTimeout:
-        return f"error: {name} took longer than {timeout:g}s", False, False
-    except UserCodeExit as err:
+        value = await made
+    except (SystemExit, KeyboardInterrupt) as err:
+        raise UserCodeExit(f"raised {err!r} from its own code (no signal did)") from err
+    return await in_thread(lambda: result_text(value, max_chars), job.name)
+
+
+def in_thread(call: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """``call()`` in a daemon thread, as a future of the running loop. The thread is abandoned,
+    not waited for, when its future is cancelled (a timeout): a thread cannot be killed."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_result(value) if error is None else future.set_exception(error)
+
+    def run() -> None:
+        try:
+            value, error = call_user_code(call), None
+        except BaseException as err:  # handed to the loop, which raises it where the call is awaited
+            value, error = None, err
+        loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, name=f"tool {name}", daemon=True).start()
+    return future
+
+
+def failure(name: str, err: Exception, max_chars: int) -> Outcome:
+    """The answer of a call that raised ``err`` (its own SystemExit or KeyboardInterrupt too)."""
+    if isinstance(err, UserCodeExit):
         return f"error: {name} {err}", False, False
-    except Exception as err:  # the tool's own failure: the model reads it, the run goes on
-        return (
-            capped(f"error: {name} raised {type(err).__name__}: {described(err)}", max_chars)[0],
-            False,
-            False,
-        )
-    return text, True, cut
+    return capped(f"error: {name} raised {type(err).__name__}: {described(err)}", max_chars)[0], False, False
 
 
 def result_text(value: Any, max_chars: int) -> tuple[str, bool]:
     """A tool's return value as the text the model reads (a string as it is, anything else as
-    JSON), cut to ``max_chars``; and whether it was cut. A coroutine is refused, never shown."""
+    JSON), cut to ``max_chars``; and whether it was cut. An awaitable (what an awaited coroutine
+    returned) is refused, never shown."""
     if close_unawaited(value):
-        raise TypeError("it returned a coroutine: async tools are not supported yet, write it as a plain def")
+        raise TypeError(
+            "its value is itself awaitable (a coroutine that returns a coroutine?): return a value"
+        )
     return capped(value if isinstance(value, str) else json.dumps(value, default=str), max_chars)
 
 

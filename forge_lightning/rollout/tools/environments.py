@@ -2,13 +2,15 @@
 an instance, made once per completion so that no state passes between samples. ``reset(**row)``
 starts the episode with its prompt's batch fields and may return text appended to the prompt's
 last user message; ``get_reward()`` (TRL's name; ``reward()`` is read too) scores the finished
-episode (:class:`EnvironmentReward`); its other public methods are the tools.
+episode (:class:`EnvironmentReward`); its other public methods are the tools (an ``async def``
+tool, or reset, is awaited). Several environments are a mapping name -> factory: each row's
+``environment`` field (TRL's column) picks its own, so one run mixes tasks.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from forge_lightning.run.user_code import is_async
@@ -16,6 +18,39 @@ from forge_lightning.run.user_code import is_async
 # The environment methods that are not tools: the episode's start, and its score (TRL's name first).
 RESET = "reset"
 SCORES = ("get_reward", "reward")
+# The dataset field that names a row's environment where there are several (TRL's column).
+ENVIRONMENT_FIELD = "environment"
+
+
+def factories_by_name(factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None) -> dict[Any, Any]:
+    """``environment_factory`` as a mapping name -> factory: one factory under the name None, none
+    as an empty mapping; ValueError for an empty mapping or one whose names are not text."""
+    if factory is None:
+        return {}
+    if not isinstance(factory, Mapping):
+        return {None: factory}
+    if not factory or not all(isinstance(name, str) and name for name in factory):
+        raise ValueError(
+            "environment_factory as a mapping names each environment (a non-empty string, what a "
+            f"row's {ENVIRONMENT_FIELD!r} field says) -> its factory; got {dict(factory)!r:.200}"
+        )
+    return dict(factory)
+
+
+def environment_named(factories: Mapping[Any, Any], row: Mapping[str, Any]) -> str | None:
+    """The name of ``row``'s environment: its ``environment`` field where there are several
+    (ValueError naming the environments there are for a row that names none of them); None where
+    there is one environment or none."""
+    if not factories or None in factories:
+        return None
+    name = row.get(ENVIRONMENT_FIELD)
+    if name not in factories:
+        said = f"names {name!r}" if ENVIRONMENT_FIELD in row else f"has no {ENVIRONMENT_FIELD!r} field"
+        raise ValueError(
+            f"a row {said}: with several environments (environment_factory a mapping), each row's "
+            f"{ENVIRONMENT_FIELD!r} field names its own, one of {', '.join(map(repr, factories))}"
+        )
+    return name
 
 
 def environment_class(factory: Callable[[], Any]) -> type:
@@ -38,16 +73,16 @@ def score_name(cls: type | None) -> str | None:
     return next((name for name in SCORES if callable(getattr(cls, name, None))), None)
 
 
-def refuse_async(functions: Sequence[Callable[..., Any]], cls: type | None) -> None:
-    """ValueError naming every ``async def`` tool, and every async method of the environment class
-    ``cls`` (its tools, ``reset`` and its score), before any is called."""
-    named = [getattr(fn, "__name__", repr(fn)) for fn in functions if is_async(fn)]
+def refuse_async(factories: Sequence[Callable[..., Any]], cls: type | None) -> None:
+    """ValueError naming every ``async def`` environment factory, and the async score of the
+    environment class ``cls``, before any is called: the tools and ``reset`` are awaited, but a
+    factory and the score (read by the reward) are called where nothing awaits them."""
+    named = [getattr(fn, "__name__", repr(fn)) for fn in factories if is_async(fn)]
     if cls is not None:
-        methods = [*environment_tools(cls), RESET, *SCORES]
-        named += [f"{cls.__name__}.{m}" for m in methods if is_async(getattr(cls, m, None))]
+        named += [f"{cls.__name__}.{m}" for m in SCORES if is_async(getattr(cls, m, None))]
     if named:
         raise ValueError(
-            f"async tools are not supported yet: {', '.join(named)} (async def); a coroutine would be "
-            "the tool's answer, never awaited. Write them as plain def functions (one that needs an "
-            "async client can run it with asyncio.run)"
+            f"{', '.join(named)} cannot be async def: an environment factory and an environment's "
+            "score are called where nothing awaits them (its tools and reset may be async). Write "
+            "them as plain def functions"
         )

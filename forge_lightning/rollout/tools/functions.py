@@ -6,11 +6,16 @@ which ``transformers.utils.get_json_schema`` builds its schema. The chat templat
 schemas where it renders ``tools``; where it ignores them, they go into the system message
 (:data:`TOOLS_SYSTEM_PROMPT`). The calls are read from the policy's turn in a :mod:`tool-call
 format <forge_lightning.rollout.tools.parsers>` (every call a turn wrote, up to the completion's
-``max_tool_calls``) and each result goes back as a ``tool`` message, whose tokens are the template's
-delta: the conversation rendered with those messages (and the cue for the next assistant turn)
-less its rendering up to the end of the assistant's text. The template must be prefix-stable (each
-message rendered after the earlier ones leaves them unchanged); that is checked once, when the
-tools are built.
+``max_tool_calls``); the calls of every row that waits for a tool run at once (tools/call_loop.py)
+and each result goes back as a ``tool`` message, whose tokens are the template's delta: the
+conversation rendered with those messages (and the cue for the next assistant turn) less its
+rendering up to the end of the assistant's text. Every rendering gets the module's
+``chat_template_kwargs``. The template must be prefix-stable (each message rendered after the
+earlier ones leaves them unchanged); that is checked once, when the tools are built.
+
+With several environments (``environment_factory`` a mapping name -> factory), each row's
+``environment`` field picks its own (TRL's pattern): its prompt shows the functions and that
+environment's tools.
 
 A result is data: it is cut to ``max_result_chars`` before it is rendered, and a control token in
 it (or in an environment's reset text) is encoded as plain text (rollout/control_tokens.py), so that it
@@ -19,12 +24,12 @@ cannot forge a turn.
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 from transformers import StoppingCriteria
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -32,15 +37,19 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from forge_lightning.rollout.control_tokens import encode_marked, mark_data
 from forge_lightning.rollout.sampler import RolloutSampler, prompt_messages
 from forge_lightning.rollout.tools.base import Answer, Episode
-from forge_lightning.rollout.tools.calls import MAX_RESULT_CHARS, run_call, tool_schema
+from forge_lightning.rollout.tools.call_ends import CallEnds, CallStop
+from forge_lightning.rollout.tools.call_loop import MAX_PARALLEL_CALLS, CallLoop
+from forge_lightning.rollout.tools.calls import MAX_RESULT_CHARS, Job, Outcome, check_call, tool_schema
 from forge_lightning.rollout.tools.environments import (
     RESET,
+    environment_named,
     environment_tools,
+    factories_by_name,
     refuse_async,
 )
 from forge_lightning.rollout.tools.parsers import CallFormat, ParsedCall, format_named
 from forge_lightning.rollout.tools.stored import tool_names
-from forge_lightning.rollout.types import Prompt
+from forge_lightning.rollout.types import Prompt, left_pad
 from forge_lightning.run.user_code import accepted_kwargs, trl_kwargs
 
 # The system message's text where the chat template does not render ``tools`` ({tools}: one JSON
@@ -49,18 +58,18 @@ TOOLS_SYSTEM_PROMPT = (
     "You can call these tools (JSON schemas, one per line):\n{tools}\n\n"
     "To call one, write {call}; its result comes back in a tool message."
 )
-# Tokens of a row's tail decoded to look for the end of a call, beyond the stop string's characters.
-TAIL_MARGIN = 8
 
 
 @dataclass
 class EpisodeTools:
-    """One completion's prompt conversation, its environment (or None) and its tools by name
-    (the environment's methods bound to it)."""
+    """One completion's prompt conversation, its environment (or None), its tools by name (the
+    environment's methods bound to it) and their schemas as the template renders them (None
+    where it does not)."""
 
     conversation: list[dict[str, Any]]
     environment: Any
     functions: dict[str, Callable[..., Any]]
+    shown: list[dict[str, Any]] | None = None
 
 
 class FunctionTools:
@@ -70,13 +79,16 @@ class FunctionTools:
         tokenizer: the policy's, with a chat template (prefix-stable; checked here).
         tools: typed functions with docstrings.
         environment_factory: a class, or a function returning an environment, called (with no
-            arguments) once per completion.
+            arguments) once per completion; or a mapping name -> such a factory, each row's picked
+            by its ``environment`` field.
         call_format: the tool-call format's name (parsers.CALL_FORMATS).
-        timeout: seconds a call may take, its result made text included; a longer one is abandoned
-            and answered with an error.
+        timeout: seconds a call may take once it runs, its result made text included; a longer one
+            is abandoned and answered with an error.
         system_prompt: the module's, which a prompt without a system message gets.
         max_result_chars: the characters of a result the model reads; a longer one is cut, marked
             (:data:`CUT_MARK`) and counted (``tool_results_cut``).
+        max_parallel: the calls (of all rows, and of one turn) that run at once.
+        chat_template_kwargs: passed to every rendering of the chat template.
     """
 
     calls_before_eos = True
@@ -85,32 +97,41 @@ class FunctionTools:
         self,
         tokenizer: PreTrainedTokenizerBase,
         tools: Sequence[Callable[..., Any]] | None = None,
-        environment_factory: type | None = None,
+        environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
         call_format: str = "hermes",
         timeout: float | None = 10.0,
         system_prompt: str | None = None,
         max_result_chars: int = MAX_RESULT_CHARS,
+        max_parallel: int = MAX_PARALLEL_CALLS,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if not tools and environment_factory is None:
+        if not tools and not environment_factory:
             raise ValueError("FunctionTools needs tools or an environment_factory")
         if max_result_chars < 1:
             raise ValueError(f"max_tool_result_chars must be an integer >= 1, got {max_result_chars}")
         self.tokenizer, self.timeout, self.system_prompt = tokenizer, timeout, system_prompt
-        self.tools, self.factory = list(tools or []), environment_factory
+        self.tools, self.factories = list(tools or []), factories_by_name(environment_factory)
         self.max_result_chars = max_result_chars
-        refuse_async([*self.tools, *([environment_factory] if environment_factory else [])], None)
-        probe = environment_factory() if environment_factory is not None else None
-        self.environment = None if probe is None else type(probe)
-        refuse_async([], self.environment)
-        self.names = tool_names(self.tools, self.environment)
-        self.format: CallFormat = format_named(call_format)
-        self.schemas = [tool_schema(name, fn) for name, fn in self._functions(probe).items()]
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self.calls = CallLoop(max_parallel, timeout, max_result_chars)
+        refuse_async(list(self.factories.values()), None)
+        # One environment made per factory, to read its class: its tools and their schemas.
+        probes = {name: factory() for name, factory in self.factories.items()} or {None: None}
+        self.environments = {name: type(env) for name, env in probes.items() if env is not None}
+        for cls in self.environments.values():
+            refuse_async([], cls)
+        self.names = tool_names(self.tools, list(self.environments.values()))
+        self.schemas = {
+            name: [tool_schema(tool, fn) for tool, fn in self._functions(env).items()]
+            for name, env in probes.items()
+        }
+        every = {s["function"]["name"]: s for schemas in self.schemas.values() for s in schemas}
+        self.format: CallFormat = format_named(call_format, list(every.values()))
         self.template = tokenizer.name_or_path or type(tokenizer).__name__
-        self.renders_tools = self.render([_USER], True, self.schemas) != self.render([_USER], True, None)
+        first = next(iter(self.schemas.values()))
+        self.renders_tools = self.render([_USER], True, first) != self.render([_USER], True, None)
         check_prefix_stable(self)
-        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
-        last = self.format.stop[-1]
-        self.ends_call = torch.tensor([last in piece for piece in pieces])  # (V,)
+        self.ends = CallEnds(tokenizer, self.format)
 
     def begin(
         self,
@@ -120,16 +141,18 @@ class FunctionTools:
         group_size: int,
         device: Any,
     ) -> tuple[Tensor, Tensor, list[Any]]:
-        """Start an environment per completion, add its reset text to the prompt, show the tools."""
+        """Start an environment per completion (of the kind its row names, where there are
+        several), add its reset text to the prompt, show the tools."""
         if not sampler.prompts.use_chat_template:
             raise ValueError(
                 "tools need the chat template (a tool's result is a 'tool' message): set use_chat_template "
                 "to true, with a tokenizer that has one"
             )
-        conversations, contexts = [], []
+        conversations, names, contexts = [], [], []
         for i, prompt in enumerate(prompts):
             row = trl_kwargs({key: values[i] for key, values in rows.items()})
-            envs = [self._reset(row) for _ in range(group_size)] if self.factory is not None else []
+            name = environment_named(self.factories, row)
+            envs = [self._reset(name, row) for _ in range(group_size)] if self.factories else []
             texts = {text for _, text in envs}
             if len(texts) > 1:
                 raise ValueError(
@@ -137,56 +160,73 @@ class FunctionTools:
                     "the completions of a prompt share it, so reset must return the same text for the "
                     f"same row (got {sorted(map(repr, texts))[:2]})"
                 )
-            conversation = self.conversation(prompt, texts.pop() if texts else None)
+            conversation = self.conversation(prompt, texts.pop() if texts else None, name)
             conversations.append(conversation)
+            names.append(name)
             for k in range(group_size):
                 env = envs[k][0] if envs else None
-                contexts.append(EpisodeTools(conversation, env, self._functions(env)))
-        prompt_ids, prompt_mask = sampler.encode(conversations, device, self._shown())
+                contexts.append(EpisodeTools(conversation, env, self._functions(env), self._shown(name)))
+        prompt_ids, prompt_mask = self._encode(sampler, conversations, names, device)
         return prompt_ids, prompt_mask, contexts
 
-    def may_end_a_call(self, token: int) -> bool:
-        return 0 <= token < len(self.ends_call) and bool(self.ends_call[token])
+    def _encode(
+        self, sampler: RolloutSampler, conversations: list[list[dict]], names: list[str | None], device: Any
+    ) -> tuple[Tensor, Tensor]:
+        """The prompts as left-padded ``(ids, mask)``, each rendered with its environment's tools."""
+        if len(set(names)) == 1:
+            return sampler.encode(conversations, device, self._shown(names[0]))
+        rows: list[list[int]] = [[] for _ in conversations]
+        for name in dict.fromkeys(names):
+            at = [i for i, n in enumerate(names) if n == name]
+            ids, mask = sampler.encode([conversations[i] for i in at], device, self._shown(name))
+            for i, row, real in zip(at, ids, mask):
+                rows[i] = row[real.bool()].tolist()
+        ids, mask = left_pad(rows, self.tokenizer.pad_token_id)
+        return ids.to(device), mask.to(device)
 
-    def ends_with_call(self, tail: Sequence[int]) -> bool:
-        """Whether ``tail`` (a row's last tokens) ends a call: its text ends with the format's stop
-        string, or its last token completes one. A tokenizer may merge the stop's last characters
-        with the next call's first (``</tool_call><tool_call>`` written with a ``><`` token): the
-        call ends there all the same."""
-        tail = list(tail[-(len(self.format.stop) + TAIL_MARGIN) :])
-        text = self.tokenizer.decode(tail, skip_special_tokens=True)
-        if text.rstrip().endswith(self.format.stop):
-            return True
-        before = self.tokenizer.decode(tail[:-1], skip_special_tokens=True)
-        return text.count(self.format.stop) > before.count(self.format.stop)
+    def may_end_a_call(self, token: int) -> bool:
+        return self.ends.may_end_a_call(token)
 
     def call_at(self, episode: Episode, completion: Sequence[int]) -> str | None:
         """The text of the policy's turn when it ends with a call (parsed when answered)."""
-        turn = completion[episode.segment :]
-        if not turn or not self.ends_with_call(turn):
-            return None
-        return self.tokenizer.decode(list(turn), skip_special_tokens=True)
+        return self.ends.call_in(completion[episode.segment :])
 
     def stop(
         self, start: int, prior: Sequence[int], enabled: Sequence[bool], segments: Sequence[int]
     ) -> StoppingCriteria:
-        return CallStop(self, start, [p - s for p, s in zip(prior, segments)], enabled)
+        return CallStop(self.ends, start, [p - s for p, s in zip(prior, segments)], enabled)
 
-    def answer(self, episode: Episode, call: str) -> Answer:
-        """Run each call of the turn (those past the completion's ``max_calls`` are answered as
-        errors, not run) and answer with the template's ``tool`` turns, one message per call."""
-        context: EpisodeTools = episode.context
+    def answer(self, turns: Sequence[tuple[Episode, str]]) -> list[Answer]:
+        """Run the calls of every turn at once (tools/call_loop.py; those past a completion's
+        ``max_calls`` are answered as errors, not run) and answer each turn with the template's
+        ``tool`` turns, one message per call, in the order written."""
+        planned = [self._planned(episode, text) for episode, text in turns]
+        jobs = [step for plan in planned for _, step in plan if isinstance(step, Job)]
+        outcomes = iter(self.calls.run(jobs))
+        return [
+            self._answer(episode, text, [(p, next(outcomes) if isinstance(s, Job) else s) for p, s in plan])
+            for (episode, text), plan in zip(turns, planned)
+        ]
+
+    def _planned(self, episode: Episode, text: str) -> list[tuple[ParsedCall | str, Job | Outcome]]:
+        """Each call of the turn ``text``, and its job, or its answer where it does not run."""
         room = None if episode.max_calls is None else episode.max_calls - episode.calls
+        refused = f"error: not run: a completion makes at most {episode.max_calls} calls", False, False
+        return [
+            (
+                parsed,
+                refused if room is not None and k >= room else check_call(parsed, episode.context.functions),
+            )
+            for k, parsed in enumerate(self.format.parse(text))
+        ]
+
+    def _answer(
+        self, episode: Episode, call: str, outcomes: list[tuple[ParsedCall | str, Outcome]]
+    ) -> Answer:
+        """The answer of the turn ``call`` whose calls had ``outcomes``: one ``tool`` message each."""
+        context: EpisodeTools = episode.context
         entries, messages = [], []
-        for k, parsed in enumerate(self.format.parse(call)):
-            if room is not None and k >= room:
-                result, ok, cut = (
-                    f"error: not run: a completion makes at most {episode.max_calls} calls",
-                    False,
-                    False,
-                )
-            else:
-                result, ok, cut = run_call(parsed, context.functions, self.timeout, self.max_result_chars)
+        for parsed, (result, ok, cut) in outcomes:
             name = parsed.name if isinstance(parsed, ParsedCall) else None
             arguments = parsed.arguments if isinstance(parsed, ParsedCall) else None
             entries.append(
@@ -198,40 +238,47 @@ class FunctionTools:
         # The results (and a name the model wrote) are data: their control tokens are marked, to
         # be encoded as plain text.
         shown = [{key: mark_data(self.tokenizer, value) for key, value in m.items()} for m in messages]
-        delta = self.delta([*context.conversation, *episode.messages], turn, shown, eos)
+        delta = self.delta([*context.conversation, *episode.messages], turn, shown, eos, context.shown)
         episode.messages += [turn, *messages]
         ids = encode_marked(self.tokenizer, delta)
         return Answer(ids, all(e["ok"] for e in entries), entries[0], True, entries[1:])
 
-    def delta(self, before: list[dict], turn: dict, messages: list[dict], eos: str | None) -> str:
+    def delta(
+        self, before: list[dict], turn: dict, messages: list[dict], eos: str | None, tools: Any = "shown"
+    ) -> str:
         """The text after ``turn``'s content that ``messages`` add, with the next turn's cue;
-        without the end-of-turn ``eos`` the policy sampled already."""
-        base = self.render([*before, turn], False)
+        without the end-of-turn ``eos`` the policy sampled already. ``tools``: the schemas the
+        template renders (:meth:`render`)."""
+        base = self.render([*before, turn], False, tools)
         content = turn["content"] if turn["content"] in base else turn["content"].strip()
         end = base.rfind(content) + len(content)
-        full = self.render([*before, turn, *messages], True)
+        full = self.render([*before, turn, *messages], True, tools)
         if content not in base or not full.startswith(base[:end]):
             raise ValueError(self._unstable("a tool message changes the text before it"))
         text = full[end:]
         return text[len(eos) :] if eos and text.startswith(eos) else text
 
-    def _reset(self, row: dict[str, Any]) -> tuple[Any, str | None]:
-        env = self.factory()
+    def _reset(self, name: str | None, row: dict[str, Any]) -> tuple[Any, str | None]:
+        """A new environment of the factory ``name``, reset for ``row`` (an async reset awaited)."""
+        env = self.factories[name]()
         reset = getattr(env, RESET, None)
         text = reset(**accepted_kwargs(reset, row)) if reset is not None else None
-        return env, text
+        return env, self.calls.wait(text) if inspect.isawaitable(text) else text
 
     def _functions(self, env: Any) -> dict[str, Callable[..., Any]]:
         """The tools by name: the functions, and ``env``'s methods bound to it."""
         functions = {fn.__name__: fn for fn in self.tools}
-        if self.environment is not None:
-            functions.update({name: getattr(env, name) for name in environment_tools(self.environment)})
+        if env is not None:
+            functions.update({name: getattr(env, name) for name in environment_tools(type(env))})
         return functions
 
-    def conversation(self, prompt: Prompt, reset_text: str | None) -> list[dict[str, Any]]:
+    def conversation(
+        self, prompt: Prompt, reset_text: str | None, environment: str | None = None
+    ) -> list[dict[str, Any]]:
         """The prompt's messages, with the reset text on its last user message and, where the
-        template does not render tools, their schemas in the system message. The reset text is
-        data: its control tokens are marked, to be encoded as plain text."""
+        template does not render tools, their schemas (the functions' and ``environment``'s) in the
+        system message. The reset text is data: its control tokens are marked, to be encoded as
+        plain text."""
         messages = [dict(m) for m in prompt_messages(prompt, self.system_prompt)]
         if reset_text:
             users = [i for i, m in enumerate(messages) if m["role"] == "user"]
@@ -239,26 +286,34 @@ class FunctionTools:
             text = mark_data(self.tokenizer, reset_text)
             messages[last]["content"] = f"{messages[last]['content']}\n\n{text}"
         if not self.renders_tools:
-            shown = self.tools_text()
+            shown = self.tools_text(environment)
             if messages[0]["role"] == "system":
                 messages[0]["content"] = f"{messages[0]['content']}\n\n{shown}"
             else:
                 messages.insert(0, {"role": "system", "content": shown})
         return messages
 
-    def tools_text(self) -> str:
+    def tools_text(self, environment: str | None = None) -> str:
         """:data:`TOOLS_SYSTEM_PROMPT` with the tools' schemas and the format's call."""
-        schemas = "\n".join(json.dumps(schema) for schema in self.schemas)
+        schemas = "\n".join(json.dumps(schema) for schema in self.schemas[environment])
         return TOOLS_SYSTEM_PROMPT.replace("{tools}", schemas).replace("{call}", self.format.example)
 
-    def _shown(self) -> list[dict[str, Any]] | None:
-        return self.schemas if self.renders_tools else None
+    def _shown(self, environment: str | None = None) -> list[dict[str, Any]] | None:
+        """The schemas the template renders for a row of ``environment`` (its name, where there are
+        several; else None): the functions' and that environment's tools."""
+        return self.schemas[environment] if self.renders_tools else None
 
     def render(self, messages: list[dict], generation: bool, tools: Any = "shown") -> str:
-        tools = self._shown() if tools == "shown" else tools
+        """The chat template's text of ``messages`` with ``tools`` (the schemas it renders;
+        ``"shown"``: the first environment's) and the module's ``chat_template_kwargs``."""
+        tools = self._shown(next(iter(self.schemas))) if tools == "shown" else tools
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=generation
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=generation,
+                **self.template_kwargs,
             )
         except Exception as err:  # a template's raise_exception, or one without a chat template
             raise ValueError(
@@ -279,10 +334,10 @@ _USER = {"role": "user", "content": "What is 2 + 3?"}
 def check_prefix_stable(tools: FunctionTools) -> None:
     """Refuse a template where a later message changes the text of earlier ones, on a dummy
     conversation of two assistant turns and a tool message between them."""
-    call = f'{tools.format.start}{{"name": "add", "arguments": {{"a": 2, "b": 3}}}}{tools.format.stop}'
+    call = tools.format.write("add", {"a": 2, "b": 3})
     first, second = {"role": "assistant", "content": call}, {"role": "assistant", "content": "It is 5."}
     message = {"role": "tool", "name": "add", "content": "5"}
-    head = tools.conversation(_USER["content"], None)
+    head = tools.conversation(_USER["content"], None, next(iter(tools.schemas)))
     prompt = tools.render(head, True)
     if not tools.render([*head, first], False).startswith(prompt + call):
         raise ValueError(tools._unstable("an assistant turn does not continue the prompt's rendering"))
@@ -291,26 +346,3 @@ def check_prefix_stable(tools: FunctionTools) -> None:
         raise ValueError(tools._unstable("a tool message changes the text before it"))
     if not tools.render([*head, first, message, second], False).startswith(after_tool + second["content"]):
         raise ValueError(tools._unstable("a second assistant turn does not continue the first's"))
-
-
-class CallStop(StoppingCriteria):
-    """Stops each row of a ``generate`` call whose turn ends with a call (the format's stop
-    string). ``start``: the input's width; ``prior[i]``: row ``i``'s tokens of the current turn in
-    the input already; ``enabled[i]`` False for a row that may make no more calls."""
-
-    def __init__(
-        self, tools: FunctionTools, start: int, prior: Sequence[int], enabled: Sequence[bool]
-    ) -> None:
-        self.tools, self.start, self.prior, self.enabled = tools, start, list(prior), list(enabled)
-
-    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs: Any) -> Tensor:
-        stop = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
-        last = input_ids[:, -1].cpu().clamp(0, len(self.tools.ends_call) - 1)
-        for row in self.tools.ends_call[last].nonzero().flatten().tolist():
-            if self.enabled[row]:
-                width = min(
-                    len(self.tools.format.stop) + TAIL_MARGIN,
-                    self.prior[row] + input_ids.shape[1] - self.start,
-                )
-                stop[row] = width > 0 and self.tools.ends_with_call(input_ids[row, -width:].tolist())
-        return stop

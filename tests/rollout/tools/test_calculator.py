@@ -32,7 +32,7 @@ def test_a_plain_call_of_many_tokens_is_read_and_evaluated_whole():
     tok = make_tokenizer()
     tools = CalculatorTools(InlineCalculator("plain"), tok)
     call = tools.call_at(None, ids(tok, f"The total is {LONG} ="))
-    answer = tools.answer(None, call)
+    answer = tools.answer([(None, call)])[0]
 
     assert call == LONG
     assert (answer.entry["result"], answer.ok) == ("510573770", True)
@@ -45,7 +45,7 @@ def test_an_expression_over_the_limit_is_refused_not_evaluated_on_its_last_terms
     tok = make_tokenizer()
     tools = CalculatorTools(InlineCalculator(style), tok)
     call = tools.call_at(None, ids(tok, "Count: " + CALL[style].format(SUM_40)))
-    answer = tools.answer(None, call)
+    answer = tools.answer([(None, call)])[0]
 
     assert call == SUM_40
     assert (answer.entry["result"], answer.ok) == ("?", False)
@@ -59,7 +59,7 @@ def test_a_run_too_long_to_search_is_refused_whole_or_is_no_call():
     run = " + ".join(["1"] * 400)
 
     assert tools.call_at(None, ids(tok, f"Count: {run} =")) == run
-    assert tools.answer(None, run).entry["result"] == "?"
+    assert tools.answer([(None, run)])[0].entry["result"] == "?"
     assert tools.call_at(None, ids(tok, "1 " * 600 + "=")) is None
 
 

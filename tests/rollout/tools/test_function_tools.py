@@ -28,8 +28,9 @@ from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import CALL_FORMATS, FunctionTools, HermesToolCalls, ParsedCall
 from forge_lightning.rollout.tools.base import Episode
+from forge_lightning.rollout.tools.call_ends import CallStop
 from forge_lightning.rollout.tools.calls import CUT_MARK
-from forge_lightning.rollout.tools.functions import CallStop, EpisodeTools
+from forge_lightning.rollout.tools.functions import EpisodeTools
 from forge_lightning.settings.checks import validate_hparams
 
 GREEDY = SamplingParams(max_new_tokens=400, greedy=True)
@@ -96,33 +97,19 @@ def hang(x: int) -> int:
     return x
 
 
-async def fetch(x: int) -> int:
-    """An async tool.
-
-    Args:
-        x: anything.
-    """
-    return x
-
-
-def sneaky(x: int) -> int:
-    """A plain def that hands back a coroutine.
-
-    Args:
-        x: anything.
-    """
-    return fetch(x)
-
-
 def call(name: str, **arguments) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
-def sampler(tok, tools, generator=None, max_tool_calls=4, timeout=10.0, env=None, **settings):
+def sampler(
+    tok, tools, generator=None, max_tool_calls=4, timeout=10.0, env=None, template_kwargs=None, **settings
+):
     eos = [tok.eos_token_id]
     generator = generator or HFGenerate(tok.pad_token_id, eos)
-    base = RolloutSampler(tok, generator, eos, PromptFormat(use_chat_template=True))
-    protocol = FunctionTools(tok, tools, environment_factory=env, timeout=timeout, **settings)
+    base = RolloutSampler(tok, generator, eos, PromptFormat(True, chat_template_kwargs=template_kwargs))
+    protocol = FunctionTools(
+        tok, tools, environment_factory=env, timeout=timeout, chat_template_kwargs=template_kwargs, **settings
+    )
     return ToolRolloutSampler(base, protocol, max_tool_calls)
 
 
@@ -131,18 +118,19 @@ def tiny(tok):
 
 
 class TurnEngine:
-    """An engine that writes the policy's ``k``-th turn after ``k`` tool messages, then EOS; it
-    knows no stopping criteria, so the sampler cuts a row at its call itself."""
+    """An engine that writes the policy's ``k``-th turn after ``k`` tool messages (``marker``
+    begins one in the template's text), then EOS; it knows no stopping criteria, so the sampler
+    cuts a row at its call itself."""
 
-    def __init__(self, tok, turns) -> None:
-        self.tok, self.turns, self.inputs = tok, turns, []
+    def __init__(self, tok, turns, marker: str = "<|im_start|>tool") -> None:
+        self.tok, self.turns, self.inputs, self.marker = tok, turns, [], marker
 
     def generate(self, model, prompt_ids, prompt_mask, group_size, params):
         rows = []
         for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
             text = self.tok.decode([i for i, m in zip(ids, mask) if m])
             self.inputs.append(text)
-            turn = self.turns[min(text.count("<|im_start|>tool"), len(self.turns) - 1)]
+            turn = self.turns[min(text.count(self.marker), len(self.turns) - 1)]
             # A model writes characters: special tokens in a turn's text are written as text.
             new = (
                 turn
@@ -241,14 +229,13 @@ def test_max_tool_calls_holds():
         ),
         (call("nope", x=1), "error: no tool is named 'nope'"),
         (call("add", a=1), "error: wrong arguments for add"),
-        (call("sneaky", x=1), "error: sneaky raised TypeError: it returned a coroutine"),
     ],
 )
 def test_a_failing_call_is_answered_counted_and_the_episode_goes_on(turn, error):
     tok = chat_tokenizer()
     engine = TurnEngine(tok, [turn, "sorry."])
     start = time.monotonic()
-    rollout = sampler(tok, [add, explode, hang, sneaky], engine, timeout=0.2)(tiny(tok), ["Q"], GREEDY, 2)
+    rollout = sampler(tok, [add, explode, hang], engine, timeout=0.2)(tiny(tok), ["Q"], GREEDY, 2)
     assert time.monotonic() - start < 1.5
     assert rollout.tool_stats["tool_errors"].tolist() == [1, 1]
     assert rollout.tool_stats["tool_calls"].tolist() == [1, 1]
@@ -480,8 +467,7 @@ def forge(x: int) -> str:
 
 
 def call_in(call_format: str, name: str, **arguments) -> str:
-    fmt = CALL_FORMATS[call_format]
-    return f"{fmt.start}{json.dumps({'name': name, 'arguments': arguments})}{fmt.stop}"
+    return CALL_FORMATS[call_format]().write(name, arguments)
 
 
 def tool_ids(rollout, row: int) -> list[int]:
@@ -505,8 +491,9 @@ def test_special_tokens_in_a_tool_answer_are_plain_text(template, call_format, n
     engine = TurnEngine(tok, [call_in(call_format, name, x=1), "ok."])
     run = sampler(tok, [forge], engine, call_format=call_format)
     ids = tool_ids(run(tiny(tok), ["Q"], GREEDY, 1), 0)
-    # The template's own: the end of the assistant turn, the tool turn, the next assistant turn.
-    assert count_special(tok, ids) == 4
+    # The template's own: the end of the assistant turn (where the policy did not write it: a call
+    # that ends with its turn ends at the EOS it sampled), the tool turn, the next assistant turn.
+    assert count_special(tok, ids) == (4 if CALL_FORMATS[call_format].stop else 3)
     assert shown in tok.decode(ids)
 
 
@@ -529,32 +516,22 @@ def test_special_tokens_in_an_environments_reset_text_are_plain_text():
     assert f"Q\n\n{FORGED}<|im_end|>" in engine.inputs[0]
 
 
-class AsyncStep(Counter):
-    async def increment(self, by: int) -> int:
-        """Add to the counter.
-
-        Args:
-            by: how much.
-        """
-        return by
-
-
 class AsyncScore(Counter):
     async def get_reward(self) -> float:
         return 1.0
 
 
-def test_async_tools_and_environment_methods_are_refused_by_name_at_start():
+async def make_counter_later() -> Counter:
+    return Counter()
+
+
+def test_an_async_environment_factory_or_score_is_refused_by_name_at_start():
     tok = chat_tokenizer()
-    for tools, env, named in (
-        ([add, fetch], None, "fetch"),
-        (None, AsyncStep, "AsyncStep.increment"),
-        (None, AsyncScore, "AsyncScore.get_reward"),
-    ):
-        with pytest.raises(ValueError, match=f"async tools are not supported yet: {named}"):
-            FunctionTools(tok, tools, environment_factory=env)
-        with pytest.raises(ValueError, match=f"async tools are not supported yet: {named}"):
-            GRPOLightningModule(model=tiny(tok), tokenizer=tok, tools=tools, environment_factory=env)
+    for env, named in ((AsyncScore, "AsyncScore.get_reward"), (make_counter_later, "make_counter_later")):
+        with pytest.raises(ValueError, match=f"{named} cannot be async def"):
+            FunctionTools(tok, None, environment_factory=env)
+        with pytest.raises(ValueError, match=f"{named} cannot be async def"):
+            GRPOLightningModule(model=tiny(tok), tokenizer=tok, environment_factory=env)
 
 
 def merged_tokenizer() -> PreTrainedTokenizerFast:
@@ -571,21 +548,29 @@ def back_to_back(tok, first: str, second: str) -> list[int]:
     return [*ids(first[:-1]), tok.convert_tokens_to_ids("><"), *ids(second[1:]), tok.eos_token_id]
 
 
-def test_a_call_ends_where_its_closing_tag_merges_with_the_next_call():
+# The formats whose calls end with a closing text (the others end with the turn's EOS).
+CLOSED = [name for name, fmt in sorted(CALL_FORMATS.items()) if fmt.stop]
+
+
+@pytest.mark.parametrize("call_format", CLOSED)
+def test_a_call_ends_where_its_closing_tag_merges_with_the_next_call(call_format):
     tok = merged_tokenizer()
-    tools = FunctionTools(tok, [add])
-    written = back_to_back(tok, call("add", a=1, b=2), call("add", a=3, b=4))
-    at_merge = len(tok(call("add", a=1, b=2)[:-1], add_special_tokens=False)["input_ids"]) + 1
+    tools = FunctionTools(tok, [add], call_format=call_format)
+    first = call_in(call_format, "add", a=1, b=2)
+    written = back_to_back(tok, first, call_in(call_format, "add", a=3, b=4))
+    at_merge = len(tok(first[:-1], add_special_tokens=False)["input_ids"]) + 1
     row = torch.tensor([written[:at_merge]])
-    assert CallStop(tools, 0, [0], [True])(row, None).tolist() == [True]  # generate stops here
-    assert CallStop(tools, 0, [0], [True])(row[:, :-1], None).tolist() == [False]
+    assert CallStop(tools.ends, 0, [0], [True])(row, None).tolist() == [True]  # generate stops here
+    assert CallStop(tools.ends, 0, [0], [True])(row[:, :-1], None).tolist() == [False]
 
 
-def test_back_to_back_calls_each_run_and_none_vanishes():
+@pytest.mark.parametrize("call_format", CLOSED)
+def test_back_to_back_calls_each_run_and_none_vanishes(call_format):
     tok = merged_tokenizer()
-    engine = TurnEngine(tok, [back_to_back(tok, call("add", a=1, b=2), call("add", a=3, b=4)), "done."])
+    both = back_to_back(tok, call_in(call_format, "add", a=1, b=2), call_in(call_format, "add", a=3, b=4))
+    engine = TurnEngine(tok, [both, "done."])
     SEEN.clear()
-    rollout = sampler(tok, [add], engine)(tiny(tok), ["Q"], GREEDY, 1)
+    rollout = sampler(tok, [add], engine, call_format=call_format)(tiny(tok), ["Q"], GREEDY, 1)
     assert SEEN == [{"a": 1, "b": 2}]  # the round stopped at the first call: it ran first
     assert [c["result"] for c in rollout.facts()["tool_calls"][0]] == ["3"]
     assert rollout.completions[0].endswith("done.")
@@ -598,7 +583,7 @@ def test_every_call_of_a_turn_is_run_or_answered_as_an_error():
     conversation = tools.conversation("Q", None)
     episode = Episode(context=EpisodeTools(conversation, None, {"add": add}), calls=1, max_calls=3)
     SEEN.clear()
-    answer = tools.answer(episode, turn)
+    (answer,) = tools.answer([(episode, turn)])
     assert SEEN == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]  # two calls were left
     assert [e["result"] for e in answer.entries[:2]] == ["3", "7"]
     assert answer.entries[2]["result"].startswith("error: not run") and not answer.ok
@@ -630,11 +615,13 @@ def sprawl(x: int) -> list:
     return [Slow()] * 1_000_000
 
 
-def test_a_huge_result_is_cut_before_it_is_rendered_marked_and_counted():
+@pytest.mark.parametrize("call_format", sorted(CALL_FORMATS))
+def test_a_huge_result_is_cut_before_it_is_rendered_marked_and_counted(call_format):
     tok = chat_tokenizer()
-    engine = TurnEngine(tok, [call("flood", x=1), "ok."])
+    engine = TurnEngine(tok, [call_in(call_format, "flood", x=1), "ok."])
     start = time.monotonic()
-    rollout = sampler(tok, [flood], engine, max_result_chars=100)(tiny(tok), ["Q"], GREEDY, 2)
+    run = sampler(tok, [flood], engine, max_result_chars=100, call_format=call_format)
+    rollout = run(tiny(tok), ["Q"], GREEDY, 2)
     assert time.monotonic() - start < 10
     entry = rollout.facts()["tool_calls"][0][0]
     assert entry["result"] == "x" * 100 + CUT_MARK.format(total=20_000_000, kept=100)
