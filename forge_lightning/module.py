@@ -51,8 +51,10 @@ from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.settings.components import (
     build_components,
     prompt_format,
+    reward_calls,
     sampled_evaluation,
     stored_arguments,
+    user_code_sandbox,
     with_tools,
 )
 from forge_lightning.settings.groups import GRPOSettings, check_generation_budget
@@ -173,6 +175,13 @@ class GRPOLightningModule(pl.LightningModule):
             (text it returns joins the prompt), ``get_reward()`` (or ``reward()``) scores it
             (EnvironmentReward, the reward when ``reward`` is None), its other public methods are
             tools. Sync rollouts with HF generate only.
+        sandbox: ``thread``: rewards and tools run in the trainer's process (a timeout abandons the
+            call's thread); ``process``: in sandboxed worker processes (run/sandbox.py), each call
+            killed with everything it started past its timeout (60 s where None); refused at the
+            start where the machine cannot isolate. A RewardModel stays in process.
+        sandbox_memory_mb: ``process``: the address space a call may add to its worker's, in MiB.
+        sandbox_cpu_seconds: ``process``: the CPU seconds of one call.
+        sandbox_workers: ``process``: worker processes, so calls that may run at once.
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
             and maj@k; 0: greedy only.
         val_temperature: temperature of the sampled validation completions.
@@ -264,6 +273,11 @@ class GRPOLightningModule(pl.LightningModule):
         max_tool_result_chars: int = 10_000,
         tools: ToolsArgument = None,
         environment_factory: type | str | None = None,
+        # -- where rewards and tools run (SandboxSettings)
+        sandbox: Literal["thread", "process"] = "thread",
+        sandbox_memory_mb: int = 2048,
+        sandbox_cpu_seconds: int = 60,
+        sandbox_workers: int = 2,
         # -- validation (ValidationSettings)
         val_num_generations: int = 0,
         val_temperature: float = 1.0,
@@ -303,14 +317,19 @@ class GRPOLightningModule(pl.LightningModule):
         # Submodules, so that their running means move to the policy's device with the module.
         self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
         self.reporter = parts.reporter
+        # Where the rewards and tools run: None (this process's threads), or sandboxed workers.
+        self.sandbox = user_code_sandbox(
+            self.settings.sandbox, {"reward": self.reward, "accuracy check": self.accuracy}, self.tools.tools
+        )
         self.step = TrainingStep(
             parts.step_settings, self.reward, parts.passes, self.plan, parts.stepper,
-            self.reporter, self.train_metrics, self.rollout_source,
+            self.reporter, self.train_metrics, self.rollout_source, self.sandbox,
         )  # fmt: skip
         sampled = sampled_evaluation(self.settings.validation, self.settings.sampling, answer_key)
         self.evaluator = Evaluator(
-            self.reward, self.accuracy, self.greedy, sampled, self.settings.rewards, self.val_metrics
-        )
+            self.reward, self.accuracy, self.greedy, sampled,
+            reward_calls(self.settings.rewards, self.sandbox), self.val_metrics,
+        )  # fmt: skip
         self._random_state = TrainingRandomState()  # put back after each validation of a fit
         self._log_step = EvaluationLogStep()  # the step validate's metrics reach the loggers at
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
@@ -337,7 +356,7 @@ class GRPOLightningModule(pl.LightningModule):
         prompts = prompt_format(self.model, s.prompts, s.sampling.max_new_tokens, self.use_chat_template)
         self.rollout_source.prepare(
             self.tokenizer, self.model, eos, prompts, self.scorer.temperature,
-            lambda sampler: with_tools(sampler, s.tools, s.prompts.system_prompt, self.tools),
+            lambda sampler: with_tools(sampler, s.tools, s.prompts.system_prompt, self.tools, self.sandbox),
         )  # fmt: skip
 
     # The rollout source owns the engine and the episode runner (built in configure_model); one
@@ -480,6 +499,8 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def teardown(self, stage: str) -> None:
         self.stop_rollout_worker()
+        if self.sandbox is not None:
+            self.sandbox.close()  # a later fit starts new workers
         self._random_state.clear()
         self.reporter.every = None  # the next fit's RewardLogger, if any, hands its own
 

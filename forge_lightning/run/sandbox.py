@@ -161,8 +161,9 @@ class Sandbox:
             self._idle = queue.Queue()
             self._started = 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("a Sandbox holds processes: it cannot be pickled")
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy (a deep-copied or pickled module's) starts workers of its own, never shares these.
+        return (_unstarted, (self.workers, self.limits, self._preload))
 
     def _acquire(self) -> _Worker:
         """An idle worker, a new one while fewer than ``workers`` run, else the next one freed."""
@@ -210,6 +211,12 @@ def refuse_unpicklable(fn: Any, name: str) -> None:
             "Define it at the top level of a module (a lambda or a function defined inside another "
             "cannot cross), or set sandbox: thread"
         ) from err
+
+
+def _unstarted(workers: int, limits: SandboxLimits, preload: bytes) -> Sandbox:
+    sandbox = Sandbox(workers, limits)
+    sandbox._preload = preload
+    return sandbox
 
 
 def _noop() -> None:

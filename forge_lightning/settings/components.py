@@ -21,12 +21,15 @@ from forge_lightning.evaluation.sampled import AnswerKey, SampledEvaluation, sam
 from forge_lightning.models.lora import LoraSettings, lora_settings
 from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.reporting.reporter import StepReporter
+from forge_lightning.rewards.calls import refuse_outside_sandbox, sandboxed
 from forge_lightning.rewards.library import (
+    CompositeReward,
     GSM8KAnswerReward,
     RewardArgument,
     RewardFn,
     as_reward,
     load_reward,
+    reward_name,
     reward_spec,
 )
 from forge_lightning.rollout.engines.base import SamplingParams
@@ -38,10 +41,13 @@ from forge_lightning.rollout.tools.base import ToolProtocol
 from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
 from forge_lightning.rollout.tools.functions import FunctionTools
 from forge_lightning.rollout.tools.stored import StoredTools
+from forge_lightning.run.sandbox import Sandbox, SandboxLimits
 from forge_lightning.settings.groups import (
     GRPOSettings,
     PromptSettings,
+    RewardSettings,
     SamplingSettings,
+    SandboxSettings,
     ToolSettings,
     ValidationSettings,
 )
@@ -211,11 +217,56 @@ def prompt_format(
     return PromptFormat(use_chat_template, prompts.system_prompt, longest, prompts.prompt_truncation)
 
 
+@dataclass(frozen=True)
+class RewardCalls:
+    """What scoring reads (evaluation's ``settings``): what a reward error does, a call's time
+    limit, and the sandbox the rewards run in (None: the trainer's threads)."""
+
+    on_reward_error: str
+    reward_timeout: float | None
+    sandbox: Sandbox | None
+
+
+def reward_calls(rewards: RewardSettings, sandbox: Sandbox | None) -> RewardCalls:
+    return RewardCalls(rewards.on_reward_error, rewards.reward_timeout, sandbox)
+
+
+def user_code_sandbox(
+    settings: SandboxSettings, rewards: dict[str, RewardFn], tools: list[Any]
+) -> Sandbox | None:
+    """The sandbox the rewards (by role: ``reward``, ``accuracy check``) and the function
+    ``tools`` run in under ``sandbox: process``, checked now: a machine that cannot isolate, a
+    reward or tool that cannot cross into a worker, is refused by name before any model is
+    loaded. None under ``sandbox: thread``."""
+    if settings.sandbox != "process":
+        return None
+    limits = SandboxLimits(memory_mb=settings.sandbox_memory_mb, cpu_seconds=settings.sandbox_cpu_seconds)
+    sandbox = Sandbox(settings.sandbox_workers, limits)
+    functions: dict[str, Any] = {}
+    for role, reward in rewards.items():
+        parts = (
+            zip(reward.names, reward.rewards)
+            if isinstance(reward, CompositeReward)
+            else [(reward_name(reward), reward)]
+        )
+        for name, part in parts:
+            if sandboxed(part, sandbox):
+                refuse_outside_sandbox(part, f"{role} {name}")
+                functions[f"{role} {name!r}"] = part
+    functions.update({f"tool {getattr(fn, '__name__', fn)!r}": fn for fn in tools})
+    sandbox.prepare(functions)
+    return sandbox
+
+
 def with_tools(
-    sampler: RolloutSampler, tools: ToolSettings, system_prompt: str | None, stored: StoredTools
+    sampler: RolloutSampler,
+    tools: ToolSettings,
+    system_prompt: str | None,
+    stored: StoredTools,
+    sandbox: Sandbox | None = None,
 ) -> RolloutSampler | ToolRolloutSampler:
     """The module's episode runner: ``sampler``, or the tools its settings name around it (the
-    calculator, or ``stored``'s functions and environment)."""
+    calculator, or ``stored``'s functions and environment, called in ``sandbox`` where given)."""
     if tools.calculator is not None:
         calls: ToolProtocol = CalculatorTools(InlineCalculator(tools.calculator), sampler.tokenizer)
     elif stored.functions or stored.factory is not None:
@@ -227,6 +278,7 @@ def with_tools(
             tools.tool_timeout,
             system_prompt,
             tools.max_tool_result_chars,
+            sandbox,
         )
     else:
         return sampler

@@ -244,6 +244,24 @@ class ToolSettings(_Group):
 
 
 @dataclass(frozen=True)
+class SandboxSettings(_Group):
+    """Where rewards and tools run (run/sandbox.py)."""
+
+    sandbox: Literal["thread", "process"] = "thread"
+    """``thread``: in the trainer's process (a timeout abandons the call's thread, which runs on);
+    ``process``: each call in a pool of sandboxed worker processes (no network, reads only Python
+    and ``sys.path``, writes only a scratch folder, the limits below), killed with everything it
+    started past ``reward_timeout``/``tool_timeout`` (60 s where None); refused at the start where
+    the machine cannot isolate. A RewardModel stays in the trainer's process."""
+    sandbox_memory_mb: int = 2048
+    """``process``: the address space a call may add to its worker's, in MiB."""
+    sandbox_cpu_seconds: int = 60
+    """``process``: the CPU seconds of one call."""
+    sandbox_workers: int = 2
+    """``process``: worker processes, so calls that may run at once."""
+
+
+@dataclass(frozen=True)
 class ValidationSettings(_Group):
     """The sampled completions of a validation, besides the greedy one (evaluation/sampled.py)."""
 
@@ -278,6 +296,7 @@ GROUPS: dict[str, type[_Group]] = {
     "memory": MemorySettings,
     "rewards": RewardSettings,
     "tools": ToolSettings,
+    "sandbox": SandboxSettings,
     "validation": ValidationSettings,
 }
 
@@ -311,6 +330,7 @@ class GRPOSettings:
     memory: MemorySettings
     rewards: RewardSettings
     tools: ToolSettings
+    sandbox: SandboxSettings
     validation: ValidationSettings
 
     @classmethod

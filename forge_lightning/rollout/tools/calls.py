@@ -12,6 +12,7 @@ from typing import Any
 from transformers.utils import get_json_schema
 
 from forge_lightning.rollout.tools.parsers import ParsedCall
+from forge_lightning.run.sandbox import DEFAULT_TIMEOUT, Sandbox, SandboxTimeout
 from forge_lightning.run.user_code import (
     CallTimeout,
     UserCodeExit,
@@ -41,11 +42,17 @@ def tool_schema(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
 
 
 def run_call(
-    parsed: ParsedCall | str, functions: dict[str, Callable[..., Any]], timeout: float | None, max_chars: int
+    parsed: ParsedCall | str,
+    functions: dict[str, Callable[..., Any]],
+    timeout: float | None,
+    max_chars: int,
+    sandbox: Sandbox | None = None,
 ) -> tuple[str, bool, bool]:
     """A call's result as text, whether it succeeded and whether the text was cut. Every failure
     is a message the model reads and the run goes on: a raise, a timeout, a SystemExit or
-    KeyboardInterrupt of the tool's own (run/user_code.py's call_user_code); a signal still stops the run."""
+    KeyboardInterrupt of the tool's own (run/user_code.py's call_user_code); a signal still stops the run.
+    In a ``sandbox`` the tool runs in a worker process, killed past ``timeout`` (the sandbox's
+    default where None); an exit or a crash there is the call's error."""
     if isinstance(parsed, str):
         return f"error: {parsed}", False, False
     name, fn = parsed.name, functions.get(parsed.name)
@@ -59,12 +66,14 @@ def run_call(
     def call() -> tuple[str, bool]:
         # The text is made here, within the time limit and the error handling: the JSON of a huge
         # or pathological value (circular, a raising __str__) is the tool's own failure.
+        if sandbox is not None:
+            return result_text(sandbox.call(fn, (), parsed.arguments, timeout, f"tool {name!r}"), max_chars)
         return result_text(fn(**parsed.arguments), max_chars)
 
     try:
-        text, cut = call_user_code(lambda: call_within(call, timeout, f"tool {name!r}"))
-    except CallTimeout:
-        return f"error: {name} took longer than {timeout:g}s", False, False
+        text, cut = call_user_code(call if sandbox else lambda: call_within(call, timeout, f"tool {name!r}"))
+    except (CallTimeout, SandboxTimeout):
+        return f"error: {name} took longer than {timeout or DEFAULT_TIMEOUT:g}s", False, False
     except UserCodeExit as err:
         return f"error: {name} {err}", False, False
     except Exception as err:  # the tool's own failure: the model reads it, the run goes on

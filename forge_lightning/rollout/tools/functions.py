@@ -41,6 +41,7 @@ from forge_lightning.rollout.tools.environments import (
 from forge_lightning.rollout.tools.parsers import CallFormat, ParsedCall, format_named
 from forge_lightning.rollout.tools.stored import tool_names
 from forge_lightning.rollout.types import Prompt
+from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.user_code import accepted_kwargs, trl_kwargs
 
 # The system message's text where the chat template does not render ``tools`` ({tools}: one JSON
@@ -77,6 +78,7 @@ class FunctionTools:
         system_prompt: the module's, which a prompt without a system message gets.
         max_result_chars: the characters of a result the model reads; a longer one is cut, marked
             (:data:`CUT_MARK`) and counted (``tool_results_cut``).
+        sandbox: where the function tools run (run/sandbox.py); None: in this process.
     """
 
     calls_before_eos = True
@@ -90,6 +92,7 @@ class FunctionTools:
         timeout: float | None = 10.0,
         system_prompt: str | None = None,
         max_result_chars: int = MAX_RESULT_CHARS,
+        sandbox: Sandbox | None = None,
     ) -> None:
         if not tools and environment_factory is None:
             raise ValueError("FunctionTools needs tools or an environment_factory")
@@ -97,7 +100,7 @@ class FunctionTools:
             raise ValueError(f"max_tool_result_chars must be an integer >= 1, got {max_result_chars}")
         self.tokenizer, self.timeout, self.system_prompt = tokenizer, timeout, system_prompt
         self.tools, self.factory = list(tools or []), environment_factory
-        self.max_result_chars = max_result_chars
+        self.max_result_chars, self.sandbox = max_result_chars, sandbox
         refuse_async([*self.tools, *([environment_factory] if environment_factory else [])], None)
         probe = environment_factory() if environment_factory is not None else None
         self.environment = None if probe is None else type(probe)
@@ -186,7 +189,9 @@ class FunctionTools:
                     False,
                 )
             else:
-                result, ok, cut = run_call(parsed, context.functions, self.timeout, self.max_result_chars)
+                result, ok, cut = run_call(
+                    parsed, context.functions, self.timeout, self.max_result_chars, self.sandbox
+                )
             name = parsed.name if isinstance(parsed, ParsedCall) else None
             arguments = parsed.arguments if isinstance(parsed, ParsedCall) else None
             entries.append(
