@@ -318,9 +318,8 @@ class GRPOLightningModule(pl.LightningModule):
         self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
         self.reporter = parts.reporter
         # Where the rewards and tools run: None (this process's threads), or sandboxed workers.
-        self.sandbox = user_code_sandbox(
-            self.settings.sandbox, {"reward": self.reward, "accuracy check": self.accuracy}, self.tools.tools
-        )
+        rewards = {"reward": self.reward, "accuracy check": self.accuracy}
+        self.sandbox = user_code_sandbox(self.settings.sandbox, rewards, self.tools.functions)
         self.step = TrainingStep(
             parts.step_settings, self.reward, parts.passes, self.plan, parts.stepper,
             self.reporter, self.train_metrics, self.rollout_source, self.sandbox,

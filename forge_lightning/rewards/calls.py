@@ -104,9 +104,10 @@ def sandboxed(reward: RewardFn, sandbox: Sandbox | None) -> bool:
     return sandbox is not None and not getattr(reward, "in_process", False)
 
 
-def refuse_outside_sandbox(reward: RewardFn, name: str) -> None:
-    """TypeError naming ``reward`` where it cannot run in a sandbox worker: it cannot be pickled,
-    or it names an argument that lives in the trainer's process (:data:`IN_PROCESS_ARGUMENTS`)."""
+def refuse_outside_sandbox(reward: RewardFn, what: str) -> None:
+    """TypeError naming ``what`` (``reward 'name'``) where ``reward`` cannot run in a sandbox
+    worker: it cannot be pickled, or it names an argument that lives in the trainer's process
+    (:data:`IN_PROCESS_ARGUMENTS`)."""
     try:
         params = set(inspect.signature(reward).parameters)
     except (TypeError, ValueError):
@@ -114,10 +115,10 @@ def refuse_outside_sandbox(reward: RewardFn, name: str) -> None:
     named = sorted(params & set(IN_PROCESS_ARGUMENTS))
     if named:
         raise TypeError(
-            f"reward {name!r} takes {', '.join(named)}, which cannot cross into a sandbox worker under "
+            f"{what} takes {', '.join(named)}, which cannot cross into a sandbox worker under "
             "sandbox: process (a callable, the environments' objects): do without it, or set sandbox: thread"
         )
-    refuse_unpicklable(reward, f"reward {name!r}")
+    refuse_unpicklable(reward, what)
 
 
 def reward_name(reward: RewardFn) -> str:

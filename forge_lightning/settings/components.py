@@ -251,7 +251,7 @@ def user_code_sandbox(
         )
         for name, part in parts:
             if sandboxed(part, sandbox):
-                refuse_outside_sandbox(part, f"{role} {name}")
+                refuse_outside_sandbox(part, f"{role} {name!r}")
                 functions[f"{role} {name!r}"] = part
     functions.update({f"tool {getattr(fn, '__name__', fn)!r}": fn for fn in tools})
     sandbox.prepare(functions)

@@ -104,3 +104,19 @@ def doubles(x: int) -> int:
         x: the number.
     """
     return 2 * x
+
+
+class Counter:
+    """An environment: its state lives across an episode's calls."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, x: int) -> int:
+        """Adds x to the total.
+
+        Args:
+            x: the number.
+        """
+        self.total += x
+        return self.total

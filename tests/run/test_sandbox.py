@@ -11,7 +11,7 @@ import time
 import hostile
 import pytest
 
-from forge_lightning.rewards.library import CompositeReward
+from forge_lightning.rewards.library import BaseReward, CompositeReward, RewardModel
 from forge_lightning.rewards.scoring import score
 from forge_lightning.run import sandbox as sandbox_module
 from forge_lightning.run.sandbox import (
@@ -136,3 +136,42 @@ def test_a_machine_without_the_mechanisms_is_refused_with_the_reason(monkeypatch
     monkeypatch.setattr("forge_lightning.run.landlock.abi_version", lambda: 0)
     with pytest.raises(SandboxUnavailable, match="needs Landlock"):
         Sandbox(1).check()
+
+
+class HoldsAModel(BaseReward):
+    """Stands for a RewardModel: a reward that stays in the trainer's process under a sandbox."""
+
+    in_process = True
+
+    def __call__(self, prompts, responses, **kwargs):
+        return [float(os.getpid())] * len(responses)
+
+
+@pytest.mark.integration
+def test_a_reward_that_holds_a_model_stays_in_process_beside_sandboxed_ones():
+    assert RewardModel.in_process
+    sandbox = Sandbox(workers=1)
+    try:
+        scored = score(CompositeReward([(HoldsAModel(), 1.0, "model"), (hostile.counts, 1.0, "code")]),
+                       ["p"], ["abc"], sandbox=sandbox)  # fmt: skip
+    finally:
+        sandbox.close()
+    assert scored.components == {"model": [float(os.getpid())], "code": [3.0]}
+
+
+@pytest.mark.integration
+def test_the_module_refuses_at_its_start_what_cannot_run_in_its_sandbox(module):
+    def local(prompts, responses):
+        return [0.0] * len(responses)
+
+    with pytest.raises(TypeError, match="reward 'local' cannot run under sandbox: process"):
+        module(reward=local, sandbox="process")
+    with pytest.raises(TypeError, match="reward 'wants_log_metric' takes log_metric, which cannot cross"):
+        module(reward=wants_log_metric, sandbox="process")
+    with pytest.raises(ValueError, match="sandbox='process' does not run an environment_factory"):
+        module(environment_factory="hostile.Counter", sandbox="process")
+    assert module(reward=hostile.counts, sandbox="process").sandbox.worker_pids() == []  # none yet
+
+
+def wants_log_metric(prompts, responses, log_metric):
+    return [0.0] * len(responses)
