@@ -159,7 +159,7 @@ class GRPOLightningModule(pl.LightningModule):
             ``val_num_generations`` rows) over it is refused before any step.
         on_reward_error: ``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it.
         reward_timeout: seconds a reward call may take; a longer one is abandoned and its batch
-            fails as under ``on_reward_error``; None waits for ever.
+            fails as under ``on_reward_error``; None waits for ever (under ``sandbox: process``, 60 s).
         calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
             or ``plain`` (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py).
         max_tool_calls: with tools, the calls one completion may make.

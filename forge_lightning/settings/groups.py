@@ -220,7 +220,7 @@ class RewardSettings(_Group):
     """``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it."""
     reward_timeout: float | None = None
     """seconds a reward call may take; a longer one is abandoned and its batch fails as under
-    ``on_reward_error``; None waits for ever."""
+    ``on_reward_error``; None waits for ever (under ``sandbox: process``, 60 s)."""
 
 
 @dataclass(frozen=True)
