@@ -2,14 +2,16 @@
 reward or a tool runs in a worker (run/sandbox_worker.py) under resource limits and a hard time
 limit, and a call that hangs is killed with every process it started while the run goes on.
 
-What holds, and by which mechanism (probed once, when the first pool is checked; a machine that
-lacks one is refused with the reason, never given a weaker sandbox):
+What holds, and by which mechanism (run/isolation.py probes them once, when the first pool is
+checked; a machine that lacks one is refused with the reason, never given a weaker sandbox):
 
 - a worker is a fresh interpreter (never a fork of the trainer), started by ``unshare`` in new
   user, pid, network, mount and IPC namespaces: it sees no network, and when it dies every
   process it started dies with it (the kernel ends a pid namespace with its first process);
 - Landlock: it reads only the Python installation, ``sys.path`` and the system's folders, and
-  writes only its scratch folder (emptied after each call);
+  writes only its scratch folder (emptied after each call). A folder on ``sys.path`` is readable
+  whole (the working directory, where it is on it): a run folder below one is readable by the
+  reward's own code, not by the programs ``run_python`` starts (Python's installation only);
 - resource limits on each call: address space (``memory_mb``), CPU seconds, open files, file size;
 - a bounded number of processes: ``RLIMIT_NPROC`` for a user that is not root; root ignores it,
   so under root each worker gets a ``pids`` cgroup of its own (cgroup v1 or v2) with that bound;
@@ -33,14 +35,22 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from forge_lightning.run.isolation import (
+    NAMESPACES,
+    SandboxUnavailable,
+    pids_cgroup,
+    probe,
+    remove_cgroup,
+)
 from forge_lightning.run.sandbox_worker import WORKER_MARK
+
+__all__ = ["Sandbox", "SandboxCallError", "SandboxLimits", "SandboxTimeout", "SandboxUnavailable", "probe"]
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +58,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 60.0
 # Seconds a new worker may take to start and import the prepared functions' modules.
 START_TIMEOUT = 120.0
-_NAMESPACES = [
-    "--user",
-    "--map-root-user",
-    "--net",
-    "--pid",
-    "--fork",
-    "--kill-child",
-    "--mount-proc",
-    "--ipc",
-]
 _SERVE = "from forge_lightning.run.sandbox_worker import serve; serve()"
-
-
-class SandboxUnavailable(RuntimeError):
-    """This machine cannot give the sandbox's isolation; the message says what is missing."""
 
 
 class SandboxCallError(Exception):
@@ -233,13 +229,13 @@ class _Worker:
 
     def __init__(self, limits: SandboxLimits, preload: bytes) -> None:
         self.scratch = tempfile.mkdtemp(prefix="forge-sandbox-")
-        self.cgroup = _pids_cgroup(limits.processes) if os.geteuid() == 0 else None
+        self.cgroup = pids_cgroup(limits.processes) if os.geteuid() == 0 else None
         task_r, task_w = os.pipe()
         answer_r, answer_w = os.pipe()
         self.lifeline_r, self.lifeline_w = os.pipe()
         passed = (task_r, answer_w, self.lifeline_r)
         command = [sys.executable, "-c", _SERVE, *map(str, passed), self.scratch, json.dumps(asdict(limits))]
-        command = ["unshare", *_NAMESPACES, *command]
+        command = ["unshare", *NAMESPACES, *command]
         if self.cgroup is not None:  # join the cgroup before anything else runs
             command = [
                 "sh",
@@ -291,7 +287,7 @@ class _Worker:
         for conn in (self.tasks, self.answers):
             conn.close()
         os.close(self.lifeline_w)
-        _remove_cgroup(self.cgroup)
+        remove_cgroup(self.cgroup)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -313,88 +309,3 @@ def _worker_environment(scratch: str) -> dict[str, str]:
         "PYTHONDONTWRITEBYTECODE": "1",
         WORKER_MARK: "1",
     }
-
-
-# -- the probe and the pids cgroups -----------------------------------------------------------
-
-_probed: list[str] = []  # the mechanism, once found
-_PIDS_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1's pids hierarchy, v2's
-
-
-def probe() -> str:
-    """The mechanism this machine gives the sandbox (a sentence), found once per process by
-    starting one sandboxed interpreter; SandboxUnavailable with the reason when something is missing."""
-    if _probed:
-        return _probed[0]
-    if not sys.platform.startswith("linux"):
-        raise SandboxUnavailable(
-            f"sandbox: process needs Linux (namespaces, Landlock); this is {sys.platform}"
-        )
-    if shutil.which("unshare") is None:
-        raise SandboxUnavailable(
-            "sandbox: process needs the unshare command (util-linux), which is not on PATH"
-        )
-    from forge_lightning.run.landlock import abi_version
-
-    abi = abi_version()
-    if abi < 1:
-        raise SandboxUnavailable(
-            "sandbox: process needs Landlock (Linux 5.13+, enabled in the kernel's lsm= list); "
-            "this kernel has none"
-        )
-    limit = "RLIMIT_NPROC"
-    if os.geteuid() == 0:  # root ignores RLIMIT_NPROC: the process bound needs a pids cgroup
-        try:
-            _remove_cgroup(_pids_cgroup(8))
-        except OSError as err:
-            raise SandboxUnavailable(
-                f"sandbox: process runs as root here, which RLIMIT_NPROC does not bind, and no pids "
-                f"cgroup can be made to bound its processes instead ({err})"
-            ) from err
-        limit = "a pids cgroup"
-    check = [sys.executable, "-I", "-S", "-c", "import os; assert os.getpid() == 1"]
-    done = subprocess.run(["unshare", *_NAMESPACES, *check], capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise SandboxUnavailable(
-            "sandbox: process needs user, pid, network and mount namespaces (unshare "
-            f"{' '.join(_NAMESPACES)}), which failed here: {done.stderr.strip()[-500:]}"
-        )
-    _probed.append(f"namespaces (user, pid, net, mount, ipc), Landlock ABI {abi}, rlimits and {limit}")
-    return _probed[0]
-
-
-def _pids_root() -> str:
-    """This process's folder in the pids cgroup hierarchy (v1, else v2)."""
-    for line in open("/proc/self/cgroup").read().splitlines():
-        number, controllers, path = line.split(":", 2)
-        if "pids" in controllers.split(","):
-            return os.path.join(_PIDS_ROOTS[0], path.lstrip("/"))
-        if number == "0" and os.path.exists(os.path.join(_PIDS_ROOTS[1], "cgroup.controllers")):
-            return os.path.join(_PIDS_ROOTS[1], path.lstrip("/"))
-    raise OSError("no pids cgroup controller is mounted")
-
-
-def _pids_cgroup(processes: int) -> str:
-    """A new pids cgroup below this process's, holding at most ``processes`` tasks."""
-    folder = tempfile.mkdtemp(prefix=f"forge-sandbox-{os.getpid()}-", dir=_pids_root())
-    with open(os.path.join(folder, "pids.max"), "w") as f:
-        f.write(str(processes))
-    return folder
-
-
-def _remove_cgroup(folder: str | None, wait: float = 2.0) -> None:
-    """Remove an emptied cgroup (its last processes may still be dying: retried for ``wait`` s)."""
-    if folder is None:
-        return
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            os.rmdir(folder)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                log.warning("sandbox: the cgroup %s could not be removed", folder)
-                return
-            time.sleep(0.01)

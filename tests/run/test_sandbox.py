@@ -13,7 +13,7 @@ import pytest
 
 from forge_lightning.rewards.library import BaseReward, CompositeReward, RewardModel
 from forge_lightning.rewards.scoring import score
-from forge_lightning.run import sandbox as sandbox_module
+from forge_lightning.run import isolation
 from forge_lightning.run.sandbox import (
     Sandbox,
     SandboxCallError,
@@ -128,12 +128,12 @@ def test_sandboxed_rewards_run_at_once_and_their_scores_come_back_in_order():
 
 
 def test_a_machine_without_the_mechanisms_is_refused_with_the_reason(monkeypatch):
-    monkeypatch.setattr(sandbox_module, "_probed", [])
-    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(isolation, "_probed", [])
+    monkeypatch.setattr(isolation.shutil, "which", lambda name: None)
     with pytest.raises(SandboxUnavailable, match="needs the unshare command"):
         Sandbox(1).check()
-    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: "/usr/bin/unshare")
-    monkeypatch.setattr("forge_lightning.run.landlock.abi_version", lambda: 0)
+    monkeypatch.setattr(isolation.shutil, "which", lambda name: "/usr/bin/unshare")
+    monkeypatch.setattr(isolation, "abi_version", lambda: 0)
     with pytest.raises(SandboxUnavailable, match="needs Landlock"):
         Sandbox(1).check()
 
