@@ -175,3 +175,12 @@ def test_the_module_refuses_at_its_start_what_cannot_run_in_its_sandbox(module):
 
 def wants_log_metric(prompts, responses, log_metric):
     return [0.0] * len(responses)
+
+
+def test_a_resumed_run_may_move_its_rewards_into_the_sandbox_or_out():
+    from forge_lightning.run.resume import resume_differences
+
+    saved = {"sandbox": "thread", "sandbox_workers": 2, "sandbox_memory_mb": 2048, "sandbox_cpu_seconds": 60}
+    current = {"sandbox": "process", "sandbox_workers": 4, "sandbox_memory_mb": 512, "sandbox_cpu_seconds": 5}
+    fixed, changeable = resume_differences(saved, current)
+    assert fixed == [] and len(changeable) == 4
