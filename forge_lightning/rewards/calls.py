@@ -18,6 +18,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, TypeAlias
 
 from forge_lightning.run.sandbox import Sandbox, SandboxTimeout, refuse_unpicklable
@@ -200,6 +201,8 @@ def invoke_reward(
     name = reward_name(reward)
     if sandboxed(reward, sandbox):
         named = {key: value for key, value in named.items() if key not in IN_PROCESS_ARGUMENTS}
+        if "trainer_state" in named:  # read by attribute, as TRL's: a namespace crosses without
+            named["trainer_state"] = SimpleNamespace(**vars(named["trainer_state"]))  # torch's import
         try:
             return sandbox.call(reward, args, named, timeout, f"reward {name!r}")
         except SandboxTimeout as err:

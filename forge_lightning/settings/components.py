@@ -22,7 +22,6 @@ from forge_lightning.models.lora import LoraSettings, lora_settings
 from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.reporting.reporter import StepReporter
 from forge_lightning.rewards.calls import refuse_outside_sandbox, sandboxed
-from forge_lightning.rewards.extras import RewardState
 from forge_lightning.rewards.library import (
     CompositeReward,
     GSM8KAnswerReward,
@@ -254,8 +253,6 @@ def user_code_sandbox(
             if sandboxed(part, sandbox):
                 refuse_outside_sandbox(part, f"{role} {name!r}")
                 functions[f"{role} {name!r}"] = part
-    if functions:  # an argument every reward may get: its class loads with the worker, not in a call
-        functions["trainer_state"] = RewardState
     functions.update({f"tool {getattr(fn, '__name__', fn)!r}": fn for fn in tools})
     sandbox.prepare(functions)
     return sandbox

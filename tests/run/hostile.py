@@ -120,3 +120,7 @@ class Counter:
         """
         self.total += x
         return self.total
+
+
+def reads_state(prompts: list[str], responses: list[str], **kwargs) -> list[float]:
+    return [float(kwargs["trainer_state"].global_step)] * len(responses)

@@ -184,3 +184,16 @@ def test_a_resumed_run_may_move_its_rewards_into_the_sandbox_or_out():
     current = {"sandbox": "process", "sandbox_workers": 4, "sandbox_memory_mb": 512, "sandbox_cpu_seconds": 5}
     fixed, changeable = resume_differences(saved, current)
     assert fixed == [] and len(changeable) == 4
+
+
+@pytest.mark.integration
+def test_a_sandboxed_reward_reads_trainer_state_and_goes_without_log_metric():
+    from forge_lightning.rewards.extras import RewardExtras
+
+    extras = RewardExtras(7, 1, 10).arguments()  # trainer_state and log_metric, a bound method
+    sandbox = Sandbox(workers=1)
+    try:
+        scored = score(hostile.reads_state, ["p"], ["r"], sandbox=sandbox, reward_timeout=5.0, **extras)
+    finally:
+        sandbox.close()
+    assert scored.total == [7.0]
