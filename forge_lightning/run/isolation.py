@@ -93,8 +93,12 @@ def pids_root() -> str:
 def pids_cgroup(processes: int) -> str:
     """A new pids cgroup below this process's, holding at most ``processes`` tasks."""
     folder = tempfile.mkdtemp(prefix=f"forge-sandbox-{os.getpid()}-", dir=pids_root())
-    with open(os.path.join(folder, "pids.max"), "w") as f:
-        f.write(str(processes))
+    try:  # cgroup v2 gives a child the pids controller only where its parent's subtree enables it
+        with open(os.path.join(folder, "pids.max"), "w") as f:
+            f.write(str(processes))
+    except OSError:
+        os.rmdir(folder)
+        raise
     return folder
 
 
