@@ -154,7 +154,7 @@ class GRPOLightningModule(pl.LightningModule):
             ``val_num_generations`` rows) over it is refused before any step.
         on_reward_error: ``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it.
         reward_timeout: seconds a reward call may take; a longer one is abandoned and its batch
-            fails as under ``on_reward_error``; None waits for ever.
+            fails as under ``on_reward_error``; None waits for ever (under ``sandbox: process``, 60 s).
         calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
             or ``plain`` (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py).
         max_tool_calls: with tools, the calls one completion may make.
@@ -172,6 +172,13 @@ class GRPOLightningModule(pl.LightningModule):
             (EnvironmentReward, the reward when ``reward`` is None), its other public methods are
             tools; or a mapping name -> factory, a row's ``environment`` field picking its own. Sync
             rollouts with HF generate only.
+        sandbox: ``thread``: rewards and tools run in the trainer's process (a timeout abandons the
+            call's thread); ``process``: in sandboxed worker processes (run/sandbox.py), each call
+            killed with everything it started past its timeout (60 s where None); refused at the
+            start where the machine cannot isolate. A RewardModel stays in process.
+        sandbox_memory_mb: ``process``: the address space a call may add to its worker's, in MiB.
+        sandbox_cpu_seconds: ``process``: the CPU seconds of one call.
+        sandbox_workers: ``process``: worker processes, so calls that may run at once.
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
             and maj@k; 0: greedy only.
         val_temperature: temperature of the sampled validation completions.
@@ -265,6 +272,11 @@ class GRPOLightningModule(pl.LightningModule):
         max_parallel_tool_calls: int = 16,
         tools: ToolsArgument = None,
         environment_factory: EnvironmentArgument = None,
+        # -- where rewards and tools run (SandboxSettings)
+        sandbox: Literal["thread", "process"] = "thread",
+        sandbox_memory_mb: int = 2048,
+        sandbox_cpu_seconds: int = 60,
+        sandbox_workers: int = 2,
         # -- validation (ValidationSettings)
         val_num_generations: int = 0,
         val_temperature: float = 1.0,
@@ -297,6 +309,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.rollout_source, self.plan, self.reporter = parts.rollout_source, parts.plan, parts.reporter
         # Submodules, so that their running means move to the policy's device with the module.
         self.train_metrics, self.val_metrics = parts.train_metrics, parts.val_metrics
+        self.sandbox = parts.sandbox  # where rewards and tools run: None (threads) or workers
         self.reference: ReferenceSource | None = None  # handed over by the ReferenceModel callback
         self.last_step: StepRecord | None = None
         # The StepRecords of the optimizer steps the latest training batch took (an async batch at
@@ -317,7 +330,7 @@ class GRPOLightningModule(pl.LightningModule):
         )
         prepare_rollouts(
             self.rollout_source, self.tokenizer, self.model, self.settings, self.tools,
-            self.use_chat_template, self.scorer.temperature,
+            self.use_chat_template, self.scorer.temperature, self.sandbox,
         )  # fmt: skip
 
     # The rollout source owns the engine and the episode runner (built in configure_model); one
@@ -427,6 +440,8 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def teardown(self, stage: str) -> None:
         self.stop_rollout_worker()
+        if self.sandbox is not None:
+            self.sandbox.close()  # a later fit starts new workers
         self._random_state.clear()
         self.reporter.every = None  # the next fit's RewardLogger, if any, hands its own
 

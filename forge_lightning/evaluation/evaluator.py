@@ -23,7 +23,7 @@ class Evaluator:
         accuracy: the correctness check (``val/accuracy``) where a batch has references.
         greedy: the sampling of the greedy completions.
         sampled: the sampled evaluation (mean@n, pass@k, maj@k), or one that samples nothing.
-        settings: what scoring reads (what a reward error does, its time limit).
+        settings: what scoring reads (what a reward error does, its time limit, the sandbox).
         metrics: the running validation metrics.
     """
 

@@ -53,7 +53,7 @@ def score_validation(
     given = extras.arguments() if extras is not None else None
     with sigterm_interrupts():
         rewards, components, _ = score_groups(
-            reward, prompts, rollout, batch_kwargs, on_error, timeout, given
+            reward, prompts, rollout, batch_kwargs, on_error, timeout, given, settings.sandbox
         )
     if extras is not None:
         metrics.add_logged(extras.logged(), "val")
@@ -102,8 +102,9 @@ def score_accuracy(
     try:
         with sigterm_interrupts():
             correct, _, _ = score_groups(
-                accuracy, prompts, rollout, batch_kwargs, settings.on_reward_error, settings.reward_timeout
-            )
+                accuracy, prompts, rollout, batch_kwargs, settings.on_reward_error, settings.reward_timeout,
+                sandbox=settings.sandbox,
+            )  # fmt: skip
     except Exception as err:
         raise RuntimeError(
             f"validation's accuracy check {reward_name(accuracy)} failed: {err}. It is the module's "

@@ -1,7 +1,8 @@
 """How a reward is called and what it returns is checked: the reward contract (:class:`RewardOutput`,
 :class:`BaseReward`), which keyword arguments each reward gets (its signature decides; TRL-style
 rewards get TRL's names), the arguments it cannot do without, time limits, the slow-call warning,
-a reward's own exits, and :func:`checked_scores`.
+a reward's own exits, ``async def`` rewards (awaited), the sandbox (``sandbox: process``: the call
+runs in a worker process, run/sandbox.py) and :func:`checked_scores`.
 
 The reward library and the entry points that take a whole, possibly composite, reward live in
 :mod:`forge_lightning.rewards`, which re-exports these names: import them from there.
@@ -17,19 +18,24 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, TypeAlias
 
+from forge_lightning.run.sandbox import Sandbox, SandboxTimeout, refuse_unpicklable
 from forge_lightning.run.user_code import (
     CallTimeout,
     UserCodeExit,
     accepted_kwargs,
+    awaited,
     call_user_code,
     call_within,
-    close_unawaited,
-    is_async,
     takes_completions,
     trl_kwargs,
 )
+
+# The arguments that live in the trainer's process (a callable, the environments' objects): a
+# sandboxed reward that names one is refused at the start, one that takes **kwargs goes without.
+IN_PROCESS_ARGUMENTS = ("log_metric", "environments")
 
 
 @dataclass
@@ -46,6 +52,9 @@ class BaseReward(ABC):
     #: Keyword arguments the reward cannot score without although its signature gives them a
     #: default (``references=None``); checked against the batch before the first generation.
     needs: tuple[str, ...] = ()
+    #: Whether the reward runs in the trainer's process under ``sandbox: process`` too: a reward
+    #: that holds a model (RewardModel) is trusted code whose weights stay where they are.
+    in_process: bool = False
 
     @abstractmethod
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput: ...
@@ -90,16 +99,27 @@ def absent_arguments(reward: RewardFn, available: set[str]) -> list[str]:
     return [key for key in dict.fromkeys(required) if key not in given]
 
 
-def refuse_async(reward: Any, name: str | None = None) -> None:
-    """TypeError naming ``reward`` where it is an ``async def`` function, or an object whose
-    ``__call__`` is one: its call returns a coroutine, which is no score (until rewards are awaited)."""
-    if not is_async(reward):
-        return
-    raise TypeError(
-        f"async rewards are not supported yet: reward {name or reward_name(reward)!r} is an `async def` "
-        "(its call returns a coroutine, not scores). Make it a plain `def`; one that must await can "
-        "run its coroutine itself, e.g. `return asyncio.run(score_async(prompts, responses))`"
-    )
+def sandboxed(reward: RewardFn, sandbox: Sandbox | None) -> bool:
+    """Whether ``reward`` runs in ``sandbox`` (None: the run's rewards run in its threads): every
+    reward but one that stays in process (:attr:`BaseReward.in_process`)."""
+    return sandbox is not None and not getattr(reward, "in_process", False)
+
+
+def refuse_outside_sandbox(reward: RewardFn, what: str) -> None:
+    """TypeError naming ``what`` (``reward 'name'``) where ``reward`` cannot run in a sandbox
+    worker: it cannot be pickled, or it names an argument that lives in the trainer's process
+    (:data:`IN_PROCESS_ARGUMENTS`)."""
+    try:
+        params = set(inspect.signature(reward).parameters)
+    except (TypeError, ValueError):
+        params = set()
+    named = sorted(params & set(IN_PROCESS_ARGUMENTS))
+    if named:
+        raise TypeError(
+            f"{what} takes {', '.join(named)}, which cannot cross into a sandbox worker under "
+            "sandbox: process (a callable, the environments' objects): do without it, or set sandbox: thread"
+        )
+    refuse_unpicklable(reward, what)
 
 
 def reward_name(reward: RewardFn) -> str:
@@ -114,11 +134,6 @@ def checked_scores(output: Any, num_samples: int, name: str, allow_none: bool = 
     With ``allow_none`` (a CompositeReward's component) a None means "not applicable to this
     sample", as in TRL, and becomes NaN: it counts 0 in the total and stays out of the component's
     mean and std."""
-    if close_unawaited(output):
-        raise ValueError(
-            f"reward {name!r} returned a coroutine, not scores: async rewards are not supported yet. "
-            "Return the scores themselves (a reward that must await can run its coroutine with asyncio.run)"
-        )
     if isinstance(output, RewardOutput):
         output = output.scores
     elif hasattr(output, "tolist"):  # numpy arrays and tensors, without importing either
@@ -160,32 +175,41 @@ def invoke_reward(
     kwargs: dict[str, Any],
     timeout: float | None,
     slow_after: float,
+    sandbox: Sandbox | None = None,
 ) -> Any:  # rewards.call_reward is the entry point: it gives slow_after
     """Call ``reward`` with its own copies of the lists: a reward that rewrites or empties its
-    inputs changes nothing for the next reward, the log or the samples table.
+    inputs changes nothing for the next reward, the log or the samples table. What an ``async
+    def`` reward returns is awaited (in an event loop of its own).
 
     A reward is called as ``reward(prompts, responses, **fields)``, or, when it names a
     ``completions`` parameter and no ``responses`` one (TRL's signature), as
     ``reward(prompts=..., completions=..., **fields)`` (:func:`takes_completions`).
 
-    With ``timeout`` (seconds) the call runs in a daemon thread and is abandoned, raising
+    In a ``sandbox`` (:func:`sandboxed`) the call runs in a worker process, killed after
+    ``timeout`` seconds (the sandbox's default where None) with everything it started; that, an
+    exit or a crash there is that call's error (a :class:`RewardTimeout`, a SandboxCallError).
+
+    Else, with ``timeout`` (seconds) the call runs in a daemon thread and is abandoned, raising
     :class:`RewardTimeout`, when it takes longer; the abandoned thread is left to finish alone
     (a thread cannot be killed), and a process exit does not wait for it. Without one, a call
-    running past ``slow_after`` seconds is warned about (once) and left to run.
-
-    A SystemExit or KeyboardInterrupt that the reward's code raises becomes :class:`RewardExit`
-    naming the reward; one that a signal raised (Ctrl-C, a SIGTERM) passes through unchanged.
+    running past ``slow_after`` seconds is warned about (once) and left to run. A SystemExit or
+    KeyboardInterrupt that the reward's code raises becomes :class:`RewardExit` naming the
+    reward; one that a signal raised (Ctrl-C, a SIGTERM) passes through unchanged.
     """
     own = {key: list(value) if isinstance(value, list) else value for key, value in kwargs.items()}
+    args, named = bound_arguments(reward, prompts, responses, own)
+    name = reward_name(reward)
+    if sandboxed(reward, sandbox):
+        named = {key: value for key, value in named.items() if key not in IN_PROCESS_ARGUMENTS}
+        if "trainer_state" in named:  # read by attribute, as TRL's: a namespace crosses without
+            named["trainer_state"] = SimpleNamespace(**vars(named["trainer_state"]))  # torch's import
+        try:
+            return sandbox.call(reward, args, named, timeout, f"reward {name!r}")
+        except SandboxTimeout as err:
+            raise RewardTimeout(f"{err} on {len(responses)} responses (reward_timeout)") from None
 
     def call() -> Any:
-        if takes_completions(reward):  # TRL's convention: everything by keyword
-            completions = completion_messages(prompts, responses, own.get("completions"))
-            trl = {**trl_kwargs(own), "prompts": list(prompts), "completions": completions}
-            return reward(**accepted_kwargs(reward, trl))
-        return reward(list(prompts), list(responses), **accepted_kwargs(reward, own))
-
-    name = reward_name(reward)
+        return awaited(reward(*args, **named))
 
     def watched() -> Any:
         if timeout is None:
@@ -200,6 +224,17 @@ def invoke_reward(
             "reward that cannot score raises an Exception instead (model.on_reward_error decides "
             "what then happens)"
         ) from err.__cause__
+
+
+def bound_arguments(
+    reward: RewardFn, prompts: list[str], responses: list[str], own: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
+    """The positional and keyword arguments ``reward`` is called with, by its convention."""
+    if takes_completions(reward):  # TRL's convention: everything by keyword
+        completions = completion_messages(prompts, responses, own.get("completions"))
+        trl = {**trl_kwargs(own), "prompts": list(prompts), "completions": completions}
+        return (), accepted_kwargs(reward, trl)
+    return (list(prompts), list(responses)), accepted_kwargs(reward, own)
 
 
 def _call_watched(call: Callable[[], Any], name: str, slow_after: float) -> Any:

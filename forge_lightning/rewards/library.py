@@ -31,12 +31,12 @@ from forge_lightning.rewards.calls import (
     checked_scores,
     completion_messages,
     invoke_reward,
-    refuse_async,
     reward_name,
 )
 from forge_lightning.rewards.extras import NOT_GIVEN, argument_advice
 from forge_lightning.rewards.reward_model import PolicyContext, RewardModel
 from forge_lightning.rewards.setting import CALLABLE_REWARD, refuse_strings
+from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.specs import Spec, from_spec, is_spec, to_spec
 from forge_lightning.run.user_code import accepted_kwargs, takes_completions, trl_kwargs
 
@@ -64,7 +64,6 @@ __all__ = [
     "component_names",
     "load_reward",
     "missing_arguments",
-    "refuse_async",
     "require_arguments",
     "reward_name",
     "reward_parts",
@@ -90,12 +89,13 @@ def call_reward(
     responses: list[str],
     kwargs: dict[str, Any],
     timeout: float | None = None,
+    sandbox: Sandbox | None = None,
 ) -> Any:
     """Call ``reward`` by its convention, with its own copies of the lists, within ``timeout``
-    seconds if given, else warned about once past :data:`SLOW_REWARD_SECONDS`
-    (:func:`~forge_lightning.rewards.calls.invoke_reward` says how)."""
+    seconds if given, else warned about once past :data:`SLOW_REWARD_SECONDS`; in ``sandbox``'s
+    workers where given (:func:`~forge_lightning.rewards.calls.invoke_reward` says how)."""
     # Read at each call, so that the threshold can be tuned here, where users import it from.
-    return invoke_reward(reward, prompts, responses, kwargs, timeout, SLOW_REWARD_SECONDS)
+    return invoke_reward(reward, prompts, responses, kwargs, timeout, SLOW_REWARD_SECONDS, sandbox)
 
 
 def _require_references(
@@ -256,7 +256,6 @@ class CompositeReward(BaseReward):
                 raise ValueError(
                     f"CompositeReward entries are (reward, weight[, name]) tuples, got {entry!r}"
                 )
-            refuse_async(entry[0], entry[2] if len(entry) == 3 else None)
         weights = [float(entry[1]) for entry in rewards_and_weights]
         if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(f"CompositeReward weights must be finite, >= 0 and sum to > 0, got {weights}")
@@ -324,8 +323,6 @@ def require_arguments(reward: RewardFn, available: set[str], role: str = "reward
     gives (``available``: extras.reward_arguments) and how to give them; run before any
     generation, so a mismatch costs nothing. A component that may take an argument the module
     never gives (TRL's log_extra) is warned about."""
-    for part in reward_parts(reward):  # an accuracy check comes here without as_reward
-        refuse_async(part)
     missing = missing_arguments(reward, available)
     if missing:
         what = "; ".join(f"{name!r} needs {', '.join(keys)}" for name, keys in missing.items())
@@ -385,7 +382,6 @@ def as_reward(reward: RewardFn | Sequence[RewardFn | tuple]) -> RewardFn:
             f"reward must be a callable (prompts, responses, **kwargs) -> scores, or a list of them; got "
             f"{type(reward).__name__} {reward!r}"
         )
-    refuse_async(reward)
     return reward
 
 

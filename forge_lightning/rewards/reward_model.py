@@ -73,6 +73,8 @@ class RewardModel(BaseReward):
             batch (population std), applied after scoring (rewards/scoring.py), outside the call; None: raw.
     """
 
+    in_process = True  # its model stays in the trainer's process under sandbox: process
+
     def __init__(
         self,
         model: str | PreTrainedModel,

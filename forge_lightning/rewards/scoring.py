@@ -1,12 +1,15 @@
-"""Scoring a batch: the one place responses are turned into checked scores, per component.
+"""Scoring a batch: the one place responses are turned into checked scores, per component; the
+components that may run at once (``async def`` rewards, and every sandboxed one) do.
 
 A reward may report samples it could not score without raising (a judge's unreadable reply):
 ``RewardOutput.metadata[UNSCORED]``, ``{index: why}``; each counts as that sample's error."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -14,6 +17,7 @@ import torch
 from torch import Tensor
 
 from forge_lightning.grpo import group_advantages
+from forge_lightning.rewards.calls import sandboxed
 from forge_lightning.rewards.library import (
     CompositeReward,
     RewardFn,
@@ -25,6 +29,8 @@ from forge_lightning.rewards.library import (
 )
 from forge_lightning.rewards.reward_model import batch_zscore
 from forge_lightning.rollout.types import Rollout
+from forge_lightning.run.sandbox import Sandbox
+from forge_lightning.run.user_code import is_async
 
 # The RewardOutput.metadata key of the samples a reward could not score ({index: why}).
 UNSCORED = "unscored"
@@ -56,6 +62,7 @@ def score(
     on_error: Literal["raise", "zero"] = "raise",
     *,
     reward_timeout: float | None = None,
+    sandbox: Sandbox | None = None,
     **kwargs: Any,
 ) -> ScoredRewards:
     """Score a batch with ``reward`` and check the result; the entry point the training loop uses.
@@ -71,6 +78,11 @@ def score(
     whole batch: an error naming the reward, or under ``on_error="zero"`` every sample of the
     batch scores 0.0 and counts as an error.
 
+    With a ``sandbox`` each reward but those that stay in process runs in its workers
+    (rewards/calls.py's ``sandboxed``). A CompositeReward's ``async def`` components are awaited
+    at once, and with a sandbox its sandboxed components run at once too (as many as it has
+    workers); the others run one after another, and the scores come back in the components' order.
+
     Raises:
         ValueError: bad ``on_error``, mismatched lengths, or a reward output that is not one finite
             number per response.
@@ -80,12 +92,14 @@ def score(
     if len(prompts) != len(responses):
         raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses")
     if isinstance(reward, CompositeReward):
-        parts = {
-            name: _score_one(
-                part, name, prompts, responses, kwargs, on_error, reward_timeout, allow_none=True
+        calls = {
+            name: functools.partial(
+                _score_one, part, name, prompts, responses, kwargs, on_error, reward_timeout, True, sandbox
             )
             for name, part in zip(reward.names, reward.rewards)
         }
+        at_once = [name for name, part in zip(reward.names, reward.rewards) if _at_once(part, sandbox)]
+        parts = _run_calls(calls, at_once)
         components = {
             name: _normalized(part, scores)
             for part, (name, (scores, _)) in zip(reward.rewards, parts.items())
@@ -93,9 +107,42 @@ def score(
         failed = set().union(*(failures for _, failures in parts.values()))
         return ScoredRewards(reward.combine(components), components, len(failed))
     name = reward_name(reward)
-    scores, failures = _score_one(reward, name, prompts, responses, kwargs, on_error, reward_timeout)
+    scores, failures = _score_one(
+        reward, name, prompts, responses, kwargs, on_error, reward_timeout, sandbox=sandbox
+    )
     scores = _normalized(reward, scores)
     return ScoredRewards(scores, {name: list(scores)}, len(failures))
+
+
+def _at_once(reward: RewardFn, sandbox: Sandbox | None) -> bool:
+    """Whether a component may run while others do: it is ``async def`` (it awaits), or it runs
+    in the sandbox (a process of its own). Plain rewards in the trainer's threads run one by one,
+    as a reward that is not thread-safe expects."""
+    return is_async(reward) or sandboxed(reward, sandbox)
+
+
+def _run_calls(calls: dict[str, Callable[[], Any]], at_once: list[str]) -> dict[str, Any]:
+    """Each call's value by name, in ``calls``' order: those named in ``at_once`` in threads of
+    their own meanwhile the others run here one by one. The first error in that order is raised,
+    once every call has ended."""
+    if len(at_once) < 2:
+        return {name: call() for name, call in calls.items()}
+    outcomes: dict[str, Any] = {}
+    with ThreadPoolExecutor(len(at_once), thread_name_prefix="reward") as threads:
+        futures = {name: threads.submit(calls[name]) for name in at_once}
+        for name, call in calls.items():
+            if name not in futures:
+                try:
+                    outcomes[name] = (call(), None)
+                except BaseException as err:  # raised below, in the components' order
+                    outcomes[name] = (None, err)
+        for name, future in futures.items():
+            error = future.exception()
+            outcomes[name] = (None if error else future.result(), error)
+    for name in calls:
+        if outcomes[name][1] is not None:
+            raise outcomes[name][1]
+    return {name: outcomes[name][0] for name in calls}
 
 
 def _normalized(reward: RewardFn, scores: list[float]) -> list[float]:
@@ -114,10 +161,11 @@ def _score_one(
     on_error: str,
     timeout: float | None = None,
     allow_none: bool = False,
+    sandbox: Sandbox | None = None,
 ) -> tuple[list[float], list[int]]:
     """Checked scores of one reward and the indices of the samples that raised (only with "zero")."""
     try:
-        output = call_reward(reward, prompts, responses, kwargs, timeout)
+        output = call_reward(reward, prompts, responses, kwargs, timeout, sandbox)
     except RewardTimeout as err:
         if on_error == "raise":
             raise RuntimeError(f"{err} (model.on_reward_error: zero scores such a batch 0)") from err
@@ -133,8 +181,9 @@ def _score_one(
     for i in range(size):
         try:
             output = call_reward(
-                reward, prompts[i : i + 1], responses[i : i + 1], _sample_kwargs(kwargs, i, size), timeout
-            )
+                reward, prompts[i : i + 1], responses[i : i + 1], _sample_kwargs(kwargs, i, size), timeout,
+                sandbox,
+            )  # fmt: skip
             if isinstance(output, RewardOutput) and output.metadata.get(UNSCORED):
                 raise ValueError(next(iter(output.metadata[UNSCORED].values())))
         except Exception as err:
@@ -197,11 +246,12 @@ def score_groups(
     on_error: Literal["raise", "zero"] = "raise",
     reward_timeout: float | None = None,
     extras: dict[str, Any] | None = None,
+    sandbox: Sandbox | None = None,
 ) -> tuple[Tensor, dict[str, Tensor], int]:
     """Score a rollout's G completions per prompt, each seeing its prompt's batch values and its
     own facts (:meth:`Rollout.facts`: ``completion_ids``, ``completion_lengths``, ``truncated``),
     and ``extras``, given whole to every call (TRL's trainer_state and log_metric:
-    extras.RewardExtras.arguments).
+    extras.RewardExtras.arguments); ``sandbox``: where the rewards run (:func:`score`).
 
     Returns the total rewards ``(P*G,)``, each component's ``(P*G,)`` (on the rollout's device)
     and the number of samples whose reward raised (scored 0 under ``on_error="zero"``).
@@ -216,6 +266,7 @@ def score_groups(
         rollout.completions,
         on_error=on_error,
         reward_timeout=reward_timeout,
+        sandbox=sandbox,
         **repeated,
     )
 

@@ -5,9 +5,11 @@ failure, one that a signal raised stops the run."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from forge_lightning.run.preemption import raised_by_signal, signals_marked
@@ -54,6 +56,24 @@ def is_async(fn: Any) -> bool:
     call = fn if inspect.isroutine(fn) else getattr(type(fn), "__call__", None)
     call = inspect.unwrap(call) if call is not None else None
     return inspect.iscoroutinefunction(call) or inspect.isasyncgenfunction(call)
+
+
+def awaited(value: Any) -> Any:
+    """``value``, or where it is awaitable (what an ``async def`` reward returns) what it gives,
+    run to the end in an event loop of its own: this thread's, or where this thread runs a loop
+    already (a notebook's), a new thread's."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait() -> Any:
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, wait()).result()
 
 
 def close_unawaited(value: Any) -> bool:

@@ -89,6 +89,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
         ),
         f"None or a dict of the template's variables by name, none of {sorted(_SET_BY_US)}",
     ),
+    "sandbox": (lambda v: v in ("thread", "process"), "'thread' or 'process'"),
+    "sandbox_memory_mb": (lambda v: isinstance(v, int) and v >= 64, "an integer >= 64 (MiB)"),
+    "sandbox_cpu_seconds": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "sandbox_workers": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "val_num_generations": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "val_temperature": (lambda v: v > 0, "> 0"),
     "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -166,6 +170,11 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
         )
     if _tool_mode(values) is not None:
         _check_tools(values)
+    if values.get("sandbox") == "process" and values.get("environment_factory") is not None:
+        raise ValueError(
+            "sandbox='process' does not run an environment_factory's environments yet (an episode's "
+            "state would need a worker of its own): use function tools, or sandbox='thread'"
+        )
     if values.get("use_engine_logprobs"):
         _check_engine_logprobs(values)
     if values.get("rollout_correction") is not None:

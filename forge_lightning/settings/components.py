@@ -23,14 +23,17 @@ from forge_lightning.models.lora import LoraSettings, lora_settings
 from forge_lightning.models.policy import training_policy
 from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.reporting.reporter import StepReporter
+from forge_lightning.rewards.calls import refuse_outside_sandbox, sandboxed
 from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rewards.library import (
+    CompositeReward,
     GSM8KAnswerReward,
     RewardArgument,
     RewardFn,
     as_reward,
     component_names,
     load_reward,
+    reward_name,
     reward_spec,
 )
 from forge_lightning.rollout.engines.base import SamplingParams
@@ -43,11 +46,14 @@ from forge_lightning.rollout.tools.base import ToolProtocol
 from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
 from forge_lightning.rollout.tools.functions import FunctionTools
 from forge_lightning.rollout.tools.stored import StoredTools
+from forge_lightning.run.sandbox import Sandbox, SandboxLimits
 from forge_lightning.settings.groups import (
     GRPOSettings,
     OptimizerSettings,
     PromptSettings,
+    RewardSettings,
     SamplingSettings,
+    SandboxSettings,
     ToolSettings,
     ValidationSettings,
 )
@@ -97,6 +103,7 @@ class Components:
 
     reward: RewardFn  # the one given, an environment's score, or GSM8K's answer check
     accuracy: RewardFn  # validation's correctness check
+    sandbox: Sandbox | None  # where rewards and tools run: None (this process's threads) or workers
     step: TrainingStep  # what one training batch does
     evaluator: Evaluator  # what one validation batch does
     sampling: SamplingParams  # training's
@@ -123,6 +130,8 @@ def build_components(
     scored = stored.reward_object is None and tools.scored
     reward = EnvironmentReward() if scored else stored.reward_fn
     accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
+    rewards = {"reward": reward, "accuracy check": accuracy}
+    sandbox = user_code_sandbox(settings.sandbox, rewards, tools.functions)
     reward_names = component_names(reward)
     tool_names = ["calculator"] if settings.tools.calculator is not None else tools.names
     s, loss = settings.sampling, settings.loss
@@ -155,12 +164,13 @@ def build_components(
     optimizer = settings.optimizer
     stepper = OptimizerStep(optimizer.max_grad_norm, optimizer.max_consecutive_bad_steps)
     step = TrainingStep(
-        step_settings(settings), reward, passes, plan, stepper, reporter, train_metrics, source
+        step_settings(settings), reward, passes, plan, stepper, reporter, train_metrics, source, sandbox
     )
     sampled = sampled_evaluation(settings.validation, settings.sampling, answer_key)
-    evaluator = Evaluator(reward, accuracy, greedy, sampled, settings.rewards, val_metrics)
+    calls = reward_calls(settings.rewards, sandbox)
+    evaluator = Evaluator(reward, accuracy, greedy, sampled, calls, val_metrics)
     return Components(
-        reward, accuracy, step, evaluator, sampling, greedy, scorer, source, plan,
+        reward, accuracy, sandbox, step, evaluator, sampling, greedy, scorer, source, plan,
         train_metrics, val_metrics, reporter,
     )  # fmt: skip
 
@@ -257,11 +267,56 @@ def prompt_format(
     )
 
 
+@dataclass(frozen=True)
+class RewardCalls:
+    """What scoring reads (evaluation's ``settings``): what a reward error does, a call's time
+    limit, and the sandbox the rewards run in (None: the trainer's threads)."""
+
+    on_reward_error: str
+    reward_timeout: float | None
+    sandbox: Sandbox | None
+
+
+def reward_calls(rewards: RewardSettings, sandbox: Sandbox | None) -> RewardCalls:
+    return RewardCalls(rewards.on_reward_error, rewards.reward_timeout, sandbox)
+
+
+def user_code_sandbox(
+    settings: SandboxSettings, rewards: dict[str, RewardFn], tools: list[Any]
+) -> Sandbox | None:
+    """The sandbox the rewards (by role: ``reward``, ``accuracy check``) and the function
+    ``tools`` run in under ``sandbox: process``, checked now: a machine that cannot isolate, a
+    reward or tool that cannot cross into a worker, is refused by name before any model is
+    loaded. None under ``sandbox: thread``."""
+    if settings.sandbox != "process":
+        return None
+    limits = SandboxLimits(memory_mb=settings.sandbox_memory_mb, cpu_seconds=settings.sandbox_cpu_seconds)
+    sandbox = Sandbox(settings.sandbox_workers, limits)
+    functions: dict[str, Any] = {}
+    for role, reward in rewards.items():
+        parts = (
+            zip(reward.names, reward.rewards)
+            if isinstance(reward, CompositeReward)
+            else [(reward_name(reward), reward)]
+        )
+        for name, part in parts:
+            if sandboxed(part, sandbox):
+                refuse_outside_sandbox(part, f"{role} {name!r}")
+                functions[f"{role} {name!r}"] = part
+    functions.update({f"tool {getattr(fn, '__name__', fn)!r}": fn for fn in tools})
+    sandbox.prepare(functions)
+    return sandbox
+
+
 def with_tools(
-    sampler: RolloutSampler, tools: ToolSettings, system_prompt: str | None, stored: StoredTools
+    sampler: RolloutSampler,
+    tools: ToolSettings,
+    system_prompt: str | None,
+    stored: StoredTools,
+    sandbox: Sandbox | None = None,
 ) -> RolloutSampler | ToolRolloutSampler:
     """The module's episode runner: ``sampler``, or the tools its settings name around it (the
-    calculator, or ``stored``'s functions and environment)."""
+    calculator, or ``stored``'s functions and environment, called in ``sandbox`` where given)."""
     if tools.calculator is not None:
         calls: ToolProtocol = CalculatorTools(InlineCalculator(tools.calculator), sampler.tokenizer)
     elif stored.functions or stored.factory is not None:
@@ -275,6 +330,7 @@ def with_tools(
             tools.max_tool_result_chars,
             tools.max_parallel_tool_calls,
             sampler.prompts.chat_template_kwargs,
+            sandbox,
         )
     else:
         return sampler
@@ -309,6 +365,7 @@ def prepare_rollouts(
     tools: StoredTools,
     use_chat_template: bool,
     scoring_temperature: float,
+    sandbox: Sandbox | None,
 ) -> None:
     """The rollout source's engine and episode runner for ``model``: its prompts encoded as the
     prompt settings say, its completions ending at the model's EOS tokens, its tools if any."""
@@ -317,5 +374,5 @@ def prepare_rollouts(
     system_prompt = settings.prompts.system_prompt
     source.prepare(
         tokenizer, model, eos, prompts, scoring_temperature,
-        lambda sampler: with_tools(sampler, settings.tools, system_prompt, tools),
+        lambda sampler: with_tools(sampler, settings.tools, system_prompt, tools, sandbox),
     )  # fmt: skip

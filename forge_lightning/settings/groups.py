@@ -225,7 +225,7 @@ class RewardSettings(_Group):
     """``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it."""
     reward_timeout: float | None = None
     """seconds a reward call may take; a longer one is abandoned and its batch fails as under
-    ``on_reward_error``; None waits for ever."""
+    ``on_reward_error``; None waits for ever (under ``sandbox: process``, 60 s)."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,24 @@ class ToolSettings(_Group):
     """the tool calls that run at once: the calls of every row that waits for a tool, and every
     call of one turn, run concurrently up to this many (an ``async def`` tool is awaited), each
     under ``tool_timeout``; the answers keep the order the calls were written."""
+
+
+@dataclass(frozen=True)
+class SandboxSettings(_Group):
+    """Where rewards and tools run (run/sandbox.py)."""
+
+    sandbox: Literal["thread", "process"] = "thread"
+    """``thread``: in the trainer's process (a timeout abandons the call's thread, which runs on);
+    ``process``: each call in a pool of sandboxed worker processes (no network, reads only Python
+    and ``sys.path``, writes only a scratch folder, the limits below), killed with everything it
+    started past ``reward_timeout``/``tool_timeout`` (60 s where None); refused at the start where
+    the machine cannot isolate. A RewardModel stays in the trainer's process."""
+    sandbox_memory_mb: int = 2048
+    """``process``: the address space a call may add to its worker's, in MiB."""
+    sandbox_cpu_seconds: int = 60
+    """``process``: the CPU seconds of one call."""
+    sandbox_workers: int = 2
+    """``process``: worker processes, so calls that may run at once."""
 
 
 @dataclass(frozen=True)
@@ -289,6 +307,7 @@ GROUPS: dict[str, type[_Group]] = {
     "memory": MemorySettings,
     "rewards": RewardSettings,
     "tools": ToolSettings,
+    "sandbox": SandboxSettings,
     "validation": ValidationSettings,
 }
 
@@ -322,6 +341,7 @@ class GRPOSettings:
     memory: MemorySettings
     rewards: RewardSettings
     tools: ToolSettings
+    sandbox: SandboxSettings
     validation: ValidationSettings
 
     @classmethod

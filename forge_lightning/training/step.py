@@ -24,6 +24,7 @@ from forge_lightning.rewards.scoring import batch_advantages, score_groups
 from forge_lightning.rollout.sources import RolloutSource, TrainingBatch
 from forge_lightning.rollout.types import warn_when_few_tokens_count
 from forge_lightning.run.preemption import sigterm_interrupts
+from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.training.context import StepContext
 from forge_lightning.training.loss_passes import LossPasses, ReferenceSource
 from forge_lightning.training.optim import OptimizerStep
@@ -55,6 +56,7 @@ class TrainingStep:
         metrics: the running training metrics the reporter reads.
         rollouts: the rollout source, told when the weights changed (the async worker samples
             with the new ones).
+        sandbox: the worker processes the rewards run in (``sandbox: process``); None: this process.
     """
 
     def __init__(
@@ -67,8 +69,9 @@ class TrainingStep:
         reporter: StepReporter,
         metrics: RunningMetrics,
         rollouts: RolloutSource,
+        sandbox: Sandbox | None = None,
     ) -> None:
-        self.settings, self.reward = settings, reward
+        self.settings, self.reward, self.sandbox = settings, reward, sandbox
         self.loss_passes, self.plan, self.optimizer_step = loss_passes, plan, optimizer_step
         self.reporter, self.metrics, self.rollouts = reporter, metrics, rollouts
 
@@ -88,7 +91,7 @@ class TrainingStep:
         with profile("reward"), sigterm_interrupts():
             rewards, components, errors = score_groups(
                 self.reward, item.prompts, rollout, item.batch_kwargs, s.on_reward_error, s.reward_timeout,
-                extras.arguments(),
+                extras.arguments(), self.sandbox,
             )  # fmt: skip
         self.metrics.add_logged(extras.logged(), "train")  # TRL's log_metric
         advantages = batch_advantages(  # (P*G,)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
@@ -519,37 +520,50 @@ async def async_reward(prompts, responses):
 
 class AsyncCallReward(BaseReward):
     async def __call__(self, prompts, responses, **kwargs):
-        return [1.0] * len(responses)
+        return [0.5] * len(responses)
+
+
+def hands_back_a_coroutine(prompts, responses):
+    return async_reward(prompts, responses)
 
 
 @pytest.mark.parametrize(
-    "reward, name",
-    [(async_reward, "async_reward"), (AsyncCallReward(), "AsyncCallReward")],
-    ids=["async def", "async __call__"],
+    "reward, value",
+    [(async_reward, 1.0), (AsyncCallReward(), 0.5), (hands_back_a_coroutine, 1.0)],
+    ids=["async def", "async __call__", "returns a coroutine"],
 )
-def test_an_async_reward_is_refused_by_name_when_the_module_is_built(reward, name, module) -> None:
-    from forge_lightning.rewards.library import as_reward, require_arguments
-
-    pattern = rf"async rewards are not supported yet: reward '{name}'"
-    for given in (reward, [has_digit, reward]):
-        with pytest.raises(TypeError, match=pattern):
-            as_reward(given)
-    with pytest.raises(TypeError, match=pattern):
-        CompositeReward([(has_digit, 1.0), (reward, 1.0)])
-    with pytest.raises(TypeError, match=pattern):  # the accuracy check's, before any generation
-        require_arguments(reward, {"references"}, role="accuracy check")
-    with pytest.raises(TypeError, match=pattern):
-        module(reward=reward)
-
-
-def test_a_coroutine_a_reward_returns_never_becomes_a_score() -> None:
-    def hands_back_a_coroutine(prompts, responses):
-        return async_reward(prompts, responses)
-
+def test_an_async_reward_is_awaited(reward, value) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "coroutine was never awaited"
-        with pytest.raises(ValueError, match=r"'hands_back_a_coroutine' returned a coroutine, not scores"):
-            score(hands_back_a_coroutine, ["p"], ["r"])
+        assert score(reward, ["p", "q"], ["r", "s"]).total == [value, value]
+        assert score(reward, ["p"], ["r"], reward_timeout=5.0).total == [value]
+        composite = CompositeReward([(has_digit, 1.0, "digit"), (reward, 1.0, "async")])
+        assert score(composite, ["p"], ["1"]).components == {"digit": [1.0], "async": [value]}
+
+
+def sleeper(seconds: float, value: float):
+    async def sleeps(prompts, responses):
+        await asyncio.sleep(seconds)
+        return [value] * len(responses)
+
+    return sleeps
+
+
+def test_async_rewards_are_awaited_at_once_and_their_scores_come_back_in_order() -> None:
+    rewards = [(sleeper(0.4, float(k)), 1.0, f"r{k}") for k in range(4)]
+    start = time.perf_counter()
+    scored = score(CompositeReward(rewards), ["p"], ["a"], reward_timeout=5.0)
+    wall = time.perf_counter() - start
+    assert scored.components == {f"r{k}": [float(k)] for k in range(4)}
+    assert wall < 1.0, f"4 rewards of 0.4 s each took {wall:.2f}s: not at once (sum 1.6 s)"
+
+
+def test_an_async_reward_past_its_timeout_fails_alone_while_the_others_score() -> None:
+    rewards = [(sleeper(2.0, 1.0), 1.0, "slow"), (sleeper(0.0, 2.0), 1.0, "quick")]
+    with pytest.warns(UserWarning, match="took longer than reward_timeout=0.3s"):
+        scored = score(CompositeReward(rewards), ["p"], ["a"], "zero", reward_timeout=0.3)
+    assert scored.components == {"slow": [0.0], "quick": [2.0]}
+    assert scored.num_errors == 1
 
 
 def wants_tool_calls(prompts, responses, tool_calls):

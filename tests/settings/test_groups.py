@@ -83,6 +83,9 @@ def test_the_groups_and_the_loss_hold_every_setting_of_the_module_once_with_its_
 
 # Settings off their defaults in every group, which validate_hparams takes together.
 CHANGED = dict(
+    sandbox_memory_mb=1024,
+    sandbox_cpu_seconds=30,
+    sandbox_workers=3,
     max_new_tokens=8,
     temperature=0.7,
     top_p=0.95,

@@ -16,6 +16,7 @@ from typing import Any, TypeAlias, TypeVar
 from transformers.utils import get_json_schema
 
 from forge_lightning.rollout.tools.parsers import ParsedCall
+from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.user_code import UserCodeExit, call_user_code, close_unawaited
 
 T = TypeVar("T")
@@ -42,22 +43,32 @@ def tool_schema(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
 
 @dataclass
 class Job:
-    """A call ready to run: the tool, its arguments (checked against its signature), its name, and
-    the environment it is a method of (None for a function), whose calls run one at a time."""
+    """A call ready to run: the tool, its arguments (checked against its signature), its name, the
+    environment it is a method of (None for a function), whose calls run one at a time, and the
+    sandbox a function tool runs in (run/sandbox.py; None: this process) with its time limit."""
 
     fn: Callable[..., Any]
     arguments: dict[str, Any]
     name: str
     owner: Any = None
+    sandbox: Sandbox | None = None
+    timeout: float | None = None
 
 
 # A call's answer: its text, whether it succeeded, whether the text was cut.
 Outcome: TypeAlias = tuple[str, bool, bool]
 
 
-def check_call(parsed: ParsedCall | str, functions: dict[str, Callable[..., Any]]) -> Job | Outcome:
+def check_call(
+    parsed: ParsedCall | str,
+    functions: dict[str, Callable[..., Any]],
+    sandbox: Sandbox | None = None,
+    timeout: float | None = None,
+) -> Job | Outcome:
     """The :class:`Job` of a parsed call, or the error the model reads where the call cannot run
-    (the parser's message, an unknown tool, arguments that do not fit its signature)."""
+    (the parser's message, an unknown tool, arguments that do not fit its signature). A function
+    tool runs in ``sandbox`` where given, killed there past ``timeout``; an environment's method
+    in this process (``sandbox: process`` refuses environments)."""
     if isinstance(parsed, str):
         return f"error: {parsed}", False, False
     name, fn = parsed.name, functions.get(parsed.name)
@@ -67,7 +78,8 @@ def check_call(parsed: ParsedCall | str, functions: dict[str, Callable[..., Any]
         inspect.signature(fn).bind(**parsed.arguments)
     except TypeError as err:
         return f"error: wrong arguments for {name}: {err}", False, False
-    return Job(fn, parsed.arguments, name, fn.__self__ if inspect.ismethod(fn) else None)
+    owner = fn.__self__ if inspect.ismethod(fn) else None
+    return Job(fn, parsed.arguments, name, owner, sandbox if owner is None else None, timeout)
 
 
 def called(job: Job, max_chars: int) -> tuple[str, bool] | Awaitable[Any]:
@@ -75,7 +87,11 @@ def called(job: Job, max_chars: int) -> tuple[str, bool] | Awaitable[Any]:
     reads, cut to ``max_chars`` (whether it was cut too): the JSON of a huge or pathological value
     (circular, a raising ``__str__``) is the tool's own failure, within its time limit. What runs
     this elsewhere (another process) hands back text already cut. An ``async def`` tool's
-    awaitable comes back as it is, for :func:`invoke` to await."""
+    awaitable comes back as it is, for :func:`invoke` to await. A sandboxed tool runs in a worker
+    process (which awaits an async one), killed with all it started past the job's timeout."""
+    if job.sandbox is not None:
+        value = job.sandbox.call(job.fn, (), job.arguments, job.timeout, f"tool {job.name!r}")
+        return result_text(value, max_chars)
     value = job.fn(**job.arguments)
     return value if inspect.isawaitable(value) else result_text(value, max_chars)
 

@@ -50,6 +50,7 @@ from forge_lightning.rollout.tools.environments import (
 from forge_lightning.rollout.tools.parsers import CallFormat, ParsedCall, format_named
 from forge_lightning.rollout.tools.stored import tool_names
 from forge_lightning.rollout.types import Prompt, left_pad
+from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.user_code import accepted_kwargs, trl_kwargs
 
 # The system message's text where the chat template does not render ``tools`` ({tools}: one JSON
@@ -89,6 +90,7 @@ class FunctionTools:
             (:data:`CUT_MARK`) and counted (``tool_results_cut``).
         max_parallel: the calls (of all rows, and of one turn) that run at once.
         chat_template_kwargs: passed to every rendering of the chat template.
+        sandbox: where the function tools run (run/sandbox.py); None: in this process.
     """
 
     calls_before_eos = True
@@ -104,6 +106,7 @@ class FunctionTools:
         max_result_chars: int = MAX_RESULT_CHARS,
         max_parallel: int = MAX_PARALLEL_CALLS,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        sandbox: Sandbox | None = None,
     ) -> None:
         if not tools and not environment_factory:
             raise ValueError("FunctionTools needs tools or an environment_factory")
@@ -111,7 +114,7 @@ class FunctionTools:
             raise ValueError(f"max_tool_result_chars must be an integer >= 1, got {max_result_chars}")
         self.tokenizer, self.timeout, self.system_prompt = tokenizer, timeout, system_prompt
         self.tools, self.factories = list(tools or []), factories_by_name(environment_factory)
-        self.max_result_chars = max_result_chars
+        self.max_result_chars, self.sandbox = max_result_chars, sandbox
         self.template_kwargs = dict(chat_template_kwargs or {})
         self.calls = CallLoop(max_parallel, timeout, max_result_chars)
         refuse_async(list(self.factories.values()), None)
@@ -212,10 +215,13 @@ class FunctionTools:
         """Each call of the turn ``text``, and its job, or its answer where it does not run."""
         room = None if episode.max_calls is None else episode.max_calls - episode.calls
         refused = f"error: not run: a completion makes at most {episode.max_calls} calls", False, False
+        functions = episode.context.functions
         return [
             (
                 parsed,
-                refused if room is not None and k >= room else check_call(parsed, episode.context.functions),
+                refused
+                if room is not None and k >= room
+                else check_call(parsed, functions, self.sandbox, self.timeout),
             )
             for k, parsed in enumerate(self.format.parse(text))
         ]

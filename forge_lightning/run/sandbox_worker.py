@@ -1,0 +1,268 @@
+"""The sandbox's worker process (run/sandbox.py starts it): a fresh interpreter in its own user,
+pid, network, mount and IPC namespaces, restricted by Landlock to reading the Python installation,
+``sys.path`` and the system's folders and to writing its scratch folder. It runs each call in a
+forked child under the call's resource limits, answers with the child's result (or how the child
+died), then kills every other process in its pid namespace and empties the scratch folder, so that
+nothing a call started outlives it and no call sees another's files.
+
+Messages are pickled frames on two pipes: the trainer's ``(function, args, kwargs)`` in, the
+answer ``(kind, value)`` out: ``ok`` and the result, ``raised`` and the exception, ``failed`` and
+a sentence (an exit, a signal, a result that cannot be pickled). A third pipe, which only the
+trainer writes, is the lifeline: when it closes (the trainer died) the worker exits, and with it
+(the pid namespace's first process) every process it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import pickle
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from forge_lightning.run.landlock import restrict
+
+# Folders every Python process needs to read (its libraries, the system's configuration).
+SYSTEM_FOLDERS = ("/usr", "/lib", "/lib64", "/bin", "/etc", "/proc", "/sys", "/dev")
+# Files a sandboxed process may write besides its scratch folder.
+DEVICE_FILES = ("/dev/null", "/dev/zero", "/dev/urandom")
+POLL_SECONDS = 0.05
+# The environment variable that marks a sandbox worker (run/sandbox.py sets it).
+WORKER_MARK = "FORGE_SANDBOX_WORKER"
+
+
+def serve() -> None:
+    """The worker's loop: ``sys.argv`` holds the fds of the task, answer and lifeline pipes, the
+    scratch folder and the limits as JSON (SandboxLimits' fields)."""
+    task_fd, answer_fd, lifeline_fd = (int(value) for value in sys.argv[1:4])
+    scratch, limits = sys.argv[4], json.loads(sys.argv[5])
+    os.chdir(scratch)
+    restrict(readable_paths(), [scratch], DEVICE_FILES)
+    for kind, value in (
+        (resource.RLIMIT_NOFILE, limits["open_files"]),
+        (resource.RLIMIT_FSIZE, limits["file_size_mb"] << 20),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_NPROC, limits["processes"]),  # binds a user that is not root (sandbox.py)
+    ):
+        resource.setrlimit(kind, (value, value))
+    tasks = Connection(task_fd, writable=False)
+    answers = Connection(answer_fd, readable=False)
+    while True:
+        ready, _, _ = select.select([task_fd, lifeline_fd], [], [])
+        if lifeline_fd in ready:
+            os._exit(0)  # the trainer is gone (or closed the pool)
+        try:
+            frame = tasks.recv_bytes()
+        except EOFError:
+            os._exit(0)
+        answers.send_bytes(_answer(frame, scratch, limits, lifeline_fd))
+
+
+def readable_paths() -> list[str]:
+    """What the worker may read: the interpreter and its installation, ``sys.path`` (the user's
+    modules among them) and :data:`SYSTEM_FOLDERS`."""
+    executable = os.path.realpath(sys.executable)
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(executable), *SYSTEM_FOLDERS}
+    paths.update(os.path.abspath(entry or os.curdir) for entry in sys.path)
+    return sorted(os.path.realpath(path) for path in paths)
+
+
+def _answer(frame: bytes, scratch: str, limits: dict[str, Any], lifeline_fd: int) -> bytes:
+    """One call's answer frame: run in a forked child, which is then killed with whatever it started."""
+    try:
+        fn, args, kwargs = pickle.loads(frame)  # imports the call's modules here, once per worker
+    except BaseException as err:  # a module the worker cannot import, a class that fails to load
+        return _frame("failed", f"could not be unpickled in the sandbox: {err!r}")
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the call's own process
+        os.close(reader)
+        _run_child(fn, args, kwargs, writer, limits)
+    os.close(writer)
+    answer = _collect(pid, Connection(reader, writable=False), lifeline_fd)
+    _sweep(scratch)
+    return answer
+
+
+def _run_child(fn: Any, args: tuple, kwargs: dict[str, Any], writer: int, limits: dict[str, Any]) -> None:
+    """Run the call under its limits and write its answer; never returns."""
+    code = 0
+    try:
+        used = os.sysconf("SC_PAGE_SIZE") * int(open("/proc/self/statm").read().split()[0])
+        memory = used + (limits["memory_mb"] << 20)  # the call's own allowance above the worker's
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        cpu = int(limits["cpu_seconds"])
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
+        answer = _frame("ok", _result(fn(*args, **kwargs)))
+    except (SystemExit, KeyboardInterrupt) as err:
+        answer = _frame("failed", f"raised {err!r} from its own code")
+    except BaseException as err:
+        answer = _raised(err)
+    try:
+        Connection(writer, readable=False).send_bytes(answer)
+    except BaseException:
+        code = 1
+    os._exit(code)
+
+
+def _result(value: Any) -> Any:
+    """A call's value, awaited where it is a coroutine (an ``async def`` reward or tool)."""
+    return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+def _frame(kind: str, value: Any) -> bytes:
+    try:
+        return pickle.dumps((kind, value))
+    except Exception as err:  # a result of a class the trainer could not rebuild either
+        return pickle.dumps(("failed", f"returned {type(value).__name__}, which cannot be pickled ({err})"))
+
+
+def _raised(err: BaseException) -> bytes:
+    """The exception itself where it pickles and unpickles, else a RuntimeError with its text."""
+    try:
+        frame = pickle.dumps(("raised", err))
+        pickle.loads(frame)
+        return frame
+    except Exception:
+        return pickle.dumps(("raised", RuntimeError(f"{type(err).__name__}: {err}")))
+
+
+def _collect(pid: int, conn: Connection, lifeline_fd: int) -> bytes:
+    """The child's answer frame, or a ``failed`` frame saying how it died; ``conn`` is closed."""
+    with conn:
+        return _wait_for(pid, conn, lifeline_fd)
+
+
+def _wait_for(pid: int, conn: Connection, lifeline_fd: int) -> bytes:
+    reader, status = conn.fileno(), None
+    while status is None:
+        ready, _, _ = select.select([reader, lifeline_fd], [], [], POLL_SECONDS)
+        if lifeline_fd in ready:
+            os._exit(0)
+        if reader in ready:
+            try:
+                frame = conn.recv_bytes()
+            except EOFError:
+                frame = None
+            if frame is not None:
+                os.kill(pid, signal.SIGKILL)  # it answered: whatever it does now does not count
+                os.waitpid(pid, 0)
+                return frame
+        done, status = os.waitpid(pid, os.WNOHANG)
+        status = status if done else None
+    _kill_others()  # a descendant may hold the pipe open
+    if conn.poll(0):
+        try:
+            return conn.recv_bytes()
+        except EOFError:
+            pass
+    return _frame("failed", _death(status))
+
+
+def _death(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        name = signal.Signals(number).name
+        why = {
+            "SIGXCPU": " (it used up sandbox_cpu_seconds)",
+            "SIGKILL": " (killed: its CPU time or memory ran out, or it was killed)",
+            "SIGSEGV": " (a segmentation fault)",
+        }.get(name, "")
+        return f"was killed by signal {name}{why}"
+    return f"exited with code {os.WEXITSTATUS(status)} without answering"
+
+
+def _kill_others() -> None:
+    """Kill every process of this pid namespace but the worker (its first), and reap them."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:  # some still dying: they are SIGKILLed, so wait for them
+            pid, _ = os.waitpid(-1, 0)
+
+
+def _sweep(scratch: str) -> None:
+    """After a call: no process it started and no file it wrote is left."""
+    _kill_others()
+    for entry in os.listdir(scratch):
+        path = os.path.join(scratch, entry)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+@dataclass
+class PythonRun:
+    """What a fresh interpreter did with a program: its exit code (negative: the signal that
+    killed it), its output, and whether it ran past its time."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+def run_python(source: str, stdin: str = "", timeout: float = 5.0, memory_mb: int = 512) -> PythonRun:
+    """Run ``source`` (text: data, written to a file and never evaluated here) in a fresh, isolated
+    interpreter (``python -I -S``) started from a sandboxed call, in the call's scratch folder,
+    with ``stdin`` as its input, its address space capped at ``memory_mb`` and its reads narrowed
+    by Landlock to the Python installation and that folder. It is killed with every process it
+    started after ``timeout`` seconds. Only inside a sandbox worker (RuntimeError elsewhere)."""
+    if WORKER_MARK not in os.environ:
+        raise RuntimeError("run_python runs a program only inside a sandbox worker (sandbox: process)")
+    scratch = os.getcwd()
+    path = os.path.join(scratch, "program.py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(source)
+    executable = os.path.realpath(sys.executable)
+    readable = [sys.base_prefix, os.path.dirname(executable), "/usr/lib", "/lib", "/lib64", "/proc"]
+
+    def confine() -> None:  # in the child, before the program's interpreter starts
+        memory = memory_mb << 20
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        restrict(readable, [scratch], DEVICE_FILES)
+
+    process = subprocess.Popen(
+        [executable, "-I", "-S", path],
+        cwd=scratch,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=confine,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    try:
+        out, err = process.communicate(stdin, timeout=timeout)
+        return PythonRun(process.returncode, out, err, False)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        return PythonRun(process.returncode, out, err, True)
