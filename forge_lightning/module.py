@@ -38,6 +38,7 @@ from forge_lightning.rewards.library import (
     require_arguments,
     share_policy_context,
 )
+from forge_lightning.rollout.agents.runner import AgentRunner
 from forge_lightning.rollout.engines.base import GenerationBackend
 from forge_lightning.rollout.engines.hf import eos_token_ids
 from forge_lightning.rollout.sampler import RolloutSampler
@@ -165,6 +166,9 @@ class GRPOLightningModule(pl.LightningModule):
         tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
         max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
             cut before it is rendered, marked as cut and counted (``tool_results_cut``).
+        agent: the import path of ``async def agent(client, row) -> float``, an OpenAI-SDK agent run
+            ``group_size`` times per prompt against the policy's endpoint (rollout/agents/); its
+            return value is the score unless ``reward`` is set.
         tools: typed functions with docstrings (or their import paths) a completion may call in the
             ``tool_call_format``; each result comes back as the chat template's ``tool`` message
             (tools/functions.py). Stored by import path: a lambda or local function is refused.
@@ -262,6 +266,7 @@ class GRPOLightningModule(pl.LightningModule):
         tool_call_format: str = "hermes",
         tool_timeout: float | None = 10.0,
         max_tool_result_chars: int = 10_000,
+        agent: str | None = None,
         tools: ToolsArgument = None,
         environment_factory: type | str | None = None,
         # -- validation (ValidationSettings)
@@ -284,8 +289,10 @@ class GRPOLightningModule(pl.LightningModule):
         self.model_spec = model if isinstance(model, str) else None
         self.model: PreTrainedModel | None = None if isinstance(model, str) else model
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
-        # An environment that scores its episodes (TRL's get_reward) is the reward when none is set.
-        scored = stored.reward_object is None and score_name(self.tools.environment) is not None
+        # An environment that scores its episodes (TRL's get_reward) is the reward when none is set;
+        # so is an agent's return value (rollout/agents/runner.py's AgentOutcome).
+        scorer = agent is not None or score_name(self.tools.environment) is not None
+        scored = stored.reward_object is None and scorer
         self.reward = EnvironmentReward() if scored else stored.reward_fn
         self.accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
         self._use_chat_template = use_chat_template
@@ -337,7 +344,7 @@ class GRPOLightningModule(pl.LightningModule):
         prompts = prompt_format(self.model, s.prompts, s.sampling.max_new_tokens, self.use_chat_template)
         self.rollout_source.prepare(
             self.tokenizer, self.model, eos, prompts, self.scorer.temperature,
-            lambda sampler: with_tools(sampler, s.tools, s.prompts.system_prompt, self.tools),
+            lambda sampler: with_tools(sampler, s.tools, s.prompts.system_prompt, self.tools, self.reward),
         )  # fmt: skip
 
     # The rollout source owns the engine and the episode runner (built in configure_model); one
@@ -604,7 +611,7 @@ class GRPOLightningModule(pl.LightningModule):
     @property
     def _with_tools(self) -> bool:
         """Whether rollouts call tools (the rewards then get tool_calls, completions, environments)."""
-        return isinstance(self.sampler, ToolRolloutSampler)
+        return isinstance(self.sampler, ToolRolloutSampler | AgentRunner)
 
     @property
     def _fitting(self) -> bool:

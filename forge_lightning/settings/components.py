@@ -21,7 +21,9 @@ from forge_lightning.evaluation.sampled import AnswerKey, SampledEvaluation, sam
 from forge_lightning.models.lora import LoraSettings, lora_settings
 from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.reporting.reporter import StepReporter
+from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rewards.library import (
+    CompositeReward,
     GSM8KAnswerReward,
     RewardArgument,
     RewardFn,
@@ -29,6 +31,7 @@ from forge_lightning.rewards.library import (
     load_reward,
     reward_spec,
 )
+from forge_lightning.rollout.agents.runner import AgentRunner, load_agent
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
@@ -212,10 +215,18 @@ def prompt_format(
 
 
 def with_tools(
-    sampler: RolloutSampler, tools: ToolSettings, system_prompt: str | None, stored: StoredTools
-) -> RolloutSampler | ToolRolloutSampler:
+    sampler: RolloutSampler,
+    tools: ToolSettings,
+    system_prompt: str | None,
+    stored: StoredTools,
+    reward: RewardFn | None = None,
+) -> RolloutSampler | ToolRolloutSampler | AgentRunner:
     """The module's episode runner: ``sampler``, or the tools its settings name around it (the
-    calculator, or ``stored``'s functions and environment)."""
+    calculator, or ``stored``'s functions and environment), or the agent they name with it
+    (scored by its return value where ``reward`` reads it: :func:`reads_agent_score`)."""
+    if tools.agent is not None:
+        agent = load_agent(tools.agent)
+        return AgentRunner(sampler, agent, reads_agent_score(reward), tools.tool_call_format)
     if tools.calculator is not None:
         calls: ToolProtocol = CalculatorTools(InlineCalculator(tools.calculator), sampler.tokenizer)
     elif stored.functions or stored.factory is not None:
@@ -231,3 +242,10 @@ def with_tools(
     else:
         return sampler
     return ToolRolloutSampler(sampler, calls, tools.max_tool_calls)
+
+
+def reads_agent_score(reward: RewardFn | None) -> bool:
+    """Whether ``reward`` scores an agent's episodes by what the agent returned: EnvironmentReward
+    (the module's reward when none is set), alone or a part of a CompositeReward."""
+    parts = reward.rewards if isinstance(reward, CompositeReward) else [reward]
+    return any(isinstance(part, EnvironmentReward) for part in parts)

@@ -241,6 +241,14 @@ class ToolSettings(_Group):
     max_tool_result_chars: int = 10_000
     """the characters of a tool's result the model reads; a longer one is cut before it is
     rendered, marked as cut and counted (``tool_results_cut``)."""
+    agent: str | None = None
+    """the import path of ``async def agent(client, row) -> float``, a user's agent written
+    against the OpenAI SDK, run ``group_size`` times per prompt with a client of the policy's own
+    endpoint (rollout/agents/): the policy's tokens of each episode are trained, the turns the agent
+    inserts are masked. Its return value is the score, with no ``reward`` set (or one that holds
+    EnvironmentReward); with another reward it returns None. An agent that raises fails its
+    episode: counted (``agent_errors``), scored 0, nothing of it trained. Sync rollouts with HF
+    generate only; not with the calculator, tools or environment_factory. None: no agent."""
 
 
 @dataclass(frozen=True)

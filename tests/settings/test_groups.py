@@ -139,6 +139,7 @@ CHANGED = dict(
 # What the settings above exclude, each set changed in a module of its own.
 CHANGED_TOO = {
     "tools": dict(dynamic_sampling=True, calculator="plain"),
+    "agent": dict(agent="forge_lightning.examples.calculator_agent.agent"),
     "engine": dict(generation_backend="vllm", use_engine_logprobs=True),
     "async": dict(
         rollout_mode="async", rollout_device="cuda", rollout_memory_fraction=0.5, behav_imp_weight_cap=4.0

@@ -206,14 +206,10 @@ class FunctionTools:
     def delta(self, before: list[dict], turn: dict, messages: list[dict], eos: str | None) -> str:
         """The text after ``turn``'s content that ``messages`` add, with the next turn's cue;
         without the end-of-turn ``eos`` the policy sampled already."""
-        base = self.render([*before, turn], False)
-        content = turn["content"] if turn["content"] in base else turn["content"].strip()
-        end = base.rfind(content) + len(content)
-        full = self.render([*before, turn, *messages], True)
-        if content not in base or not full.startswith(base[:end]):
+        text = template_delta(self.render, before, turn, messages, eos)
+        if text is None:
             raise ValueError(self._unstable("a tool message changes the text before it"))
-        text = full[end:]
-        return text[len(eos) :] if eos and text.startswith(eos) else text
+        return text
 
     def _reset(self, row: dict[str, Any]) -> tuple[Any, str | None]:
         env = self.factory()
@@ -271,6 +267,28 @@ class FunctionTools:
             "appended as the tokens its message adds, which needs a template that renders each "
             "message after the earlier ones without changing them"
         )
+
+
+def template_delta(
+    render: Callable[[list[dict], bool], str],
+    before: list[dict],
+    turn: dict,
+    messages: list[dict],
+    eos: str | None,
+) -> str | None:
+    """The text after ``turn``'s content (an assistant turn, the text the policy sampled) that
+    ``messages`` add to the conversation ``before`` + ``turn``, with the next turn's cue; without
+    the end-of-turn ``eos`` the policy sampled already. ``render(messages, generation)`` is the
+    chat template. None where the template renders the earlier text differently once ``messages``
+    follow (not prefix-stable), or ``turn`` has no text to find in its rendering."""
+    base = render([*before, turn], False)
+    content = turn["content"] if turn["content"] in base else turn["content"].strip()
+    full = render([*before, turn, *messages], True)
+    end = base.rfind(content) + len(content)
+    if not content or content not in base or not full.startswith(base[:end]):
+        return None
+    text = full[end:]
+    return text[len(eos) :] if eos and text.startswith(eos) else text
 
 
 _USER = {"role": "user", "content": "What is 2 + 3?"}
