@@ -5,7 +5,8 @@ own with its own asyncio loop; the agents run as coroutines on that loop. Each e
 base URL (``/episodes/<key>/v1``), so that its calls are recorded in its
 :class:`~forge_lightning.rollout.agents.episodes.EpisodeLog`. A request becomes prompt ids there and
 waits in a queue; :meth:`AgentEndpoint.serve`, run by the caller's thread (the trainer's, where the
-model lives), takes every request waiting, samples them in one batch and answers each.
+model lives), gathers the requests (every running episode's, or those that came before a pause of
+``GATHER_S``), samples them in one batch and answers each.
 
 What the policy samples is data: its text goes back as the message's content, and a tool call in
 it (in ``tool_call_format``, read as JSON by rollout/tools/parsers.py, never run) as the message's
@@ -37,6 +38,10 @@ from forge_lightning.rollout.tools.parsers import ParsedCall, format_named
 MODEL_NAME = "policy"  # what /v1/models lists; a request's model name is not checked
 # Seconds serve() waits for a request before it looks whether the agents are done.
 POLL_S = 0.005
+# Seconds a batch waits for another request while some running episode has none waiting (its agent
+# may be between calls, running a tool): a batch goes once every running episode waits, or after
+# this long without a new request.
+GATHER_S = 0.05
 
 
 @dataclass
@@ -79,6 +84,7 @@ class AgentEndpoint:
         self.tokenizer = tokenizer
         self.format = format_named(call_format)
         self.logs: dict[str, EpisodeLog] = {}
+        self.running = 0  # episodes opened and not ended (ended)
         self.requests: queue.Queue[Pending] = queue.Queue()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.port: int | None = None
@@ -114,7 +120,12 @@ class AgentEndpoint:
     def open(self, key: str, max_new_tokens: int) -> EpisodeLog:
         """Register an episode; its calls go to ``base_url(key)``."""
         self.logs[key] = EpisodeLog(self.tokenizer, max_new_tokens)
+        self.running += 1
         return self.logs[key]
+
+    def ended(self, key: str) -> None:
+        """Episode ``key``'s agent is done: a batch no longer waits for its calls."""
+        self.running -= 1
 
     def base_url(self, key: str) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{key}/v1"
@@ -144,15 +155,20 @@ class AgentEndpoint:
                 return until.result()
 
     def _waiting(self) -> list[Pending]:
+        """The next batch: none if no request came within ``POLL_S``; else the requests until every
+        running episode has one waiting, or none comes for ``GATHER_S``; and any more waiting."""
         try:
             batch = [self.requests.get(timeout=POLL_S)]
         except queue.Empty:
             return []
-        while True:
+        while len(batch) < self.running:
             try:
-                batch.append(self.requests.get_nowait())
+                batch.append(self.requests.get(timeout=GATHER_S))
             except queue.Empty:
-                return batch
+                break
+        while not self.requests.empty():
+            batch.append(self.requests.get_nowait())
+        return batch
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})

@@ -131,21 +131,27 @@ class AgentRunner:
     async def _episodes(
         self, endpoint: AgentEndpoint, keys: list[str], inputs: list[dict[str, Any]]
     ) -> list[Any]:
-        runs = (self._episode(endpoint.base_url(key), row) for key, row in zip(keys, inputs))
-        return list(await asyncio.gather(*runs))
+        """Every episode at once, their clients on one HTTP connection pool (a pool each costs more
+        than a short episode's calls)."""
+        from openai import DefaultAsyncHttpxClient  # the dev extra's; an agent written for it has it
 
-    async def _episode(self, base_url: str, row: dict[str, Any]) -> Any:
+        async with DefaultAsyncHttpxClient() as http:
+            runs = (self._episode(endpoint, key, row, http) for key, row in zip(keys, inputs))
+            return list(await asyncio.gather(*runs))
+
+    async def _episode(self, endpoint: AgentEndpoint, key: str, row: dict[str, Any], http: Any) -> Any:
         """One run of the agent: what it returned, or the error it raised (its episode's failure,
         not the batch's)."""
-        from openai import AsyncOpenAI  # the dev extra's; an agent written for it has it installed
+        from openai import AsyncOpenAI
 
-        client = AsyncOpenAI(base_url=base_url, api_key="forge-lightning", max_retries=0)
+        url = endpoint.base_url(key)
+        client = AsyncOpenAI(base_url=url, api_key="forge-lightning", max_retries=0, http_client=http)
         try:
             return await self.agent(client, dict(row))
         except Exception as err:
             return err
         finally:
-            await client.close()
+            endpoint.ended(key)
 
     def _checked(self, returned: Any) -> AgentOutcome:
         """What an episode's agent returned (or raised) as its outcome; ValueError where it gives

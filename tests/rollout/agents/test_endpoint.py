@@ -171,7 +171,7 @@ def test_a_call_past_the_episodes_budget_is_answered_empty_and_the_episode_is_cu
     assert log.chains[0].budget_hit
 
 
-def test_concurrent_requests_are_sampled_in_one_batch():
+def test_the_requests_of_every_running_episode_are_sampled_in_one_batch():
     tok = chat_tokenizer()
     batches = []
 
@@ -193,8 +193,6 @@ def test_concurrent_requests_are_sampled_in_one_batch():
         async def every():
             return await asyncio.gather(*(one(k) for k in range(4)))
 
-        future = endpoint.run(every())
-        while endpoint.requests.qsize() < 4:  # every request waits before the first is sampled
-            pass
-        endpoint.serve(future, generate)
+        # The first request does not go alone: the batch waits for every running episode's.
+        endpoint.serve(endpoint.run(every()), generate)
     assert batches == [4]
