@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from forge_lightning.models.sharding import is_sharded
 from forge_lightning.rollout.agents.endpoint import AgentEndpoint, Pending
 from forge_lightning.rollout.agents.episodes import Chain, EpisodeLog
 from forge_lightning.rollout.engines.base import SamplingParams
@@ -112,6 +113,11 @@ class AgentRunner:
             raise ValueError("agent rollouts have no engine log-probs: set use_engine_logprobs false")
         if params.stop:
             raise ValueError("agent rollouts do not support stop strings: leave stop empty")
+        if is_sharded(model) and torch.distributed.get_world_size() > 1:
+            raise ValueError(
+                "agent rollouts under a sharded model are not supported: the ranks would make "
+                "different numbers of generate calls, and each forward needs all of them"
+            )
         keys = [f"{i}-{k}" for i in range(len(prompts)) for k in range(group_size)]
         inputs = [self._row(prompts, rows or {}, i) for i in range(len(prompts)) for _ in range(group_size)]
         with AgentEndpoint(self.tokenizer, self.call_format) as endpoint:
