@@ -169,6 +169,7 @@ class GRPOLightningModule(pl.LightningModule):
         agent: the import path of ``async def agent(client, row) -> float``, an OpenAI-SDK agent run
             ``group_size`` times per prompt against the policy's endpoint (rollout/agents/); its
             return value is the score unless ``reward`` is set.
+        agent_timeout: seconds an agent's episode may take; a longer one is cancelled and fails.
         tools: typed functions with docstrings (or their import paths) a completion may call in the
             ``tool_call_format``; each result comes back as the chat template's ``tool`` message
             (tools/functions.py). Stored by import path: a lambda or local function is refused.
@@ -267,6 +268,7 @@ class GRPOLightningModule(pl.LightningModule):
         tool_timeout: float | None = 10.0,
         max_tool_result_chars: int = 10_000,
         agent: str | None = None,
+        agent_timeout: float | None = 600.0,
         tools: ToolsArgument = None,
         environment_factory: type | str | None = None,
         # -- validation (ValidationSettings)

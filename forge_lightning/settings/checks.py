@@ -77,6 +77,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "tool_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
     "max_tool_result_chars": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "agent": (_optional(lambda v: isinstance(v, str) and "." in v), "None or an import path (pkg.module.fn)"),
+    "agent_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
     "val_num_generations": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "val_temperature": (lambda v: v > 0, "> 0"),
     "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),

@@ -226,7 +226,8 @@ def with_tools(
     (scored by its return value where ``reward`` reads it: :func:`reads_agent_score`)."""
     if tools.agent is not None:
         agent = load_agent(tools.agent)
-        return AgentRunner(sampler, agent, reads_agent_score(reward), tools.tool_call_format)
+        scored = reads_agent_score(reward)
+        return AgentRunner(sampler, agent, scored, tools.tool_call_format, tools.agent_timeout)
     if tools.calculator is not None:
         calls: ToolProtocol = CalculatorTools(InlineCalculator(tools.calculator), sampler.tokenizer)
     elif stored.functions or stored.factory is not None:

@@ -249,6 +249,9 @@ class ToolSettings(_Group):
     EnvironmentReward); with another reward it returns None. An agent that raises fails its
     episode: counted (``agent_errors``), scored 0, nothing of it trained. Sync rollouts with HF
     generate only; not with the calculator, tools or environment_factory. None: no agent."""
+    agent_timeout: float | None = 600.0
+    """seconds an agent's episode may take; a longer one is cancelled and fails (counted in
+    ``agent_errors``). None waits for ever."""
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,7 @@ CHANGED = dict(
     max_tool_calls=2,
     tool_timeout=5.0,
     max_tool_result_chars=100,
+    agent_timeout=30.0,
     val_num_generations=4,
     val_temperature=0.8,
     val_top_p=0.9,

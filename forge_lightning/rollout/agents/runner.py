@@ -7,10 +7,8 @@ its calls served by the policy through an OpenAI-compatible endpoint (agents/end
 endpoint, runs every episode concurrently (each with an ``openai.AsyncOpenAI`` client of its own
 base URL, and the prompt's row: ``prompt`` and the batch's fields), samples their requests in
 batches on this thread, and turns each episode's chain of calls (agents/episodes.py) into one
-completion of the :class:`Rollout`: the tokens the policy sampled are trained (``model_mask`` 1),
-the turns the agent inserted (tool results, user turns) are read but masked. A group's prompt is the
-longest prefix its episodes' first prompts share; the rest of an episode's first prompt opens its
-completion, masked.
+completion of the :class:`Rollout` (agents/assemble.py): the tokens the policy sampled are trained
+(``model_mask`` 1), the turns the agent inserted (tool results, user turns) are read but masked.
 
 The agent's return value is the episode's score where the run's reward reads it (each completion's
 ``environments`` entry is its :class:`AgentOutcome`, whose ``get_reward()``
@@ -23,25 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import logging
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from forge_lightning.models.sharding import is_sharded
+from forge_lightning.rollout.agents.assemble import AgentOutcome, episodes_rollout
 from forge_lightning.rollout.agents.endpoint import AgentEndpoint, Pending
-from forge_lightning.rollout.agents.episodes import Chain, EpisodeLog
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.types import Prompt, Rollout, completion_mask, left_pad
 from forge_lightning.run.user_code import is_async, trl_kwargs
-
-log = logging.getLogger(__name__)
 
 Agent = Callable[[Any, dict[str, Any]], Any]
 
@@ -62,18 +57,6 @@ def load_agent(path: str) -> Agent:
     return agent
 
 
-@dataclass
-class AgentOutcome:
-    """How one episode ended: the agent's return value, or why it failed."""
-
-    returned: float | None = None
-    error: str | None = None
-
-    def get_reward(self) -> float:
-        """The episode's score: what the agent returned; 0 for a failed episode."""
-        return 0.0 if self.error is not None or self.returned is None else self.returned
-
-
 class AgentRunner:
     """Prompts in, a :class:`Rollout` of ``group_size`` agent episodes each out (module docstring).
 
@@ -83,10 +66,16 @@ class AgentRunner:
         scored_by_agent: the agent's return value is the score: it must return a finite number;
             else it must return None (the run's reward scores the episode).
         call_format: how the policy writes a tool call (``tool_call_format``).
+        timeout: seconds an episode may take; a longer one is cancelled and fails. None: no limit.
     """
 
     def __init__(
-        self, sampler: RolloutSampler, agent: Agent, scored_by_agent: bool = True, call_format: str = "hermes"
+        self,
+        sampler: RolloutSampler,
+        agent: Agent,
+        scored_by_agent: bool = True,
+        call_format: str = "hermes",
+        timeout: float | None = 600.0,
     ) -> None:
         if not is_async(agent):
             raise ValueError(
@@ -96,7 +85,7 @@ class AgentRunner:
         if not getattr(sampler.tokenizer, "chat_template", None):
             raise ValueError("an agent's calls are chat messages: the tokenizer needs a chat template")
         self.sampler, self.agent = sampler, agent
-        self.scored_by_agent, self.call_format = scored_by_agent, call_format
+        self.scored_by_agent, self.call_format, self.timeout = scored_by_agent, call_format, timeout
         self.tokenizer = sampler.tokenizer
 
     def __call__(
@@ -126,7 +115,12 @@ class AgentRunner:
             returned = endpoint.serve(episodes, lambda batch: self._generate(model, params, batch))
         outcomes = [self._checked(value) for value in returned]
         device = next(model.parameters()).device
-        return self._rollout(prompts, logs, outcomes, group_size, device)
+        return episodes_rollout(self.tokenizer, logs, outcomes, group_size, device, self._prompt_ids(prompts))
+
+    def _prompt_ids(self, prompts: list[Prompt]) -> Callable[[int], list[int]]:
+        """Prompt ``i``'s ids as the run's prompt format encodes it: the prompt of a group whose
+        every episode failed."""
+        return lambda i: self.sampler.encode([prompts[i]], torch.device("cpu"))[0][0].tolist()
 
     @staticmethod
     def _row(prompts: list[Prompt], rows: dict[str, list[Any]], i: int) -> dict[str, Any]:
@@ -153,7 +147,9 @@ class AgentRunner:
         url = endpoint.base_url(key)
         client = AsyncOpenAI(base_url=url, api_key="forge-lightning", max_retries=0, http_client=http)
         try:
-            return await self.agent(client, dict(row))
+            return await asyncio.wait_for(self.agent(client, dict(row)), self.timeout)
+        except asyncio.TimeoutError:
+            return TimeoutError(f"the episode took longer than agent_timeout={self.timeout:g}s")
         except Exception as err:
             return err
         finally:
@@ -199,129 +195,3 @@ class AgentRunner:
             kept = row[: min(end, pending.max_new_tokens)]
             results.append((kept, bool(kept) and kept[-1] in self.sampler.eos_ids))
         return results
-
-    def _rollout(
-        self,
-        prompts: list[Prompt],
-        logs: list[EpisodeLog],
-        outcomes: list[AgentOutcome],
-        group_size: int,
-        device: torch.device,
-    ) -> Rollout:
-        """The episodes as a Rollout (module docstring)."""
-        chains: list[Chain | None] = []
-        for outcome, episode_log in zip(outcomes, logs):
-            chain = episode_log.episode()
-            if chain is None and outcome.error is None:
-                outcome.error = "made no call to the endpoint"
-            chains.append(None if outcome.error is not None else chain)
-        heads, rows, sampled = [], [], []
-        for i in range(len(prompts)):
-            group = slice(i * group_size, (i + 1) * group_size)
-            head = self._shared_head(chains[group], outcomes[group])
-            heads.append(head or self.sampler.encode([prompts[i]], torch.device("cpu"))[0][0].tolist())
-            for n in range(group.start, group.stop):
-                if outcomes[n].error is not None:
-                    chains[n] = None
-                ids, model = chains[n].tokens(len(head)) if chains[n] is not None else ([], [])
-                rows.append(ids)
-                sampled.append(model)
-        failed = [o.error for o in outcomes if o.error is not None]
-        dropped = [episode_log.dropped() for episode_log in logs]
-        if failed or sum(dropped):
-            log.warning(
-                "agent episodes: %d of %d failed (first: %s); %d calls dropped outside their episode's chain",
-                len(failed), len(outcomes), failed[0] if failed else "-", sum(dropped),
-            )  # fmt: skip
-        return self._assemble(heads, rows, sampled, chains, logs, outcomes, group_size, dropped, device)
-
-    @staticmethod
-    def _shared_head(group: list[Chain | None], outcomes: list[AgentOutcome]) -> list[int]:
-        """The longest prefix of the group's first prompts; an episode sharing not even the first
-        token with the group's first one fails (its group's prompt would be empty)."""
-        firsts = [(k, c.calls[0].prompt_ids) for k, c in enumerate(group) if c is not None]
-        if not firsts:
-            return []
-        head = firsts[0][1]
-        for k, ids in firsts:
-            if ids[0] != head[0]:
-                outcomes[k].error = "its first prompt shares no token with its group's first episode's"
-                continue
-            n = next((j for j, (a, b) in enumerate(zip(head, ids)) if a != b), min(len(head), len(ids)))
-            head = head[:n]
-        return head
-
-    def _assemble(
-        self,
-        heads: list[list[int]],
-        rows: list[list[int]],
-        sampled: list[list[int]],
-        chains: list[Chain | None],
-        logs: list[EpisodeLog],
-        outcomes: list[AgentOutcome],
-        group_size: int,
-        dropped: list[int],
-        device: torch.device,
-    ) -> Rollout:
-        pad = self.tokenizer.pad_token_id
-        prompt_ids, prompt_mask = left_pad(heads, pad)
-        width = max(1, *(len(r) for r in rows))
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        real = torch.zeros((len(rows), width), dtype=torch.long)
-        model = torch.zeros((len(rows), width), dtype=torch.long)
-        for n, (row, mask) in enumerate(zip(rows, sampled)):
-            ids[n, : len(row)] = torch.tensor(row, dtype=torch.long)
-            real[n, : len(row)] = 1
-            model[n, : len(row)] = torch.tensor(mask, dtype=torch.long)
-        calls = [_tool_calls(c) for c in chains]
-        stats = {
-            "tool_calls": [len(c) for c in calls],
-            "turns": [0 if c is None else len(c.calls) for c in chains],
-            "agent_errors": [int(o.error is not None) for o in outcomes],
-            "agent_calls_dropped": dropped,
-        }
-        return Rollout(
-            prompt_ids=prompt_ids.to(device),
-            prompt_mask=prompt_mask.to(device),
-            completion_ids=ids.to(device),
-            completion_mask=real.to(device),
-            group_size=group_size,
-            completions=self.tokenizer.batch_decode(rows, skip_special_tokens=True),
-            truncated=torch.tensor([c is not None and c.budget_hit for c in chains], device=device),
-            model_mask=model.to(device),
-            tool_stats={key: torch.tensor(values, device=device) for key, values in stats.items()},
-            tool_calls=calls,
-            transcripts=[_transcript(c) for c in chains],
-            environments=outcomes,
-        )
-
-
-def _tool_calls(chain: Chain | None) -> list[dict[str, Any]]:
-    """The tool calls of the chain's replies, each with the result the agent sent back for it
-    (None where it sent none); ``ok`` is whether a result came back."""
-    if chain is None:
-        return []
-    results: dict[str, Any] = {}
-    for call in chain.calls:
-        for m in call.messages:
-            if m.get("role") == "tool" and m.get("tool_call_id") is not None:
-                results[m["tool_call_id"]] = m.get("content")
-    entries = []
-    for call in chain.calls:
-        for c in call.reply.get("tool_calls", []):
-            result = results.get(c["id"])
-            entries.append(
-                {"name": c["function"]["name"], "arguments": c["function"]["arguments"], "result": result,
-                 "ok": result is not None}
-            )  # fmt: skip
-    return entries
-
-
-def _transcript(chain: Chain | None) -> list[dict[str, Any]]:
-    """The episode's turns after its first request's messages, as TRL's messages: the replies and
-    what the agent added between them."""
-    if chain is None:
-        return []
-    first, last = chain.calls[0], chain.calls[-1]
-    added = [dict(m) for m in last.messages[len(first.messages) :]]
-    return [*added, dict(last.reply)]

@@ -4,8 +4,10 @@ settings an agent cannot go with refused by name, and a one-step fit of the exam
 
 from __future__ import annotations
 
+import asyncio
 import json
 import platform
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,23 @@ def test_a_failing_agent_is_counted_scored_zero_and_not_trained(caplog):
     scores = EnvironmentReward()(["x"] * 4, rollout.completions, environments=rollout.environments).scores
     assert scores == [2.0, 2.0, 0.0, 0.0]
     assert '2 of 4 failed (first: raised RuntimeError("the agent\'s own bug"))' in caplog.text
+
+
+async def stalls(client, row):
+    await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    if row["prompt"] == "stall":
+        await asyncio.sleep(60)
+    return 1.0
+
+
+def test_an_episode_past_the_agent_timeout_is_cancelled_and_counted():
+    run, _, model = runner(stalls)
+    run.timeout = 0.5
+    start = time.perf_counter()
+    rollout = run(model, ["go", "stall"], PARAMS, group_size=2)
+    assert time.perf_counter() - start < 30
+    assert rollout.tool_stats["agent_errors"].tolist() == [0, 0, 1, 1]
+    assert "the episode took longer than agent_timeout=0.5s" in rollout.environments[2].error
 
 
 async def returns(client, row):
