@@ -182,12 +182,19 @@ class AgentRunner:
         self, model: PreTrainedModel, params: SamplingParams, batch: list[Pending]
     ) -> list[tuple[list[int], bool]]:
         """One ``generate`` of every request waiting: each completion cut after its first EOS and
-        at its own ``max_new_tokens``."""
+        at its own ``max_new_tokens``. Requests of one prompt (a group's first calls) are one
+        prompt sampled ``len(batch)`` times, which the engine reads once (prefix sharing)."""
         device = next(model.parameters()).device
-        ids, mask = left_pad([p.prompt_ids for p in batch], self.tokenizer.pad_token_id)
+        prompts = [p.prompt_ids for p in batch]
+        alike = all(p == prompts[0] for p in prompts)
+        ids, mask = left_pad(prompts[:1] if alike else prompts, self.tokenizer.pad_token_id)
         room = max(p.max_new_tokens for p in batch)
         out = self.sampler.generator.generate(
-            model, ids.to(device), mask.to(device), 1, replace(params, max_new_tokens=room)
+            model,
+            ids.to(device),
+            mask.to(device),
+            len(batch) if alike else 1,
+            replace(params, max_new_tokens=room),
         )
         ends = completion_mask(out, self.sampler.eos_ids).sum(dim=1).tolist()
         results = []
