@@ -246,7 +246,10 @@ def with_tools(
 
 
 def reads_agent_score(reward: RewardFn | None) -> bool:
-    """Whether ``reward`` scores an agent's episodes by what the agent returned: EnvironmentReward
-    (the module's reward when none is set), alone or a part of a CompositeReward."""
+    """Whether ``reward`` scores an agent's episodes by what the agent returned: None (no reward
+    given), or EnvironmentReward (the module's reward when none is set) alone or a part of a
+    CompositeReward."""
+    if reward is None:
+        return True
     parts = reward.rewards if isinstance(reward, CompositeReward) else [reward]
     return any(isinstance(part, EnvironmentReward) for part in parts)

@@ -17,6 +17,7 @@ from test_endpoint import chat_tokenizer
 
 from forge_lightning.cli.forge_cli import build_cli
 from forge_lightning.rewards.environment import EnvironmentReward
+from forge_lightning.rewards.library import CompositeReward
 from forge_lightning.rollout.agents.runner import AgentRunner
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
@@ -118,7 +119,12 @@ def test_a_score_from_both_the_agent_and_the_reward_or_neither_is_refused(value,
 def test_the_agents_return_value_is_the_score_where_the_reward_reads_it(module):
     assert isinstance(module(agent="forge_lightning.examples.calculator_agent.agent", reward=None).reward,
                       EnvironmentReward)  # fmt: skip
-    assert reads_agent_score(EnvironmentReward()) and not reads_agent_score(lambda p, r: [0.0] * len(r))
+
+    def other(prompts, responses):
+        return [0.0] * len(responses)
+
+    assert reads_agent_score(None) and reads_agent_score(EnvironmentReward()) and not reads_agent_score(other)
+    assert reads_agent_score(CompositeReward([(EnvironmentReward(), 1.0), (other, 1.0)]))
 
 
 @pytest.mark.parametrize(
