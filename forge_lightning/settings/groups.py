@@ -225,8 +225,8 @@ class RewardSettings(_Group):
 
 @dataclass(frozen=True)
 class ToolSettings(_Group):
-    """Tool calls in a completion (rollout/tool_sampler.py); the module's ``tools`` and
-    ``environment_factory`` name the functions, stored by import path."""
+    """Tool calls in a completion (rollout/tool_sampler.py), or a user's agent (rollout/agents/);
+    the module's ``tools`` and ``environment_factory`` name the functions, stored by import path."""
 
     calculator: Literal["annotation", "plain"] | None = None
     """completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``) or ``plain``
