@@ -166,10 +166,8 @@ class GRPOLightningModule(pl.LightningModule):
         tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
         max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
             cut before it is rendered, marked as cut and counted (``tool_results_cut``).
-        agent: the import path of ``async def agent(client, row) -> float``, an OpenAI-SDK agent run
-            ``group_size`` times per prompt against the policy's endpoint (rollout/agents/); its
-            return value is the score unless ``reward`` is set.
-        agent_timeout: seconds an agent's episode may take; a longer one is cancelled and fails.
+        agent: an OpenAI-SDK ``async def agent(client, row) -> float`` by import path (rollout/agents/).
+        agent_timeout: seconds an agent's episode may take; a longer one fails.
         tools: typed functions with docstrings (or their import paths) a completion may call in the
             ``tool_call_format``; each result comes back as the chat template's ``tool`` message
             (tools/functions.py). Stored by import path: a lambda or local function is refused.
