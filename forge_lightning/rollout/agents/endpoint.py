@@ -27,13 +27,15 @@ import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.rollout.agents.episodes import Call, EpisodeLog, message_key
 from forge_lightning.rollout.tools.parsers import ParsedCall, format_named
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 MODEL_NAME = "policy"  # what /v1/models lists; a request's model name is not checked
 # Seconds serve() waits for a request before it looks whether the agents are done.
@@ -107,6 +109,8 @@ class AgentEndpoint:
         self.loop.close()
 
     async def _start(self) -> None:
+        from aiohttp import web  # here: a run without an agent does not import it
+
         app = web.Application()
         app.router.add_post("/episodes/{key}/v1/chat/completions", self._chat)
         app.router.add_get("/episodes/{key}/v1/models", self._models)
@@ -171,7 +175,7 @@ class AgentEndpoint:
         return batch
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
+        return _json({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
         log = self.logs.get(request.match_info["key"])
@@ -194,7 +198,7 @@ class AgentEndpoint:
         if limit <= 0:  # the episode's budget is spent: an empty answer, cut for length
             if chain is not None:
                 chain.budget_hit = True
-            return web.json_response(_completion("", [], "length", len(prompt_ids), 0))
+            return _json(_completion("", [], "length", len(prompt_ids), 0))
         future = asyncio.get_running_loop().create_future()
         self.requests.put(Pending(prompt_ids, limit, future, asyncio.get_running_loop()))
         try:
@@ -209,7 +213,7 @@ class AgentEndpoint:
         if not ended and len(ids) >= room:
             chain.budget_hit = True
         finish = "tool_calls" if calls else ("stop" if ended else "length")
-        return web.json_response(_completion(content, calls, finish, len(prompt_ids), len(ids)))
+        return _json(_completion(content, calls, finish, len(prompt_ids), len(ids)))
 
     def _reply(self, text: str, tools: Sequence[dict] | None) -> tuple[str | None, list[dict[str, Any]]]:
         """The message's content and tool calls: with tools offered, the calls the text writes in
@@ -247,7 +251,13 @@ def _refused(body: Any) -> str | None:
 def _error(status: int, message: str, log: EpisodeLog | None = None) -> web.Response:
     if log is not None:
         log.refused += 1
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=status)
+    return _json({"error": {"message": message, "type": "invalid_request_error"}}, status)
+
+
+def _json(data: dict[str, Any], status: int = 200) -> web.Response:
+    from aiohttp import web
+
+    return web.json_response(data, status=status)
 
 
 def _completion(
