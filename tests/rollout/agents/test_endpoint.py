@@ -196,3 +196,22 @@ def test_the_requests_of_every_running_episode_are_sampled_in_one_batch():
         # The first request does not go alone: the batch waits for every running episode's.
         endpoint.serve(endpoint.run(every()), generate)
     assert batches == [4]
+
+
+def test_a_reply_with_tool_calls_sent_back_as_the_sdk_message_continues_the_chain():
+    tok = chat_tokenizer()
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "2+3?"}]
+        reply = await client.chat.completions.create(model="p", messages=messages, tools=TOOLS)
+        message = reply.choices[0].message  # the SDK's object, with its tool call, as it is
+        messages += [message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}]
+        await client.chat.completions.create(model="p", messages=messages, tools=TOOLS)
+
+    _, log, prompts = serve(tok, [call, "It is 5."], agent)
+    (chain,) = log.chains
+    first = chain.calls[0]
+    assert prompts[1][: len(first.ids)] == first.ids
+    inserted = tok.decode(prompts[1][len(first.ids) :])
+    assert inserted == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"

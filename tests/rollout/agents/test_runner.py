@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_model
-from test_endpoint import chat_tokenizer
+from test_endpoint import chat_tokenizer, serve
 
 from forge_lightning.cli.forge_cli import build_cli
+from forge_lightning.examples import calculator_agent
 from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rewards.library import CompositeReward
 from forge_lightning.rollout.agents.runner import AgentRunner
@@ -141,6 +142,22 @@ def test_the_agents_return_value_is_the_score_where_the_reward_reads_it(module):
 def test_what_an_agent_cannot_go_with_is_refused_by_name(setting, message):
     with pytest.raises(ValueError, match=message):
         validate_hparams({"agent": "forge_lightning.examples.calculator_agent.agent", **setting})
+
+
+def test_the_example_agent_calculates_answers_and_scores_its_episode():
+    tok = chat_tokenizer()
+    replies = [
+        '<tool_call>{"name": "calculate", "arguments": {"expression": "41 + 29"}}</tool_call>',
+        '<tool_call>{"name": "answer", "arguments": {"value": "70"}}</tool_call>',
+    ]
+
+    async def solve(client):
+        return await calculator_agent.agent(client, {"prompt": "41 + 29?", "reference": "70"})
+
+    score, log, prompts = serve(tok, replies, solve)
+    assert score == 1.0
+    assert "<|im_start|>tool\n70<|im_end|>" in tok.decode(prompts[1])  # the calculator's result
+    assert [len(c.calls) for c in log.chains] == [2]
 
 
 @pytest.mark.integration
