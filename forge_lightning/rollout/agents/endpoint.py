@@ -123,7 +123,7 @@ class AgentEndpoint:
 
     def open(self, key: str, max_new_tokens: int) -> EpisodeLog:
         """Register an episode; its calls go to ``base_url(key)``."""
-        self.logs[key] = EpisodeLog(self.tokenizer, max_new_tokens)
+        self.logs[key] = EpisodeLog(self.tokenizer, max_new_tokens, self.format)
         self.running += 1
         return self.logs[key]
 

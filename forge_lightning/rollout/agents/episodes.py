@@ -6,7 +6,8 @@ rendered again: where the request's messages begin with an earlier call's messag
 the endpoint gave it (compared as data, the reply as it was sent), the prompt is that call's prompt
 and sampled ids, then the tokens the chat template adds for the messages after them (the tool
 results, a user turn; :func:`~forge_lightning.rollout.tools.functions.template_delta`). Any other
-request is rendered whole.
+request is rendered whole, its tools shown as the template shows them, or where it does not, in
+the system message as for function tools (``TOOLS_SYSTEM_PROMPT``).
 
 A call *extends* a chain when its prompt ids begin, token for token, with the chain's last call's
 prompt + completion ids; the tokens between are what the agent inserted (masked in the loss). A call
@@ -25,7 +26,8 @@ from typing import Any
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.rollout.control_tokens import encode_marked, mark_data
-from forge_lightning.rollout.tools.functions import template_delta
+from forge_lightning.rollout.tools.functions import template_delta, tools_system_text, with_system_text
+from forge_lightning.rollout.tools.parsers import CallFormat, HermesToolCalls
 
 
 @dataclass
@@ -107,11 +109,15 @@ class EpisodeLog:
     """The calls of one episode (one agent run), by chain; see the module docstring.
 
     ``max_new_tokens``: the tokens a chain may add after its first prompt, the policy's and the
-    agent's together.
+    agent's together. ``call_format``: how the policy writes a call, which a request's tools are
+    shown with in the system message where the chat template does not render tools.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, call_format: CallFormat | None = None
+    ) -> None:
         self.tokenizer, self.max_new_tokens = tokenizer, max_new_tokens
+        self.format = call_format or HermesToolCalls()
         self.chains: list[Chain] = []
         self.refused = 0  # calls answered with an error (a bad request, a template that failed)
 
@@ -133,6 +139,8 @@ class EpisodeLog:
                 ids = earlier.ids + encode_marked(self.tokenizer, delta)
         if ids is None:
             shown = [self._shown(m) for m in messages]
+            if tools and not self._renders(tools):
+                shown = with_system_text(shown, tools_system_text(tools, self.format))
             ids = encode_marked(self.tokenizer, self._render(tools)(shown, True))
         return ids, self._extended(ids), shown
 
@@ -193,6 +201,11 @@ class EpisodeLog:
         if message.get("tool_calls"):
             shown["tool_calls"] = [_shown_call(c) for c in message["tool_calls"]]
         return shown
+
+    def _renders(self, tools: list[dict[str, Any]]) -> bool:
+        """Whether the chat template shows ``tools`` (else they go into the system message)."""
+        user = [{"role": "user", "content": "2 + 3?"}]
+        return self._render(tools)(user, True) != self._render(None)(user, True)
 
     def _render(self, tools: list[dict[str, Any]] | None):
         def render(messages: list[dict[str, Any]], generation: bool) -> str:

@@ -234,18 +234,11 @@ class FunctionTools:
             last = users[-1] if users else len(messages) - 1
             text = mark_data(self.tokenizer, reset_text)
             messages[last]["content"] = f"{messages[last]['content']}\n\n{text}"
-        if not self.renders_tools:
-            shown = self.tools_text()
-            if messages[0]["role"] == "system":
-                messages[0]["content"] = f"{messages[0]['content']}\n\n{shown}"
-            else:
-                messages.insert(0, {"role": "system", "content": shown})
-        return messages
+        return messages if self.renders_tools else with_system_text(messages, self.tools_text())
 
     def tools_text(self) -> str:
         """:data:`TOOLS_SYSTEM_PROMPT` with the tools' schemas and the format's call."""
-        schemas = "\n".join(json.dumps(schema) for schema in self.schemas)
-        return TOOLS_SYSTEM_PROMPT.replace("{tools}", schemas).replace("{call}", self.format.example)
+        return tools_system_text(self.schemas, self.format)
 
     def _shown(self) -> list[dict[str, Any]] | None:
         return self.schemas if self.renders_tools else None
@@ -267,6 +260,20 @@ class FunctionTools:
             "appended as the tokens its message adds, which needs a template that renders each "
             "message after the earlier ones without changing them"
         )
+
+
+def tools_system_text(schemas: Sequence[dict[str, Any]], call_format: CallFormat) -> str:
+    """:data:`TOOLS_SYSTEM_PROMPT` with ``schemas`` (one JSON a line) and ``call_format``'s call."""
+    shown = "\n".join(json.dumps(schema) for schema in schemas)
+    return TOOLS_SYSTEM_PROMPT.replace("{tools}", shown).replace("{call}", call_format.example)
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``messages`` with ``text`` after their system message's, or as a system message first."""
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def template_delta(

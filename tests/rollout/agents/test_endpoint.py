@@ -32,7 +32,7 @@ USER = {"role": "user", "content": "hi"}
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
 
-def chat_tokenizer() -> PreTrainedTokenizerFast:
+def chat_tokenizer(template: str = TEMPLATE) -> PreTrainedTokenizerFast:
     """One token per printable character and ChatML's two control tokens; the EOS ends a turn."""
     chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
     core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + chars)}, unk_token="<unk>"))
@@ -41,7 +41,7 @@ def chat_tokenizer() -> PreTrainedTokenizerFast:
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>"
     )
-    tok.chat_template = TEMPLATE
+    tok.chat_template = template
     return tok
 
 
@@ -215,3 +215,15 @@ def test_a_reply_with_tool_calls_sent_back_as_the_sdk_message_continues_the_chai
     assert prompts[1][: len(first.ids)] == first.ids
     inserted = tok.decode(prompts[1][len(first.ids) :])
     assert inserted == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tools_a_template_does_not_render_are_shown_in_the_system_message():
+    tok = chat_tokenizer(TEMPLATE[TEMPLATE.index("{%- for") :])  # ChatML that ignores tools
+
+    async def agent(client):
+        await client.chat.completions.create(model="p", messages=[USER], tools=TOOLS)
+
+    _, _, prompts = serve(tok, ["ok"], agent)
+    shown = tok.decode(prompts[0])
+    assert shown.startswith("<|im_start|>system\nYou can call these tools")
+    assert json.dumps(TOOLS[0]) in shown and "<tool_call>" in shown  # the schema, and how to call
