@@ -8,6 +8,7 @@ first prompt opens its completion, masked. A failed episode's completion is empt
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,8 +128,9 @@ def _right_padded(
 
 
 def _tool_calls(chain: Chain | None) -> list[dict[str, Any]]:
-    """The tool calls of the chain's replies, each with the result the agent sent back for it
-    (None where it sent none); ``ok`` is whether a result came back."""
+    """The tool calls of the chain's replies as function tools' calls are logged (name, arguments
+    as a dict), each with the result the agent sent back for it (None where it sent none); ``ok``
+    is whether a result came back."""
     if chain is None:
         return []
     results: dict[str, Any] = {}
@@ -141,8 +143,8 @@ def _tool_calls(chain: Chain | None) -> list[dict[str, Any]]:
         for c in call.reply.get("tool_calls", []):
             result = results.get(c["id"])
             entries.append(
-                {"name": c["function"]["name"], "arguments": c["function"]["arguments"], "result": result,
-                 "ok": result is not None}
+                {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"]),
+                 "result": result, "ok": result is not None}
             )  # fmt: skip
     return entries
 
