@@ -38,6 +38,7 @@ from forge_lightning.rewards.library import (
     require_arguments,
     share_policy_context,
 )
+from forge_lightning.rollout.agents.runner import AgentRunner
 from forge_lightning.rollout.engines.base import GenerationBackend
 from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.sources import TrainingBatch
@@ -163,6 +164,8 @@ class GRPOLightningModule(pl.LightningModule):
         max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
             cut before it is rendered, marked as cut and counted (``tool_results_cut``).
         max_parallel_tool_calls: the tool calls that run at once (``async def`` ones are awaited).
+        agent: an OpenAI-SDK ``async def agent(client, row) -> float`` by import path (rollout/agents/).
+        agent_timeout: seconds an agent's episode may take; a longer one fails.
         tools: typed functions with docstrings (or their import paths) a completion may call in the
             ``tool_call_format``; each result comes back as the chat template's ``tool`` message
             (tools/functions.py). Stored by import path: a lambda or local function is refused.
@@ -270,6 +273,8 @@ class GRPOLightningModule(pl.LightningModule):
         tool_timeout: float | None = 10.0,
         max_tool_result_chars: int = 10_000,
         max_parallel_tool_calls: int = 16,
+        agent: str | None = None,
+        agent_timeout: float | None = 600.0,
         tools: ToolsArgument = None,
         environment_factory: EnvironmentArgument = None,
         # -- where rewards and tools run (SandboxSettings)
@@ -330,7 +335,7 @@ class GRPOLightningModule(pl.LightningModule):
         )
         prepare_rollouts(
             self.rollout_source, self.tokenizer, self.model, self.settings, self.tools,
-            self.use_chat_template, self.scorer.temperature, self.sandbox,
+            self.use_chat_template, self.scorer.temperature, self.sandbox, self.reward,
         )  # fmt: skip
 
     # The rollout source owns the engine and the episode runner (built in configure_model); one
@@ -544,7 +549,7 @@ class GRPOLightningModule(pl.LightningModule):
     @property
     def _with_tools(self) -> bool:
         """Whether rollouts call tools (the rewards then get tool_calls, completions, environments)."""
-        return isinstance(self.sampler, ToolRolloutSampler)
+        return isinstance(self.sampler, ToolRolloutSampler | AgentRunner)
 
     @property
     def _fitting(self) -> bool:

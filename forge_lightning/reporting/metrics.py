@@ -50,6 +50,10 @@ TRAIN_KEYS = (
     "turns",
     "tool_results_cut",
     "tool_token_fraction",
+    # Agent rollouts (rollout/agents/runner.py), per episode: failed (1) or not, and its calls
+    # served but not trained (outside its chain, or refused).
+    "agent_errors",
+    "agent_calls_dropped",
 )
 # Maxima over the step's batches (and a report's steps).
 MAX_KEYS = ("staleness_max",)

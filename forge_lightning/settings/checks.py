@@ -93,6 +93,8 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "sandbox_memory_mb": (lambda v: isinstance(v, int) and v >= 64, "an integer >= 64 (MiB)"),
     "sandbox_cpu_seconds": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "sandbox_workers": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "agent": (_optional(lambda v: isinstance(v, str) and "." in v), "None or an import path (pkg.module.fn)"),
+    "agent_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
     "val_num_generations": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "val_temperature": (lambda v: v > 0, "> 0"),
     "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -246,9 +248,14 @@ def _tool_mode(values: Mapping[str, Any]) -> str | None:
     """The tools a run's completions call, as the setting that names them; ValueError for two."""
     modes = [
         f"{name}={values[name]!r}"
-        for name in ("calculator", "tools", "environment_factory")
+        for name in ("agent", "calculator", "tools", "environment_factory")
         if values.get(name) is not None
     ]
+    if values.get("agent") is not None and len(modes) > 1:
+        raise ValueError(
+            f"{' and '.join(modes)}: an agent runs its own tools (its calls come back to the endpoint "
+            "as messages); use the agent, or the calculator/tools/environment_factory"
+        )
     if values.get("calculator") is not None and len(modes) > 1:
         raise ValueError(
             f"{' and '.join(modes)}: the calculator and function tools are two ways of calling tools, "
@@ -258,10 +265,20 @@ def _tool_mode(values: Mapping[str, Any]) -> str | None:
 
 
 def _check_tools(values: Mapping[str, Any]) -> None:
-    """Tool-using rollouts are several generate calls in this process (rollout/tool_sampler.py)."""
+    """Tool-using rollouts are several generate calls in this process (rollout/tool_sampler.py,
+    rollout/agents/runner.py); an agent is an importable async function."""
+    if values.get("agent") is not None:
+        from forge_lightning.rollout.agents.runner import load_agent  # aiohttp: only with an agent
+
+        load_agent(values["agent"])
     reasons = {
         "rollout_mode": ("async", "the rollout worker samples one generate call per batch"),
-        "generation_backend": ("vllm", "only HF generate can stop a row at a tool call"),
+        "generation_backend": (
+            "vllm",
+            "an agent's endpoint samples with the policy's HF generate"
+            if values.get("agent") is not None
+            else "only HF generate can stop a row at a tool call",
+        ),
         "use_engine_logprobs": (True, "the engine's log-probs do not cover the tools' tokens"),
     }
     for name, (value, why) in reasons.items():

@@ -36,6 +36,7 @@ from forge_lightning.rewards.library import (
     reward_name,
     reward_spec,
 )
+from forge_lightning.rollout.agents.runner import AgentRunner, load_agent
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import eos_token_ids
 from forge_lightning.rollout.logprobs import LogProbScorer
@@ -127,7 +128,9 @@ def build_components(
     holds (an environment that scores its episodes, TRL's ``get_reward``, is the reward when none
     is given), the ``tools``, the ``accuracy`` check (GSM8K's if None) and sampled evaluation's
     ``answer_key``. The reward's components and the tools are each tracked as a metric."""
-    scored = stored.reward_object is None and tools.scored
+    # An environment that scores its episodes (TRL's get_reward) is the reward when none is set;
+    # so is an agent's return value (rollout/agents/runner.py's AgentOutcome).
+    scored = stored.reward_object is None and (tools.scored or settings.tools.agent is not None)
     reward = EnvironmentReward() if scored else stored.reward_fn
     accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
     rewards = {"reward": reward, "accuracy check": accuracy}
@@ -314,9 +317,16 @@ def with_tools(
     system_prompt: str | None,
     stored: StoredTools,
     sandbox: Sandbox | None = None,
-) -> RolloutSampler | ToolRolloutSampler:
+    reward: RewardFn | None = None,
+) -> RolloutSampler | ToolRolloutSampler | AgentRunner:
     """The module's episode runner: ``sampler``, or the tools its settings name around it (the
-    calculator, or ``stored``'s functions and environment, called in ``sandbox`` where given)."""
+    calculator, or ``stored``'s functions and environment, called in ``sandbox`` where given), or
+    the agent they name with it (scored by its return value where ``reward`` reads it:
+    :func:`reads_agent_score`)."""
+    if tools.agent is not None:
+        agent = load_agent(tools.agent)
+        scored = reads_agent_score(reward)
+        return AgentRunner(sampler, agent, scored, tools.tool_call_format, tools.agent_timeout)
     if tools.calculator is not None:
         calls: ToolProtocol = CalculatorTools(InlineCalculator(tools.calculator), sampler.tokenizer)
     elif stored.functions or stored.factory is not None:
@@ -366,13 +376,25 @@ def prepare_rollouts(
     use_chat_template: bool,
     scoring_temperature: float,
     sandbox: Sandbox | None,
+    reward: RewardFn,
 ) -> None:
     """The rollout source's engine and episode runner for ``model``: its prompts encoded as the
-    prompt settings say, its completions ending at the model's EOS tokens, its tools if any."""
+    prompt settings say, its completions ending at the model's EOS tokens, its tools or agent if
+    any (``reward``: the module's, which may read the agent's score)."""
     eos = eos_token_ids(tokenizer, model)
     prompts = prompt_format(model, settings.prompts, settings.sampling.max_new_tokens, use_chat_template)
     system_prompt = settings.prompts.system_prompt
     source.prepare(
         tokenizer, model, eos, prompts, scoring_temperature,
-        lambda sampler: with_tools(sampler, settings.tools, system_prompt, tools, sandbox),
+        lambda sampler: with_tools(sampler, settings.tools, system_prompt, tools, sandbox, reward),
     )  # fmt: skip
+
+
+def reads_agent_score(reward: RewardFn | None) -> bool:
+    """Whether ``reward`` scores an agent's episodes by what the agent returned: None (no reward
+    given), or EnvironmentReward (the module's reward when none is set) alone or a part of a
+    CompositeReward."""
+    if reward is None:
+        return True
+    parts = reward.rewards if isinstance(reward, CompositeReward) else [reward]
+    return any(isinstance(part, EnvironmentReward) for part in parts)

@@ -230,8 +230,8 @@ class RewardSettings(_Group):
 
 @dataclass(frozen=True)
 class ToolSettings(_Group):
-    """Tool calls in a completion (rollout/tool_sampler.py); the module's ``tools`` and
-    ``environment_factory`` name the functions, stored by import path."""
+    """Tool calls in a completion (rollout/tool_sampler.py), or a user's agent (rollout/agents/);
+    the module's ``tools`` and ``environment_factory`` name the functions, stored by import path."""
 
     calculator: Literal["annotation", "plain"] | None = None
     """completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``) or ``plain``
@@ -252,6 +252,17 @@ class ToolSettings(_Group):
     """the tool calls that run at once: the calls of every row that waits for a tool, and every
     call of one turn, run concurrently up to this many (an ``async def`` tool is awaited), each
     under ``tool_timeout``; the answers keep the order the calls were written."""
+    agent: str | None = None
+    """the import path of ``async def agent(client, row) -> float``, a user's agent written
+    against the OpenAI SDK, run ``group_size`` times per prompt with a client of the policy's own
+    endpoint (rollout/agents/): the policy's tokens of each episode are trained, the turns the agent
+    inserts are masked. Its return value is the score, with no ``reward`` set (or one that holds
+    EnvironmentReward); with another reward it returns None. An agent that raises fails its
+    episode: counted (``agent_errors``), scored 0, nothing of it trained. Sync rollouts with HF
+    generate only; not with the calculator, tools or environment_factory. None: no agent."""
+    agent_timeout: float | None = 600.0
+    """seconds an agent's episode may take; a longer one is cancelled and fails (counted in
+    ``agent_errors``). None waits for ever."""
 
 
 @dataclass(frozen=True)

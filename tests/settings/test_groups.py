@@ -136,6 +136,7 @@ CHANGED = dict(
     tool_timeout=5.0,
     max_tool_result_chars=100,
     max_parallel_tool_calls=3,
+    agent_timeout=30.0,
     val_num_generations=4,
     val_temperature=0.8,
     val_top_p=0.9,
@@ -144,6 +145,7 @@ CHANGED = dict(
 # What the settings above exclude, each set changed in a module of its own.
 CHANGED_TOO = {
     "tools": dict(dynamic_sampling=True, calculator="plain"),
+    "agent": dict(agent="forge_lightning.examples.calculator_agent.agent"),
     "engine": dict(generation_backend="vllm", use_engine_logprobs=True),
     "async": dict(
         rollout_mode="async", rollout_device="cuda", rollout_memory_fraction=0.5, behav_imp_weight_cap=4.0

@@ -255,14 +255,12 @@ class FunctionTools:
         """The text after ``turn``'s content that ``messages`` add, with the next turn's cue;
         without the end-of-turn ``eos`` the policy sampled already. ``tools``: the schemas the
         template renders (:meth:`render`)."""
-        base = self.render([*before, turn], False, tools)
-        content = turn["content"] if turn["content"] in base else turn["content"].strip()
-        end = base.rfind(content) + len(content)
-        full = self.render([*before, turn, *messages], True, tools)
-        if content not in base or not full.startswith(base[:end]):
+        text = template_delta(
+            lambda m, generation: self.render(m, generation, tools), before, turn, messages, eos
+        )
+        if text is None:
             raise ValueError(self._unstable("a tool message changes the text before it"))
-        text = full[end:]
-        return text[len(eos) :] if eos and text.startswith(eos) else text
+        return text
 
     def _reset(self, name: str | None, row: dict[str, Any]) -> tuple[Any, str | None]:
         """A new environment of the factory ``name``, reset for ``row`` (an async reset awaited)."""
@@ -291,18 +289,11 @@ class FunctionTools:
             last = users[-1] if users else len(messages) - 1
             text = mark_data(self.tokenizer, reset_text)
             messages[last]["content"] = f"{messages[last]['content']}\n\n{text}"
-        if not self.renders_tools:
-            shown = self.tools_text(environment)
-            if messages[0]["role"] == "system":
-                messages[0]["content"] = f"{messages[0]['content']}\n\n{shown}"
-            else:
-                messages.insert(0, {"role": "system", "content": shown})
-        return messages
+        return messages if self.renders_tools else with_system_text(messages, self.tools_text(environment))
 
     def tools_text(self, environment: str | None = None) -> str:
         """:data:`TOOLS_SYSTEM_PROMPT` with the tools' schemas and the format's call."""
-        schemas = "\n".join(json.dumps(schema) for schema in self.schemas[environment])
-        return TOOLS_SYSTEM_PROMPT.replace("{tools}", schemas).replace("{call}", self.format.example)
+        return tools_system_text(self.schemas[environment], self.format)
 
     def _shown(self, environment: str | None = None) -> list[dict[str, Any]] | None:
         """The schemas the template renders for a row of ``environment`` (its name, where there are
@@ -332,6 +323,42 @@ class FunctionTools:
             "appended as the tokens its message adds, which needs a template that renders each "
             "message after the earlier ones without changing them"
         )
+
+
+def tools_system_text(schemas: Sequence[dict[str, Any]], call_format: CallFormat) -> str:
+    """:data:`TOOLS_SYSTEM_PROMPT` with ``schemas`` (one JSON a line) and ``call_format``'s call."""
+    shown = "\n".join(json.dumps(schema) for schema in schemas)
+    return TOOLS_SYSTEM_PROMPT.replace("{tools}", shown).replace("{call}", call_format.example)
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``messages`` with ``text`` after their system message's, or as a system message first."""
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def template_delta(
+    render: Callable[[list[dict], bool], str],
+    before: list[dict],
+    turn: dict,
+    messages: list[dict],
+    eos: str | None,
+) -> str | None:
+    """The text after ``turn``'s content (an assistant turn, the text the policy sampled) that
+    ``messages`` add to the conversation ``before`` + ``turn``, with the next turn's cue; without
+    the end-of-turn ``eos`` the policy sampled already. ``render(messages, generation)`` is the
+    chat template. None where the template renders the earlier text differently once ``messages``
+    follow (not prefix-stable), or ``turn`` has no text to find in its rendering."""
+    base = render([*before, turn], False)
+    content = turn["content"] if turn["content"] in base else turn["content"].strip()
+    full = render([*before, turn, *messages], True)
+    end = base.rfind(content) + len(content)
+    if not content or content not in base or not full.startswith(base[:end]):
+        return None
+    text = full[end:]
+    return text[len(eos) :] if eos and text.startswith(eos) else text
 
 
 _USER = {"role": "user", "content": "What is 2 + 3?"}

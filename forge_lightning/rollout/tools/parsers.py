@@ -32,12 +32,13 @@ class ParsedCall:
 
 class CallFormat(Protocol):
     """A tool-call format: ``stop``, the text a call ends with where the turn may go on after it
-    (None: a call ends with the policy's turn, at its end-of-turn token), a call as the model is
-    told to write one (``example``), and how the text of the policy's turn becomes its calls
-    (each, or the message saying what is wrong with it)."""
+    (None: a call ends with the policy's turn, at its end-of-turn token), the text a call begins
+    with (``begins``), a call as the model is told to write one (``example``), and how the text
+    of the policy's turn becomes its calls (each, or the message saying what is wrong with it)."""
 
     stop: str | None
     example: str
+    begins: str  # the text a call starts with; "" where the whole turn is the call
 
     def write(self, name: str, arguments: dict[str, Any]) -> str:
         """A call of ``name`` as this format writes it (what the model would sample)."""
@@ -76,6 +77,7 @@ class HermesToolCalls:
     complete call of the turn, in order (a model may write several in a row)."""
 
     stop = "</tool_call>"
+    begins = "<tool_call>"
     example = '<tool_call>{"name": "the tool\'s name", "arguments": {"argument": "value"}}</tool_call>'
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -102,6 +104,7 @@ class Llama3JsonToolCalls:
     the end-of-turn token (``<|eot_id|>``, ``<|eom_id|>``) is the stop."""
 
     stop = None
+    begins = ""
     example = '{"name": "the tool\'s name", "parameters": {"argument": "value"}} as the whole reply'
     _tag = "<|python_tag|>"
     _call = re.compile(r'\{\s*"name"\s*:')  # how a call begins; other JSON is an answer
@@ -140,6 +143,7 @@ class Qwen3CoderToolCalls:
     says (a string as it is, anything else as JSON; text that is not JSON stays text)."""
 
     stop = "</tool_call>"
+    begins = "<tool_call>"
     example = (
         "<tool_call>\n<function=the tool's name>\n<parameter=argument>\nvalue\n</parameter>\n"
         "</function>\n</tool_call>"

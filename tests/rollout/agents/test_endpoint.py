@@ -1,0 +1,229 @@
+"""The agent endpoint with the real openai client: chat completions and tool calls over HTTP, and
+the chain rule (a call extends its episode's chain token for token, from the sampled ids, or
+starts a chain of its own that is not trained)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import string
+
+import openai
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from forge_lightning.rollout.agents.endpoint import AgentEndpoint
+
+# The openai client reads the processor's name once, by running uname -p: read here, before any
+# test (a unit test may start no process).
+platform.processor()
+
+SPECIAL = ["<pad>", "<|im_end|>", "<|im_start|>", "<unk>"]
+# ChatML, the tools' names in a system block of their own.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+USER = {"role": "user", "content": "hi"}
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+
+def chat_tokenizer(template: str = TEMPLATE) -> PreTrainedTokenizerFast:
+    """One token per printable character and ChatML's two control tokens; the EOS ends a turn."""
+    chars = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + chars)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>"
+    )
+    tok.chat_template = template
+    return tok
+
+
+class Script:
+    """Generation by script: the i-th request's completion is ``replies[i]`` (sampled as plain
+    characters, then the EOS); it records every prompt it was given."""
+
+    def __init__(self, tok, replies: list[str]) -> None:
+        self.tok, self.replies, self.prompts = tok, list(replies), []
+
+    def __call__(self, batch):
+        out = []
+        for pending in batch:
+            self.prompts.append(pending.prompt_ids)
+            text = self.replies.pop(0)
+            ids = self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            out.append(([*ids, self.tok.eos_token_id][: pending.max_new_tokens], True))
+        return out
+
+
+def serve(tok, replies, agent, budget=400):
+    """Run ``agent(client)`` against an endpoint serving ``replies``; its result, the episode's
+    log and the prompts sampled."""
+    script = Script(tok, replies)
+    with AgentEndpoint(tok) as endpoint:
+        log = endpoint.open("e", budget)
+
+        async def run():
+            client = openai.AsyncOpenAI(base_url=endpoint.base_url("e"), api_key="k", max_retries=0)
+            try:
+                return await agent(client)
+            finally:
+                await client.close()
+
+        result = endpoint.serve(endpoint.run(run()), script)
+    return result, log, script.prompts
+
+
+def test_the_openai_client_gets_the_completion_and_its_tool_calls():
+    tok = chat_tokenizer()
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+    async def agent(client):
+        plain = await client.chat.completions.create(model="policy", messages=[USER])
+        tooled = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=TOOLS
+        )
+        return plain, tooled
+
+    (plain, tooled), log, prompts = serve(tok, ["hello", f"Let me add. {call}"], agent)
+    assert plain.choices[0].message.content == "hello"
+    assert plain.choices[0].finish_reason == "stop"
+    assert plain.usage.completion_tokens == len("hello") + 1  # and the EOS
+    message = tooled.choices[0].message
+    assert tooled.choices[0].finish_reason == "tool_calls"
+    assert message.content == "Let me add."
+    (tool_call,) = message.tool_calls
+    assert tool_call.function.name == "add" and json.loads(tool_call.function.arguments) == {"a": 2, "b": 3}
+    assert tok.decode(prompts[1]).startswith("<|im_start|>system\nTools: add")  # the schemas were rendered
+
+
+def test_a_bad_request_is_refused_with_the_reason_and_counted():
+    tok = chat_tokenizer()
+
+    async def agent(client):
+        with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
+            await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], n=2)
+
+    _, log, prompts = serve(tok, [], agent)
+    assert prompts == [] and log.refused == 1 and log.dropped() == 1
+
+
+def test_a_call_that_extends_the_last_call_continues_its_sampled_ids_not_a_retemplated_history():
+    tok = chat_tokenizer()
+    # The policy writes the characters of a control token: re-encoding its text would make the
+    # token itself, so a history rendered again would not be what was sampled.
+    first = "I think <|im_end|> is 5"
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "2+3?"}]
+        reply = await client.chat.completions.create(model="p", messages=messages)
+        messages += [reply.choices[0].message, {"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(model="p", messages=messages)
+
+    _, log, prompts = serve(tok, [first, "yes"], agent)
+    (chain,) = log.chains
+    one, two = chain.calls
+    written = tok(first, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    sampled = [*written, tok.eos_token_id]
+    assert one.completion_ids == sampled
+    assert prompts[1][: len(one.ids)] == one.prompt_ids + sampled  # token for token
+    inserted = tok.decode(prompts[1][len(one.ids) :])
+    assert inserted == "\n<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n"
+    assert log.dropped() == 0 and log.episode() is chain
+
+
+def test_a_call_that_does_not_extend_the_chain_starts_another_which_is_dropped():
+    tok = chat_tokenizer()
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "2+3?"}]
+        reply = await client.chat.completions.create(model="p", messages=messages)
+        messages += [reply.choices[0].message, {"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(model="p", messages=messages)
+        # The agent rewrites the history: the policy never said this.
+        edited = [messages[0], {"role": "assistant", "content": "It is 6"}, messages[2]]
+        await client.chat.completions.create(model="p", messages=edited)
+
+    _, log, _ = serve(tok, ["5", "yes", "no"], agent)
+    assert [len(c.calls) for c in log.chains] == [2, 1]
+    assert log.episode() is log.chains[0]
+    assert log.dropped() == 1
+
+
+def test_a_call_past_the_episodes_budget_is_answered_empty_and_the_episode_is_cut():
+    tok = chat_tokenizer()
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "2+3?"}]
+        reply = await client.chat.completions.create(model="p", messages=messages)
+        messages += [reply.choices[0].message, {"role": "user", "content": "sure?"}]
+        return await client.chat.completions.create(model="p", messages=messages)
+
+    last, log, prompts = serve(tok, ["it is five"], agent, budget=12)
+    assert len(prompts) == 1  # the second call was not sampled: its turn alone is past the budget
+    assert last.choices[0].finish_reason == "length" and last.choices[0].message.content == ""
+    assert log.chains[0].budget_hit
+
+
+def test_the_requests_of_every_running_episode_are_sampled_in_one_batch():
+    tok = chat_tokenizer()
+    batches = []
+
+    def generate(batch):
+        batches.append(len(batch))
+        return [([tok.eos_token_id], True) for _ in batch]
+
+    with AgentEndpoint(tok) as endpoint:
+        for k in range(4):
+            endpoint.open(str(k), 10)
+
+        async def one(k):
+            client = openai.AsyncOpenAI(base_url=endpoint.base_url(str(k)), api_key="k", max_retries=0)
+            try:
+                return await client.chat.completions.create(model="p", messages=[USER])
+            finally:
+                await client.close()
+
+        async def every():
+            return await asyncio.gather(*(one(k) for k in range(4)))
+
+        # The first request does not go alone: the batch waits for every running episode's.
+        endpoint.serve(endpoint.run(every()), generate)
+    assert batches == [4]
+
+
+def test_a_reply_with_tool_calls_sent_back_as_the_sdk_message_continues_the_chain():
+    tok = chat_tokenizer()
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "2+3?"}]
+        reply = await client.chat.completions.create(model="p", messages=messages, tools=TOOLS)
+        message = reply.choices[0].message  # the SDK's object, with its tool call, as it is
+        messages += [message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}]
+        await client.chat.completions.create(model="p", messages=messages, tools=TOOLS)
+
+    _, log, prompts = serve(tok, [call, "It is 5."], agent)
+    (chain,) = log.chains
+    first = chain.calls[0]
+    assert prompts[1][: len(first.ids)] == first.ids
+    inserted = tok.decode(prompts[1][len(first.ids) :])
+    assert inserted == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tools_a_template_does_not_render_are_shown_in_the_system_message():
+    tok = chat_tokenizer(TEMPLATE[TEMPLATE.index("{%- for") :])  # ChatML that ignores tools
+
+    async def agent(client):
+        await client.chat.completions.create(model="p", messages=[USER], tools=TOOLS)
+
+    _, _, prompts = serve(tok, ["ok"], agent)
+    shown = tok.decode(prompts[0])
+    assert shown.startswith("<|im_start|>system\nYou can call these tools")
+    assert json.dumps(TOOLS[0]) in shown and "<tool_call>" in shown  # the schema, and how to call
