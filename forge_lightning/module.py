@@ -22,7 +22,7 @@ from forge_lightning.evaluation.validation import (
     NO_TEST_STEP,
     EvaluationLogStep,
 )
-from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType
+from forge_lightning.grpo import AdvantageEstimator, AdvantageScale, ImportanceSampling, KLEstimator, LossType
 from forge_lightning.models.loading import ensure_pad_token
 from forge_lightning.models.lora import LoraSettings
 from forge_lightning.models.policy import training_policy
@@ -103,13 +103,21 @@ class GRPOLightningModule(pl.LightningModule):
         prompt_truncation: ``left`` (with a warning) or ``error``.
         use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
         system_prompt: system message for the chat template.
-        loss_type: ``grpo``, ``dapo``, ``dr_grpo`` or ``forge`` (see grpo.LossSettings).
+        loss_type: ``grpo``, ``dapo``, ``dr_grpo``, ``forge``, ``cispo`` or ``sapo`` (see
+            grpo.LossSettings).
         clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
         clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
         kl_beta: weight of the KL penalty toward the reference; 0 needs no reference.
         importance_sampling_level: ``token`` ratios, or one per completion (``sequence``, GSPO).
         kl_estimator: ``k1``, ``k2`` or ``k3`` (grpo.LossSettings gives each one's gradient).
+        clip_ratio_c: dual-clip bound for negative advantages (> 1; verl's 3); None: off.
+        sapo_temperature_pos: ``sapo``'s gate temperature where the advantage is positive.
+        sapo_temperature_neg: ``sapo``'s gate temperature where the advantage is negative.
+        entropy_coef: weight of the entropy bonus subtracted from the loss; 0: none.
+        kl_in_reward: the KL penalty subtracted from each reward before advantages, not in the loss.
         advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
+        advantage_estimator: the baseline: ``grpo`` (group mean), ``rloo`` (leave-one-out mean)
+            or ``reinforce_pp`` (group mean, then the batch's std; needs ``advantage_scale: none``).
         mask_truncated_completions: a completion cut off at ``max_new_tokens`` (no EOS) gets no
             policy or KL weight, and is left out of the loss's normaliser; it still counts in its
             group's reward statistics (as in TRL and DAPO).
@@ -215,8 +223,14 @@ class GRPOLightningModule(pl.LightningModule):
         kl_beta: float = 0.01,
         importance_sampling_level: ImportanceSampling = "token",
         kl_estimator: KLEstimator = "k3",
+        clip_ratio_c: float | None = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        entropy_coef: float = 0.0,
+        kl_in_reward: bool = False,
         # -- advantages (AdvantageSettings)
         advantage_scale: AdvantageScale = "group",
+        advantage_estimator: AdvantageEstimator = "grpo",
         mask_truncated_completions: bool = False,
         # -- off-policy passes and corrections (OffPolicySettings)
         num_iterations: int = 1,

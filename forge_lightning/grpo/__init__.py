@@ -6,10 +6,13 @@ the vocabulary and G for the group size.
 """
 
 from forge_lightning.grpo.advantages import (
+    ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
+    AdvantageEstimator,
     AdvantageScale,
     group_advantages,
     informative_groups,
+    needs_batch,
 )
 from forge_lightning.grpo.core import masked_mean, token_log_probs, token_log_probs_and_entropy
 from forge_lightning.grpo.losses import (
@@ -21,14 +24,17 @@ from forge_lightning.grpo.losses import (
     RolloutCorrection,
     backward_weight,
     grpo_loss,
+    kl_penalised_rewards,
     loss_normalizer,
     micro_batch_weight,
     step_count,
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_SCALES",
     "LOSS_TYPES",
+    "AdvantageEstimator",
     "AdvantageScale",
     "ImportanceSampling",
     "KLEstimator",
@@ -39,9 +45,11 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "informative_groups",
+    "kl_penalised_rewards",
     "loss_normalizer",
     "masked_mean",
     "micro_batch_weight",
+    "needs_batch",
     "step_count",
     "token_log_probs",
     "token_log_probs_and_entropy",

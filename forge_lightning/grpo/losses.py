@@ -1,14 +1,16 @@
 """The clipped policy-gradient losses, one loss type each, and the settings they take.
 
-A loss type is one entry of ``_KINDS``: its function, the count it divides by (so that the share
-of a micro-batch or an accumulation batch follows from it, see :func:`micro_batch_weight`),
-whether it needs the reference without a KL term, and whether it scores completions at the
-sampling temperature. Adding a loss type means adding an entry here and nothing elsewhere.
+A loss type is one entry of ``_KINDS``: its function (for the token-level ones, its policy
+term: the ``surrogate``), the count it divides by (so that the share of a micro-batch or an
+accumulation batch follows from it, see :func:`micro_batch_weight`), whether it needs the
+reference without a KL term, and whether it scores completions at the sampling temperature.
+Adding a loss type means its function, its entry here and its name in ``LossType``.
 """
 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, get_args
 
 import torch
@@ -17,7 +19,7 @@ from torch import Tensor
 from forge_lightning.grpo.core import masked_mean
 from forge_lightning.grpo.correction import RolloutCorrection, sampler_corrected
 
-LossType = Literal["grpo", "dapo", "dr_grpo", "forge"]
+LossType = Literal["grpo", "dapo", "dr_grpo", "forge", "cispo", "sapo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 ImportanceSampling = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -30,8 +32,20 @@ class LossSettings:
     Args:
         loss_type: ``grpo`` (mean over tokens within each sequence, then over sequences),
             ``dapo`` (mean over every token), ``dr_grpo`` (sum over a constant,
-            ``rows x max_completion_length``) or ``forge`` (Forge's sequence-level ratio against
-            the reference, at temperature 1; reproduces its numbers).
+            ``rows x max_completion_length``), ``forge`` (Forge's sequence-level ratio against
+            the reference, at temperature 1; reproduces its numbers), ``cispo`` (MiniMax-M1's
+            clipped importance-sampling-weight policy optimisation, arXiv 2506.13585:
+            ``-sg(min(r, 1 + eps_high)) * A * logp`` per token, the weight's gradient stopped, so
+            a token past the cap still has a gradient (PPO's clip gives it none); mean over every
+            token, as dapo; no lower bound on the weight, as the paper runs it, and
+            ``clip_epsilon_high`` (else ``clip_epsilon``) sets the cap, e.g. 4 for ScaleRL's
+            cap of 5) or ``sapo`` (Qwen's soft adaptive policy optimisation, arXiv 2511.20347:
+            ``-f(r) * A`` per token with the soft gate ``f(r) = sigmoid(tau * (r - 1)) * 4 / tau``
+            in place of the clip, ``tau`` = ``sapo_temperature_pos`` where ``A > 0``, else
+            ``sapo_temperature_neg``; its gradient ``4 sigmoid'(tau (r - 1)) r A`` is grpo's
+            ``r A`` at ``r = 1`` and fades smoothly away from it; grpo's per-sequence mean, as the
+            paper and TRL). cispo and sapo have no hard clip: no ``clip_ratio_c``, and their
+            clip fractions count where cispo's cap bites (high) and nothing for sapo.
         clip_epsilon: the ratio is clipped to ``[1 - clip_epsilon, 1 + clip_epsilon]``; in (0, 1).
         clip_epsilon_high: a separate upper range (DAPO's clip-higher), > 0; None: clip_epsilon.
         kl_beta: weight of the KL penalty toward the reference, >= 0.
@@ -60,6 +74,24 @@ class LossSettings:
             sampling, TIS).
         rollout_correction_level: ``token`` (one weight per token) or ``sequence`` (one per
             completion, from the mean log-ratio over its model tokens).
+        clip_ratio_c: dual-clip PPO's bound (Ye et al., arXiv 1912.09729; verl's
+            ``clip_ratio_c``, 3 there): where the advantage is negative the policy term
+            ``-min(r A, clip(r) A)`` is capped at ``-clip_ratio_c * A``, so a token whose ratio
+            ran far above 1 cannot push by more than ``clip_ratio_c`` times its advantage (nor
+            does it carry a gradient there); > 1, or None: off. grpo, dapo and dr_grpo only.
+        sapo_temperature_pos: sapo's gate temperature where the advantage is positive, > 0
+            (the paper's and TRL's 1.0).
+        sapo_temperature_neg: sapo's gate temperature where it is negative, > 0 (1.05: the
+            paper fades negative-advantage tokens faster, they spread their push over the whole
+            vocabulary).
+        entropy_coef: weight of an entropy bonus, >= 0: ``entropy_coef x`` each token's entropy
+            (of the scored distribution, with its gradient) is subtracted from the per-token loss
+            and reduced as the loss type reduces it (verl's ``entropy_coeff``). 0: no term.
+        kl_in_reward: put the KL penalty in the reward instead of the loss (verl's
+            ``use_kl_in_reward``): each completion's reward loses ``kl_beta x`` the sum over its
+            tokens of the ``kl_estimator``'s KL between the sampling policy and the reference
+            (:func:`kl_penalised_rewards`), before advantages; the loss then has no KL term (its
+            ``kl`` metric is still reported). Needs ``kl_beta > 0``; not with ``forge``.
     """
 
     loss_type: LossType = "grpo"
@@ -72,6 +104,11 @@ class LossSettings:
     behav_imp_weight_cap: float | None = None
     rollout_correction: RolloutCorrection = "mask"
     rollout_correction_level: ImportanceSampling = "token"
+    clip_ratio_c: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    entropy_coef: float = 0.0
+    kl_in_reward: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -106,6 +143,20 @@ class LossSettings:
                 self.rollout_correction_level in get_args(ImportanceSampling),
                 f"one of {get_args(ImportanceSampling)}",
             ),
+            "clip_ratio_c": (
+                self.clip_ratio_c is None or (_number(self.clip_ratio_c) and self.clip_ratio_c > 1),
+                "None or > 1",
+            ),
+            "sapo_temperature_pos": (
+                _number(self.sapo_temperature_pos) and self.sapo_temperature_pos > 0,
+                "> 0",
+            ),
+            "sapo_temperature_neg": (
+                _number(self.sapo_temperature_neg) and self.sapo_temperature_neg > 0,
+                "> 0",
+            ),
+            "entropy_coef": (_number(self.entropy_coef) and self.entropy_coef >= 0, ">= 0"),
+            "kl_in_reward": (isinstance(self.kl_in_reward, bool), "True or False"),
         }
         for field, (ok, words) in checks.items():
             if not ok:
@@ -116,6 +167,38 @@ class LossSettings:
             raise ValueError(
                 "loss_type 'forge' is Forge's own sequence-level loss with its k3 term: leave "
                 "importance_sampling_level 'token' and kl_estimator 'k3'"
+            )
+        self._check_levers()
+
+    def _check_levers(self) -> None:
+        """Refuse, by name, the levers that do not combine with the loss type or each other."""
+        if self.loss_type == "forge":
+            levers = {
+                "clip_ratio_c": self.clip_ratio_c is not None,
+                "entropy_coef": self.entropy_coef > 0,
+                "kl_in_reward": self.kl_in_reward,
+            }
+            for name, on in levers.items():
+                if on:
+                    raise ValueError(
+                        f"{name} does not go with loss_type 'forge' (Forge's own loss, one ratio "
+                        "per sequence against the reference): use grpo, dapo or dr_grpo, or unset it"
+                    )
+        if self.loss_type in ("cispo", "sapo"):
+            if self.clip_ratio_c is not None:
+                raise ValueError(
+                    f"clip_ratio_c dual-clips PPO's hard clip, which loss_type {self.loss_type!r} "
+                    "does not have: unset clip_ratio_c (or use grpo, dapo or dr_grpo)"
+                )
+            if self.importance_sampling_level != "token":
+                raise ValueError(
+                    f"loss_type {self.loss_type!r} weighs each token by its own ratio: leave "
+                    "importance_sampling_level 'token'"
+                )
+        if self.kl_in_reward and self.kl_beta == 0:
+            raise ValueError(
+                "kl_in_reward subtracts kl_beta x the KL from each reward: set kl_beta > 0 "
+                "(or kl_in_reward false)"
             )
 
     @property
@@ -143,6 +226,7 @@ class _LossInputs:
     mask: Tensor  # bool
     settings: LossSettings
     behav_logp: Tensor | None = None
+    entropy: Tensor | None = None
 
     def __post_init__(self) -> None:
         # A (B, 1) advantage would silently broadcast to (B, B, T) below; fail loudly instead.
@@ -151,6 +235,7 @@ class _LossInputs:
             "ref_logp": self.ref_logp,
             "mask": self.mask,
             "behav_logp": self.behav_logp,
+            "entropy": self.entropy,
         }
         for name, tensor in per_token.items():
             if tensor is not None and tensor.shape != self.logp.shape:
@@ -171,6 +256,11 @@ class _LossInputs:
                 f"ref_logp is required when kl_beta > 0 or loss_type == 'forge' "
                 f"(got kl_beta={self.settings.kl_beta}, loss_type={self.settings.loss_type!r})"
             )
+        if self.entropy is None and self.settings.entropy_coef > 0:
+            raise ValueError(
+                f"entropy (B, T), with its gradient, is required when entropy_coef > 0 "
+                f"(got entropy_coef={self.settings.entropy_coef})"
+            )
 
     @property
     def eps(self) -> tuple[float, float]:
@@ -183,10 +273,16 @@ class _LossInputs:
         return kind.numerator(values, self.mask) / loss_normalizer(self.settings, self.mask).clamp(min=1)
 
 
-def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's pessimistic objective, negated to be a loss; ``ratio`` and ``advantages`` broadcast."""
+def _clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None
+) -> Tensor:
+    """PPO's pessimistic objective, negated to be a loss; ``ratio`` and ``advantages`` broadcast.
+    With ``dual_clip`` c, a negative advantage's term is at most ``-c * A`` (dual-clip PPO)."""
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    return -torch.minimum(ratio * advantages, clipped * advantages)
+    policy = -torch.minimum(ratio * advantages, clipped * advantages)
+    if dual_clip is None:
+        return policy
+    return torch.where(advantages < 0, torch.minimum(policy, -dual_clip * advantages), policy)
 
 
 def _clip_masks(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
@@ -231,17 +327,48 @@ def _forge_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     return _add_kl(policy, kl, x.settings.kl_beta), metrics
 
 
-def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """The per-token clipped surrogate plus k3 penalty of grpo, dapo and dr_grpo, which differ
-    only in how :meth:`_LossInputs.reduce` turns (B, T) values into a scalar."""
+Surrogate = Callable[[_LossInputs, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+
+
+def _ppo_clip(x: _LossInputs, ratio: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped policy term (dual-clipped with ``clip_ratio_c``) and where each clip bites."""
     eps_low, eps_high = x.eps
+    policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high, x.settings.clip_ratio_c)
+    return (policy, *_clip_masks(ratio.detach(), advantages, eps_low, eps_high))
+
+
+def _cispo(x: _LossInputs, ratio: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO's REINFORCE term ``-sg(min(r, 1 + eps_high)) * A * logp`` (arXiv 2506.13585); the
+    high fraction counts the tokens whose weight the cap lowered, whatever the advantage's sign."""
+    cap = 1 + x.eps[1]
+    weight = ratio.detach().clamp(max=cap)  # (B, T), a constant: REINFORCE, not a ratio's gradient
+    policy = -weight * advantages * torch.where(x.mask, x.logp, 0)
+    return policy, torch.zeros_like(x.mask), ratio.detach() > cap
+
+
+def _sapo(x: _LossInputs, ratio: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """SAPO's soft-gated term ``-sigmoid(tau (r - 1)) * 4 / tau * A`` (arXiv 2511.20347), ``tau``
+    by the advantage's sign; no hard clip, so no clip fraction."""
+    s = x.settings
+    pos, neg = advantages.new_tensor(s.sapo_temperature_pos), advantages.new_tensor(s.sapo_temperature_neg)
+    tau = torch.where(advantages > 0, pos, neg)  # (B, 1)
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
+    no_clip = torch.zeros_like(x.mask)
+    return -gate * advantages, no_clip, no_clip
+
+
+def _token_level_loss(x: _LossInputs, surrogate: Surrogate) -> tuple[Tensor, dict[str, Tensor]]:
+    """The per-token policy term (``surrogate``) plus the KL penalty and entropy bonus of the
+    token-level loss types, which differ in that term and in how :meth:`_LossInputs.reduce`
+    turns (B, T) values into a scalar."""
     advantages = x.advantages.unsqueeze(-1)  # (B, 1)
     # Zero the log-ratios on padding before exp: garbage there could overflow, and inf * 0 grads are NaN.
     log_ratio = torch.where(x.mask, x.logp - x.old_logp, 0)  # (B, T)
     if x.settings.importance_sampling_level == "sequence":
         log_ratio = masked_mean(log_ratio, x.mask, dim=1).unsqueeze(-1)  # (B, 1): one per completion
     ratio = torch.exp(log_ratio)
-    policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high).expand_as(x.logp)  # (B, T)
+    policy, low, high = surrogate(x, ratio, advantages)
+    policy = policy.expand_as(x.logp)  # (B, T)
     behaviour: dict[str, Tensor] = {}
     if x.behav_logp is not None:
         s = x.settings
@@ -258,9 +385,13 @@ def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     kl_metric = x.logp.new_zeros(())
     if x.ref_logp is not None:
         kl = _KL_ESTIMATORS[x.settings.kl_estimator](torch.where(x.mask, x.ref_logp - x.logp, 0))  # (B, T)
-        per_token = _add_kl(policy, kl, x.settings.kl_beta)
+        # With kl_in_reward the penalty is in the advantages already.
+        per_token = _add_kl(policy, kl, 0.0 if x.settings.kl_in_reward else x.settings.kl_beta)
         kl_metric = masked_mean(kl.detach(), x.mask)
-    low, high = (m.expand_as(x.logp) for m in _clip_masks(ratio.detach(), advantages, eps_low, eps_high))
+    if x.settings.entropy_coef > 0:
+        assert x.entropy is not None  # _LossInputs guarantees it
+        per_token = per_token - x.settings.entropy_coef * torch.where(x.mask, x.entropy, 0)
+    low, high = (m.expand_as(x.logp) for m in (low, high))
     metrics = {
         "policy_loss": x.reduce(policy.detach()),
         "kl": kl_metric,
@@ -301,13 +432,27 @@ class _LossKind:
     over_the_step: bool = True
 
 
+def _sequences_with_tokens(mask: Tensor, _: int) -> Tensor:
+    return mask.any(dim=1).sum()
+
+
+def _tokens(mask: Tensor, _: int) -> Tensor:
+    return mask.sum()
+
+
+_ppo_loss = partial(_token_level_loss, surrogate=_ppo_clip)
+
 _KINDS: dict[str, _LossKind] = {
     # DeepSeekMath: mean over tokens within each sequence, then over the sequences with tokens.
-    "grpo": _LossKind(_token_level_loss, _sequence_means, lambda mask, _: mask.any(dim=1).sum()),
+    "grpo": _LossKind(_ppo_loss, _sequence_means, _sequences_with_tokens),
     # DAPO: every token weighs the same, so long completions are not diluted.
-    "dapo": _LossKind(_token_level_loss, _token_sum, lambda mask, _: mask.sum()),
+    "dapo": _LossKind(_ppo_loss, _token_sum, _tokens),
     # Dr. GRPO: a constant normaliser, removing the length bias of per-sequence means.
-    "dr_grpo": _LossKind(_token_level_loss, _token_sum, lambda mask, length: mask.shape[0] * length),
+    "dr_grpo": _LossKind(_ppo_loss, _token_sum, lambda mask, length: mask.shape[0] * length),
+    # MiniMax-M1's CISPO: a token-mean over the batch, as its objective's 1 / sum |o_i|.
+    "cispo": _LossKind(partial(_token_level_loss, surrogate=_cispo), _token_sum, _tokens),
+    # Qwen's SAPO: per-sequence means, then over the sequences, as GRPO.
+    "sapo": _LossKind(partial(_token_level_loss, surrogate=_sapo), _sequence_means, _sequences_with_tokens),
     "forge": _LossKind(
         _forge_loss,
         _sequence_sum,
@@ -320,8 +465,8 @@ _KINDS: dict[str, _LossKind] = {
 
 
 def loss_normalizer(settings: LossSettings, mask: Tensor) -> Tensor:
-    """The count the loss type divides by over ``mask`` (B, T): sequences with tokens (grpo),
-    tokens (dapo), ``B x max_completion_length`` (dr_grpo) or sequences (forge)."""
+    """The count the loss type divides by over ``mask`` (B, T): sequences with tokens (grpo,
+    sapo), tokens (dapo, cispo), ``B x max_completion_length`` (dr_grpo) or sequences (forge)."""
     length = mask.shape[1] if settings.max_completion_length is None else settings.max_completion_length
     count = _KINDS[settings.loss_type].normalizer(mask.bool(), length)
     return torch.as_tensor(count, dtype=torch.float32, device=mask.device)
@@ -368,6 +513,7 @@ def grpo_loss(
     mask: Tensor,
     settings: LossSettings = LossSettings(),  # frozen, so a shared default is safe
     behav_logp: Tensor | None = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss with a k3 KL penalty towards the reference policy.
 
@@ -400,6 +546,8 @@ def grpo_loss(
         settings: the loss type and its constants.
         behav_logp: (B, T) the log-probs the sampler reported (an engine's, or an older
             version's); None: no correction.
+        entropy: (B, T) each position's entropy, differentiable w.r.t. the same logits as
+            ``logp``; read only when ``settings.entropy_coef > 0`` (then required).
 
     Returns:
         The scalar loss and detached scalar metrics ``policy_loss``, ``kl``, ``clip_fraction_low``
@@ -415,6 +563,23 @@ def grpo_loss(
         mask=mask.bool(),
         settings=settings,
         behav_logp=behav_logp,
+        entropy=entropy,
     )
     loss, metrics = _KINDS[settings.loss_type].loss(inputs)
     return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def kl_penalised_rewards(
+    rewards: Tensor, old_logp: Tensor, ref_logp: Tensor, mask: Tensor, settings: LossSettings
+) -> Tensor:
+    """The (B,) rewards less ``kl_beta x`` each completion's KL to the reference: the sum over its
+    ``mask`` tokens of the ``kl_estimator`` of ``x = ref_logp - old_logp`` (the sampling policy's
+    log-probs ``old_logp``, so the penalty is a constant of the reward, as verl's
+    ``use_kl_in_reward``, which sums its per-token KL into the sequence's reward likewise).
+    The rewards as they are unless ``settings.kl_in_reward``."""
+    if not settings.kl_in_reward:
+        return rewards
+    mask = mask.bool()
+    kl = _KL_ESTIMATORS[settings.kl_estimator](torch.where(mask, ref_logp - old_logp, 0))  # (B, T)
+    penalty = kl.masked_fill(~mask, 0).sum(dim=1).detach()  # (B,)
+    return rewards - settings.kl_beta * penalty.to(rewards.dtype)
