@@ -15,16 +15,15 @@ from forge_lightning.grpo.advantages import (
     needs_batch,
 )
 from forge_lightning.grpo.core import masked_mean, token_log_probs, token_log_probs_and_entropy
+from forge_lightning.grpo.kl import KLEstimator, kl_penalised_rewards
 from forge_lightning.grpo.losses import (
     LOSS_TYPES,
     ImportanceSampling,
-    KLEstimator,
     LossSettings,
     LossType,
     RolloutCorrection,
     backward_weight,
     grpo_loss,
-    kl_penalised_rewards,
     loss_normalizer,
     micro_batch_weight,
     step_count,

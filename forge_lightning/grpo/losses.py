@@ -18,11 +18,12 @@ from torch import Tensor
 
 from forge_lightning.grpo.core import masked_mean
 from forge_lightning.grpo.correction import RolloutCorrection, sampler_corrected
+from forge_lightning.grpo.kl import KL_ESTIMATORS, KLEstimator, k3
+from forge_lightning.grpo.surrogates import Surrogate, cispo, clip_masks, clipped_surrogate, ppo_clip, sapo
 
 LossType = Literal["grpo", "dapo", "dr_grpo", "forge", "cispo", "sapo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 ImportanceSampling = Literal["token", "sequence"]
-KLEstimator = Literal["k1", "k2", "k3"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class LossSettings:
         kl_in_reward: put the KL penalty in the reward instead of the loss (verl's
             ``use_kl_in_reward``): each completion's reward loses ``kl_beta x`` the sum over its
             tokens of the ``kl_estimator``'s KL between the sampling policy and the reference
-            (:func:`kl_penalised_rewards`), before advantages; the loss then has no KL term (its
+            (grpo.kl.kl_penalised_rewards), before advantages; the loss then has no KL term (its
             ``kl`` metric is still reported). Needs ``kl_beta > 0``; not with ``forge``.
     """
 
@@ -129,7 +130,7 @@ class LossSettings:
                 self.importance_sampling_level in get_args(ImportanceSampling),
                 f"one of {get_args(ImportanceSampling)}",
             ),
-            "kl_estimator": (self.kl_estimator in _KL_ESTIMATORS, f"one of {get_args(KLEstimator)}"),
+            "kl_estimator": (self.kl_estimator in KL_ESTIMATORS, f"one of {get_args(KLEstimator)}"),
             "behav_imp_weight_cap": (
                 self.behav_imp_weight_cap is None
                 or (_number(self.behav_imp_weight_cap) and self.behav_imp_weight_cap > 1),
@@ -161,45 +162,40 @@ class LossSettings:
         for field, (ok, words) in checks.items():
             if not ok:
                 raise ValueError(f"{field} must be {words}, got {getattr(self, field)!r}")
-        if self.loss_type == "forge" and (
-            self.importance_sampling_level != "token" or self.kl_estimator != "k3"
-        ):
+        if self.loss_type == "forge" and self.kl_estimator != "k3":
             raise ValueError(
                 "loss_type 'forge' is Forge's own sequence-level loss with its k3 term: leave "
-                "importance_sampling_level 'token' and kl_estimator 'k3'"
+                "kl_estimator 'k3'"
             )
         self._check_levers()
 
     def _check_levers(self) -> None:
-        """Refuse, by name, the levers that do not combine with the loss type or each other."""
-        if self.loss_type == "forge":
-            levers = {
-                "clip_ratio_c": self.clip_ratio_c is not None,
-                "entropy_coef": self.entropy_coef > 0,
-                "kl_in_reward": self.kl_in_reward,
-            }
-            for name, on in levers.items():
-                if on:
-                    raise ValueError(
-                        f"{name} does not go with loss_type 'forge' (Forge's own loss, one ratio "
-                        "per sequence against the reference): use grpo, dapo or dr_grpo, or unset it"
-                    )
-        if self.loss_type in ("cispo", "sapo"):
-            if self.clip_ratio_c is not None:
+        """Refuse, by name, the settings the loss type does not take (its ``_KINDS`` entry's
+        ``refuses``), and the KL in the reward without a KL weight."""
+        kind = _KINDS[self.loss_type]
+        set_ = {
+            "importance_sampling_level": self.importance_sampling_level != "token",
+            "clip_ratio_c": self.clip_ratio_c is not None,
+            "entropy_coef": self.entropy_coef > 0,
+            "kl_in_reward": self.kl_in_reward,
+        }
+        for name in kind.refuses:
+            if set_[name]:
                 raise ValueError(
-                    f"clip_ratio_c dual-clips PPO's hard clip, which loss_type {self.loss_type!r} "
-                    "does not have: unset clip_ratio_c (or use grpo, dapo or dr_grpo)"
-                )
-            if self.importance_sampling_level != "token":
-                raise ValueError(
-                    f"loss_type {self.loss_type!r} weighs each token by its own ratio: leave "
-                    "importance_sampling_level 'token'"
+                    f"{name} does not go with loss_type {self.loss_type!r} ({kind.why}): leave "
+                    f"{name} at its default, or use grpo, dapo or dr_grpo"
                 )
         if self.kl_in_reward and self.kl_beta == 0:
             raise ValueError(
                 "kl_in_reward subtracts kl_beta x the KL from each reward: set kl_beta > 0 "
                 "(or kl_in_reward false)"
             )
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(eps_low, eps_high)``: the ratio is clipped to ``[1 - eps_low, 1 + eps_high]``."""
+        high = self.clip_epsilon_high
+        return self.clip_epsilon, self.clip_epsilon if high is None else high
 
     @property
     def needs_reference(self) -> bool:
@@ -262,46 +258,10 @@ class _LossInputs:
                 f"(got entropy_coef={self.settings.entropy_coef})"
             )
 
-    @property
-    def eps(self) -> tuple[float, float]:
-        high = self.settings.clip_epsilon_high
-        return self.settings.clip_epsilon, self.settings.clip_epsilon if high is None else high
-
     def reduce(self, values: Tensor) -> Tensor:
         """(B, T) per-token values (or (B,) per-sequence ones) to the loss type's scalar."""
         kind = _KINDS[self.settings.loss_type]
         return kind.numerator(values, self.mask) / loss_normalizer(self.settings, self.mask).clamp(min=1)
-
-
-def _clipped_surrogate(
-    ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float, dual_clip: float | None = None
-) -> Tensor:
-    """PPO's pessimistic objective, negated to be a loss; ``ratio`` and ``advantages`` broadcast.
-    With ``dual_clip`` c, a negative advantage's term is at most ``-c * A`` (dual-clip PPO)."""
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    policy = -torch.minimum(ratio * advantages, clipped * advantages)
-    if dual_clip is None:
-        return policy
-    return torch.where(advantages < 0, torch.minimum(policy, -dual_clip * advantages), policy)
-
-
-def _clip_masks(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
-    """Where the clip actually changes the objective (its gradient is zero there), low and high side."""
-    low = (ratio < 1 - eps_low) & (advantages < 0)
-    high = (ratio > 1 + eps_high) & (advantages > 0)
-    return low, high
-
-
-def _k3(log_ratio: Tensor) -> Tensor:
-    """Schulman's k3 estimator of KL, exp(x) - x - 1: unbiased for the KL and never negative."""
-    return torch.exp(log_ratio) - log_ratio - 1
-
-
-_KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
-    "k1": lambda x: -x,
-    "k2": lambda x: 0.5 * x**2,
-    "k3": _k3,
-}
 
 
 def _add_kl(policy: Tensor, kl: Tensor, beta: float) -> Tensor:
@@ -312,12 +272,12 @@ def _add_kl(policy: Tensor, kl: Tensor, beta: float) -> Tensor:
 def _forge_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """Forge's literal loss: one ratio per sequence, of mean token log-probs, against the reference."""
     assert x.ref_logp is not None  # _LossInputs guarantees it for "forge"
-    eps_low, eps_high = x.eps
+    eps_low, eps_high = x.settings.clip_range
     log_ratio = masked_mean(x.logp, x.mask, dim=1) - masked_mean(x.ref_logp, x.mask, dim=1)  # (B,)
     ratio = torch.exp(log_ratio)
-    policy = x.reduce(_clipped_surrogate(ratio, x.advantages, eps_low, eps_high))
-    kl = _k3(log_ratio).mean()
-    low, high = _clip_masks(ratio.detach(), x.advantages, eps_low, eps_high)
+    policy = x.reduce(clipped_surrogate(ratio, x.advantages, eps_low, eps_high))
+    kl = k3(log_ratio).mean()
+    low, high = clip_masks(ratio.detach(), x.advantages, eps_low, eps_high)
     metrics = {
         "policy_loss": policy,
         "kl": kl,
@@ -325,36 +285,6 @@ def _forge_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         "clip_fraction_high": high.float().mean(),
     }
     return _add_kl(policy, kl, x.settings.kl_beta), metrics
-
-
-Surrogate = Callable[[_LossInputs, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
-
-
-def _ppo_clip(x: _LossInputs, ratio: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """PPO's clipped policy term (dual-clipped with ``clip_ratio_c``) and where each clip bites."""
-    eps_low, eps_high = x.eps
-    policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high, x.settings.clip_ratio_c)
-    return (policy, *_clip_masks(ratio.detach(), advantages, eps_low, eps_high))
-
-
-def _cispo(x: _LossInputs, ratio: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """CISPO's REINFORCE term ``-sg(min(r, 1 + eps_high)) * A * logp`` (arXiv 2506.13585); the
-    high fraction counts the tokens whose weight the cap lowered, whatever the advantage's sign."""
-    cap = 1 + x.eps[1]
-    weight = ratio.detach().clamp(max=cap)  # (B, T), a constant: REINFORCE, not a ratio's gradient
-    policy = -weight * advantages * torch.where(x.mask, x.logp, 0)
-    return policy, torch.zeros_like(x.mask), ratio.detach() > cap
-
-
-def _sapo(x: _LossInputs, ratio: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """SAPO's soft-gated term ``-sigmoid(tau (r - 1)) * 4 / tau * A`` (arXiv 2511.20347), ``tau``
-    by the advantage's sign; no hard clip, so no clip fraction."""
-    s = x.settings
-    pos, neg = advantages.new_tensor(s.sapo_temperature_pos), advantages.new_tensor(s.sapo_temperature_neg)
-    tau = torch.where(advantages > 0, pos, neg)  # (B, 1)
-    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)
-    no_clip = torch.zeros_like(x.mask)
-    return -gate * advantages, no_clip, no_clip
 
 
 def _token_level_loss(x: _LossInputs, surrogate: Surrogate) -> tuple[Tensor, dict[str, Tensor]]:
@@ -367,7 +297,7 @@ def _token_level_loss(x: _LossInputs, surrogate: Surrogate) -> tuple[Tensor, dic
     if x.settings.importance_sampling_level == "sequence":
         log_ratio = masked_mean(log_ratio, x.mask, dim=1).unsqueeze(-1)  # (B, 1): one per completion
     ratio = torch.exp(log_ratio)
-    policy, low, high = surrogate(x, ratio, advantages)
+    policy, low, high = surrogate(ratio, advantages, x.logp, x.mask, x.settings)
     policy = policy.expand_as(x.logp)  # (B, T)
     behaviour: dict[str, Tensor] = {}
     if x.behav_logp is not None:
@@ -384,7 +314,7 @@ def _token_level_loss(x: _LossInputs, surrogate: Surrogate) -> tuple[Tensor, dic
     per_token = policy
     kl_metric = x.logp.new_zeros(())
     if x.ref_logp is not None:
-        kl = _KL_ESTIMATORS[x.settings.kl_estimator](torch.where(x.mask, x.ref_logp - x.logp, 0))  # (B, T)
+        kl = KL_ESTIMATORS[x.settings.kl_estimator](torch.where(x.mask, x.ref_logp - x.logp, 0))  # (B, T)
         # With kl_in_reward the penalty is in the advantages already.
         per_token = _add_kl(policy, kl, 0.0 if x.settings.kl_in_reward else x.settings.kl_beta)
         kl_metric = masked_mean(kl.detach(), x.mask)
@@ -422,6 +352,8 @@ class _LossKind:
     ``over_the_step``: the normaliser is counted over a whole optimizer step (every accumulation
     batch, every rank), so the step's gradient is that of one loss over all its rollouts; False
     (forge) averages the per-batch losses instead, as Forge's per-prompt accumulation does.
+    ``refuses``: the settings (of :meth:`LossSettings._check_levers`) it does not take off their
+    defaults, ``why`` saying why in the refusal.
     """
 
     loss: Callable[[_LossInputs], tuple[Tensor, dict[str, Tensor]]]
@@ -430,6 +362,8 @@ class _LossKind:
     ratio_against_reference: bool = False
     at_sampling_temperature: bool = True
     over_the_step: bool = True
+    refuses: tuple[str, ...] = ()
+    why: str = ""
 
 
 def _sequences_with_tokens(mask: Tensor, _: int) -> Tensor:
@@ -440,7 +374,8 @@ def _tokens(mask: Tensor, _: int) -> Tensor:
     return mask.sum()
 
 
-_ppo_loss = partial(_token_level_loss, surrogate=_ppo_clip)
+_ppo_loss = partial(_token_level_loss, surrogate=ppo_clip)
+_NO_HARD_CLIP = "it weighs each token by its own ratio, with no hard clip to dual-clip"
 
 _KINDS: dict[str, _LossKind] = {
     # DeepSeekMath: mean over tokens within each sequence, then over the sequences with tokens.
@@ -450,9 +385,21 @@ _KINDS: dict[str, _LossKind] = {
     # Dr. GRPO: a constant normaliser, removing the length bias of per-sequence means.
     "dr_grpo": _LossKind(_ppo_loss, _token_sum, lambda mask, length: mask.shape[0] * length),
     # MiniMax-M1's CISPO: a token-mean over the batch, as its objective's 1 / sum |o_i|.
-    "cispo": _LossKind(partial(_token_level_loss, surrogate=_cispo), _token_sum, _tokens),
+    "cispo": _LossKind(
+        partial(_token_level_loss, surrogate=cispo),
+        _token_sum,
+        _tokens,
+        refuses=("importance_sampling_level", "clip_ratio_c"),
+        why=_NO_HARD_CLIP,
+    ),
     # Qwen's SAPO: per-sequence means, then over the sequences, as GRPO.
-    "sapo": _LossKind(partial(_token_level_loss, surrogate=_sapo), _sequence_means, _sequences_with_tokens),
+    "sapo": _LossKind(
+        partial(_token_level_loss, surrogate=sapo),
+        _sequence_means,
+        _sequences_with_tokens,
+        refuses=("importance_sampling_level", "clip_ratio_c"),
+        why=_NO_HARD_CLIP,
+    ),
     "forge": _LossKind(
         _forge_loss,
         _sequence_sum,
@@ -460,6 +407,8 @@ _KINDS: dict[str, _LossKind] = {
         ratio_against_reference=True,
         at_sampling_temperature=False,
         over_the_step=False,
+        refuses=("importance_sampling_level", "clip_ratio_c", "entropy_coef", "kl_in_reward"),
+        why="Forge's own loss: one ratio per sequence against the reference, with its k3 term",
     ),
 }
 
@@ -567,19 +516,3 @@ def grpo_loss(
     )
     loss, metrics = _KINDS[settings.loss_type].loss(inputs)
     return loss, {name: value.detach() for name, value in metrics.items()}
-
-
-def kl_penalised_rewards(
-    rewards: Tensor, old_logp: Tensor, ref_logp: Tensor, mask: Tensor, settings: LossSettings
-) -> Tensor:
-    """The (B,) rewards less ``kl_beta x`` each completion's KL to the reference: the sum over its
-    ``mask`` tokens of the ``kl_estimator`` of ``x = ref_logp - old_logp`` (the sampling policy's
-    log-probs ``old_logp``, so the penalty is a constant of the reward, as verl's
-    ``use_kl_in_reward``, which sums its per-token KL into the sequence's reward likewise).
-    The rewards as they are unless ``settings.kl_in_reward``."""
-    if not settings.kl_in_reward:
-        return rewards
-    mask = mask.bool()
-    kl = _KL_ESTIMATORS[settings.kl_estimator](torch.where(mask, ref_logp - old_logp, 0))  # (B, T)
-    penalty = kl.masked_fill(~mask, 0).sum(dim=1).detach()  # (B,)
-    return rewards - settings.kl_beta * penalty.to(rewards.dtype)

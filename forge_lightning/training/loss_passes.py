@@ -76,7 +76,9 @@ class LossPasses:
             sampled = self.scorer.log_probs_no_grad(model, rollout)
         self._reward_log_probs = (rollout, sampled, ref_logp)
         mask = rollout.loss_mask(self.mask_truncated)
-        return kl_penalised_rewards(rewards, sampled, ref_logp, mask, self.loss)
+        return kl_penalised_rewards(
+            rewards, sampled, ref_logp, mask, self.loss.kl_beta, self.loss.kl_estimator
+        )
 
     def reference_log_probs(self, reference: ReferenceSource | None, rollout: Rollout) -> Tensor | None:
         """The reference's log-probs ``(P*G, Lc)``; None when no loss term reads them."""
