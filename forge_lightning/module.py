@@ -113,8 +113,10 @@ class GRPOLightningModule(pl.LightningModule):
         clip_ratio_c: dual-clip bound for negative advantages (> 1; verl's 3); None: off.
         sapo_temperature_pos: ``sapo``'s gate temperature where the advantage is positive.
         sapo_temperature_neg: ``sapo``'s gate temperature where the advantage is negative.
-        entropy_coef: weight of the entropy bonus subtracted from the loss; 0: none.
-        kl_in_reward: the KL penalty subtracted from each reward before advantages, not in the loss.
+        entropy_coef: weight of an entropy bonus: this times the tokens' entropy, reduced as the
+            loss is, is subtracted from it; 0: none.
+        kl_in_reward: ``kl_beta`` x each completion's KL to the reference (summed over its tokens)
+            is subtracted from its reward before advantages, instead of a KL term in the loss.
         advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
         advantage_estimator: the baseline: ``grpo`` (group mean), ``rloo`` (leave-one-out mean)
             or ``reinforce_pp`` (group mean, then the batch's std; needs ``advantage_scale: none``).

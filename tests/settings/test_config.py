@@ -111,6 +111,12 @@ def test_a_boolean_is_not_a_number():
         ({"rollout_device": "cuda:1"}, "rollout_mode='async'"),
         ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_p": 0.9}, "top_p"),
         ({"generation_backend": "vllm", "use_engine_logprobs": True, "top_k": 5}, "top_k"),
+        ({"advantage_estimator": "reinforce_pp"}, "advantage_scale='none'"),
+        ({"advantage_estimator": "reinforce_pp", "advantage_scale": "batch"}, "advantage_scale='none'"),
+        ({"kl_in_reward": True, "dynamic_sampling": True}, "kl_in_reward .* dynamic_sampling"),
+        ({"kl_in_reward": True, "kl_beta": 0.0}, "set kl_beta > 0"),
+        ({"clip_ratio_c": 3.0, "loss_type": "sapo"}, "clip_ratio_c does not go with loss_type 'sapo'"),
+        ({"entropy_coef": 0.1, "loss_type": "forge"}, "entropy_coef does not go with loss_type 'forge'"),
     ],
 )
 def test_settings_that_cannot_go_together_are_refused_naming_them(settings, field):
