@@ -173,14 +173,14 @@ class LossSettings:
         """Refuse, by name, the settings the loss type does not take (its ``_KINDS`` entry's
         ``refuses``), and the KL in the reward without a KL weight."""
         kind = _KINDS[self.loss_type]
-        set_ = {
+        changed = {
             "importance_sampling_level": self.importance_sampling_level != "token",
             "clip_ratio_c": self.clip_ratio_c is not None,
             "entropy_coef": self.entropy_coef > 0,
             "kl_in_reward": self.kl_in_reward,
         }
         for name in kind.refuses:
-            if set_[name]:
+            if changed[name]:
                 raise ValueError(
                     f"{name} does not go with loss_type {self.loss_type!r} ({kind.why}): leave "
                     f"{name} at its default, or use grpo, dapo or dr_grpo"
@@ -467,7 +467,10 @@ def grpo_loss(
     """Clipped policy-gradient loss with a k3 KL penalty towards the reference policy.
 
     Per token, with ``r = exp(logp - old_logp)`` and the completion's advantage ``A``, the policy
-    term is ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``. Given the sampler's own
+    term is ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (dual-clipped with
+    ``clip_ratio_c``; ``cispo`` and ``sapo`` have their own, see :class:`LossSettings` and
+    grpo/surrogates.py), plus ``kl_beta x`` the KL term (none with ``kl_in_reward``) less
+    ``entropy_coef x`` the token's entropy, reduced by the loss type. Given the sampler's own
     log-probs ``behav_logp`` (rollout correction), the term becomes ``-w * min(r * A, clip(r) * A)``
     with one detached weight ``w``:
 
