@@ -85,9 +85,10 @@ class LossSettings:
         sapo_temperature_neg: sapo's gate temperature where it is negative, > 0 (1.05: the
             paper fades negative-advantage tokens faster, they spread their push over the whole
             vocabulary).
-        entropy_coef: weight of an entropy bonus, >= 0: ``entropy_coef x`` each token's entropy
-            (of the scored distribution, with its gradient) is subtracted from the per-token loss
-            and reduced as the loss type reduces it (verl's ``entropy_coeff``). 0: no term.
+        entropy_coef: weight of an entropy bonus, >= 0: ``entropy_coef x`` the tokens' entropy
+            (of the scored distribution, with its gradient), reduced as the loss type reduces its
+            per-token loss, is subtracted from the loss (:func:`entropy_bonus`; verl's
+            ``entropy_coeff``). 0: no term.
         kl_in_reward: put the KL penalty in the reward instead of the loss (verl's
             ``use_kl_in_reward``): each completion's reward loses ``kl_beta x`` the sum over its
             tokens of the ``kl_estimator``'s KL between the sampling policy and the reference
@@ -222,7 +223,6 @@ class _LossInputs:
     mask: Tensor  # bool
     settings: LossSettings
     behav_logp: Tensor | None = None
-    entropy: Tensor | None = None
 
     def __post_init__(self) -> None:
         # A (B, 1) advantage would silently broadcast to (B, B, T) below; fail loudly instead.
@@ -231,7 +231,6 @@ class _LossInputs:
             "ref_logp": self.ref_logp,
             "mask": self.mask,
             "behav_logp": self.behav_logp,
-            "entropy": self.entropy,
         }
         for name, tensor in per_token.items():
             if tensor is not None and tensor.shape != self.logp.shape:
@@ -252,16 +251,15 @@ class _LossInputs:
                 f"ref_logp is required when kl_beta > 0 or loss_type == 'forge' "
                 f"(got kl_beta={self.settings.kl_beta}, loss_type={self.settings.loss_type!r})"
             )
-        if self.entropy is None and self.settings.entropy_coef > 0:
-            raise ValueError(
-                f"entropy (B, T), with its gradient, is required when entropy_coef > 0 "
-                f"(got entropy_coef={self.settings.entropy_coef})"
-            )
 
     def reduce(self, values: Tensor) -> Tensor:
         """(B, T) per-token values (or (B,) per-sequence ones) to the loss type's scalar."""
-        kind = _KINDS[self.settings.loss_type]
-        return kind.numerator(values, self.mask) / loss_normalizer(self.settings, self.mask).clamp(min=1)
+        return _reduced(values, self.mask, self.settings)
+
+
+def _reduced(values: Tensor, mask: Tensor, settings: LossSettings) -> Tensor:
+    kind = _KINDS[settings.loss_type]
+    return kind.numerator(values, mask) / loss_normalizer(settings, mask).clamp(min=1)
 
 
 def _add_kl(policy: Tensor, kl: Tensor, beta: float) -> Tensor:
@@ -288,9 +286,9 @@ def _forge_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 
 
 def _token_level_loss(x: _LossInputs, surrogate: Surrogate) -> tuple[Tensor, dict[str, Tensor]]:
-    """The per-token policy term (``surrogate``) plus the KL penalty and entropy bonus of the
-    token-level loss types, which differ in that term and in how :meth:`_LossInputs.reduce`
-    turns (B, T) values into a scalar."""
+    """The per-token policy term (``surrogate``) plus the KL penalty of the token-level loss
+    types, which differ in that term and in how :meth:`_LossInputs.reduce` turns (B, T) values
+    into a scalar."""
     advantages = x.advantages.unsqueeze(-1)  # (B, 1)
     # Zero the log-ratios on padding before exp: garbage there could overflow, and inf * 0 grads are NaN.
     log_ratio = torch.where(x.mask, x.logp - x.old_logp, 0)  # (B, T)
@@ -318,9 +316,6 @@ def _token_level_loss(x: _LossInputs, surrogate: Surrogate) -> tuple[Tensor, dic
         # With kl_in_reward the penalty is in the advantages already.
         per_token = _add_kl(policy, kl, 0.0 if x.settings.kl_in_reward else x.settings.kl_beta)
         kl_metric = masked_mean(kl.detach(), x.mask)
-    if x.settings.entropy_coef > 0:
-        assert x.entropy is not None  # _LossInputs guarantees it
-        per_token = per_token - x.settings.entropy_coef * torch.where(x.mask, x.entropy, 0)
     low, high = (m.expand_as(x.logp) for m in (low, high))
     metrics = {
         "policy_loss": x.reduce(policy.detach()),
@@ -462,15 +457,15 @@ def grpo_loss(
     mask: Tensor,
     settings: LossSettings = LossSettings(),  # frozen, so a shared default is safe
     behav_logp: Tensor | None = None,
-    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss with a k3 KL penalty towards the reference policy.
 
     Per token, with ``r = exp(logp - old_logp)`` and the completion's advantage ``A``, the policy
     term is ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (dual-clipped with
     ``clip_ratio_c``; ``cispo`` and ``sapo`` have their own, see :class:`LossSettings` and
-    grpo/surrogates.py), plus ``kl_beta x`` the KL term (none with ``kl_in_reward``) less
-    ``entropy_coef x`` the token's entropy, reduced by the loss type. Given the sampler's own
+    grpo/surrogates.py), plus ``kl_beta x`` the KL term (none with ``kl_in_reward``), reduced by
+    the loss type (an entropy bonus is :func:`entropy_bonus`, subtracted by the caller, who has
+    the entropy). Given the sampler's own
     log-probs ``behav_logp`` (rollout correction), the term becomes ``-w * min(r * A, clip(r) * A)``
     with one detached weight ``w``:
 
@@ -498,8 +493,6 @@ def grpo_loss(
         settings: the loss type and its constants.
         behav_logp: (B, T) the log-probs the sampler reported (an engine's, or an older
             version's); None: no correction.
-        entropy: (B, T) each position's entropy, differentiable w.r.t. the same logits as
-            ``logp``; read only when ``settings.entropy_coef > 0`` (then required).
 
     Returns:
         The scalar loss and detached scalar metrics ``policy_loss``, ``kl``, ``clip_fraction_low``
@@ -515,7 +508,17 @@ def grpo_loss(
         mask=mask.bool(),
         settings=settings,
         behav_logp=behav_logp,
-        entropy=entropy,
     )
     loss, metrics = _KINDS[settings.loss_type].loss(inputs)
     return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, settings: LossSettings) -> Tensor:
+    """What the entropy bonus takes off :func:`grpo_loss`'s loss: ``entropy_coef x`` the (B, T)
+    ``entropy`` over ``mask``, reduced as the loss type reduces its per-token loss (so a
+    micro-batch's share follows from :func:`micro_batch_weight`, as the loss's does), with the
+    entropy's gradient; exactly 0 when ``entropy_coef`` is 0."""
+    if settings.entropy_coef == 0:
+        return entropy.new_zeros(())
+    mask = mask.bool()
+    return settings.entropy_coef * _reduced(torch.where(mask, entropy, 0), mask, settings)

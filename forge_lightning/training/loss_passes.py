@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 from forge_lightning.grpo import (
     LossSettings,
     backward_weight,
+    entropy_bonus,
     grpo_loss,
     kl_penalised_rewards,
     masked_mean,
@@ -126,8 +127,8 @@ class LossPasses:
                     mask[rows],
                     self.loss,
                     behav_logp=_rows(rollout.behav_logp, rows),
-                    entropy=entropy,
                 )
+                loss = loss - entropy_bonus(entropy, mask[rows], self.loss)
             weight = backward_weight(self.loss, mask[rows], mask).to(loss.device)
             with profile("backward"):
                 backward(loss * weight)

@@ -13,6 +13,7 @@ from torch.testing import assert_close
 from forge_lightning.grpo import (
     ADVANTAGE_ESTIMATORS,
     LossSettings,
+    entropy_bonus,
     group_advantages,
     grpo_loss,
     kl_penalised_rewards,
@@ -229,24 +230,22 @@ def test_entropy_gradient_is_the_softmax_entropys_gradient(chunk_size):
     assert torch.autograd.gradcheck(ours, (logits,))
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
-def test_entropy_coef_subtracts_the_reduced_entropy_and_its_gradient(loss_type):
-    entropy = f64([[0.7, 1.3], [0.4, 9.0]]).requires_grad_()  # 9.0 on padding must not count
-    means = {"grpo": lambda t: ((t[0] + t[1]) / 2 + t[2]) / 2, "dapo": lambda t: sum(t) / 3}
-    reduce = (means | {"cispo": means["dapo"], "sapo": means["grpo"]})[loss_type]
-    plain, plain_grad, _ = loss_and_grad(LossSettings(loss_type, kl_beta=0.0))
-    loss, grad, _ = loss_and_grad(LossSettings(loss_type, kl_beta=0.0, entropy_coef=0.1), entropy=entropy)
-    assert_close(loss, plain - 0.1 * reduce([0.7, 1.3, 0.4]))
-    assert_close(grad, plain_grad)  # the bonus's gradient goes to the entropy, not to logp
-    shares = {"grpo": [0.25, 0.25, 0.5], "dapo": [1 / 3] * 3}
-    shares |= {"cispo": shares["dapo"], "sapo": shares["grpo"]}
-    s = shares[loss_type]
-    assert_close(entropy.grad, f64([[-0.1 * s[0], -0.1 * s[1]], [-0.1 * s[2], 0.0]]))
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "cispo", "sapo"])
+def test_entropy_bonus_is_the_coef_times_the_entropy_reduced_as_the_loss(loss_type):
+    entropy = f64([[0.7, 1.3], [0.4, float("inf")]]).requires_grad_()  # padding must not count
+    # each real token's share of the reduction: grpo and sapo per sequence, dapo and cispo per
+    # token, dr_grpo over 2 rows x 2 positions
+    shares = {"grpo": [0.25, 0.25, 0.5], "dapo": [1 / 3] * 3, "dr_grpo": [0.25] * 3}
+    s = (shares | {"cispo": shares["dapo"], "sapo": shares["grpo"]})[loss_type]
+    bonus = entropy_bonus(entropy, torch.tensor(MASK), LossSettings(loss_type, entropy_coef=0.1))
+    assert_close(bonus.item(), 0.1 * (0.7 * s[0] + 1.3 * s[1] + 0.4 * s[2]))
+    bonus.backward()
+    assert_close(entropy.grad, f64([[0.1 * s[0], 0.1 * s[1]], [0.1 * s[2], 0.0]]))
 
 
-def test_entropy_coef_needs_the_entropy():
-    with pytest.raises(ValueError, match="entropy"):
-        grpo_loss(**inputs(), settings=LossSettings(kl_beta=0.0, entropy_coef=0.1))
+def test_no_entropy_bonus_at_zero_coef():
+    entropy = f64([[0.7, 1.3], [0.4, float("nan")]])
+    assert entropy_bonus(entropy, torch.tensor(MASK), LossSettings()).item() == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -302,9 +301,8 @@ def test_micro_batch_weights_make_each_levers_parts_sum_to_the_whole_loss(lever)
     settings = LossSettings(kl_beta=0.1, max_completion_length=6, **LEVERS[lever])
 
     def loss(rows):
-        return grpo_loss(
-            logp[rows], old[rows], ref[rows], advantages[rows], mask[rows], settings, entropy=entropy[rows]
-        )[0]
+        policy = grpo_loss(logp[rows], old[rows], ref[rows], advantages[rows], mask[rows], settings)[0]
+        return policy - entropy_bonus(entropy[rows], mask[rows], settings)
 
     whole = loss(slice(None))
     parts = [
