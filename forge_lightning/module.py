@@ -110,16 +110,13 @@ class GRPOLightningModule(pl.LightningModule):
         kl_beta: weight of the KL penalty toward the reference; 0 needs no reference.
         importance_sampling_level: ``token`` ratios, or one per completion (``sequence``, GSPO).
         kl_estimator: ``k1``, ``k2`` or ``k3`` (grpo.LossSettings gives each one's gradient).
-        clip_ratio_c: dual-clip bound for negative advantages (> 1; verl's 3); None: off.
-        sapo_temperature_pos: ``sapo``'s gate temperature where the advantage is positive.
-        sapo_temperature_neg: ``sapo``'s gate temperature where the advantage is negative.
-        entropy_coef: weight of an entropy bonus: this times the tokens' entropy, reduced as the
-            loss is, is subtracted from it; 0: none.
-        kl_in_reward: ``kl_beta`` x each completion's KL to the reference (summed over its tokens)
-            is subtracted from its reward before advantages, instead of a KL term in the loss.
+        clip_ratio_c: dual clip's cap on a term with A < 0, in units of -A (> 1); None: off.
+        sapo_temperature_pos: ``sapo``'s gate temperature where A > 0.
+        sapo_temperature_neg: ``sapo``'s gate temperature where A < 0.
+        entropy_coef: weight of the entropy bonus taken off the loss; 0: none.
+        kl_in_reward: ``kl_beta`` x the KL taken off each reward, not added to the loss.
         advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
-        advantage_estimator: the baseline: ``grpo`` (group mean), ``rloo`` (leave-one-out mean)
-            or ``reinforce_pp`` (group mean, then the batch's std; needs ``advantage_scale: none``).
+        advantage_estimator: ``grpo``, ``rloo`` or ``reinforce_pp`` (with ``advantage_scale: none``).
         mask_truncated_completions: a completion cut off at ``max_new_tokens`` (no EOS) gets no
             policy or KL weight, and is left out of the loss's normaliser; it still counts in its
             group's reward statistics (as in TRL and DAPO).

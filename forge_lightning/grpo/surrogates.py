@@ -10,15 +10,29 @@ policy's log-probs and mask (B, T) and the loss settings, and returns the term t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from forge_lightning.grpo.losses import LossSettings
 
-Surrogate = Callable[[Tensor, Tensor, Tensor, Tensor, "LossSettings"], tuple[Tensor, Tensor, Tensor]]
+class LossSettings(Protocol):
+    """What the policy terms read of grpo.LossSettings (whose docstring says what each is)."""
+
+    @property
+    def clip_range(self) -> tuple[float, float]: ...
+
+    @property
+    def clip_ratio_c(self) -> float | None: ...
+
+    @property
+    def sapo_temperature_pos(self) -> float: ...
+
+    @property
+    def sapo_temperature_neg(self) -> float: ...
+
+
+Surrogate = Callable[[Tensor, Tensor, Tensor, Tensor, LossSettings], tuple[Tensor, Tensor, Tensor]]
 
 
 def clipped_surrogate(
