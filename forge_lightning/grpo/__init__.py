@@ -13,6 +13,7 @@ from forge_lightning.grpo.advantages import (
     group_advantages,
     informative_groups,
     needs_batch,
+    scales_itself,
 )
 from forge_lightning.grpo.core import masked_mean, token_log_probs, token_log_probs_and_entropy
 from forge_lightning.grpo.kl import KLEstimator, kl_penalised_rewards
@@ -51,6 +52,7 @@ __all__ = [
     "masked_mean",
     "micro_batch_weight",
     "needs_batch",
+    "scales_itself",
     "step_count",
     "token_log_probs",
     "token_log_probs_and_entropy",

@@ -70,10 +70,15 @@ _ESTIMATORS: dict[str, _Estimator] = {
 }
 
 
+def scales_itself(estimator: AdvantageEstimator) -> bool:
+    """Whether the estimator divides by a std of its own (then ``advantage_scale`` must be none)."""
+    return _ESTIMATORS[estimator].divisor is not None
+
+
 def needs_batch(scale: AdvantageScale, estimator: AdvantageEstimator = "grpo") -> bool:
     """Whether the advantages read the whole batch's rewards (every rank's, under data parallelism):
     ``advantage_scale: batch``'s std, or an estimator that normalises over the batch."""
-    return scale == "batch" or _ESTIMATORS[estimator].divisor is not None
+    return scale == "batch" or scales_itself(estimator)
 
 
 def group_advantages(
@@ -117,7 +122,7 @@ def group_advantages(
     if estimator not in _ESTIMATORS:
         raise ValueError(f"estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
     kind = _ESTIMATORS[estimator]
-    if kind.divisor is not None and scale != "none":
+    if scales_itself(estimator) and scale != "none":
         raise ValueError(
             f"estimator {estimator!r} divides by its own batch std: scale must be 'none', got {scale!r}"
         )

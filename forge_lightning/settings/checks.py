@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from forge_lightning.grpo import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, LossSettings
+from forge_lightning.grpo import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, LossSettings, scales_itself
 from forge_lightning.rollout.engines.generation_settings import SAMPLING_RULES, check_engine_logprob_kwargs
 from forge_lightning.rollout.engines.registry import ENGINES
 from forge_lightning.training.optim import LR_SCHEDULES
@@ -196,11 +196,10 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
 def _check_advantage_levers(values: Mapping[str, Any]) -> None:
     """The advantage estimator against the scale, and the KL in the reward against dynamic sampling."""
     estimator, scale = values.get("advantage_estimator", "grpo"), values.get("advantage_scale", "group")
-    if estimator == "reinforce_pp" and scale != "none":
+    if estimator in ADVANTAGE_ESTIMATORS and scales_itself(estimator) and scale != "none":
         raise ValueError(
-            f"advantage_estimator='reinforce_pp' divides the group-centred rewards by their own std "
-            f"over the batch; advantage_scale={scale!r} would divide them a second time: set "
-            "advantage_scale='none'"
+            f"advantage_estimator={estimator!r} divides the centred rewards by a std of its own; "
+            f"advantage_scale={scale!r} would divide them a second time: set advantage_scale='none'"
         )
     if values.get("kl_in_reward") and values.get("dynamic_sampling"):
         raise ValueError(
