@@ -27,7 +27,7 @@ from forge_lightning.data.gsm8k import extract_answer
 from forge_lightning.evaluation.ranks import owned_samples
 from forge_lightning.evaluation.sampled import TrainingRandomState, batch_sizes, run_seed, sampling_seed
 from forge_lightning.evaluation.validation import NO_TEST_STEP
-from forge_lightning.grpo import AdvantageScale, ImportanceSampling, KLEstimator, LossType
+from forge_lightning.grpo import AdvantageEstimator, AdvantageScale, ImportanceSampling, KLEstimator, LossType
 from forge_lightning.models.loading import ensure_pad_token
 from forge_lightning.models.lora import LoraSettings
 from forge_lightning.reporting.metrics import StepRecord
@@ -101,13 +101,20 @@ class GRPOLightningModule(pl.LightningModule):
         system_prompt: system message for the chat template.
         chat_template_kwargs: more variables for the chat template (``enable_thinking``), given to
             every rendering of prompts and tool turns.
-        loss_type: ``grpo``, ``dapo``, ``dr_grpo`` or ``forge`` (see grpo.LossSettings).
+        loss_type: ``grpo``, ``dapo``, ``dr_grpo``, ``forge``, ``cispo`` or ``sapo`` (see
+            grpo.LossSettings).
         clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
         clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
         kl_beta: weight of the KL penalty toward the reference; 0 needs no reference.
         importance_sampling_level: ``token`` ratios, or one per completion (``sequence``, GSPO).
         kl_estimator: ``k1``, ``k2`` or ``k3`` (grpo.LossSettings gives each one's gradient).
+        clip_ratio_c: dual clip's cap on a term with A < 0, in units of -A (> 1); None: off.
+        sapo_temperature_pos: ``sapo``'s gate temperature where A > 0.
+        sapo_temperature_neg: ``sapo``'s gate temperature where A < 0.
+        entropy_coef: weight of the entropy bonus taken off the loss; 0: none.
+        kl_in_reward: ``kl_beta`` x the KL taken off each reward, not added to the loss.
         advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
+        advantage_estimator: ``grpo``, ``rloo`` or ``reinforce_pp`` (with ``advantage_scale: none``).
         mask_truncated_completions: a completion cut off at ``max_new_tokens`` (no EOS) gets no
             policy or KL weight, and is left out of the loss's normaliser; it still counts in its
             group's reward statistics (as in TRL and DAPO).
@@ -225,8 +232,14 @@ class GRPOLightningModule(pl.LightningModule):
         kl_beta: float = 0.01,
         importance_sampling_level: ImportanceSampling = "token",
         kl_estimator: KLEstimator = "k3",
+        clip_ratio_c: float | None = None,
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        entropy_coef: float = 0.0,
+        kl_in_reward: bool = False,
         # -- advantages (AdvantageSettings)
         advantage_scale: AdvantageScale = "group",
+        advantage_estimator: AdvantageEstimator = "grpo",
         mask_truncated_completions: bool = False,
         # -- off-policy passes and corrections (OffPolicySettings)
         num_iterations: int = 1,

@@ -6,9 +6,12 @@ in different rounds (rank 0's first prompt is uninformative), saved to ``OUT/dyn
 rank 1's one (conftest.CalculatorCalls), saved to ``OUT/tools-<loss>.pt``. The default mode also
 runs each loss type with ``steps_per_generation`` 2 on two prompts per rank (the rank's record
 first, then another), saving the first of its two steps' gradients to ``OUT/spg-<loss>.pt``.
+With ``levers``, one step per set of algorithm levers in ``LEVERS`` (each lever in one of them:
+advantage estimators, loss types, the entropy bonus, the KL in the reward), saved to
+``OUT/lever-<name>.pt``.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_gradients.py \
-        OUT ROOT [dynamic|tools]
+        OUT ROOT [dynamic|tools|levers]
 """
 
 from __future__ import annotations
@@ -33,6 +36,16 @@ TOOL_SETTINGS = dict(calculator="annotation", max_new_tokens=24, group_size=3)
 # Rank r trains on records r and r + 2 (its own loader, no DistributedSampler): rank 0 on p0 (flat),
 # then p2; rank 1 on p1, then p3.
 DYNAMIC_RECORDS = [{"prompt": f"p{i}", "kind": "flat" if i == 0 else "live"} for i in range(4)]
+# Every algorithm lever, two runs holding them all (a run of its own each would triple the time).
+LEVERS = {
+    "reinforce_pp-cispo-entropy": {
+        "advantage_estimator": "reinforce_pp",
+        "advantage_scale": "none",
+        "loss_type": "cispo",
+        "entropy_coef": 0.1,
+    },
+    "rloo-sapo-kl_in_reward": {"advantage_estimator": "rloo", "loss_type": "sapo", "kl_in_reward": True},
+}
 
 
 def flat_or_live(prompts: list[str], responses: list[str], kind: list[str]) -> list[float]:
@@ -44,6 +57,8 @@ def main(out: Path, root: Path, mode: str = "") -> None:
     rank = int(os.environ["RANK"])
     if mode == "dynamic":
         runs = [("dynamic", DYNAMIC_RECORDS[rank::2], {"reward": flat_or_live, "dynamic_sampling": True})]
+    elif mode == "levers":
+        runs = [(f"lever-{name}", RECORDS[rank::2], settings) for name, settings in LEVERS.items()]
     elif mode == "tools":
         runs = [
             (f"tools-{loss}", RECORDS[rank::2], {"loss_type": loss, **TOOL_SETTINGS})

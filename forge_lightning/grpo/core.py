@@ -34,12 +34,19 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     Plain autograd would keep every chunk's float32 copy alive for the backward pass, which defeats
     the chunking; this function saves only the original logits and the (n,) logsumexp and rebuilds
     the softmax chunk by chunk when the gradient is needed. Asked for it, it also returns each row's
-    entropy, from the same float32 chunk (no gradient flows through it).
+    entropy, from the same float32 chunk, with its gradient when ``entropy_grad`` (an entropy
+    bonus in the loss), else detached.
     """
 
     @staticmethod
     def forward(
-        ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, with_entropy: bool
+        ctx,
+        logits: Tensor,
+        targets: Tensor,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        entropy_grad: bool,
     ) -> tuple[Tensor, Tensor]:
         # logits (n, V), targets (n,) -> log-probs (n,) and entropies (n,), or (0,) without them
         out_dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -54,34 +61,46 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             if with_entropy:  # H = logsumexp(z) - sum softmax(z) * z
                 probs = torch.exp(scaled - lse[rows].unsqueeze(-1))
                 entropy[rows] = lse[rows] - (probs * scaled).sum(dim=-1)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(entropy)
+        ctx.temperature, ctx.chunk_size, ctx.entropy_grad = temperature, chunk_size, entropy_grad
+        if entropy_grad:
+            ctx.save_for_backward(logits, targets, lse, entropy)
+        else:
+            ctx.save_for_backward(logits, targets, lse)
+            ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor) -> tuple[Tensor, None, None, None, None]:
-        logits, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_out: Tensor, grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        logits, targets, lse, *entropy = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         for start in range(0, targets.numel(), ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
-            probs = torch.exp(_scaled_float(logits[rows], ctx.temperature) - lse[rows].unsqueeze(-1))
+            log_probs = _scaled_float(logits[rows], ctx.temperature) - lse[rows].unsqueeze(-1)  # (c, V)
+            probs = torch.exp(log_probs)
             grad_rows = grad_out[rows].unsqueeze(-1)  # (c, 1)
             # d/dz of (z_target - logsumexp z) is onehot(target) - softmax(z); z = logits / T.
             chunk_grad = (-probs * grad_rows).scatter_add(-1, targets[rows].unsqueeze(-1), grad_rows)
+            if ctx.entropy_grad and grad_entropy is not None:
+                # d/dz_k of H = -sum p log p is -p_k (log p_k + H).
+                h = entropy[0][rows].unsqueeze(-1)
+                chunk_grad = chunk_grad - probs * (log_probs + h) * grad_entropy[rows].unsqueeze(-1)
             grad_logits[rows] = chunk_grad / ctx.temperature
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None, None, None
 
 
 def token_log_probs(
     logits: Tensor, target_ids: Tensor, temperature: float = 1.0, chunk_size: int | None = None
 ) -> Tensor:
     """Log-probability of each target token; see :func:`token_log_probs_and_entropy`."""
-    return _token_log_probs(logits, target_ids, temperature, chunk_size, with_entropy=False)[0]
+    return _token_log_probs(logits, target_ids, temperature, chunk_size, False, False)[0]
 
 
 def token_log_probs_and_entropy(
-    logits: Tensor, target_ids: Tensor, temperature: float = 1.0, chunk_size: int | None = None
+    logits: Tensor,
+    target_ids: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Log-probability of each target token under ``softmax(logits / temperature)``.
 
@@ -94,16 +113,23 @@ def token_log_probs_and_entropy(
         temperature: sampling temperature the completions were drawn with; must be > 0.
         chunk_size: rows of the flattened leading dims upcast at a time, forward and backward;
             ``None`` processes all rows at once. The result does not depend on it.
+        entropy_grad: the entropy differentiable w.r.t. logits too (an entropy term in the loss).
 
     Returns:
         (...) log-probabilities in float32 (float64 for float64 logits), differentiable w.r.t. logits,
-        and (...) the entropy of each position's ``softmax(logits / temperature)``, detached.
+        and (...) the entropy of each position's ``softmax(logits / temperature)``, detached unless
+        ``entropy_grad``.
     """
-    return _token_log_probs(logits, target_ids, temperature, chunk_size, with_entropy=True)
+    return _token_log_probs(logits, target_ids, temperature, chunk_size, True, entropy_grad)
 
 
 def _token_log_probs(
-    logits: Tensor, target_ids: Tensor, temperature: float, chunk_size: int | None, with_entropy: bool
+    logits: Tensor,
+    target_ids: Tensor,
+    temperature: float,
+    chunk_size: int | None,
+    with_entropy: bool,
+    entropy_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -118,6 +144,6 @@ def _token_log_probs(
     flat_targets = target_ids.reshape(-1).long()  # (n,)
     rows = chunk_size or max(flat_targets.numel(), 1)
     flat, entropy = _ChunkedTokenLogProbs.apply(
-        flat_logits, flat_targets, float(temperature), rows, with_entropy
+        flat_logits, flat_targets, float(temperature), rows, with_entropy, entropy_grad
     )
     return flat.view(target_ids.shape), entropy.view(target_ids.shape) if with_entropy else entropy

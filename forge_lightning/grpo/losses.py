@@ -1,14 +1,16 @@
 """The clipped policy-gradient losses, one loss type each, and the settings they take.
 
-A loss type is one entry of ``_KINDS``: its function, the count it divides by (so that the share
-of a micro-batch or an accumulation batch follows from it, see :func:`micro_batch_weight`),
-whether it needs the reference without a KL term, and whether it scores completions at the
-sampling temperature. Adding a loss type means adding an entry here and nothing elsewhere.
+A loss type is one entry of ``_KINDS``: its function (for the token-level ones, its policy
+term: the ``surrogate``), the count it divides by (so that the share of a micro-batch or an
+accumulation batch follows from it, see :func:`micro_batch_weight`), whether it needs the
+reference without a KL term, and whether it scores completions at the sampling temperature.
+Adding a loss type means its function, its entry here and its name in ``LossType``.
 """
 
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, get_args
 
 import torch
@@ -16,11 +18,12 @@ from torch import Tensor
 
 from forge_lightning.grpo.core import masked_mean
 from forge_lightning.grpo.correction import RolloutCorrection, sampler_corrected
+from forge_lightning.grpo.kl import KL_ESTIMATORS, KLEstimator, k3
+from forge_lightning.grpo.surrogates import Surrogate, cispo, clip_masks, clipped_surrogate, ppo_clip, sapo
 
-LossType = Literal["grpo", "dapo", "dr_grpo", "forge"]
+LossType = Literal["grpo", "dapo", "dr_grpo", "forge", "cispo", "sapo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 ImportanceSampling = Literal["token", "sequence"]
-KLEstimator = Literal["k1", "k2", "k3"]
 
 
 @dataclass(frozen=True)
@@ -30,8 +33,20 @@ class LossSettings:
     Args:
         loss_type: ``grpo`` (mean over tokens within each sequence, then over sequences),
             ``dapo`` (mean over every token), ``dr_grpo`` (sum over a constant,
-            ``rows x max_completion_length``) or ``forge`` (Forge's sequence-level ratio against
-            the reference, at temperature 1; reproduces its numbers).
+            ``rows x max_completion_length``), ``forge`` (Forge's sequence-level ratio against
+            the reference, at temperature 1; reproduces its numbers), ``cispo`` (MiniMax-M1's
+            clipped importance-sampling-weight policy optimisation, arXiv 2506.13585:
+            ``-sg(min(r, 1 + eps_high)) * A * logp`` per token, the weight's gradient stopped, so
+            a token past the cap still has a gradient (PPO's clip gives it none); mean over every
+            token, as dapo; no lower bound on the weight, as the paper runs it, and
+            ``clip_epsilon_high`` (else ``clip_epsilon``) sets the cap, e.g. 4 for ScaleRL's
+            cap of 5) or ``sapo`` (Qwen's soft adaptive policy optimisation, arXiv 2511.20347:
+            ``-f(r) * A`` per token with the soft gate ``f(r) = sigmoid(tau * (r - 1)) * 4 / tau``
+            in place of the clip, ``tau`` = ``sapo_temperature_pos`` where ``A > 0``, else
+            ``sapo_temperature_neg``; its gradient ``4 sigmoid'(tau (r - 1)) r A`` is grpo's
+            ``r A`` at ``r = 1`` and fades smoothly away from it; grpo's per-sequence mean, as the
+            paper and TRL). cispo and sapo have no hard clip: no ``clip_ratio_c``, and their
+            clip fractions count where cispo's cap bites (high) and nothing for sapo.
         clip_epsilon: the ratio is clipped to ``[1 - clip_epsilon, 1 + clip_epsilon]``; in (0, 1).
         clip_epsilon_high: a separate upper range (DAPO's clip-higher), > 0; None: clip_epsilon.
         kl_beta: weight of the KL penalty toward the reference, >= 0.
@@ -60,6 +75,25 @@ class LossSettings:
             sampling, TIS).
         rollout_correction_level: ``token`` (one weight per token) or ``sequence`` (one per
             completion, from the mean log-ratio over its model tokens).
+        clip_ratio_c: dual-clip PPO's bound (Ye et al., arXiv 1912.09729; verl's
+            ``clip_ratio_c``, 3 there): where the advantage is negative the policy term
+            ``-min(r A, clip(r) A)`` is capped at ``-clip_ratio_c * A``, so a token whose ratio
+            ran far above 1 cannot push by more than ``clip_ratio_c`` times its advantage (nor
+            does it carry a gradient there); > 1, or None: off. grpo, dapo and dr_grpo only.
+        sapo_temperature_pos: sapo's gate temperature where the advantage is positive, > 0
+            (the paper's and TRL's 1.0).
+        sapo_temperature_neg: sapo's gate temperature where it is negative, > 0 (1.05: the
+            paper fades negative-advantage tokens faster, they spread their push over the whole
+            vocabulary).
+        entropy_coef: weight of an entropy bonus, >= 0: ``entropy_coef x`` the tokens' entropy
+            (of the scored distribution, with its gradient), reduced as the loss type reduces its
+            per-token loss, is subtracted from the loss (:func:`entropy_bonus`; verl's
+            ``entropy_coeff``). 0: no term.
+        kl_in_reward: put the KL penalty in the reward instead of the loss (verl's
+            ``use_kl_in_reward``): each completion's reward loses ``kl_beta x`` the sum over its
+            tokens of the ``kl_estimator``'s KL between the sampling policy and the reference
+            (grpo.kl.kl_penalised_rewards), before advantages; the loss then has no KL term (its
+            ``kl`` metric is still reported). Needs ``kl_beta > 0``; not with ``forge``.
     """
 
     loss_type: LossType = "grpo"
@@ -72,6 +106,11 @@ class LossSettings:
     behav_imp_weight_cap: float | None = None
     rollout_correction: RolloutCorrection = "mask"
     rollout_correction_level: ImportanceSampling = "token"
+    clip_ratio_c: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    entropy_coef: float = 0.0
+    kl_in_reward: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -92,7 +131,7 @@ class LossSettings:
                 self.importance_sampling_level in get_args(ImportanceSampling),
                 f"one of {get_args(ImportanceSampling)}",
             ),
-            "kl_estimator": (self.kl_estimator in _KL_ESTIMATORS, f"one of {get_args(KLEstimator)}"),
+            "kl_estimator": (self.kl_estimator in KL_ESTIMATORS, f"one of {get_args(KLEstimator)}"),
             "behav_imp_weight_cap": (
                 self.behav_imp_weight_cap is None
                 or (_number(self.behav_imp_weight_cap) and self.behav_imp_weight_cap > 1),
@@ -106,17 +145,58 @@ class LossSettings:
                 self.rollout_correction_level in get_args(ImportanceSampling),
                 f"one of {get_args(ImportanceSampling)}",
             ),
+            "clip_ratio_c": (
+                self.clip_ratio_c is None or (_number(self.clip_ratio_c) and self.clip_ratio_c > 1),
+                "None or > 1",
+            ),
+            "sapo_temperature_pos": (
+                _number(self.sapo_temperature_pos) and self.sapo_temperature_pos > 0,
+                "> 0",
+            ),
+            "sapo_temperature_neg": (
+                _number(self.sapo_temperature_neg) and self.sapo_temperature_neg > 0,
+                "> 0",
+            ),
+            "entropy_coef": (_number(self.entropy_coef) and self.entropy_coef >= 0, ">= 0"),
+            "kl_in_reward": (isinstance(self.kl_in_reward, bool), "True or False"),
         }
         for field, (ok, words) in checks.items():
             if not ok:
                 raise ValueError(f"{field} must be {words}, got {getattr(self, field)!r}")
-        if self.loss_type == "forge" and (
-            self.importance_sampling_level != "token" or self.kl_estimator != "k3"
-        ):
+        if self.loss_type == "forge" and self.kl_estimator != "k3":
             raise ValueError(
                 "loss_type 'forge' is Forge's own sequence-level loss with its k3 term: leave "
-                "importance_sampling_level 'token' and kl_estimator 'k3'"
+                "kl_estimator 'k3'"
             )
+        self._check_levers()
+
+    def _check_levers(self) -> None:
+        """Refuse, by name, the settings the loss type does not take (its ``_KINDS`` entry's
+        ``refuses``), and the KL in the reward without a KL weight."""
+        kind = _KINDS[self.loss_type]
+        changed = {
+            "importance_sampling_level": self.importance_sampling_level != "token",
+            "clip_ratio_c": self.clip_ratio_c is not None,
+            "entropy_coef": self.entropy_coef > 0,
+            "kl_in_reward": self.kl_in_reward,
+        }
+        for name in kind.refuses:
+            if changed[name]:
+                raise ValueError(
+                    f"{name} does not go with loss_type {self.loss_type!r} ({kind.why}): leave "
+                    f"{name} at its default, or use grpo, dapo or dr_grpo"
+                )
+        if self.kl_in_reward and self.kl_beta == 0:
+            raise ValueError(
+                "kl_in_reward subtracts kl_beta x the KL from each reward: set kl_beta > 0 "
+                "(or kl_in_reward false)"
+            )
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(eps_low, eps_high)``: the ratio is clipped to ``[1 - eps_low, 1 + eps_high]``."""
+        high = self.clip_epsilon_high
+        return self.clip_epsilon, self.clip_epsilon if high is None else high
 
     @property
     def needs_reference(self) -> bool:
@@ -172,40 +252,14 @@ class _LossInputs:
                 f"(got kl_beta={self.settings.kl_beta}, loss_type={self.settings.loss_type!r})"
             )
 
-    @property
-    def eps(self) -> tuple[float, float]:
-        high = self.settings.clip_epsilon_high
-        return self.settings.clip_epsilon, self.settings.clip_epsilon if high is None else high
-
     def reduce(self, values: Tensor) -> Tensor:
         """(B, T) per-token values (or (B,) per-sequence ones) to the loss type's scalar."""
-        kind = _KINDS[self.settings.loss_type]
-        return kind.numerator(values, self.mask) / loss_normalizer(self.settings, self.mask).clamp(min=1)
+        return _reduced(values, self.mask, self.settings)
 
 
-def _clipped_surrogate(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    """PPO's pessimistic objective, negated to be a loss; ``ratio`` and ``advantages`` broadcast."""
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    return -torch.minimum(ratio * advantages, clipped * advantages)
-
-
-def _clip_masks(ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
-    """Where the clip actually changes the objective (its gradient is zero there), low and high side."""
-    low = (ratio < 1 - eps_low) & (advantages < 0)
-    high = (ratio > 1 + eps_high) & (advantages > 0)
-    return low, high
-
-
-def _k3(log_ratio: Tensor) -> Tensor:
-    """Schulman's k3 estimator of KL, exp(x) - x - 1: unbiased for the KL and never negative."""
-    return torch.exp(log_ratio) - log_ratio - 1
-
-
-_KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
-    "k1": lambda x: -x,
-    "k2": lambda x: 0.5 * x**2,
-    "k3": _k3,
-}
+def _reduced(values: Tensor, mask: Tensor, settings: LossSettings) -> Tensor:
+    kind = _KINDS[settings.loss_type]
+    return kind.numerator(values, mask) / loss_normalizer(settings, mask).clamp(min=1)
 
 
 def _add_kl(policy: Tensor, kl: Tensor, beta: float) -> Tensor:
@@ -216,12 +270,12 @@ def _add_kl(policy: Tensor, kl: Tensor, beta: float) -> Tensor:
 def _forge_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """Forge's literal loss: one ratio per sequence, of mean token log-probs, against the reference."""
     assert x.ref_logp is not None  # _LossInputs guarantees it for "forge"
-    eps_low, eps_high = x.eps
+    eps_low, eps_high = x.settings.clip_range
     log_ratio = masked_mean(x.logp, x.mask, dim=1) - masked_mean(x.ref_logp, x.mask, dim=1)  # (B,)
     ratio = torch.exp(log_ratio)
-    policy = x.reduce(_clipped_surrogate(ratio, x.advantages, eps_low, eps_high))
-    kl = _k3(log_ratio).mean()
-    low, high = _clip_masks(ratio.detach(), x.advantages, eps_low, eps_high)
+    policy = x.reduce(clipped_surrogate(ratio, x.advantages, eps_low, eps_high))
+    kl = k3(log_ratio).mean()
+    low, high = clip_masks(ratio.detach(), x.advantages, eps_low, eps_high)
     metrics = {
         "policy_loss": policy,
         "kl": kl,
@@ -231,17 +285,18 @@ def _forge_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     return _add_kl(policy, kl, x.settings.kl_beta), metrics
 
 
-def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-    """The per-token clipped surrogate plus k3 penalty of grpo, dapo and dr_grpo, which differ
-    only in how :meth:`_LossInputs.reduce` turns (B, T) values into a scalar."""
-    eps_low, eps_high = x.eps
+def _token_level_loss(x: _LossInputs, surrogate: Surrogate) -> tuple[Tensor, dict[str, Tensor]]:
+    """The per-token policy term (``surrogate``) plus the KL penalty of the token-level loss
+    types, which differ in that term and in how :meth:`_LossInputs.reduce` turns (B, T) values
+    into a scalar."""
     advantages = x.advantages.unsqueeze(-1)  # (B, 1)
     # Zero the log-ratios on padding before exp: garbage there could overflow, and inf * 0 grads are NaN.
     log_ratio = torch.where(x.mask, x.logp - x.old_logp, 0)  # (B, T)
     if x.settings.importance_sampling_level == "sequence":
         log_ratio = masked_mean(log_ratio, x.mask, dim=1).unsqueeze(-1)  # (B, 1): one per completion
     ratio = torch.exp(log_ratio)
-    policy = _clipped_surrogate(ratio, advantages, eps_low, eps_high).expand_as(x.logp)  # (B, T)
+    policy, low, high = surrogate(ratio, advantages, x.logp, x.mask, x.settings)
+    policy = policy.expand_as(x.logp)  # (B, T)
     behaviour: dict[str, Tensor] = {}
     if x.behav_logp is not None:
         s = x.settings
@@ -257,10 +312,11 @@ def _token_level_loss(x: _LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     per_token = policy
     kl_metric = x.logp.new_zeros(())
     if x.ref_logp is not None:
-        kl = _KL_ESTIMATORS[x.settings.kl_estimator](torch.where(x.mask, x.ref_logp - x.logp, 0))  # (B, T)
-        per_token = _add_kl(policy, kl, x.settings.kl_beta)
+        kl = KL_ESTIMATORS[x.settings.kl_estimator](torch.where(x.mask, x.ref_logp - x.logp, 0))  # (B, T)
+        # With kl_in_reward the penalty is in the advantages already.
+        per_token = _add_kl(policy, kl, 0.0 if x.settings.kl_in_reward else x.settings.kl_beta)
         kl_metric = masked_mean(kl.detach(), x.mask)
-    low, high = (m.expand_as(x.logp) for m in _clip_masks(ratio.detach(), advantages, eps_low, eps_high))
+    low, high = (m.expand_as(x.logp) for m in (low, high))
     metrics = {
         "policy_loss": x.reduce(policy.detach()),
         "kl": kl_metric,
@@ -291,6 +347,8 @@ class _LossKind:
     ``over_the_step``: the normaliser is counted over a whole optimizer step (every accumulation
     batch, every rank), so the step's gradient is that of one loss over all its rollouts; False
     (forge) averages the per-batch losses instead, as Forge's per-prompt accumulation does.
+    ``refuses``: the settings (of :meth:`LossSettings._check_levers`) it does not take off their
+    defaults, ``why`` saying why in the refusal.
     """
 
     loss: Callable[[_LossInputs], tuple[Tensor, dict[str, Tensor]]]
@@ -299,15 +357,44 @@ class _LossKind:
     ratio_against_reference: bool = False
     at_sampling_temperature: bool = True
     over_the_step: bool = True
+    refuses: tuple[str, ...] = ()
+    why: str = ""
 
+
+def _sequences_with_tokens(mask: Tensor, _: int) -> Tensor:
+    return mask.any(dim=1).sum()
+
+
+def _tokens(mask: Tensor, _: int) -> Tensor:
+    return mask.sum()
+
+
+_ppo_loss = partial(_token_level_loss, surrogate=ppo_clip)
+_NO_HARD_CLIP = "it weighs each token by its own ratio, with no hard clip to dual-clip"
 
 _KINDS: dict[str, _LossKind] = {
     # DeepSeekMath: mean over tokens within each sequence, then over the sequences with tokens.
-    "grpo": _LossKind(_token_level_loss, _sequence_means, lambda mask, _: mask.any(dim=1).sum()),
+    "grpo": _LossKind(_ppo_loss, _sequence_means, _sequences_with_tokens),
     # DAPO: every token weighs the same, so long completions are not diluted.
-    "dapo": _LossKind(_token_level_loss, _token_sum, lambda mask, _: mask.sum()),
+    "dapo": _LossKind(_ppo_loss, _token_sum, _tokens),
     # Dr. GRPO: a constant normaliser, removing the length bias of per-sequence means.
-    "dr_grpo": _LossKind(_token_level_loss, _token_sum, lambda mask, length: mask.shape[0] * length),
+    "dr_grpo": _LossKind(_ppo_loss, _token_sum, lambda mask, length: mask.shape[0] * length),
+    # MiniMax-M1's CISPO: a token-mean over the batch, as its objective's 1 / sum |o_i|.
+    "cispo": _LossKind(
+        partial(_token_level_loss, surrogate=cispo),
+        _token_sum,
+        _tokens,
+        refuses=("importance_sampling_level", "clip_ratio_c"),
+        why=_NO_HARD_CLIP,
+    ),
+    # Qwen's SAPO: per-sequence means, then over the sequences, as GRPO.
+    "sapo": _LossKind(
+        partial(_token_level_loss, surrogate=sapo),
+        _sequence_means,
+        _sequences_with_tokens,
+        refuses=("importance_sampling_level", "clip_ratio_c"),
+        why=_NO_HARD_CLIP,
+    ),
     "forge": _LossKind(
         _forge_loss,
         _sequence_sum,
@@ -315,13 +402,15 @@ _KINDS: dict[str, _LossKind] = {
         ratio_against_reference=True,
         at_sampling_temperature=False,
         over_the_step=False,
+        refuses=("importance_sampling_level", "clip_ratio_c", "entropy_coef", "kl_in_reward"),
+        why="Forge's own loss: one ratio per sequence against the reference, with its k3 term",
     ),
 }
 
 
 def loss_normalizer(settings: LossSettings, mask: Tensor) -> Tensor:
-    """The count the loss type divides by over ``mask`` (B, T): sequences with tokens (grpo),
-    tokens (dapo), ``B x max_completion_length`` (dr_grpo) or sequences (forge)."""
+    """The count the loss type divides by over ``mask`` (B, T): sequences with tokens (grpo,
+    sapo), tokens (dapo, cispo), ``B x max_completion_length`` (dr_grpo) or sequences (forge)."""
     length = mask.shape[1] if settings.max_completion_length is None else settings.max_completion_length
     count = _KINDS[settings.loss_type].normalizer(mask.bool(), length)
     return torch.as_tensor(count, dtype=torch.float32, device=mask.device)
@@ -372,7 +461,11 @@ def grpo_loss(
     """Clipped policy-gradient loss with a k3 KL penalty towards the reference policy.
 
     Per token, with ``r = exp(logp - old_logp)`` and the completion's advantage ``A``, the policy
-    term is ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)``. Given the sampler's own
+    term is ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (dual-clipped with
+    ``clip_ratio_c``; ``cispo`` and ``sapo`` have their own, see :class:`LossSettings` and
+    grpo/surrogates.py), plus ``kl_beta x`` the KL term (none with ``kl_in_reward``), reduced by
+    the loss type (an entropy bonus is :func:`entropy_bonus`, subtracted by the caller, who has
+    the entropy). Given the sampler's own
     log-probs ``behav_logp`` (rollout correction), the term becomes ``-w * min(r * A, clip(r) * A)``
     with one detached weight ``w``:
 
@@ -418,3 +511,14 @@ def grpo_loss(
     )
     loss, metrics = _KINDS[settings.loss_type].loss(inputs)
     return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, settings: LossSettings) -> Tensor:
+    """What the entropy bonus takes off :func:`grpo_loss`'s loss: ``entropy_coef x`` the (B, T)
+    ``entropy`` over ``mask``, reduced as the loss type reduces its per-token loss (so a
+    micro-batch's share follows from :func:`micro_batch_weight`, as the loss's does), with the
+    entropy's gradient; exactly 0 when ``entropy_coef`` is 0."""
+    if settings.entropy_coef == 0:
+        return entropy.new_zeros(())
+    mask = mask.bool()
+    return settings.entropy_coef * _reduced(torch.where(mask, entropy, 0), mask, settings)

@@ -159,13 +159,18 @@ class LogProbScorer:
         return token_log_probs(logits, targets, temperature=self.temperature, chunk_size=self.chunk_size)
 
     def log_probs_and_entropy(
-        self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int
+        self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int, entropy_grad: bool = False
     ) -> tuple[Tensor, Tensor]:
         """:meth:`log_probs` and each position's entropy ``(stop-start, Lc)`` at the same
-        temperature, from the same float32 chunks (no extra forward; the entropy is detached)."""
+        temperature, from the same float32 chunks (no extra forward; the entropy is detached
+        unless ``entropy_grad``: an entropy term in the loss)."""
         logits, targets = self._logits(model, rollout, start, stop)
         return token_log_probs_and_entropy(
-            logits, targets, temperature=self.temperature, chunk_size=self.chunk_size
+            logits,
+            targets,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            entropy_grad=entropy_grad,
         )
 
     def _logits(

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from forge_lightning.grpo import ADVANTAGE_SCALES, LossSettings
+from forge_lightning.grpo import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, LossSettings, scales_itself
 from forge_lightning.rollout.engines.generation_settings import SAMPLING_RULES, check_engine_logprob_kwargs
 from forge_lightning.rollout.engines.registry import ENGINES
 from forge_lightning.training.optim import LR_SCHEDULES
@@ -56,6 +56,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
     "lr_schedule": (lambda v: v in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
     "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES}"),
+    "advantage_estimator": (lambda v: v in ADVANTAGE_ESTIMATORS, f"one of {ADVANTAGE_ESTIMATORS}"),
     "num_iterations": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "train_micro_batch_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
     "max_prompt_length": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
@@ -115,6 +116,11 @@ LOSS_FIELDS = (
     "kl_beta",
     "importance_sampling_level",
     "kl_estimator",
+    "clip_ratio_c",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "entropy_coef",
+    "kl_in_reward",
     "behav_imp_weight_cap",
 )
 # The async worker's default correction (AReaL's: masked at behav_imp_weight_cap, token level,
@@ -170,6 +176,7 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
             "step, steps_per_generation > 1 splits one generation into several steps: use one of "
             f"them (steps_per_generation={values['steps_per_generation']})"
         )
+    _check_advantage_levers(values)
     if _tool_mode(values) is not None:
         _check_tools(values)
     if values.get("sandbox") == "process" and values.get("environment_factory") is not None:
@@ -186,6 +193,21 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
     _check_rollout_device(values)
     if values.get("generation_kwargs") is not None or values.get("stop"):
         _check_generation(values)
+
+
+def _check_advantage_levers(values: Mapping[str, Any]) -> None:
+    """The advantage estimator against the scale, and the KL in the reward against dynamic sampling."""
+    estimator, scale = values.get("advantage_estimator", "grpo"), values.get("advantage_scale", "group")
+    if estimator in ADVANTAGE_ESTIMATORS and scales_itself(estimator) and scale != "none":
+        raise ValueError(
+            f"advantage_estimator={estimator!r} divides the centred rewards by a std of its own; "
+            f"advantage_scale={scale!r} would divide them a second time: set advantage_scale='none'"
+        )
+    if values.get("kl_in_reward") and values.get("dynamic_sampling"):
+        raise ValueError(
+            "kl_in_reward makes every completion's reward differ by its KL, so dynamic_sampling "
+            "would find no uninformative group to drop: use one of them"
+        )
 
 
 # Settings asynchronous rollouts do not take yet, each with the value they need.

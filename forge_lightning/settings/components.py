@@ -201,6 +201,7 @@ def step_settings(settings: GRPOSettings) -> StepSettings:
     return StepSettings(
         group_size=settings.sampling.group_size,
         advantage_scale=advantages.advantage_scale,
+        advantage_estimator=advantages.advantage_estimator,
         mask_truncated_completions=advantages.mask_truncated_completions,
         on_reward_error=rewards.on_reward_error,
         reward_timeout=rewards.reward_timeout,

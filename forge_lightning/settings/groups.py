@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
-from forge_lightning.grpo import AdvantageScale, LossSettings
+from forge_lightning.grpo import AdvantageEstimator, AdvantageScale, LossSettings
 from forge_lightning.rollout.engines.weight_ring import check_rollout_device
 from forge_lightning.settings.checks import RULES, check_setting, loss_settings
 
@@ -87,6 +87,14 @@ class AdvantageSettings(_Group):
 
     advantage_scale: AdvantageScale = "group"
     """divide centred rewards by the group's std, the batch's, or nothing."""
+    advantage_estimator: AdvantageEstimator = "grpo"
+    """the baseline each reward is measured against: ``grpo`` its group's mean; ``rloo`` the mean
+    of the other G - 1 of its group (RLOO; then ``advantage_scale`` as for grpo, RLOO's own is
+    ``none``); ``reinforce_pp`` (REINFORCE++-baseline) its group's mean, then divided by the std of
+    the centred rewards over the whole generation batch (every rank's, all its micro-batches and
+    ``steps_per_generation`` shares; not later accumulation batches, sampled after it), so it
+    needs ``advantage_scale: none``. Unlike ``advantage_scale: batch`` (the std of the raw rewards,
+    spread between prompts included) its std is of the within-group spread alone (grpo.advantages)."""
     mask_truncated_completions: bool = False
     """a completion cut off at ``max_new_tokens`` (no EOS) gets no policy or KL weight, and is left
     out of the loss's normaliser; it still counts in its group's reward statistics (as in TRL and

@@ -13,7 +13,9 @@ from transformers import PreTrainedModel
 from forge_lightning.grpo import (
     LossSettings,
     backward_weight,
+    entropy_bonus,
     grpo_loss,
+    kl_penalised_rewards,
     masked_mean,
     micro_batch_weight,
     step_count,
@@ -33,6 +35,9 @@ class LossPasses:
         self.loss = loss
         self.mask_truncated = mask_truncated_completions
         self.count = torch.zeros(())  # the optimizer step's loss normaliser so far (grpo.step_count)
+        # kl_in_reward: the rollout whose sampling-policy and reference log-probs rewards_with_kl
+        # took, and those, for fixed_log_probs to reuse rather than run the forwards again.
+        self._reward_log_probs: tuple[Rollout, Tensor, Tensor] | None = None
 
     def take_count(self) -> Tensor:
         """The step's loss normaliser on this rank, and start the next step's at zero."""
@@ -46,11 +51,35 @@ class LossPasses:
         ``passes``. With one pass the old policy is the policy itself, whose detached log-probs
         grpo_loss takes when old_logp is None: no extra forward. (It is also the proximal policy of
         a stale async rollout, whose sampling policy's log-probs, rollout.behav_logp, came with it.)"""
+        taken, self._reward_log_probs = self._reward_log_probs, None
+        if taken is not None and taken[0] is rollout:  # rewards_with_kl scored this rollout already
+            _, sampled, ref_logp = taken
+            return (sampled if passes > 1 else rollout.old_logp), ref_logp
         ref_logp = self.reference_log_probs(reference, rollout)
         old_logp = rollout.old_logp
         if old_logp is None and passes > 1:
             old_logp = self.scorer.log_probs_no_grad(model, rollout)
         return old_logp, ref_logp
+
+    def rewards_with_kl(
+        self, model: PreTrainedModel, reference: ReferenceSource | None, rollout: Rollout, rewards: Tensor
+    ) -> Tensor:
+        """The ``(P*G,)`` rewards the advantages are made of: ``rewards`` as they are, or with
+        ``kl_in_reward`` each less ``kl_beta x`` its completion's KL between the sampling policy
+        (``rollout.old_logp``, else the policy's, before any update) and the reference
+        (grpo.kl_penalised_rewards); :meth:`fixed_log_probs` of this rollout reuses both."""
+        if not self.loss.kl_in_reward or rollout.completion_ids.shape[0] == 0:
+            return rewards
+        ref_logp = self.reference_log_probs(reference, rollout)
+        assert ref_logp is not None  # kl_in_reward needs kl_beta > 0 (LossSettings)
+        sampled = rollout.old_logp
+        if sampled is None:
+            sampled = self.scorer.log_probs_no_grad(model, rollout)
+        self._reward_log_probs = (rollout, sampled, ref_logp)
+        mask = rollout.loss_mask(self.mask_truncated)
+        return kl_penalised_rewards(
+            rewards, sampled, ref_logp, mask, self.loss.kl_beta, self.loss.kl_estimator
+        )
 
     def reference_log_probs(self, reference: ReferenceSource | None, rollout: Rollout) -> Tensor | None:
         """The reference's log-probs ``(P*G, Lc)``; None when no loss term reads them."""
@@ -87,7 +116,9 @@ class LossPasses:
         for start, stop in self.scorer.micro_batches(rollout):
             rows = slice(start, stop)
             with profile("logprob"):
-                logp, entropy = self.scorer.log_probs_and_entropy(model, rollout, start, stop)
+                logp, entropy = self.scorer.log_probs_and_entropy(
+                    model, rollout, start, stop, entropy_grad=self.loss.entropy_coef > 0
+                )
                 loss, metrics = grpo_loss(
                     logp,
                     _rows(old_logp, rows),
@@ -97,10 +128,11 @@ class LossPasses:
                     self.loss,
                     behav_logp=_rows(rollout.behav_logp, rows),
                 )
+                loss = loss - entropy_bonus(entropy, mask[rows], self.loss)
             weight = backward_weight(self.loss, mask[rows], mask).to(loss.device)
             with profile("backward"):
                 backward(loss * weight)
-            metrics["entropy"] = masked_mean(entropy, mask[rows])
+            metrics["entropy"] = masked_mean(entropy.detach(), mask[rows])
             share = micro_batch_weight(self.loss, mask[rows], mask).to(loss.device)
             add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
         if extra:

@@ -37,6 +37,7 @@ class StepSettings:
 
     group_size: int  # completions per prompt: a group, whose rewards make its advantages' baseline
     advantage_scale: str  # the advantages' divisor: the group's std, the batch's, or none
+    advantage_estimator: str  # the advantages' baseline: grpo's group mean, rloo's, reinforce_pp's
     mask_truncated_completions: bool  # completions cut at max_new_tokens weigh nothing in the loss
     on_reward_error: Literal["raise", "zero"]  # a reward that raises stops the run, or scores 0
     reward_timeout: float | None  # seconds a reward call may take
@@ -94,8 +95,10 @@ class TrainingStep:
                 extras.arguments(), self.sandbox,
             )  # fmt: skip
         self.metrics.add_logged(extras.logged(), "train")  # TRL's log_metric
+        with profile("logprob"):  # kl_in_reward: each reward less its completion's KL
+            shaped = self.loss_passes.rewards_with_kl(model, reference, rollout, rewards)
         advantages = batch_advantages(  # (P*G,)
-            rewards, s.group_size, s.advantage_scale, context.world_size, context.gather
+            shaped, s.group_size, s.advantage_scale, context.world_size, context.gather, s.advantage_estimator
         )
         plan = self.plan.plan(rollout, rewards, advantages, item.batch_idx, context)
         trained = plan.rollout  # the batch's rollout, or (dynamic sampling) its informative groups

@@ -105,7 +105,12 @@ CHANGED = dict(
     kl_beta=0.0,
     importance_sampling_level="sequence",
     kl_estimator="k2",
+    clip_ratio_c=2.5,
+    sapo_temperature_pos=0.9,
+    sapo_temperature_neg=1.2,
+    entropy_coef=0.01,
     advantage_scale="batch",
+    advantage_estimator="rloo",
     mask_truncated_completions=True,
     num_iterations=2,
     steps_per_generation=3,
@@ -149,6 +154,9 @@ CHANGED_TOO = {
     "engine": dict(generation_backend="vllm", use_engine_logprobs=True),
     "async": dict(
         rollout_mode="async", rollout_device="cuda", rollout_memory_fraction=0.5, behav_imp_weight_cap=4.0
+    ),
+    "kl_in_reward": dict(
+        kl_in_reward=True, kl_beta=0.05, advantage_estimator="reinforce_pp", advantage_scale="none"
     ),
 }
 

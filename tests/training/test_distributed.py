@@ -202,6 +202,23 @@ def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_pa
 
 
 @pytest.mark.integration
+def test_ddp_step_gradient_of_each_lever_equals_one_process_holding_both_ranks_rollouts(
+    tmp_path, step_gradients
+):
+    from ddp_gradients import LEVERS
+
+    # reinforce_pp's std is of both ranks' rewards (gathered), rloo's and kl_in_reward's advantages
+    # and the loss types' normalisers are over both ranks' rollouts, as in the one process.
+    ddp_gradients(tmp_path, "levers")
+    for name, settings in LEVERS.items():
+        ddp = torch.load(tmp_path / f"lever-{name}.pt")
+        _, one = step_gradients(batch_size=2, fixed=True, **settings)
+        assert any(g.abs().sum() > 0 for g in one)
+        for a, b in zip(ddp, one):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.integration
 def test_ddp_tool_rollouts_with_ranks_taking_different_rounds_match_one_batch(tmp_path, step_gradients):
     from ddp_gradients import TOOL_SETTINGS
 
