@@ -123,6 +123,8 @@ def build_components(settings: GRPOSettings, reward_names: list[str], tool_names
         shared_prefix=memory.prefix_sharing,
         chunk_size=memory.logprob_chunk_size,
         micro_batch_size=memory.train_micro_batch_size,
+        micro_batch_tokens=memory.train_micro_batch_tokens,
+        head_chunk_size=memory.lm_head_chunk_size,
     )
     train_metrics = RunningMetrics(reward_names, tools=tool_names)
     sampled = sampled_keys(settings.validation.val_num_generations)
