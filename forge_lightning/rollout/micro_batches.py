@@ -1,9 +1,9 @@
 """Which completions of a rollout go through one forward/backward together: its micro-batches.
 
 By count (``train_micro_batch_size``): consecutive rows. By a token budget
-(``train_micro_batch_tokens``): the completions, longest first, packed into as few micro-batches
-as the budget allows, then balanced (the smallest budget that still gives that many), so that
-rows of like lengths share a micro-batch and pad each other little. Either way a micro-batch runs
+(``train_micro_batch_tokens``): the completions, longest first, packed in that order into
+micro-batches under the budget, then balanced (the smallest budget that packs them into as many),
+so that rows of like lengths share a micro-batch and pad each other little. Either way a micro-batch runs
 only the columns its own rows need: the prompts' left padding common to all of its rows and the
 completion columns after its longest completion are left out. Causal attention keeps both out of
 every position the loss scores, so the log-probs are those of the whole rollout's forward.
@@ -58,12 +58,6 @@ class _Unit:
     completion: int  # its longest completion
 
 
-def _tokens(units: list[_Unit]) -> int:
-    """Tokens (padding included) of one forward over ``units``: each shared group's prompt once and
-    its rows' completions; else each row's prompt and completion, all padded to the longest."""
-    return _Bin.merged([_Bin.of(u) for u in units]).tokens
-
-
 @dataclass(frozen=True)
 class _Bin:
     """What a micro-batch's tokens depend on."""
@@ -78,18 +72,19 @@ class _Bin:
     def of(cls, unit: _Unit) -> _Bin:
         return cls(1, len(unit.rows), unit.prompt, unit.completion, unit.shared)
 
-    @classmethod
-    def merged(cls, bins: list[_Bin]) -> _Bin:
-        return cls(
-            sum(b.units for b in bins),
-            sum(b.rows for b in bins),
-            max(b.prompt for b in bins),
-            max(b.completion for b in bins),
-            all(b.shared for b in bins),
+    def plus(self, other: _Bin) -> _Bin:
+        return _Bin(
+            self.units + other.units,
+            self.rows + other.rows,
+            max(self.prompt, other.prompt),
+            max(self.completion, other.completion),
+            self.shared and other.shared,
         )
 
     @property
     def tokens(self) -> int:
+        """Tokens (padding included) of its forward: each shared group's prompt once and its rows'
+        completions; else each row's prompt and completion; all padded to the longest."""
         if self.shared:
             return self.units * self.prompt + self.rows * self.completion
         return self.rows * (self.prompt + self.completion)
@@ -98,7 +93,7 @@ class _Bin:
 def _batch(units: list[_Unit], rollout: Rollout) -> MicroBatch:
     rows = torch.tensor(sorted(r for u in units for r in u.rows), dtype=torch.long)
     completion = min(max(max(u.completion for u in units), 1), rollout.completion_ids.shape[1])
-    prompt = max(max(u.prompt for u in units), 1)
+    prompt = min(max(max(u.prompt for u in units), 1), rollout.prompt_ids.shape[1])
     return MicroBatch(
         rows.to(rollout.completion_ids.device), all(u.shared for u in units), prompt, completion
     )
@@ -124,9 +119,9 @@ def plan_micro_batches(
             for a, b in ((a, min(a + step, count)) for a in range(0, count, step))
         ]
     units = _units(lengths, tokens, shared)
-    units.sort(key=lambda u: _tokens([u]), reverse=True)  # longest first (a stable sort)
+    units.sort(key=lambda u: _Bin.of(u).tokens, reverse=True)  # longest first (a stable sort)
     bins = _greedy(units, tokens, size)
-    # Balance: the smallest budget that packs into as many micro-batches (fewer is impossible).
+    # Balance: the smallest budget under which the same packing still gives as many micro-batches.
     low, high = 1, tokens
     while low < high:
         middle = (low + high) // 2
@@ -150,7 +145,7 @@ def _units(lengths: _Lengths, tokens: int, shared: bool) -> list[_Unit]:
     for p, prompt in enumerate(lengths.prompt):
         rows = tuple(range(p * group, (p + 1) * group))
         whole = _Unit(rows, True, prompt, max(lengths.completion[r] for r in rows))
-        units += [whole] if _tokens([whole]) <= tokens else [_row_unit(r, lengths, False) for r in rows]
+        units += [whole] if _Bin.of(whole).tokens <= tokens else [_row_unit(r, lengths, False) for r in rows]
     return units
 
 
@@ -161,7 +156,7 @@ def _greedy(units: list[_Unit], tokens: int, size: int | None) -> list[list[_Uni
     current: _Bin | None = None
     for unit in units:
         one = _Bin.of(unit)
-        grown = None if current is None else _Bin.merged([current, one])
+        grown = None if current is None else current.plus(one)
         if grown is not None and grown.tokens <= tokens and (size is None or grown.rows <= size):
             bins[-1].append(unit)
             current = grown
