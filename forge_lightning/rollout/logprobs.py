@@ -56,25 +56,10 @@ def completion_log_probs(
     prompt_ids, prompt_mask: (P, Lp) left-padded; completion_ids: (P*G, Lc), groups contiguous.
     Returns float32 (P*G, Lc); positions after a completion's EOS hold values the caller masks.
     """
-    logits = completion_logits(
+    logits = completion_states(
         model, prompt_ids, prompt_mask, completion_ids, group_size=group_size, mode=mode
     )
     return token_log_probs(logits, completion_ids, temperature=temperature, chunk_size=chunk_size)
-
-
-def completion_logits(
-    model: PreTrainedModel,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    completion_ids: Tensor,
-    *,
-    group_size: int,
-    mode: ForwardMode = "full",
-) -> Tensor:
-    """The logits ``(P*G, Lc, V)`` that predict each completion token (see completion_log_probs)."""
-    return completion_states(
-        model, prompt_ids, prompt_mask, completion_ids, group_size=group_size, mode=mode, hidden=False
-    )
 
 
 def completion_states(
