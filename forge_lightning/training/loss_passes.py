@@ -121,7 +121,8 @@ class LossPasses:
                 backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
         self.count = self.count + step_count(self.loss, mask)
         if not totals or not mask.any():  # nothing trained (or every token masked): no values
-            return {key: torch.zeros(0) for key in LOSS_STATS}
+            # (each key still updated, empty, so that every rank joins each metric's reduction)
+            return {key: torch.zeros(0) for key in (*LOSS_STATS, "padding_fraction")}
         return {**totals, "padding_fraction": torch.tensor(padding_fraction(batches, rollout))}
 
 
