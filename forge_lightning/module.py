@@ -144,8 +144,9 @@ class GRPOLightningModule(pl.LightningModule):
         train_micro_batch_size: completions per forward/backward (None: all); same gradient, less memory.
         train_micro_batch_tokens: the most tokens one forward/backward of the loss may run, padding
             included: the completions, longest first, are packed into balanced micro-batches under
-            it (rollout/micro_batches.py), each of at most ``train_micro_batch_size`` rows when
-            that is set. Same gradient, fewer padded tokens (``perf/padding_fraction``). None: by
+            it, with prefix sharing as whole groups or single rows, whichever runs fewer tokens
+            (rollout/micro_batches.py), each of at most ``train_micro_batch_size`` rows when that
+            is set. Same gradient, fewer padded tokens (``perf/padding_fraction``). None: by
             ``train_micro_batch_size``.
         prefix_sharing: each prompt's forward once per group, its keys/values shared by the G completions.
         logprob_chunk_size: rows per chunk of the float32 log-softmax of a model's own logits (where

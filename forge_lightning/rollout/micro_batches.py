@@ -9,7 +9,9 @@ completion columns after its longest completion are left out. Causal attention k
 every position the loss scores, so the log-probs are those of the whole rollout's forward.
 
 Where the prompt can be shared (prefix sharing), a token budget packs whole groups, each prompt
-running once for its G completions; a group over the budget by itself is split into its rows.
+running once for its G completions (a group over the budget by itself split into its rows), or
+single rows, each with its prompt, whichever runs fewer tokens in all: sharing saves the prompts'
+tokens, single rows the padding of a group's short completions to its longest.
 """
 
 from __future__ import annotations
@@ -118,18 +120,33 @@ def plan_micro_batches(
             )
             for a, b in ((a, min(a + step, count)) for a in range(0, count, step))
         ]
-    units = _units(lengths, tokens, shared)
-    units.sort(key=lambda u: _Bin.of(u).tokens, reverse=True)  # longest first (a stable sort)
-    bins = _greedy(units, tokens, size)
-    # Balance: the smallest budget under which the same packing still gives as many micro-batches.
+    # Whole groups share their prompt but pad their completions to the group's longest; single
+    # rows pack by length: whichever runs fewer tokens in all.
+    plans = [_packed(_units(lengths, tokens, s), tokens, size) for s in dict.fromkeys([shared, False])]
+    best = min(plans, key=lambda bins: sum(_merged(b).tokens for b in bins))  # the first on a tie
+    return [_batch(b, rollout) for b in best]
+
+
+def _packed(units: list[_Unit], tokens: int, size: int | None) -> list[list[_Unit]]:
+    """``units``, longest first, packed under ``tokens`` tokens and ``size`` rows, balanced: the
+    smallest budget under which the same packing still gives as many micro-batches."""
+    units = sorted(units, key=lambda u: _Bin.of(u).tokens, reverse=True)  # a stable sort
+    count = len(_greedy(units, tokens, size))
     low, high = 1, tokens
     while low < high:
         middle = (low + high) // 2
-        if len(_greedy(units, middle, size)) <= len(bins):
+        if len(_greedy(units, middle, size)) <= count:
             high = middle
         else:
             low = middle + 1
-    return [_batch(b, rollout) for b in _greedy(units, low, size)]
+    return _greedy(units, low, size)
+
+
+def _merged(units: list[_Unit]) -> _Bin:
+    merged = _Bin.of(units[0])
+    for unit in units[1:]:
+        merged = merged.plus(_Bin.of(unit))
+    return merged
 
 
 def _row_unit(row: int, lengths: _Lengths, shared: bool) -> _Unit:

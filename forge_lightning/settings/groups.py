@@ -193,10 +193,11 @@ class MemorySettings(_Group):
     """completions per forward/backward (None: all); same gradient, less memory."""
     train_micro_batch_tokens: int | None = None
     """the most tokens one forward/backward of the loss may run, padding included: the
-    completions, longest first, are packed into micro-batches under it, balanced, whole groups
-    while the prompt is shared (rollout/micro_batches.py); with ``train_micro_batch_size`` too,
-    each also holds at most that many. Same gradient, fewer padded tokens
-    (``perf/padding_fraction``). None: micro-batches by ``train_micro_batch_size``."""
+    completions, longest first, are packed into micro-batches under it, balanced; with prefix
+    sharing as whole groups or as single rows, whichever runs fewer tokens
+    (rollout/micro_batches.py); with ``train_micro_batch_size`` too, each also holds at most that
+    many. Same gradient, fewer padded tokens (``perf/padding_fraction``). None: micro-batches by
+    ``train_micro_batch_size``."""
     prefix_sharing: bool = True
     """each prompt's forward once per group, its keys/values shared by the G completions."""
     logprob_chunk_size: int | None = 8

@@ -60,6 +60,15 @@ def test_shared_prompts_pack_whole_groups_and_split_a_group_over_the_budget():
     assert padding_fraction(batches, rollout) == 0.0
 
 
+def test_single_rows_replace_shared_groups_where_they_run_fewer_tokens():
+    # Two groups, each a 1-token prompt with completions of 8 and 1 tokens: shared, each group
+    # runs 1 + 2 x 8 = 17 tokens (34 in all); rows of like length, 2 x 9 + 2 x 2 = 22.
+    rollout = mixed_rollout(20, [8, 1, 8, 1], [1, 1], group_size=2)
+    batches = plan_micro_batches(rollout, tokens=20, shared=True)
+    assert rows_of(batches) == [[0, 2], [1, 3]] and not any(b.shared for b in batches)
+    assert padding_fraction(batches, rollout) == 0.0
+
+
 def test_by_count_micro_batches_are_consecutive_and_shared_when_they_hold_whole_groups():
     rollout = mixed_rollout(20, ENDS, PROMPTS, group_size=3)
     assert rows_of(plan_micro_batches(rollout)) == [list(range(12))]

@@ -35,15 +35,19 @@ def one_pass(model, rollout, loss_type: str, **scorer) -> tuple[dict, list[torch
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-@pytest.mark.parametrize("shared_prefix", [True, False])
+@pytest.mark.parametrize(
+    ("shared_prefix", "tokens"),
+    # Shared: whole groups and single rows (40), groups of prompts 1 and 3 together (80).
+    [(True, 40), (True, 80), (False, 60)],
+)
 def test_a_token_budget_gives_the_whole_rollouts_loss_and_gradient_with_less_padding(
-    loss_type, shared_prefix
+    loss_type, shared_prefix, tokens
 ):
     model = make_model(VOCAB)
     rollout = mixed_rollout(VOCAB, ENDS, PROMPTS, group_size=3)
     whole, whole_grads, whole_count, _ = one_pass(model, rollout, loss_type, shared_prefix=shared_prefix)
     packed, grads, count, micro = one_pass(
-        model, rollout, loss_type, shared_prefix=shared_prefix, micro_batch_tokens=60
+        model, rollout, loss_type, shared_prefix=shared_prefix, micro_batch_tokens=tokens
     )
     assert micro >= 3
     assert any(g.abs().sum() > 0 for g in whole_grads)
