@@ -57,13 +57,13 @@ class _LinearTokenLogProbs(torch.autograd.Function):
     def backward(
         ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
+        if grad_logp is None and grad_entropy is None:  # neither output was used
+            return None, None, None, None, None, None
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         accumulated = torch.promote_types(weight.dtype, torch.float32)
         grad_weight = torch.zeros_like(weight, dtype=accumulated) if need_weight else None
-        if grad_logp is None and grad_entropy is None:
-            return grad_hidden, grad_weight, None, None, None, None
         device_type, enabled, dtype = ctx.autocast
         for start in range(0, targets.numel(), ctx.chunk_size):
             rows = slice(start, start + ctx.chunk_size)
@@ -80,9 +80,9 @@ class _LinearTokenLogProbs(torch.autograd.Function):
                 grad_z = log_probs.exp_().mul_(-g)
             if g is not None:
                 grad_z.scatter_add_(-1, targets[rows].unsqueeze(-1), g)
-            grad_logits = (grad_z if ctx.temperature == 1.0 else grad_z.div_(ctx.temperature)).to(
-                logits.dtype
-            )
+            if ctx.temperature != 1.0:  # z = logits / T
+                grad_z.div_(ctx.temperature)
+            grad_logits = grad_z.to(logits.dtype)
             with torch.autocast(device_type, dtype=dtype, enabled=enabled):
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad_logits @ weight
