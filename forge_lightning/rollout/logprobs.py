@@ -190,8 +190,7 @@ class LogProbScorer:
             padding included (rollout/micro_batches.py); None: by ``micro_batch_size``.
         head_chunk_size: positions per chunk through the LM head and its float32 log-softmax,
             from the decoder's hidden states (grpo/linear_log_probs.py), where the model allows it
-            (models/lm_head.py); None:
-            the model's own forward, every position's logits at once.
+            (models/lm_head.py); None: the model's own forward, every position's logits at once.
     """
 
     temperature: float = 1.0
@@ -199,7 +198,7 @@ class LogProbScorer:
     chunk_size: int | None = 8
     micro_batch_size: int | None = None
     micro_batch_tokens: int | None = None
-    head_chunk_size: int | None = 512
+    head_chunk_size: int | None = 256
 
     def micro_batches(self, rollout: Rollout, model: PreTrainedModel) -> list[MicroBatch]:
         """The rollout's micro-batches; prefix-shared where the model allows it and they hold whole groups."""
@@ -216,7 +215,8 @@ class LogProbScorer:
         self, model: PreTrainedModel, rollout: Rollout, batch: MicroBatch
     ) -> tuple[Tensor, Tensor]:
         """:meth:`log_probs` and each position's entropy ``(n, Lc)`` at the same temperature, from
-        the same float32 chunks (no extra forward)."""
+        the same float32 chunks (no extra forward). Through the head's chunks the entropy has a
+        gradient; from the model's own logits it is detached (grpo.token_log_probs_and_entropy)."""
         logp, entropy = self._score(model, rollout, batch, with_entropy=True)
         assert entropy is not None
         return logp, entropy
