@@ -414,7 +414,8 @@ def test_help_is_short_plain_text(subcommand, capsys):
     text = capsys.readouterr().out
     # 683 before: every docstring paragraph of every option; 513 with the val_* sampling settings;
     # 553 with twelve more (steps_per_generation, rollout correction, generation, rollout device);
-    # 572 with max_generation_tokens and max_tool_result_chars
+    # 572 with max_generation_tokens and max_tool_result_chars; 575 with train_micro_batch_tokens
+    # and lm_head_chunk_size
     assert len(text.splitlines()) < 580
     assert not any(mark in text for mark in ("``", ":class:", ":func:", ":meth:", ".. note"))
     assert text.splitlines()[0].startswith("usage:") and len(text.split("\n\n")[0].splitlines()) == 1
