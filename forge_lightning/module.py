@@ -147,8 +147,20 @@ class GRPOLightningModule(pl.LightningModule):
             to device (rollout/engines/weight_ring.py).
         rollout_memory_fraction: async: the GPU memory share the worker may take.
         train_micro_batch_size: completions per forward/backward (None: all); same gradient, less memory.
+        train_micro_batch_tokens: the most tokens per forward/backward of the loss, padding included
+            (None: by ``train_micro_batch_size``). The completions, longest first, are packed into
+            balanced micro-batches under it, with prefix sharing as whole groups or single rows,
+            whichever runs fewer tokens (rollout/micro_batches.py), each of at most
+            ``train_micro_batch_size`` rows when that is set. Same gradient, fewer padded tokens
+            (``perf/padding_fraction``).
         prefix_sharing: each prompt's forward once per group, its keys/values shared by the G completions.
-        logprob_chunk_size: rows per chunk of the float32 log-softmax; None for no chunks.
+        logprob_chunk_size: rows per chunk of the float32 log-softmax; None for no chunks. Where
+            ``lm_head_chunk_size`` applies, its chunks are the log-softmax's.
+        lm_head_chunk_size: positions per chunk through the LM head (None: all at once). The
+            log-probs and entropies are taken from the decoder's hidden states a chunk at a time,
+            so one chunk's logits exist at a time, in the training backward too
+            (grpo/linear_log_probs.py); same values and gradients. Models it does not fit
+            (models/lm_head.py) take their own forward.
         gradient_checkpointing: trade compute for activation memory in the training forward.
         model_dtype: the dtype a model spec is loaded in. ``float32`` (the default) keeps the weights
             and the AdamW state in full precision under ``bf16-mixed``/``16-mixed`` (autocast computes
@@ -270,8 +282,10 @@ class GRPOLightningModule(pl.LightningModule):
         rollout_memory_fraction: float | None = None,
         # -- memory (MemorySettings)
         train_micro_batch_size: int | None = None,
+        train_micro_batch_tokens: int | None = None,
         prefix_sharing: bool = True,
         logprob_chunk_size: int | None = 8,
+        lm_head_chunk_size: int | None = 256,
         gradient_checkpointing: bool = False,
         model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32",
         attn_implementation: str | None = None,

@@ -5,10 +5,11 @@ in different rounds (rank 0's first prompt is uninformative), saved to ``OUT/dyn
 ``tools``, one step of calculator rollouts where rank 0's completions take up to three rounds and
 rank 1's one (conftest.CalculatorCalls), saved to ``OUT/tools-<loss>.pt``. The default mode also
 runs each loss type with ``steps_per_generation`` 2 on two prompts per rank (the rank's record
-first, then another), saving the first of its two steps' gradients to ``OUT/spg-<loss>.pt``.
-With ``levers``, one step per set of algorithm levers in ``LEVERS`` (each lever in one of them:
-advantage estimators, loss types, the entropy bonus, the KL in the reward), saved to
-``OUT/lever-<name>.pt``.
+first, then another), saving the first of its two steps' gradients to ``OUT/spg-<loss>.pt``, and
+``grpo`` with micro-batches by a token budget under which rank 0 makes 2 and rank 1 makes 4
+(``OUT/tokens-grpo.pt``). With ``levers``, one step per set of algorithm levers in ``LEVERS``
+(each lever in one of them: advantage estimators, loss types, the entropy bonus, the KL in the
+reward), saved to ``OUT/lever-<name>.pt``.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_gradients.py \
         OUT ROOT [dynamic|tools|levers]
@@ -70,6 +71,7 @@ def main(out: Path, root: Path, mode: str = "") -> None:
         runs += [
             (f"spg-{loss}", generation, {"loss_type": loss, "steps_per_generation": 2}) for loss in LOSS_TYPES
         ]
+        runs += [("tokens-grpo", RECORDS[rank::2], {"loss_type": "grpo", "train_micro_batch_tokens": 12})]
     for name, records, settings in runs:
         steps = settings.get("steps_per_generation", 1)
         pl.seed_everything(1)

@@ -119,8 +119,13 @@ def test_model_object_needs_a_tokenizer():
 def test_micro_batches_give_the_unsplit_loss_and_gradient(step_gradients, loss_type):
     whole_loss, whole_grad = step_gradients(loss_type=loss_type, train_micro_batch_size=None)
     assert any(g.abs().sum() > 0 for g in whole_grad)
-    for micro in (4, 3):  # group-aligned (shared prefix) and not aligned (full forward)
-        loss, grad = step_gradients(loss_type=loss_type, train_micro_batch_size=micro)
+    # Group-aligned (shared prefix), not aligned (full forward), and packed by a token budget.
+    for micro in (
+        dict(train_micro_batch_size=4),
+        dict(train_micro_batch_size=3),
+        dict(train_micro_batch_tokens=20),
+    ):
+        loss, grad = step_gradients(loss_type=loss_type, **micro)
         assert loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-6)
         for a, b in zip(grad, whole_grad):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

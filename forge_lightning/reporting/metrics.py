@@ -59,7 +59,15 @@ TRAIN_KEYS = (
 MAX_KEYS = ("staleness_max",)
 # Seconds per phase (from the PhaseProfiler) and completion tokens per second of those seconds.
 # With asynchronous rollouts, the seconds the trainer waited for a rollout and the worker for a batch.
-PERF_KEYS = (*(f"{phase}_s" for phase in PHASES), "step_s", "tokens_per_s", "rollout_wait_s", "worker_wait_s")
+# The share of the loss forwards' tokens that were padding (rollout/micro_batches.py).
+PERF_KEYS = (
+    *(f"{phase}_s" for phase in PHASES),
+    "step_s",
+    "tokens_per_s",
+    "rollout_wait_s",
+    "worker_wait_s",
+    "padding_fraction",
+)
 COUNT_KEYS = ("reward_errors", "skipped_steps", "num_tokens", "empty_steps", "regenerated")
 # The loss statistics of a backward pass (add_micro_batch).
 LOSS_STATS = (
@@ -74,7 +82,7 @@ LOSS_STATS = (
 
 
 def logged_name(key: str) -> str:
-    """The name a metric is logged under: ``perf/...`` for timings, ``train/...`` otherwise."""
+    """The name a metric is logged under: ``perf/...`` for PERF_KEYS, ``train/...`` otherwise."""
     return f"perf/{key}" if key in PERF_KEYS else f"train/{key}"
 
 

@@ -9,21 +9,30 @@ Two ways to run the forward, with the same result:
 
 Only completion positions go through the LM head (``logits_to_keep``), and the float32 work of
 :func:`forge_lightning.grpo.token_log_probs` is chunked, so the (rows, length, vocab) logits never
-exist in float32 for the whole batch.
+exist in float32 for the whole batch. Where the model's head allows it (models/lm_head.py), the
+scorer goes further: it takes the decoder's hidden states and runs the head a chunk of positions
+at a time, so the logits never exist for the whole batch at all, in the training pass either.
+
+The scorer runs a rollout micro-batch by micro-batch (rollout/micro_batches.py): by count or by a
+token budget, each running only the columns its rows need.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from forge_lightning.grpo import token_log_probs, token_log_probs_and_entropy
+from forge_lightning.grpo.linear_log_probs import linear_token_log_probs
 from forge_lightning.models.hf_compat import cache_kwarg, output_cache, supports_shared_prefix
+from forge_lightning.models.lm_head import plain_head_weight
+from forge_lightning.rollout.micro_batches import MicroBatch, plan_micro_batches
 from forge_lightning.rollout.types import Rollout, left_padded_positions
 
 log = logging.getLogger(__name__)
@@ -47,13 +56,13 @@ def completion_log_probs(
     prompt_ids, prompt_mask: (P, Lp) left-padded; completion_ids: (P*G, Lc), groups contiguous.
     Returns float32 (P*G, Lc); positions after a completion's EOS hold values the caller masks.
     """
-    logits = completion_logits(
+    logits = completion_states(
         model, prompt_ids, prompt_mask, completion_ids, group_size=group_size, mode=mode
     )
     return token_log_probs(logits, completion_ids, temperature=temperature, chunk_size=chunk_size)
 
 
-def completion_logits(
+def completion_states(
     model: PreTrainedModel,
     prompt_ids: Tensor,
     prompt_mask: Tensor,
@@ -61,20 +70,43 @@ def completion_logits(
     *,
     group_size: int,
     mode: ForwardMode = "full",
+    hidden: bool = False,
 ) -> Tensor:
-    """The logits ``(P*G, Lc, V)`` that predict each completion token (see completion_log_probs)."""
+    """The logits ``(P*G, Lc, V)`` that predict each completion token or, with ``hidden``, the
+    decoder's final hidden states ``(P*G, Lc, H)`` the LM head makes them of."""
     if completion_ids.shape[0] != prompt_ids.shape[0] * group_size:
         raise ValueError(
             f"{completion_ids.shape[0]} completions for {prompt_ids.shape[0]} prompts "
             f"x group_size {group_size}"
         )
     if mode == "shared_prefix":
-        return _shared_prefix_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
-    return _full_logits(model, prompt_ids, prompt_mask, completion_ids, group_size)
+        return _shared_prefix_states(model, prompt_ids, prompt_mask, completion_ids, group_size, hidden)
+    return _full_states(model, prompt_ids, prompt_mask, completion_ids, group_size, hidden)
 
 
-def _full_logits(
-    model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, group_size: int
+def _last_states(
+    model: PreTrainedModel, hidden: bool, keep: int, cache: Any = None, **inputs: Any
+) -> tuple[Tensor, Any]:
+    """A forward's logits, or (``hidden``) its decoder's final hidden states, at its last ``keep``
+    positions (0: all), and the forward's output (its KV cache)."""
+    runner = model.get_decoder() if hidden else model
+    if cache is not None:
+        inputs[cache_kwarg(runner)] = cache
+    if not hidden:
+        out = runner(**inputs, logits_to_keep=keep)
+        return out.logits, out
+    out = runner(**inputs)
+    states = out.last_hidden_state
+    return (states[:, -keep:] if keep else states), out
+
+
+def _full_states(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    group_size: int,
+    hidden: bool,
 ) -> Tensor:
     completion_len = completion_ids.shape[1]
     input_ids = torch.cat(
@@ -85,31 +117,40 @@ def _full_logits(
     attention = torch.cat(
         [prompt_mask.repeat_interleave(group_size, dim=0), torch.ones_like(completion_ids)], dim=1
     )
-    out = model(
+    states, _ = _last_states(
+        model,
+        hidden,
+        completion_len + 1,
         input_ids=input_ids,
         attention_mask=attention,
         position_ids=left_padded_positions(attention),
         use_cache=False,
-        logits_to_keep=completion_len + 1,
     )
-    # The logit at position t predicts token t+1: drop the one after the last completion token.
-    return out.logits[:, :-1]  # (N, Lc, V)
+    # The state at position t predicts token t+1: drop the one after the last completion token.
+    return states[:, :-1]  # (N, Lc, V or H)
 
 
-def _shared_prefix_logits(
-    model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, group_size: int
+def _shared_prefix_states(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    group_size: int,
+    hidden: bool,
 ) -> Tensor:
     prompt_pos = left_padded_positions(prompt_mask)
-    prompt_out = model(
+    prompt_states, prompt_out = _last_states(
+        model,
+        hidden,
+        1,
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
         position_ids=prompt_pos,
         use_cache=True,
-        logits_to_keep=1,
     )
     cache = output_cache(prompt_out)
     cache.batch_repeat_interleave(group_size)
-    first = prompt_out.logits.repeat_interleave(group_size, dim=0)  # (N, 1, V): predicts completion token 0
+    first = prompt_states.repeat_interleave(group_size, dim=0)  # (N, 1, V or H): predicts completion token 0
     if completion_ids.shape[1] == 1:
         return first
     rest_ids = completion_ids[:, :-1]  # (N, Lc-1): each predicts the next completion token
@@ -118,14 +159,17 @@ def _shared_prefix_logits(
     )
     start = prompt_pos[:, -1:].repeat_interleave(group_size, dim=0) + 1
     rest_pos = start + torch.arange(rest_ids.shape[1], device=rest_ids.device)
-    rest_out = model(
+    rest, _ = _last_states(
+        model,
+        hidden,
+        0,
+        cache,
         input_ids=rest_ids,
         attention_mask=attention,
         position_ids=rest_pos,
         use_cache=True,
-        **{cache_kwarg(model): cache},
     )
-    return torch.cat([first, rest_out.logits], dim=1)  # (N, Lc, V)
+    return torch.cat([first, rest], dim=1)  # (N, Lc, V or H)
 
 
 @dataclass(frozen=True)
@@ -138,62 +182,88 @@ class LogProbScorer:
     Args:
         temperature: the temperature the log-probs are taken at.
         shared_prefix: run each group's prompt once (when the model and the rows allow it).
-        chunk_size: rows per chunk of the float32 log-softmax; None for no chunks.
-        micro_batch_size: completions per forward; None for the whole rollout at once.
+        chunk_size: rows per chunk of the float32 log-softmax of the model's own logits (without
+            ``head_chunk_size``); None for no chunks.
+        micro_batch_size: completions per forward; None for the whole rollout at once (or, with
+            ``micro_batch_tokens``, no limit on the rows).
+        micro_batch_tokens: pack the completions into micro-batches of at most this many tokens,
+            padding included (rollout/micro_batches.py); None: by ``micro_batch_size``.
+        head_chunk_size: positions per chunk through the LM head and its float32 log-softmax,
+            from the decoder's hidden states (grpo/linear_log_probs.py), where the model allows it
+            (models/lm_head.py); None: the model's own forward, every position's logits at once.
     """
 
     temperature: float = 1.0
     shared_prefix: bool = True
     chunk_size: int | None = 8
     micro_batch_size: int | None = None
+    micro_batch_tokens: int | None = None
+    head_chunk_size: int | None = 256
 
-    def micro_batches(self, rollout: Rollout) -> list[tuple[int, int]]:
-        """``[start, stop)`` completion rows of each micro-batch."""
-        rows = rollout.completion_ids.shape[0]
-        size = self.micro_batch_size or max(rows, 1)
-        return [(a, min(a + size, rows)) for a in range(0, rows, size)]
+    def micro_batches(self, rollout: Rollout, model: PreTrainedModel) -> list[MicroBatch]:
+        """The rollout's micro-batches; prefix-shared where the model allows it and they hold whole groups."""
+        shared = self.shared_prefix and supports_shared_prefix(model)
+        return plan_micro_batches(
+            rollout, size=self.micro_batch_size, tokens=self.micro_batch_tokens, shared=shared
+        )
 
-    def log_probs(self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int) -> Tensor:
-        """Log-probs ``(stop-start, Lc)`` of completion rows ``[start, stop)`` under ``model``."""
-        logits, targets = self._logits(model, rollout, start, stop)
-        return token_log_probs(logits, targets, temperature=self.temperature, chunk_size=self.chunk_size)
+    def log_probs(self, model: PreTrainedModel, rollout: Rollout, batch: MicroBatch) -> Tensor:
+        """Log-probs ``(n, Lc)`` of ``batch``'s rows under ``model`` (0 after its completion width)."""
+        return self._score(model, rollout, batch, with_entropy=False)[0]
 
     def log_probs_and_entropy(
-        self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int, entropy_grad: bool = False
+        self, model: PreTrainedModel, rollout: Rollout, batch: MicroBatch, entropy_grad: bool = False
     ) -> tuple[Tensor, Tensor]:
-        """:meth:`log_probs` and each position's entropy ``(stop-start, Lc)`` at the same
-        temperature, from the same float32 chunks (no extra forward; the entropy is detached
-        unless ``entropy_grad``: an entropy term in the loss)."""
-        logits, targets = self._logits(model, rollout, start, stop)
-        return token_log_probs_and_entropy(
-            logits,
-            targets,
-            temperature=self.temperature,
-            chunk_size=self.chunk_size,
-            entropy_grad=entropy_grad,
-        )
+        """:meth:`log_probs` and each position's entropy ``(n, Lc)`` at the same temperature, from
+        the same float32 chunks (no extra forward). Through the head's chunks the entropy has a
+        gradient; from the model's own logits it is detached unless ``entropy_grad`` (an entropy
+        term in the loss; grpo.token_log_probs_and_entropy)."""
+        logp, entropy = self._score(model, rollout, batch, with_entropy=True, entropy_grad=entropy_grad)
+        assert entropy is not None
+        return logp, entropy
 
-    def _logits(
-        self, model: PreTrainedModel, rollout: Rollout, start: int, stop: int
-    ) -> tuple[Tensor, Tensor]:
+    def _score(
+        self,
+        model: PreTrainedModel,
+        rollout: Rollout,
+        batch: MicroBatch,
+        with_entropy: bool,
+        entropy_grad: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
         group = rollout.group_size
-        # The prompt can be shared only by rows that hold whole groups.
-        aligned = start % group == 0 and (stop % group == 0 or stop == rollout.completion_ids.shape[0])
-        shared = aligned and group > 1 and self.shared_prefix and supports_shared_prefix(model)
-        if shared:
-            rows = slice(start // group, -(-stop // group))
-            prompt_ids, prompt_mask = rollout.prompt_ids[rows], rollout.prompt_mask[rows]
-        else:
-            prompt_ids = rollout.prompt_ids.repeat_interleave(group, dim=0)[start:stop]
-            prompt_mask = rollout.prompt_mask.repeat_interleave(group, dim=0)[start:stop]
-        targets = rollout.completion_ids[start:stop]
-        mode = "shared_prefix" if shared else "full"
-        logits = completion_logits(
-            model, prompt_ids, prompt_mask, targets, group_size=group if shared else 1, mode=mode
+        prompts = batch.rows[::group] // group if batch.shared else batch.rows // group
+        columns = slice(rollout.prompt_ids.shape[1] - batch.prompt_width, None)  # its prompts' own
+        targets = rollout.completion_ids[batch.rows, : batch.completion_width]
+        head = plain_head_weight(model) if self.head_chunk_size else None
+        states = completion_states(
+            model,
+            rollout.prompt_ids[prompts, columns],
+            rollout.prompt_mask[prompts, columns],
+            targets,
+            group_size=group if batch.shared else 1,
+            mode="shared_prefix" if batch.shared else "full",
+            hidden=head is not None,
         )
-        return logits, targets
+        if head is not None:
+            logp, entropy = linear_token_log_probs(
+                states, head, targets, self.temperature, self.head_chunk_size, with_entropy
+            )
+        elif with_entropy:
+            logp, entropy = token_log_probs_and_entropy(
+                states, targets, self.temperature, self.chunk_size, entropy_grad=entropy_grad
+            )
+        else:
+            logp, entropy = token_log_probs(states, targets, self.temperature, self.chunk_size), None
+        # The columns after the micro-batch's longest completion were not run: no value there.
+        after = (0, rollout.completion_ids.shape[1] - batch.completion_width)
+        return F.pad(logp, after), None if entropy is None else F.pad(entropy, after)
 
     @torch.no_grad()
     def log_probs_no_grad(self, model: PreTrainedModel, rollout: Rollout) -> Tensor:
         """Log-probs ``(P*G, Lc)`` of every completion, without gradients (reference, old policy)."""
-        return torch.cat([self.log_probs(model, rollout, a, b) for a, b in self.micro_batches(rollout)])
+        scored = [(b.rows, self.log_probs(model, rollout, b)) for b in self.micro_batches(rollout, model)]
+        dtype = scored[0][1].dtype if scored else torch.float32  # float64 for a float64 model
+        out = torch.zeros(rollout.completion_ids.shape, dtype=dtype, device=rollout.completion_ids.device)
+        for rows, logp in scored:
+            out[rows] = logp
+        return out

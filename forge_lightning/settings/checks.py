@@ -59,6 +59,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "advantage_estimator": (lambda v: v in ADVANTAGE_ESTIMATORS, f"one of {ADVANTAGE_ESTIMATORS}"),
     "num_iterations": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "train_micro_batch_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "train_micro_batch_tokens": (
+        _optional(lambda v: isinstance(v, int) and v >= 1),
+        "None or an integer >= 1",
+    ),
     "max_prompt_length": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
     "prompt_truncation": (lambda v: v in ("left", "error"), "'left' or 'error'"),
     "on_reward_error": (lambda v: v in ("raise", "zero"), "'raise' or 'zero'"),
@@ -68,6 +72,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "generation_backend": (lambda v: v in ENGINES, lambda: " or ".join(map(repr, ENGINES))),
     "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
     "logprob_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
+    "lm_head_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
     "max_sampling_rounds": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "num_train_epochs": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "save_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),

@@ -155,6 +155,8 @@ def build_components(
         shared_prefix=memory.prefix_sharing,
         chunk_size=memory.logprob_chunk_size,
         micro_batch_size=memory.train_micro_batch_size,
+        micro_batch_tokens=memory.train_micro_batch_tokens,
+        head_chunk_size=memory.lm_head_chunk_size,
     )
     train_metrics = RunningMetrics(reward_names, tools=tool_names)
     val_metrics = RunningMetrics(

@@ -204,10 +204,24 @@ class MemorySettings(_Group):
 
     train_micro_batch_size: int | None = None
     """completions per forward/backward (None: all); same gradient, less memory."""
+    train_micro_batch_tokens: int | None = None
+    """the most tokens per forward/backward of the loss, padding included (None: by
+    ``train_micro_batch_size``). The completions, longest first, are packed into balanced
+    micro-batches under it, with prefix sharing as whole groups or single rows, whichever runs
+    fewer tokens (rollout/micro_batches.py), each of at most ``train_micro_batch_size`` rows when
+    that is set. Same gradient, fewer padded tokens (``perf/padding_fraction``)."""
     prefix_sharing: bool = True
     """each prompt's forward once per group, its keys/values shared by the G completions."""
     logprob_chunk_size: int | None = 8
-    """rows per chunk of the float32 log-softmax; None for no chunks."""
+    """rows per chunk of the float32 log-softmax; None for no chunks. Where
+    ``lm_head_chunk_size`` applies, its chunks are the log-softmax's."""
+    lm_head_chunk_size: int | None = 256
+    """positions per chunk through the LM head (None: all at once). The log-probs and entropies
+    are taken from the decoder's hidden states a chunk at a time, so one chunk's (positions,
+    vocab) logits exist at a time, the training backward rebuilding each
+    (grpo/linear_log_probs.py); same values and gradients. Models whose logits are not a bias-free
+    linear head on the last hidden state, a head with an adapter and FSDP-sharded models take
+    their own forward (models/lm_head.py)."""
     gradient_checkpointing: bool = False
     """trade compute for activation memory in the training forward."""
     model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32"

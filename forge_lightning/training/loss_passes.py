@@ -22,7 +22,10 @@ from forge_lightning.grpo import (
 )
 from forge_lightning.reporting.metrics import LOSS_STATS, add_micro_batch
 from forge_lightning.rollout.logprobs import LogProbScorer
+from forge_lightning.rollout.micro_batches import MicroBatch, padding_fraction
 from forge_lightning.rollout.types import Rollout
+from forge_lightning.training.context import StepContext
+from forge_lightning.training.dynamic_sampling import SamplingRounds
 
 
 class LossPasses:
@@ -94,8 +97,15 @@ class LossPasses:
         with reference.scope():
             return self.scorer.log_probs_no_grad(reference.model, rollout)
 
-    def micro_batches(self, rollout: Rollout) -> list[tuple[int, int]]:
-        return self.scorer.micro_batches(rollout)
+    def micro_batches(self, rollout: Rollout, model: PreTrainedModel) -> list[MicroBatch]:
+        return self.scorer.micro_batches(rollout, model)
+
+    def backward_calls_missing(self, made: int, context: StepContext) -> int:
+        """Zero-weight backward calls this rank must add to match the others' all-reduces: with a
+        token budget each rank packs its rollout into its own number of micro-batches."""
+        if self.scorer.micro_batch_tokens is None or context.world_size == 1:
+            return 0
+        return SamplingRounds.backward_calls_missing(made, context.reduce, context.device)
 
     def backward(
         self,
@@ -110,14 +120,16 @@ class LossPasses:
     ) -> dict[str, Tensor]:
         """One pass (``backward``: the module's manual_backward), then ``extra`` zero-weight
         backwards, so that this rank joins the other ranks' all-reduces. Adds the pass's share of
-        the step's loss normaliser to :attr:`count`; returns its loss statistics, detached."""
+        the step's loss normaliser to :attr:`count`; returns its loss statistics, detached, with the
+        share of its forwards' tokens that were padding (``padding_fraction``)."""
         mask = rollout.loss_mask(self.mask_truncated)  # (P*G, Lc)
         totals: dict[str, Tensor] = {}
-        for start, stop in self.scorer.micro_batches(rollout):
-            rows = slice(start, stop)
+        batches = self.scorer.micro_batches(rollout, model)
+        for batch in batches:
+            rows = batch.rows
             with profile("logprob"):
                 logp, entropy = self.scorer.log_probs_and_entropy(
-                    model, rollout, start, stop, entropy_grad=self.loss.entropy_coef > 0
+                    model, rollout, batch, entropy_grad=self.loss.entropy_coef > 0
                 )
                 loss, metrics = grpo_loss(
                     logp,
@@ -141,11 +153,12 @@ class LossPasses:
                 backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
         self.count = self.count + step_count(self.loss, mask)
         if not totals or not mask.any():  # nothing trained (or every token masked): no values
-            return {key: torch.zeros(0) for key in LOSS_STATS}
-        return totals
+            # (each key still updated, empty, so that every rank joins each metric's reduction)
+            return {key: torch.zeros(0) for key in (*LOSS_STATS, "padding_fraction")}
+        return {**totals, "padding_fraction": torch.tensor(padding_fraction(batches, rollout))}
 
 
-def _rows(values: Tensor | None, rows: slice) -> Tensor | None:
+def _rows(values: Tensor | None, rows: Tensor) -> Tensor | None:
     return None if values is None else values[rows]
 
 

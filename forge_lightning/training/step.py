@@ -110,7 +110,9 @@ class TrainingStep:
         for part in plan.passes:  # the whole rollout, or (steps_per_generation) one share of it
             share, share_advantages, old, ref = take_share(part, trained, plan.advantages, old_logp, ref_logp)
             # Before any backward: DDP all-reduces in each one, so every rank must make as many.
-            extra = self.plan.backward_calls_missing(len(self.loss_passes.micro_batches(share)), context)
+            made = len(self.loss_passes.micro_batches(share, model))
+            missing = self.plan.backward_calls_missing(made, context)
+            extra = max(missing, self.loss_passes.backward_calls_missing(made, context))
             pass_stats.append(
                 self.loss_passes.backward(
                     model, share, share_advantages, old, ref, context.backward, profile, extra

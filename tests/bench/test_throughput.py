@@ -84,13 +84,13 @@ def test_step_loss_and_gradient_do_not_depend_on_prefix_sharing(step_gradients):
 
 def record_forward_modes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     modes: list[str] = []
-    original = logprobs_module.completion_logits
+    original = logprobs_module.completion_states
 
     def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
         modes.append(kwargs["mode"])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(logprobs_module, "completion_logits", spy)
+    monkeypatch.setattr(logprobs_module, "completion_states", spy)
     return modes
 
 

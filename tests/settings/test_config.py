@@ -40,6 +40,8 @@ BAD = {
     "generation_backend": "sglang",
     "vllm_gpu_memory_utilization": 1.5,
     "logprob_chunk_size": 0,
+    "lm_head_chunk_size": 0,
+    "train_micro_batch_tokens": 0,
     "num_train_epochs": 0,
     "save_steps": -1,
     "logging_steps": 0,

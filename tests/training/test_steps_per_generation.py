@@ -76,7 +76,8 @@ def test_two_steps_of_one_generation_equal_two_hand_built_steps_on_its_halves(
         share, adv, old, ref = take_share(
             Pass(slice(step, step + 1), True), rollout, advantages, old_logp, ref_logp
         )
-        logp, _ = scorer.log_probs_and_entropy(hand.model, share, 0, share.completion_ids.shape[0])
+        (whole,) = scorer.micro_batches(share, hand.model)
+        logp, _ = scorer.log_probs_and_entropy(hand.model, share, whole)
         loss, _ = grpo_loss(logp, old, ref, adv, share.loss_mask(), hand.loss_settings)
         expected = torch.autograd.grad(loss, list(hand.model.parameters()), allow_unused=True)
         assert any(g is not None and g.abs().sum() > 0 for g in expected)

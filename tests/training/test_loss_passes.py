@@ -1,0 +1,100 @@
+"""The loss passes over a rollout (training/loss_passes.py): token-budget micro-batches give the
+whole rollout's loss and gradient, and every rank makes as many backward calls."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from conftest import make_model, mixed_rollout
+
+from forge_lightning.grpo import LossSettings
+from forge_lightning.rollout.logprobs import LogProbScorer
+from forge_lightning.training.context import StepContext
+from forge_lightning.training.loss_passes import LossPasses
+
+VOCAB = 40
+ENDS = [12, 3, 7, 12, 2, 5, 9, 4, 1, 6, 12, 3]  # 4 groups of 3, mixed lengths
+PROMPTS = [5, 2, 8, 3]
+
+
+def one_pass(model, rollout, loss_type: str, **scorer) -> tuple[dict, list[torch.Tensor], torch.Tensor, int]:
+    """One loss pass: its statistics, the gradient, the step's count and the micro-batches."""
+    torch.manual_seed(0)
+    reference = make_model(VOCAB, seed=3)
+    ref_logp = LogProbScorer().log_probs_no_grad(reference, rollout)
+    passes = LossPasses(LogProbScorer(temperature=0.7, **scorer), LossSettings(loss_type=loss_type), False)
+    model.zero_grad()
+    advantages = torch.linspace(-1, 1, len(ENDS))
+    stats = passes.backward(
+        model, rollout, advantages, None, ref_logp, torch.Tensor.backward, lambda phase: nullcontext()
+    )
+    grads = [p.grad.clone() for p in model.parameters()]
+    return stats, grads, passes.take_count(), len(passes.micro_batches(rollout, model))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize(
+    ("shared_prefix", "tokens"),
+    # Shared: whole groups and single rows (40), groups of prompts 1 and 3 together (80).
+    [(True, 40), (True, 80), (False, 60)],
+)
+def test_a_token_budget_gives_the_whole_rollouts_loss_and_gradient_with_less_padding(
+    loss_type, shared_prefix, tokens
+):
+    model = make_model(VOCAB)
+    rollout = mixed_rollout(VOCAB, ENDS, PROMPTS, group_size=3)
+    whole, whole_grads, whole_count, _ = one_pass(model, rollout, loss_type, shared_prefix=shared_prefix)
+    packed, grads, count, micro = one_pass(
+        model, rollout, loss_type, shared_prefix=shared_prefix, micro_batch_tokens=tokens
+    )
+    assert micro >= 3
+    assert any(g.abs().sum() > 0 for g in whole_grads)
+    for key in ("loss", "policy_loss", "kl", "entropy"):
+        torch.testing.assert_close(packed[key], whole[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(count, whole_count)
+    for a, b in zip(grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert packed["padding_fraction"] < whole["padding_fraction"]
+
+
+def test_with_a_token_budget_a_rank_adds_zero_weight_backwards_up_to_the_most_micro_batches():
+    def other_rank_has_seven(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return torch.maximum(tensor, torch.tensor(7.0)) if op == "max" else tensor
+
+    two_ranks = StepContext.one_process(world_size=2, reduce=other_rank_has_seven)
+    packed = LossPasses(LogProbScorer(micro_batch_tokens=60), LossSettings(), False)
+    assert packed.backward_calls_missing(3, two_ranks) == 4
+    assert packed.backward_calls_missing(3, StepContext.one_process()) == 0
+    # Micro-batches by count: every rank has as many rows, so as many micro-batches.
+    by_count = LossPasses(LogProbScorer(micro_batch_size=2), LossSettings(), False)
+    assert by_count.backward_calls_missing(3, two_ranks) == 0
+
+
+def test_a_step_under_a_token_budget_makes_as_many_backward_calls_as_the_busiest_rank(module, count_a):
+    from forge_lightning.rollout.sources import TrainingBatch
+
+    grpo = module(
+        reward=count_a, group_size=3, gradient_accumulation_steps=1, kl_beta=0.0, train_micro_batch_tokens=60
+    )
+    grpo.configure_model()
+    rollout = mixed_rollout(len(grpo.tokenizer), ENDS, PROMPTS, group_size=3)
+    rollout.completions = ["a" * n for n in ENDS]
+    made = len(grpo.step.loss_passes.micro_batches(rollout, grpo.model))
+    calls: list[float] = []
+
+    def backward(loss: torch.Tensor) -> None:
+        calls.append(float(loss.detach()))
+        loss.backward()
+
+    def busiest_has_ten(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return torch.maximum(tensor, torch.tensor(10.0)) if op == "max" else tensor
+
+    context = StepContext.one_process(backward=backward, world_size=2, reduce=busiest_has_ten)
+    optimizer = torch.optim.SGD(grpo.model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    batch = TrainingBatch(["p"] * len(PROMPTS), {}, 0, rollout)
+    grpo.step.train(batch, grpo.model, None, optimizer, scheduler, context)
+    assert 1 < made < 10
+    assert len(calls) == 10 and calls[made:] == [0.0] * (10 - made)
