@@ -152,15 +152,23 @@ def group_size_for(p: float, target: float = NO_SIGNAL_TARGET) -> int | None:
     return next((g for g in range(2, LARGEST_SUGGESTED_G + 1) if no_signal_chance(p, g) <= target), None)
 
 
-def reward_advice(rewards: RewardTally, group_size: int | None, dynamic_sampling: bool) -> str:
+def reward_advice(
+    rewards: RewardTally, group_size: int | None, dynamic_sampling: bool, groups_vary: bool = False
+) -> str:
     """What a stretch's rewards say about the group size: a pass rate's (0/1 rewards) suggested G,
-    a reward that never varies, or (other rewards) no suggestion."""
+    a reward that never varies, or (other rewards) no suggestion; where most groups' rewards vary
+    (``groups_vary``: the zero-std share was under the rule's), that the signal is lost after them."""
     if not rewards.count:
         return "No reward was seen."
     if rewards.low == rewards.high:
         return (
             f"The reward never varies (all {rewards.count} were {rewards.low:g}): no G helps; check "
             "that the reward can tell these completions apart."
+        )
+    if groups_vary:
+        return (
+            "Most groups' rewards vary, so the signal is lost after the reward: check learning_rate, "
+            "which weights are trainable, and the loss settings."
         )
     dynamic = "" if dynamic_sampling else "; or dynamic_sampling: true trains on the groups that vary"
     if not rewards.binary:
@@ -207,7 +215,8 @@ class SignalGuard(Callback):
     gradient changes it). The message gives the stretch's mean zero-std share, its largest gradient
     norm and whether the weights moved, and what the rewards say: for 0/1 rewards the pass rate p
     and the smallest G whose groups lack a signal (chance p^G + (1-p)^G) at most one time in ten,
-    and dynamic sampling; for a reward that never varies, that no G helps; for other rewards no G.
+    and dynamic sampling; for a reward that never varies, that no G helps; for other rewards no G;
+    where most groups' rewards vary, that the signal is lost after the reward.
     Each stretch is reported once. It reads the module's step records (``ReportsSteps``) and does
     nothing with a module that has none; its counters are in the checkpoint, so a resumed run
     fires at the same step.
@@ -269,8 +278,11 @@ class SignalGuard(Callback):
 
     def _report(self, stretch: Stretch, pl_module: pl.LightningModule) -> None:
         group_size = pl_module.hparams.get("group_size")
+        group_size = group_size if isinstance(group_size, int) else None
         dynamic = bool(pl_module.hparams.get("dynamic_sampling"))
-        advice = reward_advice(stretch.rewards, group_size if isinstance(group_size, int) else None, dynamic)
+        share = stretch.zero_std_share
+        vary = share is not None and share < self.rule.zero_std_share
+        advice = reward_advice(stretch.rewards, group_size, dynamic, groups_vary=vary)
         message = describe(stretch, self.rule, self.patience, advice)
         if self.mode == "fail":
             raise SignalGuardError(message)

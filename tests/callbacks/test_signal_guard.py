@@ -111,6 +111,13 @@ def test_rewards_that_are_not_zero_or_one_get_no_group_size():
     assert advice.startswith("The rewards are not 0/1 (from 0.25 to 0.75 over 3), so no G is suggested")
 
 
+def test_groups_that_vary_point_past_the_reward():
+    watch = SignalWatch(SignalRule(), patience=1)
+    stretch = watch.observe(record(1, {ZERO_STD: 0.25, GRAD_NORM: 0.0}, [0.0, 1.0]), False)
+    advice = reward_advice(stretch.rewards, 8, False, groups_vary=True)
+    assert advice.startswith("Most groups' rewards vary, so the signal is lost after the reward")
+
+
 def test_the_counters_survive_a_checkpoint_so_a_resumed_run_fires_at_the_same_step():
     watch = SignalWatch(SignalRule(), patience=3)
     assert fired_at(watch, [(record(1, IDLE), False), (record(2, IDLE), False)]) == []
@@ -215,3 +222,14 @@ def test_the_cli_in_fail_mode_exits_with_the_one_message(tiny_model_dir, tmp_pat
     message = str(stopped.value.code)
     assert message.startswith("SignalGuard: optimizer steps 1-3 (3 in a row, patience 3)"), message
     assert "The reward never varies (all 48 were 0)" in message  # 3 steps of 4 prompts x 4
+
+
+@pytest.mark.integration
+def test_another_lightning_module_trains_undisturbed(tmp_path, trainer, recwarn):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    guard = SignalGuard("fail", patience=1)
+    fit = trainer(tmp_path, max_steps=2, callbacks=[guard])
+    fit.fit(BoringModel())
+    assert fit.global_step == 2 and guard.watch.stretch is None
+    assert not [w for w in recwarn if "SignalGuard" in str(w.message)]
