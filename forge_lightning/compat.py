@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from forge_lightning.callbacks import HFCheckpoint, RewardLogger
+from forge_lightning.callbacks import HFCheckpoint, RewardLogger, SignalGuard
 from forge_lightning.data.datamodule import EpochShuffleSampler, collate_records
 from forge_lightning.grpo import LossType
 from forge_lightning.module import GRPOLightningModule
@@ -129,6 +129,7 @@ class GRPOTrainer:
             "callbacks": [
                 HFCheckpoint(save_steps=cfg.save_steps),
                 RewardLogger(logging_steps=cfg.logging_steps),
+                SignalGuard(),
             ],
             "enable_checkpointing": False,
             "profiler": PhaseProfiler(),

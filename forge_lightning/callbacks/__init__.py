@@ -1,4 +1,4 @@
-"""Lightning callbacks: the frozen reference, HF-format checkpoints and reward logging.
+"""Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging and the signal guard.
 
 Each one works alone in a user's own ``Trainer``.
 """
@@ -6,6 +6,14 @@ Each one works alone in a user's own ``Trainer``.
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.callbacks.reference import ReferenceModel
 from forge_lightning.callbacks.reward_logger import RewardLogger
+from forge_lightning.callbacks.signal_guard import SignalGuard, SignalGuardError
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
 
-__all__ = ["HFCheckpoint", "ReferenceModel", "RewardLogger", "SaveAtStepBoundaries"]
+__all__ = [
+    "HFCheckpoint",
+    "ReferenceModel",
+    "RewardLogger",
+    "SaveAtStepBoundaries",
+    "SignalGuard",
+    "SignalGuardError",
+]

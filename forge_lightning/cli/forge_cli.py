@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from forge_lightning.callbacks import HFCheckpoint, RewardLogger
+from forge_lightning.callbacks import HFCheckpoint, RewardLogger, SignalGuard, SignalGuardError
 from forge_lightning.callbacks.defaults import refuse_automatic_optimization_settings
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.run.folder import RunFolder, RunFolderError, remove_untracked_checkpoints
@@ -40,6 +40,7 @@ CALLBACK_GROUPS: dict[str, type[Callback]] = {
     "checkpoint": ModelCheckpoint,
     "hf_checkpoint": HFCheckpoint,
     "reward_logger": RewardLogger,
+    "signal_guard": SignalGuard,
 }
 
 
@@ -55,11 +56,12 @@ class ForgeCLI(LightningCLI):
     files and the command line leave out (``_parse_ckpt_path``).
 
     The run's callbacks have groups of their own (``CALLBACK_GROUPS``): ``checkpoint`` (Lightning's
-    ModelCheckpoint; left out under ``trainer.enable_checkpointing: false``), ``hf_checkpoint`` and
-    ``reward_logger``, set in a config as ``hf_checkpoint: {save_steps: 10}`` or on the command line
-    as ``--hf_checkpoint.save_steps 10``, and switched off with ``--hf_checkpoint null``. Any other
-    callback goes in ``trainer.callbacks`` as usual; one of these three classes listed there instead
-    is used as it is, in place of its group.
+    ModelCheckpoint; left out under ``trainer.enable_checkpointing: false``), ``hf_checkpoint``,
+    ``reward_logger`` and ``signal_guard``, set in a config as ``hf_checkpoint: {save_steps: 10}``
+    or on the command line as ``--hf_checkpoint.save_steps 10``, and switched off with
+    ``--hf_checkpoint null``. Any other callback goes in ``trainer.callbacks`` as usual; one of
+    these classes listed there instead is used as it is, in place of its group. A run that
+    ``signal_guard`` (``mode: fail``) stops exits with its one ``SignalGuard:`` message.
     """
 
     _run_folder: RunFolder | None = None
@@ -206,6 +208,8 @@ class ForgeCLI(LightningCLI):
                 # from before each step: here a checkpoint is meant to hold the state after it.
                 warnings.filterwarnings("ignore", message=_PRE_STEP_STATE_WARNING, category=UserWarning)
                 self.trainer.fit(model, **kwargs)
+        except SignalGuardError as err:  # a run that trains nothing: its one message, not a traceback
+            raise SystemExit(str(err)) from None
         finally:
             if self._run_folder is not None:
                 self._run_folder.unlock()
