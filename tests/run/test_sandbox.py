@@ -43,6 +43,19 @@ def gone_within(pids: list[int], seconds: float) -> bool:
     return not any(os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
+@pytest.fixture(autouse=True)
+def isolating_machine(request):
+    """A test that starts sandboxed workers (marked integration) runs where the machine can isolate
+    them (run/isolation.py's probe: unshare, Landlock, a pids bound); elsewhere it is skipped with
+    the probe's reason, as the GPU tests are without a GPU. The refusal itself is tested below on
+    every machine."""
+    if "integration" in request.keywords:
+        try:
+            isolation.probe()
+        except SandboxUnavailable as err:
+            pytest.skip(f"this machine cannot isolate sandboxed workers: {err}")
+
+
 @pytest.fixture
 def pool():
     sandbox = Sandbox(workers=1, limits=SandboxLimits(memory_mb=256, cpu_seconds=5))

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import make_model
-from test_sandbox import processes_naming
+from test_sandbox import isolating_machine, processes_naming  # noqa: F401 (an autouse fixture)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
