@@ -301,14 +301,23 @@ def _check_tools(values: Mapping[str, Any]) -> None:
             if values.get("agent") is not None
             else "only HF generate can stop a row at a tool call",
         ),
-        "use_engine_logprobs": (True, "the engine's log-probs do not cover the tools' tokens"),
     }
     for name, (value, why) in reasons.items():
         if values.get(name) == value:
             raise ValueError(
                 f"{_tool_mode(values)} does not work with {name}={value!r}: {why}; "
-                "use rollout_mode='sync', generation_backend='hf' and use_engine_logprobs=false"
+                "use rollout_mode='sync' and generation_backend='hf'"
             )
+    if values.get("agent") is not None:
+        for name, on in (
+            ("use_engine_logprobs", values.get("use_engine_logprobs")),
+            ("rollout_correction", values.get("rollout_correction") is not None),
+        ):
+            if on:
+                raise ValueError(
+                    f"{_tool_mode(values)} does not work with {name}: the agent's endpoint reports "
+                    f"no log-probs of the tokens it samples; unset {name}"
+                )
 
 
 def _check_engine_logprobs(values: Mapping[str, Any]) -> None:
@@ -340,11 +349,6 @@ def _check_rollout_correction(values: Mapping[str, Any]) -> None:
         raise ValueError(
             "rollout_correction does not go with loss_type='forge' (Forge's ratio is against the "
             "reference, not the sampler); use grpo, dapo or dr_grpo"
-        )
-    if _tool_mode(values) is not None:
-        raise ValueError(
-            f"rollout_correction does not work with {_tool_mode(values)}: the engine's log-probs "
-            "do not cover the tools' tokens; set rollout_correction to null"
         )
     cap = values.get("behav_imp_weight_cap", DEFAULT_BEHAV_IMP_WEIGHT_CAP)
     if cap != DEFAULT_BEHAV_IMP_WEIGHT_CAP:

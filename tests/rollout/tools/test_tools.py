@@ -279,7 +279,7 @@ def test_a_selected_group_keeps_its_model_mask_and_tool_counts():
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("rollout_mode", "async"), ("generation_backend", "vllm"), ("use_engine_logprobs", True)],
+    [("rollout_mode", "async"), ("generation_backend", "vllm")],
 )
 def test_a_calculator_is_refused_where_rollouts_are_one_generate_call(setting, value):
     with pytest.raises(ValueError, match=f"calculator='annotation' does not work with {setting}"):

@@ -1,0 +1,117 @@
+"""Tool-using rollouts on more paths: the engine's log-probs (``use_engine_logprobs``,
+``rollout_correction``) on the policy's tokens only, ``steps_per_generation`` and LoRA; one
+training batch each through training/step.py, without a Trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+from test_tools import CallsAtLengths, scripted, tool_sampler
+
+from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.logprobs import LogProbScorer
+from forge_lightning.rollout.sources import TrainingBatch
+from forge_lightning.settings.checks import validate_hparams
+from forge_lightning.training.context import StepContext
+
+
+@pytest.mark.parametrize("continues", [True, False])
+def test_the_engines_log_probs_are_the_policys_on_its_tokens_and_zero_on_the_tools(continues):
+    # A random model, sampled at temperature 0.7: rows call at different lengths, so rounds are
+    # cut mid-writing (cached) or read whole again (not); each sampled token's score must be the
+    # one the trainer computes for it at its place in the finished completion.
+    tok = make_tokenizer()
+    model = make_model(len(tok), seed=3, initializer_range=0.5)
+    sampler = tool_sampler(tok, max_tool_calls=3)
+    sampler.tools = CallsAtLengths(tok, {3, 9, 16})
+    sampler._engine_continues = continues
+    torch.manual_seed(0)
+    params = SamplingParams(max_new_tokens=24, temperature=0.7)
+    rollout = sampler(model, ["ab", "hello there", "q"], params, 2, engine_logprobs=True)
+
+    mask = rollout.loss_mask()
+    tool = rollout.completion_mask.bool() & ~rollout.model_mask.bool()
+    assert tool.sum() >= 6 and mask.sum() > tool.sum()
+    trainer = LogProbScorer(temperature=0.7).log_probs_no_grad(model, rollout)
+    torch.testing.assert_close(rollout.old_logp[mask], trainer[mask], atol=1e-4, rtol=1e-4)
+    assert (rollout.old_logp[~mask] == 0).all()  # the tools' tokens and the padding
+    assert (trainer[tool] < -0.5).any()  # so a score taken at a tool's token would have shown
+
+
+def train_one_batch(module, **settings):
+    """One training batch of a calculator run on a model scripted to write ``<<2*3=7>>``: the
+    calculator answers ``6>>``, a token the policy finds all but impossible (log-prob near -40)."""
+    tok = make_tokenizer()
+    grpo = module(
+        model=scripted(tok, "Q:<<2*3=7>> ok"),
+        tokenizer=tok,
+        calculator="annotation",
+        group_size=2,
+        max_new_tokens=16,
+        kl_beta=0.0,
+        gradient_accumulation_steps=1,
+        **settings,
+    )
+    grpo.configure_model()
+    context = StepContext.one_process()
+    [item] = grpo.rollout_source.rollouts(TrainingBatch(["Q:", "Q:"], {}, 0), context, grpo.model)
+    optimizer = torch.optim.AdamW([p for p in grpo.model.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    record, stepped = grpo.step.train(item, grpo.model, None, optimizer, scheduler, context)
+    assert stepped and torch.isfinite(torch.tensor(record.metrics["train/loss"]))
+    assert record.metrics["train/tool_calls"] == 1.0
+    return grpo, item.rollout, record.metrics, scheduler.last_epoch
+
+
+def test_engine_log_probs_with_tools_train_a_step_and_weigh_no_tool_token(module):
+    validate_hparams({"calculator": "annotation", "use_engine_logprobs": True})
+    grpo, rollout, metrics, _ = train_one_batch(module, use_engine_logprobs=True)
+    tool = rollout.completion_mask.bool() & ~rollout.model_mask.bool()
+    assert tool.sum() == 4 * 3  # "6>>" in each of the 2 x 2 rows
+    assert (rollout.old_logp[tool] == 0).all()
+    mask = rollout.loss_mask()
+    trainer = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
+    assert (trainer[tool] < -20).any()  # weighed, the tool's tokens would give ratios of e^-20
+    torch.testing.assert_close(rollout.old_logp[mask], trainer[mask], atol=1e-4, rtol=1e-4)
+    assert metrics["train/clip_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_correction_with_tools_weighs_the_policys_tokens_only(module, level):
+    validate_hparams({"calculator": "annotation", "rollout_correction": "mask"})
+    _, rollout, metrics, _ = train_one_batch(
+        module, rollout_correction="mask", rollout_correction_level=level
+    )
+    assert rollout.behav_logp is not None and rollout.old_logp is None
+    # The tools' tokens (behav 0, the trainer's near -40) would make weights of e^-40 and a huge
+    # sampler KL; on the policy's tokens the engine and the trainer agree.
+    assert metrics["train/correction_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["train/correction_masked_fraction"] == 0.0
+    assert metrics["train/sampler_kl"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_two_steps_per_generation_with_tools_step_twice_on_one_rollout(module):
+    _, rollout, _, steps = train_one_batch(module, steps_per_generation=2)
+    assert steps == 2
+    assert rollout.model_mask is not None and not rollout.model_mask.bool().all()
+
+
+def test_a_lora_policy_with_tools_trains_a_step(module):
+    pytest.importorskip("peft")
+    from forge_lightning.models.lora import LoraSettings
+
+    grpo, _, _, steps = train_one_batch(module, peft=LoraSettings(r=4, alpha=8, dropout=0.0))
+    assert steps == 1 and any(".lora_" in n for n, _ in grpo.model.named_parameters())
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"tools": ["json.dumps"], "rollout_mode": "async"}, "rollout_mode='async'"),
+        ({"calculator": "plain", "generation_backend": "vllm"}, "generation_backend='vllm'"),
+    ],
+)
+def test_what_tools_do_not_combine_with_yet_is_refused_by_name(settings, named):
+    with pytest.raises(ValueError, match=rf"does not work with {named}: "):
+        validate_hparams(settings)
