@@ -288,25 +288,24 @@ def _tool_mode(values: Mapping[str, Any]) -> str | None:
 
 def _check_tools(values: Mapping[str, Any]) -> None:
     """Tool-using rollouts are several generate calls in this process (rollout/tool_sampler.py,
-    rollout/agents/runner.py); an agent is an importable async function."""
+    on HF generate or vLLM; rollout/agents/runner.py, on HF generate only); an agent is an
+    importable async function."""
     if values.get("agent") is not None:
         from forge_lightning.rollout.agents.runner import load_agent  # aiohttp: only with an agent
 
         load_agent(values["agent"])
-    reasons = {
-        "rollout_mode": ("async", "the rollout worker samples one generate call per batch"),
-        "generation_backend": (
+    # Each setting tools do not work with yet: its value, the reason, and the value that works.
+    refused = {"rollout_mode": ("async", "the rollout worker samples one generate call per batch", "sync")}
+    if values.get("agent") is not None:
+        refused["generation_backend"] = (
             "vllm",
-            "an agent's endpoint samples with the policy's HF generate"
-            if values.get("agent") is not None
-            else "only HF generate can stop a row at a tool call",
-        ),
-    }
-    for name, (value, why) in reasons.items():
+            "an agent's endpoint samples with the policy's HF generate",
+            "hf",
+        )
+    for name, (value, why, works) in refused.items():
         if values.get(name) == value:
             raise ValueError(
-                f"{_tool_mode(values)} does not work with {name}={value!r}: {why}; "
-                "use rollout_mode='sync' and generation_backend='hf'"
+                f"{_tool_mode(values)} does not work with {name}={value!r}: {why}; use {name}={works!r}"
             )
     if values.get("agent") is not None:
         for name, on in (

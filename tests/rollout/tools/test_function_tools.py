@@ -419,8 +419,8 @@ def test_a_lambda_tool_is_refused():
             r"tools=\['m.f'\] does not work with rollout_mode='async'",
         ),
         (
-            {"environment_factory": "m.E", "generation_backend": "vllm"},
-            "does not work with generation_backend",
+            {"environment_factory": "m.E", "rollout_mode": "async"},
+            "does not work with rollout_mode='async'",
         ),
     ],
 )
