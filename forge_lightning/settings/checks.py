@@ -287,20 +287,34 @@ def _tool_mode(values: Mapping[str, Any]) -> str | None:
 
 
 def _check_tools(values: Mapping[str, Any]) -> None:
-    """Tool-using rollouts are several generate calls in this process (rollout/tool_sampler.py,
-    on HF generate or vLLM; rollout/agents/runner.py, on HF generate only); an agent is an
-    importable async function."""
+    """Tool-using rollouts are several generate calls (rollout/tool_sampler.py: in this process on
+    HF generate or vLLM, or in the rollout worker; rollout/agents/runner.py: in this process on HF
+    generate only); an agent is an importable async function."""
     if values.get("agent") is not None:
         from forge_lightning.rollout.agents.runner import load_agent  # aiohttp: only with an agent
 
         load_agent(values["agent"])
     # Each setting tools do not work with yet: its value, the reason, and the value that works.
-    refused = {"rollout_mode": ("async", "the rollout worker samples one generate call per batch", "sync")}
+    refused: dict[str, tuple[Any, str, Any]] = {}
     if values.get("agent") is not None:
+        refused["rollout_mode"] = ("async", "the agent's endpoint serves the trainer's own policy", "sync")
         refused["generation_backend"] = (
             "vllm",
             "an agent's endpoint samples with the policy's HF generate",
             "hf",
+        )
+    elif values.get("environment_factory") is not None:
+        refused["rollout_mode"] = (
+            "async",
+            "an environment lives in the rollout worker that ran its episode, and its reward would "
+            "need it in the trainer",
+            "sync",
+        )
+    elif values.get("sandbox") == "process" and values.get("tools") is not None:
+        refused["rollout_mode"] = (
+            "async",
+            "the rollout worker runs the tools in its own process, not in sandbox='process' workers",
+            "sync",
         )
     for name, (value, why, works) in refused.items():
         if values.get(name) == value:

@@ -4,11 +4,20 @@ training batch each through training/step.py, without a Trainer."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
+
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
-from test_tools import CallsAtLengths, scripted, tool_sampler
+from test_tools import CallsAtLengths, ScriptedLlama, scripted, tool_sampler
 
+from forge_lightning.rollout.engines.async_worker import (
+    Finished,
+    InFlight,
+    restored_in_flight,
+    saved_in_flight,
+)
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sources import TrainingBatch
@@ -105,8 +114,88 @@ def test_a_lora_policy_with_tools_trains_a_step(module):
     assert steps == 1 and any(".lora_" in n for n, _ in grpo.model.named_parameters())
 
 
-@pytest.mark.parametrize("tools", [{"tools": ["json.dumps"]}, {"calculator": "plain"}])
-def test_tools_with_async_rollouts_are_refused_by_name_with_the_reason(tools):
-    with pytest.raises(ValueError, match=r"does not work with rollout_mode='async': the rollout worker"):
-        validate_hparams({**tools, "rollout_mode": "async"})
-    validate_hparams({**tools, "generation_backend": "vllm", "rollout_correction": "mask"})
+class CalculatorScript(ScriptedLlama):
+    """The scripted model as a class of its own, so that the rollout worker, which builds its model
+    from the class and config, writes the script too."""
+
+    script = make_tokenizer()("Q:<<2*3=7>> ok", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("setting", [{}, {"rollout_correction": "mask"}])
+def test_the_rollout_worker_runs_the_calculator_and_its_batch_trains_a_step(module, setting):
+    validate_hparams({"calculator": "annotation", "rollout_mode": "async", **setting})
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    grpo = module(
+        model=CalculatorScript(make_model(len(tok)).config),
+        tokenizer=tok,
+        calculator="annotation",
+        rollout_mode="async",
+        max_staleness=0,  # the batch handed is the batch trained
+        group_size=2,
+        max_new_tokens=16,
+        kl_beta=0.0,
+        gradient_accumulation_steps=1,
+        **setting,
+    )
+    grpo.configure_model()
+    source = grpo.rollout_source
+    source.worker.start(grpo.model)
+    try:
+        context = StepContext.one_process()
+        [item] = source.rollouts(TrainingBatch(["Q:"], {}, 0), context, grpo.model)
+        rollout = item.rollout
+        assert rollout.completions == ["<<2*3=6>> ok"] * 2  # the worker's calculator answered
+        assert rollout.tool_stats["tool_calls"].tolist() == [1, 1] and rollout.environments is None
+        mask = rollout.loss_mask()
+        tool = rollout.completion_mask.bool() & ~mask
+        assert tool.sum() == 2 * 3  # "6>>", read but not trained on
+        if setting:  # the worker's log-probs of the policy's tokens: the trainer's own
+            trainer = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
+            torch.testing.assert_close(rollout.behav_logp[mask], trainer[mask], atol=1e-4, rtol=1e-4)
+            assert (rollout.behav_logp[tool] == 0).all()
+        else:  # lag 0, no correction: the loss is the synchronous one
+            assert rollout.behav_logp is None
+        optimizer = torch.optim.AdamW(grpo.model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        record, stepped = grpo.step.train(item, grpo.model, None, optimizer, scheduler, context)
+        assert stepped and record.metrics["train/tool_calls"] == 1.0
+        if setting:
+            assert record.metrics["train/correction_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"environment_factory": "m.E"}, "an environment lives in the rollout worker"),
+        ({"tools": ["json.dumps"], "sandbox": "process"}, "not in sandbox='process' workers"),
+    ],
+)
+def test_tools_async_rollouts_cannot_run_yet_are_refused_by_name_with_the_reason(settings, reason):
+    with pytest.raises(ValueError, match=rf"does not work with rollout_mode='async': .*{reason}"):
+        validate_hparams({**settings, "rollout_mode": "async"})
+    validate_hparams({"tools": ["json.dumps"], "rollout_mode": "async", "rollout_correction": "mask"})
+
+
+def test_a_tool_rollout_in_flight_is_kept_in_a_checkpoint_and_comes_back_whole():
+    tok = make_tokenizer()
+    rollout = tool_sampler(tok)(scripted(tok, "Q:<<2*3=7>> ok"), ["Q:"], SamplingParams(16, greedy=True), 2)
+    rollout = dataclasses.replace(rollout, environments=None)  # as the worker sends it
+    finished = Finished(rollout.completion_ids, -torch.rand(rollout.completion_ids.shape), 3, rollout=rollout)
+    item = InFlight(["Q:"], {"answer": ["6"]}, 0, index=0, ticket=1, finished=finished)
+    buffer = io.BytesIO()
+    torch.save({"in_flight": saved_in_flight([item])}, buffer)
+    buffer.seek(0)
+    [back] = restored_in_flight(torch.load(buffer, weights_only=True)["in_flight"])
+
+    assert back.prompt_ids is None and back.finished.version == 3
+    torch.testing.assert_close(back.finished.behav_logp, finished.behav_logp)
+    kept = back.finished.rollout
+    assert kept.tool_calls == rollout.tool_calls and kept.transcripts == rollout.transcripts
+    assert kept.tool_calls[0][0]["result"] == "6" and kept.completions == rollout.completions
+    for name in ("completion_ids", "completion_mask", "model_mask", "prompt_ids"):
+        assert torch.equal(getattr(kept, name), getattr(rollout, name)), name
+    assert kept.tool_stats.keys() == rollout.tool_stats.keys()
