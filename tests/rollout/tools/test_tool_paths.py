@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import pickle
 
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
+from test_function_tools import GREEDY, TurnEngine, add, call, chat_tokenizer, tiny
 from test_tools import CallsAtLengths, ScriptedLlama, scripted, tool_sampler
 
 from forge_lightning.rollout.engines.async_worker import (
@@ -20,7 +22,9 @@ from forge_lightning.rollout.engines.async_worker import (
 )
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.logprobs import LogProbScorer
+from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.sources import TrainingBatch
+from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.training.context import StepContext
 
@@ -199,3 +203,15 @@ def test_a_tool_rollout_in_flight_is_kept_in_a_checkpoint_and_comes_back_whole()
     for name in ("completion_ids", "completion_mask", "model_mask", "prompt_ids"):
         assert torch.equal(getattr(kept, name), getattr(rollout, name)), name
     assert kept.tool_stats.keys() == rollout.tool_stats.keys()
+
+
+def test_function_tools_built_back_from_a_pickled_recipe_run_the_same_function():
+    # What the rollout worker gets: the recipe pickled, its functions by reference (import path).
+    tok = chat_tokenizer()
+    recipe = pickle.loads(pickle.dumps(ToolRecipe(functions=(add,), max_tool_calls=2)))
+    assert recipe.functions == (add,)
+    engine = TurnEngine(tok, [call("add", a=2, b=3), "It is 5."])
+    base = RolloutSampler(tok, engine, [tok.eos_token_id], PromptFormat(use_chat_template=True))
+    rollout = recipe.runner(base)(tiny(tok), ["What is 2+3?"], GREEDY, 2)
+    assert [calls[0]["result"] for calls in rollout.tool_calls] == ["5", "5"]
+    assert rollout.completions[0].endswith("It is 5.")
