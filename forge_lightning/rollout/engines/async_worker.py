@@ -442,35 +442,48 @@ def _worker_main(
                 loaded = job.version
             torch.manual_seed(job.seed)  # every device's generator
             if job.prompts is not None:
-                results.put(("done", job.ticket, _episodes(runner, scorer, model, job, settings, waited)))
-                idle_since = time.perf_counter()
-                continue
-            prompt_ids, prompt_mask = job.prompt_ids.to(device), job.prompt_mask.to(device)
-            args = (model, prompt_ids, prompt_mask, job.group_size, job.params)
-            # The sampling scores are the loss's distribution when both take one temperature.
-            from_scores = job.logprobs and job.params.temperature == settings.scoring_temperature
-            behav = None
-            if from_scores:
-                completion_ids, behav = engine.generate_with_logprobs(*args)
+                finished = _episodes(runner, scorer, model, job, settings, waited)
             else:
-                completion_ids = engine.generate(*args)
-            if job.logprobs and not from_scores:
-                rollout = Rollout(
-                    prompt_ids=prompt_ids,
-                    prompt_mask=prompt_mask,
-                    completion_ids=completion_ids,
-                    completion_mask=completion_mask(completion_ids, settings.eos_token_ids),
-                    group_size=job.group_size,
-                    completions=[],
-                )
-                behav = scorer.log_probs_no_grad(model, rollout)
-            behav = None if behav is None else behav.cpu()
-            finished = Finished(completion_ids.cpu(), behav, job.version, worker_wait_s=waited)
+                finished = _sampled(engine, scorer, model, job, settings, waited)
             results.put(("done", job.ticket, finished))
         except BaseException:
             results.put(("error", job.ticket, traceback.format_exc()))
             return
         idle_since = time.perf_counter()
+
+
+def _sampled(
+    engine: HFGenerate,
+    scorer: LogProbScorer,
+    model: PreTrainedModel,
+    job: Job,
+    settings: WorkerSettings,
+    waited: float,
+) -> Finished:
+    """A job of encoded prompts: one ``generate``, and with ``job.logprobs`` the sampling
+    policy's log-probs (the engine's where its temperature is the loss's; else scored again)."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = job.prompt_ids.to(device), job.prompt_mask.to(device)
+    args = (model, prompt_ids, prompt_mask, job.group_size, job.params)
+    # The sampling scores are the loss's distribution when both take one temperature.
+    from_scores = job.logprobs and job.params.temperature == settings.scoring_temperature
+    behav = None
+    if from_scores:
+        completion_ids, behav = engine.generate_with_logprobs(*args)
+    else:
+        completion_ids = engine.generate(*args)
+    if job.logprobs and not from_scores:
+        rollout = Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask(completion_ids, settings.eos_token_ids),
+            group_size=job.group_size,
+            completions=[],
+        )
+        behav = scorer.log_probs_no_grad(model, rollout)
+    behav = None if behav is None else behav.cpu()
+    return Finished(completion_ids.cpu(), behav, job.version, worker_wait_s=waited)
 
 
 def _episodes(
