@@ -297,7 +297,12 @@ def _check_tools(values: Mapping[str, Any]) -> None:
     # Each setting tools do not work with yet: its value, the reason, and the value that works.
     refused: dict[str, tuple[Any, str, Any]] = {}
     if values.get("agent") is not None:
-        refused["rollout_mode"] = ("async", "the agent's endpoint serves the trainer's own policy", "sync")
+        refused["rollout_mode"] = (
+            "async",
+            "the agent's endpoint samples with the trainer's policy in this process, not in the "
+            "rollout worker",
+            "sync",
+        )
         refused["generation_backend"] = (
             "vllm",
             "an agent's endpoint samples with the policy's HF generate",
