@@ -1,6 +1,8 @@
 """Tool-using rollouts on more paths: the engine's log-probs (``use_engine_logprobs``,
-``rollout_correction``) on the policy's tokens only, ``steps_per_generation`` and LoRA; one
-training batch each through training/step.py, without a Trainer."""
+``rollout_correction``) on the policy's tokens only, ``steps_per_generation``, LoRA, and the
+asynchronous rollout worker running the tool loop with tools built from their recipe; one training
+batch each through training/step.py, without a Trainer. Tools on vLLM are tested in
+tests/rollout/engines/test_vllm_backend.py."""
 
 from __future__ import annotations
 
