@@ -193,7 +193,7 @@ class GRPOLightningModule(pl.LightningModule):
             (text it returns joins the prompt), ``get_reward()`` (or ``reward()``) scores it
             (EnvironmentReward, the reward when ``reward`` is None), its other public methods are
             tools; or a mapping name -> factory, a row's ``environment`` field picking its own. Sync
-            rollouts with HF generate only.
+            rollouts only (HF generate or vLLM).
         sandbox: ``thread``: rewards and tools run in the trainer's process (a timeout abandons the
             call's thread); ``process``: in sandboxed worker processes (run/sandbox.py), each call
             killed with everything it started past its timeout (60 s where None); refused at the

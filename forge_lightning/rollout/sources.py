@@ -18,8 +18,8 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -38,6 +38,9 @@ from forge_lightning.rollout.engines.registry import generation_backend
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.types import Rollout
 from forge_lightning.run.fit import FitShape
+
+if TYPE_CHECKING:
+    from forge_lightning.rollout.tools.recipe import ToolRecipe
 
 
 class EpisodeRunner(Protocol):
@@ -112,6 +115,8 @@ class RolloutSource:
         self.settings = settings
         self.runner: EpisodeRunner | None = None
         self.engine: GenerationBackend | None = None
+        self.tools: ToolRecipe | None = None  # the run's tools, for a worker that builds its own
+        self.prompt_format: PromptFormat | None = None
 
     def build_engine(
         self, tokenizer: Any, model: PreTrainedModel, eos: list[int], scoring_temperature: float
@@ -128,11 +133,14 @@ class RolloutSource:
         prompts: PromptFormat,
         scoring_temperature: float,
         episodes: Callable[[RolloutSampler], EpisodeRunner],
+        tools: ToolRecipe | None = None,
     ) -> None:
         """Build the engine (unless one was set before: ``engine``) and the episode runner that
         samples with it, training's, validation's and prediction's: a :class:`RolloutSampler`,
-        made what ``episodes`` makes of it (a tool-using runner when the run has tools). The
-        engine gets the weights after each optimizer step."""
+        made what ``episodes`` makes of it (a tool-using runner when the run has tools, which
+        ``tools`` names for a rollout worker to build its own). The engine gets the weights
+        after each optimizer step."""
+        self.tools, self.prompt_format = tools, prompts
         if self.engine is None:
             self.engine = self.build_engine(tokenizer, model, eos, scoring_temperature)
         self.runner = episodes(RolloutSampler(tokenizer, self.engine, eos, prompts))
@@ -190,7 +198,9 @@ class SyncRollouts(RolloutSource):
 
 class AsyncRollouts(RolloutSource):
     """Each batch handed to the rollout worker (the engine), trained ``max_staleness`` optimizer
-    steps later; the batches in flight are kept in checkpoints."""
+    steps later; the batches in flight are kept in checkpoints. With tools (``tools``: their
+    recipe) the worker runs their loop and sends the rollout back whole; validation's tool loop
+    stays in this process, each round a worker call."""
 
     def __init__(self, settings: RolloutSettings) -> None:
         super().__init__(settings)
@@ -215,6 +225,9 @@ class AsyncRollouts(RolloutSource):
             threads=split_threads(torch.get_num_threads(), s.worker_threads)[1],
             device=s.worker_device,
             memory_fraction=s.worker_memory_fraction,
+            tools=self.tools,
+            tokenizer=tokenizer if self.tools is not None else None,
+            prompts=self.prompt_format if self.tools is not None else None,
         )
         return RolloutWorker(worker, s.max_staleness)
 
@@ -242,7 +255,8 @@ class AsyncRollouts(RolloutSource):
         with loop.profile("generate"):
             if handed:
                 item = InFlight(batch.prompts, batch.batch_kwargs, batch.batch_idx, index=self.batches_handed)
-                item.prompt_ids, item.prompt_mask = self.runner.encode(item.prompts, device)
+                if self.tools is None:  # with tools the worker's encode the prompts (their schemas)
+                    item.prompt_ids, item.prompt_mask = self.runner.encode(item.prompts, device)
                 item.ticket = self._hand_to_worker(item)
                 self.in_flight.append(item)
                 self.batches_handed += 1
@@ -256,16 +270,20 @@ class AsyncRollouts(RolloutSource):
                 if worker.version - finished.version > s.max_staleness:  # never trained on
                     finished, regenerated = worker.collect(self._hand_to_worker(item)), 1
             lag = worker.version - finished.version
-            rollout = self.runner.assemble(
-                item.prompt_ids.to(device),
-                item.prompt_mask.to(device),
-                finished.completion_ids.to(device),
-                s.group_size,
-                s.sampling,
-                # At lag 0 the sampling weights are the trained ones: the loss is the synchronous
-                # one, unless rollout correction weighs the worker's scores against the trainer's.
-                behav_logp=finished.behav_logp.to(device) if lag or s.correction else None,
-            )
+            # At lag 0 the sampling weights are the trained ones: the loss is the synchronous
+            # one, unless rollout correction weighs the worker's scores against the trainer's.
+            behav_logp = finished.behav_logp.to(device) if lag or s.correction else None
+            if finished.rollout is not None:  # a tool-using batch: the worker's tools made it
+                rollout = on_device(finished.rollout, device, behav_logp)
+            else:
+                rollout = self.runner.assemble(
+                    item.prompt_ids.to(device),
+                    item.prompt_mask.to(device),
+                    finished.completion_ids.to(device),
+                    s.group_size,
+                    s.sampling,
+                    behav_logp=behav_logp,
+                )
             metrics = {
                 "staleness": float(lag),
                 "staleness_max": float(lag),
@@ -282,6 +300,10 @@ class AsyncRollouts(RolloutSource):
             self.seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
         seed = rollout_seed(self.seed, item.index)
         s = self.settings
+        if self.tools is not None:
+            return self.worker.submit_episodes(
+                item.prompts, item.batch_kwargs, s.group_size, s.sampling, seed=seed
+            )
         return self.worker.submit(item.prompt_ids, item.prompt_mask, s.group_size, s.sampling, seed=seed)
 
     def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
@@ -332,6 +354,17 @@ class AsyncRollouts(RolloutSource):
     @property
     def runs_a_worker(self) -> bool:
         return True
+
+
+def on_device(rollout: Rollout, device: torch.device, behav_logp: torch.Tensor | None) -> Rollout:
+    """A worker's tool-using ``rollout`` (on the CPU) on ``device``, with ``behav_logp``."""
+    tensors = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated", "model_mask")
+    moved = {
+        name: None if getattr(rollout, name) is None else getattr(rollout, name).to(device)
+        for name in tensors
+    }
+    stats = None if rollout.tool_stats is None else {k: v.to(device) for k, v in rollout.tool_stats.items()}
+    return replace(rollout, **moved, tool_stats=stats, behav_logp=behav_logp)
 
 
 def fit_ends_with(loop: TrainingLoop, batch_idx: int) -> bool:

@@ -6,7 +6,9 @@ is the usual ``generate`` of G completions per prompt, with a stop at each call;
 is tokenised (tools/base.py's protocol says how: the calculator's text alone, a function's result as
 the chat template's ``tool`` turn) and appended to the calls' rows, and the unfinished rows
 generate again until every row has ended: on HF generate from the last round's KV cache (only the
-new tokens go through the model), elsewhere from their whole sequence so far. The calls of every
+new tokens go through the model), elsewhere from their whole sequence so far. Asked for the
+engine's log-probs (``use_engine_logprobs``, ``rollout_correction``), each round reports those of
+the tokens it sampled; a tool's tokens get 0, and the loss gives them no weight. The calls of every
 row that waits at the end of a round are answered at once (the tools may run them concurrently).
 Everything happens in token ids: the transcript is never re-tokenised, so the log-prob forward
 scores exactly the tokens that were sampled. The answer's tokens are in the completion (the model
@@ -100,9 +102,15 @@ class ToolRolloutSampler:
         rows: dict[str, list[Any]] | None = None,
     ) -> Rollout:
         """Sample ``group_size`` completions per prompt, each calling the tools as it writes;
-        ``rows``: the batch's fields (an environment's ``reset`` takes its prompt's)."""
-        if engine_logprobs:
-            raise ValueError("tool-using rollouts have no engine log-probs: set use_engine_logprobs false")
+        ``rows``: the batch's fields (an environment's ``reset`` takes its prompt's). With
+        ``engine_logprobs`` the rollout's ``old_logp`` holds the engine's log-prob of each token
+        the policy sampled, 0 on the tools' tokens (which the loss mask leaves out)."""
+        generator = self.sampler.generator
+        if engine_logprobs and not (self._engine_continues or hasattr(generator, "generate_with_logprobs")):
+            raise ValueError(
+                f"use_engine_logprobs/rollout_correction need an engine that reports log-probs "
+                f"(generate_with_logprobs); {type(generator).__name__} does not"
+            )
         if params.stop:
             # A round's rows would end at a stop string with no end an episode could read.
             raise ValueError("tool-using rollouts do not support stop strings: leave stop empty")
@@ -117,8 +125,10 @@ class ToolRolloutSampler:
         )
         episodes = [Episode(context=context, max_calls=self.max_tool_calls) for context in contexts]
         run = self._run_cached if self._engine_continues else self._run
-        run(model, prompt_ids, prompt_mask, group_size, params, episodes)
-        return self._rollout(prompt_ids, prompt_mask, episodes, group_size, params.max_new_tokens)
+        run(model, prompt_ids, prompt_mask, group_size, params, episodes, engine_logprobs)
+        return self._rollout(
+            prompt_ids, prompt_mask, episodes, group_size, params.max_new_tokens, engine_logprobs
+        )
 
     def _run_cached(
         self,
@@ -128,6 +138,7 @@ class ToolRolloutSampler:
         group_size: int,
         params: SamplingParams,
         episodes: list[Episode],
+        logprobs: bool = False,
     ) -> None:
         """The rounds on an engine that hands back its KV cache (HF generate): each round goes on
         from the last one's cache, so only a row's new tokens (the tool's answer, the token
@@ -139,8 +150,8 @@ class ToolRolloutSampler:
         while rows:
             room = max(budget - len(episodes[r].ids) for r in rows)
             stop = RoundCut(self._stop(ids.shape[1], [episodes[r] for r in rows]), self.sampler.eos_ids)
-            sequences, cache = self.sampler.generator.generate_continuing(
-                model, ids, mask, groups, replace(params, max_new_tokens=room), [stop], cache
+            sequences, cache, logp = self.sampler.generator.generate_continuing(
+                model, ids, mask, groups, replace(params, max_new_tokens=room), [stop], cache, logprobs
             )
             if groups > 1:
                 mask = mask.repeat_interleave(groups, dim=0)  # the first round's prompts, G-fold
@@ -149,7 +160,16 @@ class ToolRolloutSampler:
             mask = torch.cat([mask, torch.zeros_like(sequences[:, width:])], dim=1)
             before = [len(episodes[row].ids) for row in rows]
             stops = [
-                (episodes[row], self._take(episodes[row], sequences[k, width:].tolist(), budget, stop.cut))
+                (
+                    episodes[row],
+                    self._take(
+                        episodes[row],
+                        sequences[k, width:].tolist(),
+                        budget,
+                        stop.cut,
+                        None if logp is None else logp[k].tolist(),
+                    ),
+                )
                 for k, row in enumerate(rows)
             ]
             self._answer([(e, call) for e, call in stops if call is not None], budget)
@@ -180,28 +200,33 @@ class ToolRolloutSampler:
         group_size: int,
         params: SamplingParams,
         episodes: list[Episode],
+        logprobs: bool = False,
     ) -> None:
         """The rounds on an engine with no cache to go on from: each round reads the unfinished
         rows whole again, left-padded."""
         heads = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         budget = params.max_new_tokens
         rows = list(range(len(episodes)))
-        new = self._generate(model, prompt_ids, prompt_mask, group_size, params, episodes)
+        new, logp = self._generate(model, prompt_ids, prompt_mask, group_size, params, episodes, logprobs)
         while rows:
-            stops = [(episodes[row], self._take(episodes[row], ids, budget)) for row, ids in zip(rows, new)]
+            stops = [
+                (episodes[row], self._take(episodes[row], ids, budget, logp=lp))
+                for row, ids, lp in zip(rows, new, logp)
+            ]
             self._answer([(e, call) for e, call in stops if call is not None], budget)
             rows = [r for r, e in enumerate(episodes) if not e.done]
             if rows:
                 sequences = [heads[r // group_size] + episodes[r].ids for r in rows]
                 ids, mask = left_pad(sequences, self.sampler.tokenizer.pad_token_id)
                 room = max(budget - len(episodes[r].ids) for r in rows)
-                new = self._generate(
+                new, logp = self._generate(
                     model,
                     ids.to(prompt_ids.device),
                     mask.to(prompt_ids.device),
                     1,
                     replace(params, max_new_tokens=room),
                     [episodes[r] for r in rows],
+                    logprobs,
                 )
 
     def _generate(
@@ -212,14 +237,20 @@ class ToolRolloutSampler:
         group_size: int,
         params: SamplingParams,
         episodes: list[Episode],
-    ) -> list[list[int]]:
+        logprobs: bool = False,
+    ) -> tuple[list[list[int]], list[list[float] | None]]:
         """One round's new tokens of the rows ``episodes`` (in order), stopped at calls where the
-        engine can stop rows."""
+        engine can stop rows, and each row's log-probs of them (``logprobs``; else None). The
+        engine's ``generate_with_logprobs`` takes no stop: its rows are cut at their call here."""
+        generator = self.sampler.generator
+        if logprobs:
+            out, logp = generator.generate_with_logprobs(model, input_ids, input_mask, group_size, params)
+            return out.tolist(), logp.tolist()
         extra = {}
         if self._engine_stops:
             extra["stopping_criteria"] = [self._stop(input_ids.shape[1], episodes)]
-        out = self.sampler.generator.generate(model, input_ids, input_mask, group_size, params, **extra)
-        return out.tolist()
+        out = generator.generate(model, input_ids, input_mask, group_size, params, **extra)
+        return out.tolist(), [None] * out.shape[0]
 
     def _stop(self, start: int, episodes: list[Episode]) -> StoppingCriteria:
         """The tools' stop for a ``generate`` of the rows ``episodes`` whose input is ``start`` wide."""
@@ -227,10 +258,18 @@ class ToolRolloutSampler:
         prior, segments = [len(e.ids) for e in episodes], [e.segment for e in episodes]
         return self.tools.stop(start, prior, enabled, segments)
 
-    def _take(self, episode: Episode, new: list[int], budget: int, resumable: bool = False) -> Any | None:
-        """Add a round's tokens to ``episode`` up to its stop (an EOS, a call, the budget; what the
-        engine wrote after it is padding); the call to answer when the stop is one with room left.
-        ``resumable``: the round was cut, and a row with none of those stops goes on."""
+    def _take(
+        self,
+        episode: Episode,
+        new: list[int],
+        budget: int,
+        resumable: bool = False,
+        logp: list[float] | None = None,
+    ) -> Any | None:
+        """Add a round's tokens (with the engine's ``logp`` of each, if reported) to ``episode`` up
+        to its stop (an EOS, a call, the budget; what the engine wrote after it is padding); the
+        call to answer when the stop is one with room left. ``resumable``: the round was cut, and
+        a row with none of those stops goes on."""
         if not episode.model or not episode.model[-1]:
             episode.turns += 1  # the policy's first turn, or its turn after a tool's answer
         room = budget - len(episode.ids)
@@ -247,7 +286,7 @@ class ToolRolloutSampler:
                 if call is not None:
                     taken = taken[: k + 1]
                     break
-        episode.add(taken, sampled=True)
+        episode.add(taken, sampled=True, logp=logp)
         room -= len(taken)
         if call is None or room <= 0:
             # An EOS, the budget spent, or (an engine's early stop) nothing more; unless the round
@@ -273,20 +312,29 @@ class ToolRolloutSampler:
             episode.done = len(answer.ids) >= room
 
     def _rollout(
-        self, prompt_ids: Tensor, prompt_mask: Tensor, episodes: list[Episode], group_size: int, budget: int
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        episodes: list[Episode],
+        group_size: int,
+        budget: int,
+        logprobs: bool = False,
     ) -> Rollout:
         """The episodes as a :class:`Rollout`: right-padded ids, the completion mask on every real
-        token, the model mask on the sampled ones, the decoded transcripts."""
+        token, the model mask on the sampled ones, the decoded transcripts, and (``logprobs``) the
+        engine's log-probs as ``old_logp``, 0 on the tools' tokens and the padding."""
         device = prompt_ids.device
         pad = self.sampler.tokenizer.pad_token_id
         width = max(1, *(len(e.ids) for e in episodes))
         ids = torch.full((len(episodes), width), pad, dtype=torch.long)
         real = torch.zeros((len(episodes), width), dtype=torch.long)
         sampled = torch.zeros((len(episodes), width), dtype=torch.long)
+        logp = torch.zeros((len(episodes), width), dtype=torch.float32)
         for row, e in enumerate(episodes):
             ids[row, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
             real[row, : len(e.ids)] = 1
             sampled[row, : len(e.ids)] = torch.tensor(e.model, dtype=torch.long)
+            logp[row, : len(e.ids)] = torch.tensor(e.logp, dtype=torch.float32)
         truncated = [not e.ended_with_eos and len(e.ids) >= budget for e in episodes]
         texts = self.sampler.tokenizer.batch_decode([e.ids for e in episodes], skip_special_tokens=True)
         per_tool = {
@@ -302,6 +350,7 @@ class ToolRolloutSampler:
             completions=texts,
             truncated=torch.tensor(truncated, device=device),
             model_mask=sampled.to(device),
+            old_logp=logp.to(device) if logprobs else None,
             tool_stats={
                 "tool_calls": torch.tensor([e.calls for e in episodes], device=device),
                 "tool_errors": torch.tensor([e.errors for e in episodes], device=device),

@@ -292,28 +292,55 @@ def _tool_mode(values: Mapping[str, Any]) -> str | None:
 
 
 def _check_tools(values: Mapping[str, Any]) -> None:
-    """Tool-using rollouts are several generate calls in this process (rollout/tool_sampler.py,
-    rollout/agents/runner.py); an agent is an importable async function."""
+    """Tool-using rollouts are several generate calls (rollout/tool_sampler.py: in this process on
+    HF generate or vLLM, or in the rollout worker; rollout/agents/runner.py: in this process on HF
+    generate only); an agent is an importable async function."""
     if values.get("agent") is not None:
         from forge_lightning.rollout.agents.runner import load_agent  # aiohttp: only with an agent
 
         load_agent(values["agent"])
-    reasons = {
-        "rollout_mode": ("async", "the rollout worker samples one generate call per batch"),
-        "generation_backend": (
+    # Each setting tools do not work with yet: its value, the reason, and the value that works.
+    refused: dict[str, tuple[Any, str, Any]] = {}
+    if values.get("agent") is not None:
+        refused["rollout_mode"] = (
+            "async",
+            "the agent's endpoint samples with the trainer's policy in this process, not in the "
+            "rollout worker",
+            "sync",
+        )
+        refused["generation_backend"] = (
             "vllm",
-            "an agent's endpoint samples with the policy's HF generate"
-            if values.get("agent") is not None
-            else "only HF generate can stop a row at a tool call",
-        ),
-        "use_engine_logprobs": (True, "the engine's log-probs do not cover the tools' tokens"),
-    }
-    for name, (value, why) in reasons.items():
+            "an agent's endpoint samples with the policy's HF generate",
+            "hf",
+        )
+    elif values.get("environment_factory") is not None:
+        refused["rollout_mode"] = (
+            "async",
+            "an environment lives in the rollout worker that ran its episode, and its reward would "
+            "need it in the trainer",
+            "sync",
+        )
+    elif values.get("sandbox") == "process" and values.get("tools") is not None:
+        refused["rollout_mode"] = (
+            "async",
+            "the rollout worker runs the tools in its own process, not in sandbox='process' workers",
+            "sync",
+        )
+    for name, (value, why, works) in refused.items():
         if values.get(name) == value:
             raise ValueError(
-                f"{_tool_mode(values)} does not work with {name}={value!r}: {why}; "
-                "use rollout_mode='sync', generation_backend='hf' and use_engine_logprobs=false"
+                f"{_tool_mode(values)} does not work with {name}={value!r}: {why}; use {name}={works!r}"
             )
+    if values.get("agent") is not None:
+        for name, on in (
+            ("use_engine_logprobs", values.get("use_engine_logprobs")),
+            ("rollout_correction", values.get("rollout_correction") is not None),
+        ):
+            if on:
+                raise ValueError(
+                    f"{_tool_mode(values)} does not work with {name}: the agent's endpoint reports "
+                    f"no log-probs of the tokens it samples; unset {name}"
+                )
 
 
 def _check_engine_logprobs(values: Mapping[str, Any]) -> None:
@@ -345,11 +372,6 @@ def _check_rollout_correction(values: Mapping[str, Any]) -> None:
         raise ValueError(
             "rollout_correction does not go with loss_type='forge' (Forge's ratio is against the "
             "reference, not the sampler); use grpo, dapo or dr_grpo"
-        )
-    if _tool_mode(values) is not None:
-        raise ValueError(
-            f"rollout_correction does not work with {_tool_mode(values)}: the engine's log-probs "
-            "do not cover the tools' tokens; set rollout_correction to null"
         )
     cap = values.get("behav_imp_weight_cap", DEFAULT_BEHAV_IMP_WEIGHT_CAP)
     if cap != DEFAULT_BEHAV_IMP_WEIGHT_CAP:

@@ -43,9 +43,7 @@ from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
 from forge_lightning.rollout.sources import RolloutSettings, RolloutSource, rollout_source
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
-from forge_lightning.rollout.tools.base import ToolProtocol
-from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
-from forge_lightning.rollout.tools.functions import FunctionTools
+from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.rollout.tools.stored import StoredTools
 from forge_lightning.run.sandbox import Sandbox, SandboxLimits
 from forge_lightning.settings.groups import (
@@ -330,24 +328,28 @@ def with_tools(
         agent = load_agent(tools.agent)
         scored = reads_agent_score(reward)
         return AgentRunner(sampler, agent, scored, tools.tool_call_format, tools.agent_timeout)
-    if tools.calculator is not None:
-        calls: ToolProtocol = CalculatorTools(InlineCalculator(tools.calculator), sampler.tokenizer)
-    elif stored.functions or stored.factory is not None:
-        calls = FunctionTools(
-            sampler.tokenizer,
-            stored.functions,
-            stored.factory,
-            tools.tool_call_format,
-            tools.tool_timeout,
-            system_prompt,
-            tools.max_tool_result_chars,
-            tools.max_parallel_tool_calls,
-            sampler.prompts.chat_template_kwargs,
-            sandbox,
-        )
-    else:
-        return sampler
-    return ToolRolloutSampler(sampler, calls, tools.max_tool_calls)
+    recipe = tool_recipe(tools, system_prompt, stored)
+    return sampler if recipe is None else recipe.runner(sampler, sandbox)
+
+
+def tool_recipe(tools: ToolSettings, system_prompt: str | None, stored: StoredTools) -> ToolRecipe | None:
+    """The calculator, or ``stored``'s functions and environment, as the tool settings name them;
+    None for a run without them (or with an agent, which runs its own)."""
+    if tools.agent is not None or (
+        tools.calculator is None and not stored.functions and stored.factory is None
+    ):
+        return None
+    return ToolRecipe(
+        calculator=tools.calculator,
+        functions=tuple(stored.functions),
+        factory=stored.factory,
+        max_tool_calls=tools.max_tool_calls,
+        call_format=tools.tool_call_format,
+        timeout=tools.tool_timeout,
+        system_prompt=system_prompt,
+        max_result_chars=tools.max_tool_result_chars,
+        max_parallel=tools.max_parallel_tool_calls,
+    )
 
 
 def policy(
@@ -390,6 +392,7 @@ def prepare_rollouts(
     source.prepare(
         tokenizer, model, eos, prompts, scoring_temperature,
         lambda sampler: with_tools(sampler, settings.tools, system_prompt, tools, sandbox, reward),
+        tool_recipe(settings.tools, system_prompt, tools),
     )  # fmt: skip
 
 

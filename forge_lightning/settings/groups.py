@@ -257,8 +257,7 @@ class ToolSettings(_Group):
 
     calculator: Literal["annotation", "plain"] | None = None
     """completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``) or ``plain``
-    (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py). Sync rollouts
-    with HF generate only. None: no tool."""
+    (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py). None: no tool."""
     max_tool_calls: int = 4
     """with tools, the calls one completion may make."""
     tool_call_format: str = "hermes"

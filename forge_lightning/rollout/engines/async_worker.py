@@ -16,6 +16,12 @@ Inside the worker the sampling is :class:`~forge_lightning.rollout.engines.hf.HF
 synchronous path uses. The worker samples on the CPU by default, or on the CUDA GPU that
 ``WorkerSettings.device`` names (another one, or the trainer's own with a share of its memory);
 its results come back to the trainer on the CPU.
+
+A run with tools (the calculator, function tools) hands the worker each batch's prompts and fields
+instead (:meth:`RolloutWorker.submit_episodes`): the worker runs the tool loop
+(rollout/tool_sampler.py) with tools it built itself from their import paths
+(``WorkerSettings.tools``, rollout/tools/recipe.py) and sends back the finished rollout, its calls
+and transcripts; no tool's state crosses between the processes.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import os
 import queue
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as mp
@@ -45,6 +51,10 @@ from forge_lightning.rollout.engines.weight_ring import (
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.types import Rollout, completion_mask
 
+if TYPE_CHECKING:
+    from forge_lightning.rollout.sampler import PromptFormat
+    from forge_lightning.rollout.tools.recipe import ToolRecipe
+
 # Seconds between checks that the other side is still alive while waiting on a queue.
 POLL_S = 0.5
 
@@ -57,16 +67,20 @@ def rollout_seed(seed: int, index: int) -> int:
 
 @dataclass
 class Job:
-    """One batch for the worker: its prompts, how to sample them, from which version, with which seed."""
+    """One batch for the worker: its prompts, how to sample them, from which version, with which
+    seed. A batch of a run with tools comes as its ``prompts`` and ``rows`` (the batch's fields),
+    which the worker's tools encode and read; any other as encoded ``prompt_ids``."""
 
     ticket: int
-    prompt_ids: Tensor  # (P, Lp)
-    prompt_mask: Tensor  # (P, Lp)
+    prompt_ids: Tensor | None  # (P, Lp)
+    prompt_mask: Tensor | None  # (P, Lp)
     group_size: int
     params: SamplingParams
     version: int
     seed: int
     logprobs: bool  # also return the sampling policy's log-probs (behaviour log-probs)
+    prompts: list[Any] | None = None
+    rows: dict[str, list[Any]] | None = None
 
 
 @dataclass
@@ -79,6 +93,9 @@ class Finished:
     version: int
     worker_wait_s: float = 0.0  # the worker idle before this job reached it
     trainer_wait_s: float = 0.0  # the trainer blocked in collect for it
+    # A tool-using batch's whole rollout as the worker's tools made it (its prompts, model mask,
+    # calls and transcripts), on the CPU, without log-probs or environments; None for the others.
+    rollout: Rollout | None = None
 
 
 @dataclass
@@ -108,11 +125,12 @@ def saved_in_flight(items: Any) -> list[dict[str, Any]]:
                 "batch_kwargs": item.batch_kwargs,
                 "batch_idx": item.batch_idx,
                 "index": item.index,
-                "prompt_ids": item.prompt_ids.cpu(),
-                "prompt_mask": item.prompt_mask.cpu(),
+                "prompt_ids": None if item.prompt_ids is None else item.prompt_ids.cpu(),
+                "prompt_mask": None if item.prompt_mask is None else item.prompt_mask.cpu(),
                 "completion_ids": item.finished.completion_ids,
                 "behav_logp": item.finished.behav_logp,
                 "version": item.finished.version,
+                "rollout": _fields(item.finished.rollout),
             }
         )
     return saved
@@ -128,10 +146,20 @@ def restored_in_flight(saved: list[dict[str, Any]]) -> list[InFlight]:
             index=d["index"],
             prompt_ids=d["prompt_ids"],
             prompt_mask=d["prompt_mask"],
-            finished=Finished(d["completion_ids"], d["behav_logp"], d["version"]),
+            finished=Finished(
+                d["completion_ids"],
+                d["behav_logp"],
+                d["version"],
+                rollout=None if d.get("rollout") is None else Rollout(**d["rollout"]),
+            ),
         )
         for d in saved
     ]
+
+
+def _fields(rollout: Rollout | None) -> dict[str, Any] | None:
+    """A rollout as plain data (a checkpoint's ``weights_only`` load takes no dataclass)."""
+    return None if rollout is None else {f.name: getattr(rollout, f.name) for f in fields(rollout)}
 
 
 def split_threads(total: int, worker: int | None) -> tuple[int, int]:
@@ -155,6 +183,11 @@ class WorkerSettings:
     threads: int
     device: str | None = None
     memory_fraction: float | None = None
+    # A run with tools: the worker runs their loop, built back from ``tools`` (import paths, no
+    # state) around the tokenizer and prompt format (rollout/tools/recipe.py).
+    tools: ToolRecipe | None = None
+    tokenizer: Any = None
+    prompts: PromptFormat | None = None
 
     def __post_init__(self) -> None:
         check_rollout_device(self.device, self.memory_fraction)
@@ -228,6 +261,37 @@ class RolloutWorker:
     ) -> int:
         """Hand a batch to the worker; its ticket for :meth:`collect`. ``version`` (default: the
         newest) must be one the ring still holds."""
+        return self._put(prompt_ids.cpu(), prompt_mask.cpu(), group_size, params, seed, version, logprobs)
+
+    def submit_episodes(
+        self,
+        prompts: list[Any],
+        rows: dict[str, list[Any]],
+        group_size: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+        version: int | None = None,
+        logprobs: bool = True,
+    ) -> int:
+        """:meth:`submit` for a worker with tools (``WorkerSettings.tools``): the batch's
+        ``prompts`` and ``rows``, which its tools encode and read; the result holds the rollout."""
+        if self.settings.tools is None:
+            raise RuntimeError("submit_episodes needs a worker with tools (WorkerSettings.tools)")
+        return self._put(None, None, group_size, params, seed, version, logprobs, prompts, rows)
+
+    def _put(
+        self,
+        prompt_ids: Tensor | None,
+        prompt_mask: Tensor | None,
+        group_size: int,
+        params: SamplingParams,
+        seed: int,
+        version: int | None,
+        logprobs: bool,
+        prompts: list[Any] | None = None,
+        rows: dict[str, list[Any]] | None = None,
+    ) -> int:
         if not self.running:
             raise RuntimeError("the rollout worker is not running: start() it first")
         version = self.version if version is None else version
@@ -238,7 +302,7 @@ class RolloutWorker:
             )
         self._tickets += 1
         job = Job(
-            self._tickets, prompt_ids.cpu(), prompt_mask.cpu(), group_size, params, version, seed, logprobs
+            self._tickets, prompt_ids, prompt_mask, group_size, params, version, seed, logprobs, prompts, rows
         )
         self._requests.put(("job", job))
         return job.ticket
@@ -354,6 +418,12 @@ def _worker_main(
         shared_prefix=settings.prefix_sharing,
         chunk_size=settings.logprob_chunk_size,
     )
+    runner = None
+    if settings.tools is not None:  # the tools built here, from their import paths
+        from forge_lightning.rollout.sampler import RolloutSampler  # noqa: PLC0415
+
+        sampler = RolloutSampler(settings.tokenizer, engine, settings.eos_token_ids, settings.prompts)
+        runner = settings.tools.runner(sampler)
     loaded = None
     idle_since = time.perf_counter()
     while True:
@@ -371,29 +441,83 @@ def _worker_main(
                 ring.read_into(model, job.version)
                 loaded = job.version
             torch.manual_seed(job.seed)  # every device's generator
-            prompt_ids, prompt_mask = job.prompt_ids.to(device), job.prompt_mask.to(device)
-            args = (model, prompt_ids, prompt_mask, job.group_size, job.params)
-            # The sampling scores are the loss's distribution when both take one temperature.
-            from_scores = job.logprobs and job.params.temperature == settings.scoring_temperature
-            behav = None
-            if from_scores:
-                completion_ids, behav = engine.generate_with_logprobs(*args)
+            if job.prompts is not None:
+                finished = _episodes(runner, scorer, model, job, settings, waited)
             else:
-                completion_ids = engine.generate(*args)
-            if job.logprobs and not from_scores:
-                rollout = Rollout(
-                    prompt_ids=prompt_ids,
-                    prompt_mask=prompt_mask,
-                    completion_ids=completion_ids,
-                    completion_mask=completion_mask(completion_ids, settings.eos_token_ids),
-                    group_size=job.group_size,
-                    completions=[],
-                )
-                behav = scorer.log_probs_no_grad(model, rollout)
-            behav = None if behav is None else behav.cpu()
-            finished = Finished(completion_ids.cpu(), behav, job.version, worker_wait_s=waited)
+                finished = _sampled(engine, scorer, model, job, settings, waited)
             results.put(("done", job.ticket, finished))
         except BaseException:
             results.put(("error", job.ticket, traceback.format_exc()))
             return
         idle_since = time.perf_counter()
+
+
+def _sampled(
+    engine: HFGenerate,
+    scorer: LogProbScorer,
+    model: PreTrainedModel,
+    job: Job,
+    settings: WorkerSettings,
+    waited: float,
+) -> Finished:
+    """A job of encoded prompts: one ``generate``, and with ``job.logprobs`` the sampling
+    policy's log-probs (the engine's where its temperature is the loss's; else scored again)."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = job.prompt_ids.to(device), job.prompt_mask.to(device)
+    args = (model, prompt_ids, prompt_mask, job.group_size, job.params)
+    # The sampling scores are the loss's distribution when both take one temperature.
+    from_scores = job.logprobs and job.params.temperature == settings.scoring_temperature
+    behav = None
+    if from_scores:
+        completion_ids, behav = engine.generate_with_logprobs(*args)
+    else:
+        completion_ids = engine.generate(*args)
+    if job.logprobs and not from_scores:
+        rollout = Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=completion_ids,
+            completion_mask=completion_mask(completion_ids, settings.eos_token_ids),
+            group_size=job.group_size,
+            completions=[],
+        )
+        behav = scorer.log_probs_no_grad(model, rollout)
+    behav = None if behav is None else behav.cpu()
+    return Finished(completion_ids.cpu(), behav, job.version, worker_wait_s=waited)
+
+
+def _episodes(
+    runner: Any,
+    scorer: LogProbScorer,
+    model: PreTrainedModel,
+    job: Job,
+    settings: WorkerSettings,
+    waited: float,
+) -> Finished:
+    """A tool-using job: the tool loop of its prompts (the calls answered here), and with
+    ``job.logprobs`` the sampling policy's log-probs of each token (the engine's, 0 on a tool's
+    token, where its temperature is the loss's; else scored again)."""
+    from_scores = job.logprobs and job.params.temperature == settings.scoring_temperature
+    rollout = runner(
+        model, job.prompts, job.params, job.group_size, engine_logprobs=from_scores, rows=job.rows
+    )
+    behav = rollout.old_logp if from_scores else None
+    if job.logprobs and not from_scores:
+        behav = scorer.log_probs_no_grad(model, rollout)
+    # A tool's or environment's state stays in this process: only the tokens and the log go back.
+    rollout = replace(
+        rollout,
+        prompt_ids=rollout.prompt_ids.cpu(),
+        prompt_mask=rollout.prompt_mask.cpu(),
+        completion_ids=rollout.completion_ids.cpu(),
+        completion_mask=rollout.completion_mask.cpu(),
+        truncated=None if rollout.truncated is None else rollout.truncated.cpu(),
+        model_mask=None if rollout.model_mask is None else rollout.model_mask.cpu(),
+        tool_stats=None
+        if rollout.tool_stats is None
+        else {k: v.cpu() for k, v in rollout.tool_stats.items()},
+        old_logp=None,
+        environments=None,
+    )
+    behav = None if behav is None else behav.cpu()
+    return Finished(rollout.completion_ids, behav, job.version, worker_wait_s=waited, rollout=rollout)

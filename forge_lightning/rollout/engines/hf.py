@@ -123,17 +123,21 @@ class HFGenerate:
         params: SamplingParams,
         stopping_criteria: Sequence[StoppingCriteria],
         cache: Any = None,
-    ) -> tuple[Tensor, Any]:
+        logprobs: bool = False,
+    ) -> tuple[Tensor, Any, Tensor | None]:
         """:meth:`generate` for a caller that comes back to the same rows with a few more tokens
-        each (rollout/tool_sampler.py): returns the whole sequences ``(B, L)`` and the KV cache of their
-        first ``cache.get_seq_length()`` columns. Given a ``cache`` of a previous call (rows
-        selected, ``group_size`` 1), only the columns of ``input_ids`` past it go through the
-        model; ``input_mask`` may hold zeros anywhere (a row's padding after a stop)."""
+        each (rollout/tool_sampler.py): returns the whole sequences ``(B, L)``, the KV cache of their
+        first ``cache.get_seq_length()`` columns and (``logprobs``) the log-prob each new token
+        was sampled with, ``(B, L - input width)`` (see :meth:`generate_with_logprobs`), else None.
+        Given a ``cache`` of a previous call (rows selected, ``group_size`` 1), only the columns
+        of ``input_ids`` past it go through the model; ``input_mask`` may hold zeros anywhere (a
+        row's padding after a stop)."""
         groups = group_size if cache is None else 1
         out = self._generate(
-            model, input_ids, input_mask, groups, params, False, stopping_criteria, cache=cache, full=True
+            model, input_ids, input_mask, groups, params, logprobs, stopping_criteria, cache=cache, full=True
         )
-        return out.sequences, output_cache(out)
+        logp = sampled_logprobs(out.sequences[:, input_ids.shape[1] :], out.scores) if logprobs else None
+        return out.sequences, output_cache(out), logp
 
     def generate_with_logprobs(
         self,

@@ -40,10 +40,16 @@ class Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)
     log: list[dict[str, Any]] = field(default_factory=list)
     max_calls: int | None = None
+    # The engine's log-prob of each token when the sampler asked for them (use_engine_logprobs,
+    # rollout_correction): a sampled token's as the engine reported it, 0 for a tool's token.
+    logp: list[float] = field(default_factory=list)
 
-    def add(self, ids: list[int], sampled: bool) -> None:
+    def add(self, ids: list[int], sampled: bool, logp: list[float] | None = None) -> None:
+        """Append ``ids``, sampled by the policy (with the engine's ``logp`` of each, if
+        reported) or written by a tool."""
         self.ids += ids
         self.model += [int(sampled)] * len(ids)
+        self.logp += logp[: len(ids)] if sampled and logp is not None else [0.0] * len(ids)
 
 
 @dataclass

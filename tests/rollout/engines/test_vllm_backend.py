@@ -26,7 +26,10 @@ from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
 from forge_lightning.rollout.engines.vllm import VLLMGenerate, colocated_llm, import_vllm, policy_weights
+from forge_lightning.rollout.sources import TrainingBatch
 from forge_lightning.rollout.types import completion_mask
+from forge_lightning.settings.checks import validate_hparams
+from forge_lightning.training.context import StepContext
 
 EOS = 1
 TOKEN_LOGP = -0.25  # the log-prob the fake engine reports for every token it samples
@@ -73,13 +76,42 @@ class FakeLLM:
         ids = [self.token] * (j + 1) + [EOS]
         if len(ids) > params.max_tokens:
             ids = [self.token] * params.max_tokens
-        logprobs = None
-        if params.logprobs is not None:
-            # vLLM's shape: per position, a dict from token id to an object with .logprob.
-            logprobs = [
-                {t: SimpleNamespace(logprob=TOKEN_LOGP), t + 1: SimpleNamespace(logprob=-9.0)} for t in ids
-            ]
-        return SimpleNamespace(token_ids=ids, logprobs=logprobs)
+        return sample(ids, params)
+
+
+def sample(ids: list[int], params: Any) -> SimpleNamespace:
+    """A completion of ``ids`` as vLLM returns it, with ``TOKEN_LOGP`` for each token if asked."""
+    logprobs = None
+    if params.logprobs is not None:
+        # vLLM's shape: per position, a dict from token id to an object with .logprob.
+        logprobs = [
+            {t: SimpleNamespace(logprob=TOKEN_LOGP), t + 1: SimpleNamespace(logprob=-9.0)} for t in ids
+        ]
+    return SimpleNamespace(token_ids=ids, logprobs=logprobs)
+
+
+class CalculatorLLM(FakeLLM):
+    """A fake engine whose completions call the inline calculator: a prompt with no answer in it
+    gets ``<<2*3=9>> x`` (vLLM does not stop at the call: the tool sampler cuts the row there),
+    one that ends with the calculator's answer (``>>``) gets `` ok``; each then EOS."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer.convert_tokens_to_ids("a"))
+        self.tok = tokenizer
+
+    def generate(
+        self, prompts: list[dict[str, list[int]]], sampling_params: list[Any], use_tqdm: bool = True
+    ):
+        self.requests.append((prompts, sampling_params))
+        written = [self.tok.decode(p["prompt_token_ids"]) for p in prompts]
+        return [
+            SimpleNamespace(outputs=[self._written(text, params) for _ in range(params.n)])
+            for text, params in zip(written, sampling_params)
+        ]
+
+    def _written(self, text: str, params: Any) -> SimpleNamespace:
+        ids = self.tok.encode(" ok" if text.endswith(">>") else "<<2*3=9>> x", add_special_tokens=False)
+        return sample([*ids, EOS][: params.max_tokens], params)
 
 
 @pytest.fixture(autouse=True)
@@ -233,6 +265,40 @@ def test_engine_logprobs_are_the_old_logprobs_of_the_loss(module):
     # under 1 - eps, clipped for a negative advantage; against the policy's own, every ratio is 1.
     assert clip_fraction(expected) == pytest.approx(1.0)
     assert clip_fraction(None) == 0.0
+
+
+@pytest.mark.parametrize("setting", [{}, {"use_engine_logprobs": True}, {"rollout_correction": "mask"}])
+def test_calculator_rounds_on_vllm_train_a_step_with_the_engines_log_probs_on_the_policys_tokens(
+    module, setting
+):
+    validate_hparams({"calculator": "annotation", "generation_backend": "vllm", **setting})
+    tok = make_tokenizer()
+    engine = CalculatorLLM(tok)
+    grpo = vllm_module(module, [], calculator="annotation", group_size=2, max_new_tokens=16, **setting)
+    grpo.generator = VLLMGenerate(tok, [EOS], engine_factory=lambda *_: engine)
+    grpo.configure_model()
+    context = StepContext.one_process()
+    [item] = grpo.rollout_source.rollouts(TrainingBatch(["Q:"], {}, 0), context, grpo.model)
+
+    rollout = item.rollout
+    assert rollout.completions == ["<<2*3=6>> ok"] * 2  # cut at the call, answered, then read whole
+    assert len(engine.requests) == 2  # two rounds
+    mask = rollout.loss_mask()
+    assert (rollout.completion_mask.bool() & ~mask).sum() == 2 * 3  # the calculator's "6>>"
+    engine_logp = rollout.behav_logp if "rollout_correction" in setting else rollout.old_logp
+    if setting:  # the engine's log-prob on each sampled token, 0 on the calculator's and the padding
+        torch.testing.assert_close(engine_logp, torch.where(mask, TOKEN_LOGP, 0.0))
+    else:
+        assert engine_logp is None and rollout.behav_logp is None
+    trainer_logp = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
+    optimizer = torch.optim.AdamW(grpo.model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    record, stepped = grpo.step.train(item, grpo.model, None, optimizer, scheduler, context)
+    assert stepped and torch.isfinite(torch.tensor(record.metrics["train/loss"]))
+    if "rollout_correction" in setting:  # the weights of the policy's tokens alone, by hand
+        weight = torch.exp(trainer_logp - TOKEN_LOGP)[mask]
+        assert (weight < 3.0).all()  # none above the cap
+        assert record.metrics["train/correction_weight_mean"] == pytest.approx(float(weight.mean()), rel=1e-4)
 
 
 def test_hf_stays_the_default_backend():

@@ -415,16 +415,12 @@ def test_a_lambda_tool_is_refused():
     [
         ({"calculator": "plain", "tools": ["m.f"]}, "two ways of calling tools"),
         (
-            {"tools": ["m.f"], "rollout_mode": "async"},
-            r"tools=\['m.f'\] does not work with rollout_mode='async'",
-        ),
-        (
-            {"environment_factory": "m.E", "generation_backend": "vllm"},
-            "does not work with generation_backend",
+            {"environment_factory": "m.E", "rollout_mode": "async"},
+            r"environment_factory='m.E' does not work with rollout_mode='async'",
         ),
     ],
 )
-def test_tools_are_refused_where_the_calculator_is_and_beside_it(settings, message):
+def test_tools_are_refused_beside_the_calculator_and_environments_with_async(settings, message):
     with pytest.raises(ValueError, match=message):
         validate_hparams(settings)
 

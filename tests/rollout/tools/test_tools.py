@@ -20,7 +20,6 @@ from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import CalculatorError, InlineCalculator, safe_eval
 from forge_lightning.rollout.tools.base import Answer
 from forge_lightning.rollout.tools.calculator import CalculatorStop, CalculatorTail
-from forge_lightning.settings.checks import validate_hparams
 
 GREEDY = SamplingParams(max_new_tokens=40, greedy=True)
 
@@ -275,15 +274,6 @@ def test_a_selected_group_keeps_its_model_mask_and_tool_counts():
     facts = picked.facts()
     assert facts["completion_lengths"] == [10, 10]  # "<<2*3=", " so", EOS: the policy's tokens
     assert [len(ids) for ids in facts["completion_ids"]] == [13, 13]  # with the tool's "6>>"
-
-
-@pytest.mark.parametrize(
-    ("setting", "value"),
-    [("rollout_mode", "async"), ("generation_backend", "vllm"), ("use_engine_logprobs", True)],
-)
-def test_a_calculator_is_refused_where_rollouts_are_one_generate_call(setting, value):
-    with pytest.raises(ValueError, match=f"calculator='annotation' does not work with {setting}"):
-        validate_hparams({"calculator": "annotation", setting: value})
 
 
 @pytest.mark.integration

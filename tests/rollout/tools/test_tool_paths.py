@@ -1,0 +1,219 @@
+"""Tool-using rollouts on more paths: the engine's log-probs (``use_engine_logprobs``,
+``rollout_correction``) on the policy's tokens only, ``steps_per_generation``, LoRA, and the
+asynchronous rollout worker running the tool loop with tools built from their recipe; one training
+batch each through training/step.py, without a Trainer. Tools on vLLM are tested in
+tests/rollout/engines/test_vllm_backend.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+from test_function_tools import GREEDY, TurnEngine, add, call, chat_tokenizer, tiny
+from test_tools import CallsAtLengths, ScriptedLlama, scripted, tool_sampler
+
+from forge_lightning.rollout.engines.async_worker import (
+    Finished,
+    InFlight,
+    restored_in_flight,
+    saved_in_flight,
+)
+from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.logprobs import LogProbScorer
+from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
+from forge_lightning.rollout.sources import TrainingBatch
+from forge_lightning.rollout.tools.recipe import ToolRecipe
+from forge_lightning.settings.checks import validate_hparams
+from forge_lightning.training.context import StepContext
+
+
+@pytest.mark.parametrize("continues", [True, False])
+def test_the_engines_log_probs_are_the_policys_on_its_tokens_and_zero_on_the_tools(continues):
+    # A random model, sampled at temperature 0.7: rows call at different lengths, so rounds are
+    # cut mid-writing (cached) or read whole again (not); each sampled token's score must be the
+    # one the trainer computes for it at its place in the finished completion.
+    tok = make_tokenizer()
+    model = make_model(len(tok), seed=3, initializer_range=0.5)
+    sampler = tool_sampler(tok, max_tool_calls=3)
+    sampler.tools = CallsAtLengths(tok, {3, 9, 16})
+    sampler._engine_continues = continues
+    torch.manual_seed(0)
+    params = SamplingParams(max_new_tokens=24, temperature=0.7)
+    rollout = sampler(model, ["ab", "hello there", "q"], params, 2, engine_logprobs=True)
+
+    mask = rollout.loss_mask()
+    tool = rollout.completion_mask.bool() & ~rollout.model_mask.bool()
+    assert tool.sum() >= 6 and mask.sum() > tool.sum()
+    trainer = LogProbScorer(temperature=0.7).log_probs_no_grad(model, rollout)
+    torch.testing.assert_close(rollout.old_logp[mask], trainer[mask], atol=1e-4, rtol=1e-4)
+    assert (rollout.old_logp[~mask] == 0).all()  # the tools' tokens and the padding
+    assert (trainer[tool] < -0.5).any()  # so a score taken at a tool's token would have shown
+
+
+def train_one_batch(module, **settings):
+    """One training batch of a calculator run on a model scripted to write ``<<2*3=7>>``: the
+    calculator answers ``6>>``, a token the policy finds all but impossible (log-prob near -40)."""
+    tok = make_tokenizer()
+    grpo = module(
+        model=scripted(tok, "Q:<<2*3=7>> ok"),
+        tokenizer=tok,
+        calculator="annotation",
+        group_size=2,
+        max_new_tokens=16,
+        kl_beta=0.0,
+        gradient_accumulation_steps=1,
+        **settings,
+    )
+    grpo.configure_model()
+    context = StepContext.one_process()
+    [item] = grpo.rollout_source.rollouts(TrainingBatch(["Q:", "Q:"], {}, 0), context, grpo.model)
+    optimizer = torch.optim.AdamW([p for p in grpo.model.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    record, stepped = grpo.step.train(item, grpo.model, None, optimizer, scheduler, context)
+    assert stepped and torch.isfinite(torch.tensor(record.metrics["train/loss"]))
+    assert record.metrics["train/tool_calls"] == 1.0
+    return grpo, item.rollout, record.metrics, scheduler.last_epoch
+
+
+def test_engine_log_probs_with_tools_train_a_step_and_weigh_no_tool_token(module):
+    validate_hparams({"calculator": "annotation", "use_engine_logprobs": True})
+    grpo, rollout, metrics, _ = train_one_batch(module, use_engine_logprobs=True)
+    tool = rollout.completion_mask.bool() & ~rollout.model_mask.bool()
+    assert tool.sum() == 4 * 3  # "6>>" in each of the 2 x 2 rows
+    assert (rollout.old_logp[tool] == 0).all()
+    mask = rollout.loss_mask()
+    trainer = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
+    assert (trainer[tool] < -20).any()  # weighed, the tool's tokens would give ratios of e^-20
+    torch.testing.assert_close(rollout.old_logp[mask], trainer[mask], atol=1e-4, rtol=1e-4)
+    assert metrics["train/clip_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_correction_with_tools_weighs_the_policys_tokens_only(module, level):
+    validate_hparams({"calculator": "annotation", "rollout_correction": "mask"})
+    _, rollout, metrics, _ = train_one_batch(
+        module, rollout_correction="mask", rollout_correction_level=level
+    )
+    assert rollout.behav_logp is not None and rollout.old_logp is None
+    # The tools' tokens (behav 0, the trainer's near -40) would make weights of e^-40 and a huge
+    # sampler KL; on the policy's tokens the engine and the trainer agree.
+    assert metrics["train/correction_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["train/correction_masked_fraction"] == 0.0
+    assert metrics["train/sampler_kl"] == pytest.approx(0.0, abs=1e-4)
+
+
+def test_two_steps_per_generation_with_tools_step_twice_on_one_rollout(module):
+    _, rollout, _, steps = train_one_batch(module, steps_per_generation=2)
+    assert steps == 2
+    assert rollout.model_mask is not None and not rollout.model_mask.bool().all()
+
+
+def test_a_lora_policy_with_tools_trains_a_step(module):
+    pytest.importorskip("peft")
+    from forge_lightning.models.lora import LoraSettings
+
+    grpo, _, _, steps = train_one_batch(module, peft=LoraSettings(r=4, alpha=8, dropout=0.0))
+    assert steps == 1 and any(".lora_" in n for n, _ in grpo.model.named_parameters())
+
+
+class CalculatorScript(ScriptedLlama):
+    """The scripted model as a class of its own, so that the rollout worker, which builds its model
+    from the class and config, writes the script too."""
+
+    script = make_tokenizer()("Q:<<2*3=7>> ok", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("setting", [{}, {"rollout_correction": "mask"}])
+def test_the_rollout_worker_runs_the_calculator_and_its_batch_trains_a_step(module, setting):
+    validate_hparams({"calculator": "annotation", "rollout_mode": "async", **setting})
+    tok = make_tokenizer()
+    torch.manual_seed(0)
+    grpo = module(
+        model=CalculatorScript(make_model(len(tok)).config),
+        tokenizer=tok,
+        calculator="annotation",
+        rollout_mode="async",
+        max_staleness=0,  # the batch handed is the batch trained
+        group_size=2,
+        max_new_tokens=16,
+        kl_beta=0.0,
+        gradient_accumulation_steps=1,
+        **setting,
+    )
+    grpo.configure_model()
+    source = grpo.rollout_source
+    source.worker.start(grpo.model)
+    try:
+        context = StepContext.one_process()
+        [item] = source.rollouts(TrainingBatch(["Q:"], {}, 0), context, grpo.model)
+        rollout = item.rollout
+        assert rollout.completions == ["<<2*3=6>> ok"] * 2  # the worker's calculator answered
+        assert rollout.tool_stats["tool_calls"].tolist() == [1, 1] and rollout.environments is None
+        mask = rollout.loss_mask()
+        tool = rollout.completion_mask.bool() & ~mask
+        assert tool.sum() == 2 * 3  # "6>>", read but not trained on
+        if setting:  # the worker's log-probs of the policy's tokens: the trainer's own
+            trainer = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
+            torch.testing.assert_close(rollout.behav_logp[mask], trainer[mask], atol=1e-4, rtol=1e-4)
+            assert (rollout.behav_logp[tool] == 0).all()
+        else:  # lag 0, no correction: the loss is the synchronous one
+            assert rollout.behav_logp is None
+        optimizer = torch.optim.AdamW(grpo.model.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        record, stepped = grpo.step.train(item, grpo.model, None, optimizer, scheduler, context)
+        assert stepped and record.metrics["train/tool_calls"] == 1.0
+        if setting:
+            assert record.metrics["train/correction_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"environment_factory": "m.E"}, "an environment lives in the rollout worker"),
+        ({"tools": ["json.dumps"], "sandbox": "process"}, "not in sandbox='process' workers"),
+    ],
+)
+def test_tools_async_rollouts_cannot_run_yet_are_refused_by_name_with_the_reason(settings, reason):
+    with pytest.raises(ValueError, match=rf"does not work with rollout_mode='async': .*{reason}"):
+        validate_hparams({**settings, "rollout_mode": "async"})
+    validate_hparams({"tools": ["json.dumps"], "rollout_mode": "async", "rollout_correction": "mask"})
+
+
+def test_a_tool_rollout_in_flight_is_kept_in_a_checkpoint_and_comes_back_whole():
+    tok = make_tokenizer()
+    rollout = tool_sampler(tok)(scripted(tok, "Q:<<2*3=7>> ok"), ["Q:"], SamplingParams(16, greedy=True), 2)
+    rollout = dataclasses.replace(rollout, environments=None)  # as the worker sends it
+    finished = Finished(rollout.completion_ids, -torch.rand(rollout.completion_ids.shape), 3, rollout=rollout)
+    item = InFlight(["Q:"], {"answer": ["6"]}, 0, index=0, ticket=1, finished=finished)
+    buffer = io.BytesIO()
+    torch.save({"in_flight": saved_in_flight([item])}, buffer)
+    buffer.seek(0)
+    [back] = restored_in_flight(torch.load(buffer, weights_only=True)["in_flight"])
+
+    assert back.prompt_ids is None and back.finished.version == 3
+    torch.testing.assert_close(back.finished.behav_logp, finished.behav_logp)
+    kept = back.finished.rollout
+    assert kept.tool_calls == rollout.tool_calls and kept.transcripts == rollout.transcripts
+    assert kept.tool_calls[0][0]["result"] == "6" and kept.completions == rollout.completions
+    for name in ("completion_ids", "completion_mask", "model_mask", "prompt_ids"):
+        assert torch.equal(getattr(kept, name), getattr(rollout, name)), name
+    assert kept.tool_stats.keys() == rollout.tool_stats.keys()
+
+
+def test_function_tools_built_back_from_a_pickled_recipe_run_the_same_function():
+    # What the rollout worker gets: the recipe pickled, its functions by reference (import path).
+    tok = chat_tokenizer()
+    recipe = pickle.loads(pickle.dumps(ToolRecipe(functions=(add,), max_tool_calls=2)))
+    assert recipe.functions == (add,)
+    engine = TurnEngine(tok, [call("add", a=2, b=3), "It is 5."])
+    base = RolloutSampler(tok, engine, [tok.eos_token_id], PromptFormat(use_chat_template=True))
+    rollout = recipe.runner(base)(tiny(tok), ["What is 2+3?"], GREEDY, 2)
+    assert [calls[0]["result"] for calls in rollout.tool_calls] == ["5", "5"]
+    assert rollout.completions[0].endswith("It is 5.")
