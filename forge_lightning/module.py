@@ -27,7 +27,14 @@ from forge_lightning.data.gsm8k import extract_answer
 from forge_lightning.evaluation.ranks import owned_samples
 from forge_lightning.evaluation.sampled import TrainingRandomState, batch_sizes, run_seed, sampling_seed
 from forge_lightning.evaluation.validation import NO_TEST_STEP
-from forge_lightning.grpo import AdvantageEstimator, AdvantageScale, ImportanceSampling, KLEstimator, LossType
+from forge_lightning.grpo import (
+    AdvantageEstimator,
+    AdvantageScale,
+    ImportanceSampling,
+    KLEstimator,
+    LossSettings,
+    LossType,
+)
 from forge_lightning.models.loading import ensure_pad_token
 from forge_lightning.models.lora import LoraSettings
 from forge_lightning.reporting.metrics import StepRecord
@@ -429,6 +436,11 @@ class GRPOLightningModule(pl.LightningModule):
         """Report to the loggers every ``steps`` optimizer steps (a RewardLogger hands over its
         ``logging_steps``, so that its JSONL and every logger agree); else ``log_every_n_steps``."""
         self.reporter.every = steps
+
+    @property
+    def loss_settings(self) -> LossSettings:
+        """The loss's settings (``self.settings.loss``; the module's attribute before the groups)."""
+        return self.settings.loss
 
     @property
     def needs_reference(self) -> bool:
