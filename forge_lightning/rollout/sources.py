@@ -88,6 +88,7 @@ class RolloutSettings:
     correction: bool  # the engine's scores are the sampler's, for rollout_correction
     generation_backend: str
     vllm_gpu_memory_utilization: float
+    precision: str | None  # rollout_precision: sample with a low-precision copy of the policy
     gradient_accumulation_steps: int
     max_staleness: int
     worker_threads: int | None
@@ -118,7 +119,9 @@ class RolloutSource:
     ) -> GenerationBackend:
         """The generation engine for a module that was given none."""
         s = self.settings
-        return generation_backend(s.generation_backend, tokenizer, model, s.vllm_gpu_memory_utilization)
+        return generation_backend(
+            s.generation_backend, tokenizer, model, s.vllm_gpu_memory_utilization, s.precision
+        )
 
     def prepare(
         self,
