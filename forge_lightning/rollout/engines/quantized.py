@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable, Sequence
+
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
@@ -27,6 +28,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from forge_lightning.models.sharding import is_sharded
 from forge_lightning.rollout.engines.base import Completions, EngineOptions, SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
+
 
 def int8_copy(model: nn.Module) -> nn.Module:
     """``model``'s ``nn.Linear`` layers as dynamic int8 Linear (CPU only), in place."""
@@ -39,7 +41,7 @@ def int8_copy(model: nn.Module) -> nn.Module:
         # torch.ao.quantization warns that it moves to torchao, whose int8 weight-only Linear
         # decodes no faster than float32 on a CPU (measured on SmolLM2-135M); this one does.
         warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions", category=UserWarning)
+        warnings.filterwarnings("ignore", ".*quantized tensor creation functions", UserWarning)
         return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
 
 
