@@ -10,9 +10,10 @@ each token by the gap (``train/sampler_kl``). Validation samples with the copy t
 left in float (torchao's weight-only int8; the LM head included, a tied head untied in the
 copy, the embedding staying float32). Not torch's ``quantize_dynamic``: it quantizes the
 activations too, and SmolLM2's outlier activations then make a sampler_kl of about 3 against the
-policy's (torchao's: about 0.002). ``bf16``: the copy in bfloat16. Both on the policy's device;
-on a CPU, bfloat16 is faster only with bfloat16 instructions (AVX512-BF16 or AMX). The refresh
-is timed within the optimizer phase (``perf/optimizer_s``).
+policy's (torchao's: about 0.002). On a CPU torchao's int8 decodes no faster than float32 (its
+gain is a GPU's, untested here); ``bf16``, the copy in bfloat16, decodes faster on a CPU with
+bfloat16 instructions (AVX512-BF16 or AMX). Both copies live on the policy's device. The
+refresh is timed within the optimizer phase (``perf/optimizer_s``).
 """
 
 from __future__ import annotations
