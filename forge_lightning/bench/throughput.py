@@ -128,12 +128,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--steps {args.steps} is not a multiple of steps per generation {spg}")
     if (args.generation_compare or args.steps_per_generation > 1) and args.rollout_mode != "sync":
         parser.error("--steps-per-generation and --generation-compare time sync rollouts")
-    if args.rollout_precision and (
-        args.rollout_mode != "sync" or args.engine_logprobs or args.generation_compare
-    ):
+    if args.rollout_precision and (args.engine_logprobs or args.generation_compare):
         parser.error(
-            "--rollout-precision times sync rollouts corrected by the sampler's log-probs: leave out "
-            "--rollout-mode async/compare, --engine-logprobs and --generation-compare"
+            "--rollout-precision corrects by the sampler's log-probs: leave out --engine-logprobs "
+            "and --generation-compare"
         )
     return args
 

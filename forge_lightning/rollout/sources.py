@@ -218,6 +218,7 @@ class AsyncRollouts(RolloutSource):
             threads=split_threads(torch.get_num_threads(), s.worker_threads)[1],
             device=s.worker_device,
             memory_fraction=s.worker_memory_fraction,
+            precision=s.precision,
         )
         return RolloutWorker(worker, s.max_staleness)
 

@@ -227,7 +227,6 @@ ASYNC_NEEDS = {
     "dynamic_sampling": False,  # its steps depend on the rewards: no fixed version per batch
     "num_iterations": 1,
     "steps_per_generation": 1,  # a batch in flight is one optimizer step's
-    "rollout_precision": None,  # the worker samples with the weights the ring gives it
 }
 
 

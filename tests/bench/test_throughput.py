@@ -258,5 +258,5 @@ def test_bench_with_an_int8_sampler_corrects_by_its_logprobs(tiny_model_dir, tmp
     result = bench.main([*args, "--max-new-tokens", "4", "--no-references", "--rollout-precision", "int8"])
     assert result["settings"]["rollout_precision"] == "int8" and result["completion_tokens_per_s"] > 0
     with pytest.raises(SystemExit):
-        bench.main([*args, "--rollout-precision", "int8", "--rollout-mode", "async"])
-    assert "--rollout-precision times sync rollouts" in capsys.readouterr().err
+        bench.main([*args, "--rollout-precision", "int8", "--engine-logprobs"])
+    assert "--rollout-precision corrects by the sampler's log-probs" in capsys.readouterr().err

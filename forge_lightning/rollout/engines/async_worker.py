@@ -13,7 +13,8 @@ run is repeatable, and a rollout's log-probs are those of its version.
 and ``sync_weights``, what validation and the sync path use) with two calls more, ``submit`` and
 ``collect``, for the pipeline :class:`~forge_lightning.rollout.sources.AsyncRollouts` runs (``rollout_mode``).
 Inside the worker the sampling is :class:`~forge_lightning.rollout.engines.hf.HFGenerate`, the engine the
-synchronous path uses. The worker samples on the CPU by default, or on the CUDA GPU that
+synchronous path uses (``WorkerSettings.precision``: on a low-precision copy of each version,
+rollout/engines/quantized.py). The worker samples on the CPU by default, or on the CUDA GPU that
 ``WorkerSettings.device`` names (another one, or the trainer's own with a share of its memory);
 its results come back to the trainer on the CPU.
 """
@@ -37,6 +38,7 @@ from transformers import PreTrainedModel
 
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
+from forge_lightning.rollout.engines.quantized import low_precision_copy
 from forge_lightning.rollout.engines.weight_ring import (
     WeightRing,
     check_rollout_device,
@@ -155,6 +157,7 @@ class WorkerSettings:
     threads: int
     device: str | None = None
     memory_fraction: float | None = None
+    precision: str | None = None  # rollout_precision: sample with a copy in it (quantized.py)
 
     def __post_init__(self) -> None:
         check_rollout_device(self.device, self.memory_fraction)
@@ -354,7 +357,7 @@ def _worker_main(
         shared_prefix=settings.prefix_sharing,
         chunk_size=settings.logprob_chunk_size,
     )
-    loaded = None
+    loaded, sampler = None, model
     idle_since = time.perf_counter()
     while True:
         try:
@@ -370,9 +373,12 @@ def _worker_main(
             if loaded != job.version:
                 ring.read_into(model, job.version)
                 loaded = job.version
+                if settings.precision is not None:
+                    sampler = None  # the old copy's memory is free before the new one is made
+                    sampler = low_precision_copy(model, settings.precision)
             torch.manual_seed(job.seed)  # every device's generator
             prompt_ids, prompt_mask = job.prompt_ids.to(device), job.prompt_mask.to(device)
-            args = (model, prompt_ids, prompt_mask, job.group_size, job.params)
+            args = (sampler, prompt_ids, prompt_mask, job.group_size, job.params)
             # The sampling scores are the loss's distribution when both take one temperature.
             from_scores = job.logprobs and job.params.temperature == settings.scoring_temperature
             behav = None
@@ -389,7 +395,7 @@ def _worker_main(
                     group_size=job.group_size,
                     completions=[],
                 )
-                behav = scorer.log_probs_no_grad(model, rollout)
+                behav = scorer.log_probs_no_grad(sampler, rollout)
             behav = None if behav is None else behav.cpu()
             finished = Finished(completion_ids.cpu(), behav, job.version, worker_wait_s=waited)
             results.put(("done", job.ticket, finished))

@@ -75,7 +75,6 @@ def test_sync_weights_remakes_the_copy_from_the_policys_new_weights():
     ("settings", "match"),
     [
         ({}, "set rollout_correction"),
-        ({"rollout_correction": "truncate", "rollout_mode": "async"}, "rollout_precision='int8'"),
         ({"rollout_correction": "truncate", "calculator": "plain"}, "int8' does not work with calc"),
         ({"rollout_correction": "truncate", "generation_backend": "vllm"}, "set generation_backend='hf'"),
     ],
@@ -85,5 +84,6 @@ def test_an_int8_sampler_is_refused_by_name_where_it_cannot_work(settings, match
         validate_hparams({"rollout_precision": "int8", **settings})
 
 
-def test_an_int8_sampler_with_rollout_correction_is_accepted():
-    validate_hparams({"rollout_precision": "int8", "rollout_correction": "truncate"})
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_int8_sampler_with_rollout_correction_is_accepted(mode):
+    validate_hparams({"rollout_precision": "int8", "rollout_correction": "truncate", "rollout_mode": mode})
