@@ -146,6 +146,9 @@ class GRPOLightningModule(pl.LightningModule):
         max_sampling_rounds: with dynamic sampling, the rounds after which a step trains on what it has.
         generation_backend: ``hf`` (the policy's ``generate``) or ``vllm`` (GPU; see rollout/engines/vllm.py).
         vllm_gpu_memory_utilization: the share of GPU memory the vLLM engine may take.
+        rollout_precision: sample with a copy of the policy in ``int8`` (torchao's weight-only) or
+            ``bf16``, remade after every optimizer step (rollout/engines/quantized.py); needs
+            ``rollout_correction``. None: the policy itself.
         rollout_mode: ``sync``, or ``async``: a worker process samples while the trainer trains.
         max_staleness: async: optimizer steps a rollout may lag the weights it trains (k >= 0).
         rollout_worker_threads: async: the worker's CPU threads, the trainer the rest; None: half.
@@ -282,6 +285,7 @@ class GRPOLightningModule(pl.LightningModule):
         # -- the engine and the rollout worker (EngineSettings)
         generation_backend: Literal["hf", "vllm"] = "hf",
         vllm_gpu_memory_utilization: float = 0.3,
+        rollout_precision: Literal["int8", "bf16"] | None = None,
         rollout_mode: Literal["sync", "async"] = "sync",
         max_staleness: int = 1,
         rollout_worker_threads: int | None = None,

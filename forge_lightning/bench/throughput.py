@@ -32,6 +32,10 @@ of S), and ``--engine-logprobs`` takes the old policy's log-probs from generate'
 that each round's lines share the machine's load: S = 1 and S = 4 at one prompt per optimizer
 step, S = 4 with the engine's log-probs, and S = 1 with four prompts per step. Each line adds
 ``generate_share``, the generate phase's share of the timed seconds.
+
+``--rollout-precision int8`` (or ``bf16``) samples with a low-precision copy of the policy
+(rollout/engines/quantized.py) and sets ``rollout_correction: truncate`` (TIS, cap 3) itself; the
+references still time the policy's own ``generate``.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ log = logging.getLogger("forge_lightning.bench")
 # (``vllm`` needs a GPU and the vllm extra).
 BACKENDS = ("hf", "vllm")
 ROLLOUT_MODES = ("sync", "async", "compare")
+ROLLOUT_PRECISIONS = ("int8", "bf16")  # rollout_precision: a low-precision sampler, with TIS
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -102,6 +107,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--engine-logprobs", action="store_true", help="old-policy log-probs from generate's scores")
     add("--generation-compare", action="store_true", help="S = 1 | 4 | 4 with engine log-probs | P = 4")
     add("--rounds", type=int, default=1, help="generation-compare: rounds of the four lines")
+    add(
+        "--rollout-precision",
+        choices=ROLLOUT_PRECISIONS,
+        default=None,
+        help="sample with an int8/bf16 copy (TIS)",
+    )
     args = parser.parse_args(argv)
     if not Path(args.data).exists():
         parser.error(f"--data {args.data}: no such file or folder (give a GSM8K folder or .jsonl file)")
@@ -117,6 +128,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--steps {args.steps} is not a multiple of steps per generation {spg}")
     if (args.generation_compare or args.steps_per_generation > 1) and args.rollout_mode != "sync":
         parser.error("--steps-per-generation and --generation-compare time sync rollouts")
+    if args.rollout_precision and (args.engine_logprobs or args.generation_compare):
+        parser.error(
+            "--rollout-precision corrects by the sampler's log-probs: leave out --engine-logprobs "
+            "and --generation-compare"
+        )
     return args
 
 
@@ -193,6 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rollout_worker_threads=args.worker_threads,
         steps_per_generation=spg,
         use_engine_logprobs=args.engine_logprobs,
+        rollout_precision=args.rollout_precision,
+        rollout_correction="truncate" if args.rollout_precision else None,  # TIS at the default cap 3
     )
     recording = module.rollout_source = RecordingRollouts(module.rollout_source)
     setup_rss = _current_rss_mb()
@@ -358,6 +376,7 @@ def _summary(
         "rollout_mode": args.rollout_mode,
         "steps_per_generation": args.steps_per_generation,
         "engine_logprobs": args.engine_logprobs,
+        "rollout_precision": args.rollout_precision,
     }
     if args.rollout_mode == "async":
         result["settings"]["max_staleness"] = args.max_staleness

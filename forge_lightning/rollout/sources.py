@@ -91,6 +91,7 @@ class RolloutSettings:
     correction: bool  # the engine's scores are the sampler's, for rollout_correction
     generation_backend: str
     vllm_gpu_memory_utilization: float
+    precision: str | None  # rollout_precision: sample with a low-precision copy of the policy
     gradient_accumulation_steps: int
     max_staleness: int
     worker_threads: int | None
@@ -123,7 +124,9 @@ class RolloutSource:
     ) -> GenerationBackend:
         """The generation engine for a module that was given none."""
         s = self.settings
-        return generation_backend(s.generation_backend, tokenizer, model, s.vllm_gpu_memory_utilization)
+        return generation_backend(
+            s.generation_backend, tokenizer, model, s.vllm_gpu_memory_utilization, s.precision
+        )
 
     def prepare(
         self,
@@ -228,6 +231,7 @@ class AsyncRollouts(RolloutSource):
             tools=self.tools,
             tokenizer=tokenizer if self.tools is not None else None,
             prompts=self.prompt_format if self.tools is not None else None,
+            precision=s.precision,
         )
         return RolloutWorker(worker, s.max_staleness)
 

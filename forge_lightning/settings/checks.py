@@ -71,6 +71,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "model_dtype": (lambda v: v in MODEL_DTYPES, f"one of {MODEL_DTYPES}"),
     "generation_backend": (lambda v: v in ENGINES, lambda: " or ".join(map(repr, ENGINES))),
     "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "rollout_precision": (_optional(lambda v: v in ("int8", "bf16")), "None, 'int8' or 'bf16'"),
     "logprob_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
     "lm_head_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
     "max_sampling_rounds": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
@@ -189,6 +190,8 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
             "sandbox='process' does not run an environment_factory's environments yet (an episode's "
             "state would need a worker of its own): use function tools, or sandbox='thread'"
         )
+    if values.get("rollout_precision") is not None:
+        _check_rollout_precision(values)
     if values.get("use_engine_logprobs"):
         _check_engine_logprobs(values)
     if values.get("rollout_correction") is not None:
@@ -364,6 +367,26 @@ def _check_engine_logprobs(values: Mapping[str, Any]) -> None:
             "use_engine_logprobs trusts the engine's log-probs as the old policy's; "
             f"rollout_correction={values['rollout_correction']!r} measures them against the "
             "trainer's instead: use one of them"
+        )
+
+
+def _check_rollout_precision(values: Mapping[str, Any]) -> None:
+    """A low-precision sampler's log-probs are not the policy's: the loss must correct for them."""
+    precision = values["rollout_precision"]
+    if values.get("rollout_correction") is None:
+        raise ValueError(
+            f"rollout_precision={precision!r} samples with a copy whose log-probs differ from the "
+            "policy's; the loss must weigh them: set rollout_correction ('truncate' or 'mask')"
+        )
+    if _tool_mode(values) is not None:
+        raise ValueError(
+            f"rollout_precision={precision!r} does not work with {_tool_mode(values)} yet: tool "
+            "rollouts take no rollout_correction; set rollout_precision to null"
+        )
+    if values.get("generation_backend", "hf") != "hf":
+        raise ValueError(
+            f"rollout_precision={precision!r} samples with HF generate on a copy of the policy; "
+            f"generation_backend={values['generation_backend']!r} has its own: set generation_backend='hf'"
         )
 
 

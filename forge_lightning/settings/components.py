@@ -220,6 +220,7 @@ def rollout_settings(settings: GRPOSettings, sampling: SamplingParams) -> Rollou
         correction=off_policy.rollout_correction is not None,
         generation_backend=engine.generation_backend,
         vllm_gpu_memory_utilization=engine.vllm_gpu_memory_utilization,
+        precision=engine.rollout_precision,
         gradient_accumulation_steps=settings.optimizer.gradient_accumulation_steps,
         max_staleness=engine.max_staleness,
         worker_threads=engine.rollout_worker_threads,

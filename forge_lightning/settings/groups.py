@@ -180,6 +180,10 @@ class EngineSettings(_Group):
     """``hf`` (the policy's ``generate``) or ``vllm`` (GPU; see rollout/engines/vllm.py)."""
     vllm_gpu_memory_utilization: float = 0.3
     """the share of GPU memory the vLLM engine may take."""
+    rollout_precision: Literal["int8", "bf16"] | None = None
+    """sample with a copy of the policy in ``int8`` (torchao's weight-only) or ``bf16``, remade after
+    every optimizer step (rollout/engines/quantized.py); needs ``rollout_correction``. None: the
+    policy itself."""
     rollout_mode: Literal["sync", "async"] = "sync"
     """``sync``, or ``async``: a worker process samples while the trainer trains."""
     max_staleness: int = 1

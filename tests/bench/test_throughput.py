@@ -249,3 +249,14 @@ def test_bench_generation_compare_prints_its_four_lines_per_round(tiny_model_dir
     with pytest.raises(SystemExit):
         bench.main([*args, "--steps", "3", "--steps-per-generation", "2"])
     assert "not a multiple" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_bench_with_an_int8_sampler_corrects_by_its_logprobs(tiny_model_dir, tmp_path, capsys):
+    write_gsm8k(tmp_path)
+    args = ["--model", str(tiny_model_dir), "--data", str(tmp_path), "--steps", "1", "--group", "2"]
+    result = bench.main([*args, "--max-new-tokens", "4", "--no-references", "--rollout-precision", "int8"])
+    assert result["settings"]["rollout_precision"] == "int8" and result["completion_tokens_per_s"] > 0
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--rollout-precision", "int8", "--engine-logprobs"])
+    assert "--rollout-precision corrects by the sampler's log-probs" in capsys.readouterr().err

@@ -81,6 +81,7 @@ BAD = {
     "max_generation_tokens": 0,
     "steps_per_generation": 0,
     "rollout_correction": "clip",
+    "rollout_precision": "int4",
     "rollout_correction_level": "batch",
     "rollout_correction_cap": 1.0,
 }

@@ -126,6 +126,7 @@ CHANGED = dict(
     max_consecutive_bad_steps=5,
     max_sampling_rounds=2,
     vllm_gpu_memory_utilization=0.5,
+    rollout_precision="int8",
     max_staleness=2,
     rollout_worker_threads=2,
     train_micro_batch_size=2,

@@ -132,3 +132,64 @@ def test_the_sampler_kl_of_hf_generate_against_the_trainer_is_about_zero(tmp_pat
     assert metrics["train/correction_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     assert metrics["train/correction_masked_fraction"] == 0.0
     assert not math.isnan(metrics["train/loss"])
+
+
+class PolicyScored:
+    """An engine that keeps, for each rollout it samples, its reported log-probs and the policy's
+    own at that moment (before the step trains on it)."""
+
+    def __init__(self, engine, temperature: float, eos: int) -> None:
+        self.engine, self.eos = engine, eos
+        self.scorer = LogProbScorer(temperature=temperature)
+        self.sampler_logp = self.policy_logp = self.mask = None
+        self.syncs = 0
+
+    def generate(self, model, prompt_ids, prompt_mask, group_size, params):
+        return self.engine.generate(model, prompt_ids, prompt_mask, group_size, params)
+
+    def generate_with_logprobs(self, model, prompt_ids, prompt_mask, group_size, params):
+        ids, logp = self.engine.generate_with_logprobs(model, prompt_ids, prompt_mask, group_size, params)
+        mask = completion_mask(ids, [self.eos])
+        rollout = Rollout(prompt_ids, prompt_mask, ids, mask, group_size, completions=[])
+        self.policy_logp = self.scorer.log_probs_no_grad(model, rollout)
+        self.sampler_logp, self.mask = logp, mask.bool()
+        return ids, logp
+
+    def sync_weights(self, model) -> None:
+        self.syncs += 1
+        self.engine.sync_weights(model)
+
+
+def test_an_int8_sampler_in_a_step_gives_the_correction_metrics_of_its_own_logprobs(
+    tmp_path, module, trainer, loader
+):
+    from forge_lightning.rollout.engines.registry import generation_backend
+
+    pl.seed_everything(4)
+    grpo = module(
+        kl_beta=0.0, gradient_accumulation_steps=1, rollout_precision="int8", rollout_correction="truncate"
+    )
+    engine = generation_backend("hf", grpo.tokenizer, grpo.model, rollout_precision="int8")
+    grpo.generator = spy = PolicyScored(engine, grpo.scorer.temperature, grpo.tokenizer.eos_token_id)
+    trainer(tmp_path, max_steps=2).fit(grpo, loader(RECORDS * 2, batch_size=2))
+    gap = (spy.sampler_logp - spy.policy_logp).double() * spy.mask
+    assert gap.abs().max() > 1e-4  # the int8 copy's scores, not the policy's
+    assert spy.syncs == 2  # remade after each optimizer step
+    want = expected_metrics(gap, spy.mask, "truncate", "token")
+    for name, value in want.items():
+        assert grpo.last_step.metrics[name] == pytest.approx(value, rel=1e-3, abs=1e-7), name
+    assert grpo.last_step.metrics["train/sampler_kl"] > 1e-8
+
+
+def test_a_module_given_rollout_precision_samples_with_its_low_precision_copy(
+    tmp_path, module, trainer, loader
+):
+    from forge_lightning.rollout.engines.quantized import QuantizedGenerate
+
+    pl.seed_everything(5)
+    grpo = module(
+        kl_beta=0.0, gradient_accumulation_steps=1, rollout_precision="bf16", rollout_correction="mask"
+    )
+    trainer(tmp_path, max_steps=1).fit(grpo, loader(RECORDS, batch_size=2))
+    assert isinstance(grpo.generator, QuantizedGenerate) and grpo.generator.precision == "bf16"
+    assert grpo.last_step.metrics["train/sampler_kl"] > 1e-9  # bfloat16 rounding: a gap

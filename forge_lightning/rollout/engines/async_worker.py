@@ -13,7 +13,8 @@ run is repeatable, and a rollout's log-probs are those of its version.
 and ``sync_weights``, what validation and the sync path use) with two calls more, ``submit`` and
 ``collect``, for the pipeline :class:`~forge_lightning.rollout.sources.AsyncRollouts` runs (``rollout_mode``).
 Inside the worker the sampling is :class:`~forge_lightning.rollout.engines.hf.HFGenerate`, the engine the
-synchronous path uses. The worker samples on the CPU by default, or on the CUDA GPU that
+synchronous path uses (``WorkerSettings.precision``: on a low-precision copy of each version,
+rollout/engines/quantized.py). The worker samples on the CPU by default, or on the CUDA GPU that
 ``WorkerSettings.device`` names (another one, or the trainer's own with a share of its memory);
 its results come back to the trainer on the CPU.
 
@@ -43,6 +44,7 @@ from transformers import PreTrainedModel
 
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
+from forge_lightning.rollout.engines.quantized import low_precision_copy
 from forge_lightning.rollout.engines.weight_ring import (
     WeightRing,
     check_rollout_device,
@@ -188,6 +190,7 @@ class WorkerSettings:
     tools: ToolRecipe | None = None
     tokenizer: Any = None
     prompts: PromptFormat | None = None
+    precision: str | None = None  # rollout_precision: sample with a copy in it (quantized.py)
 
     def __post_init__(self) -> None:
         check_rollout_device(self.device, self.memory_fraction)
@@ -424,7 +427,8 @@ def _worker_main(
 
         sampler = RolloutSampler(settings.tokenizer, engine, settings.eos_token_ids, settings.prompts)
         runner = settings.tools.runner(sampler)
-    loaded = None
+    # The model that samples: the weights as loaded, or their low-precision copy (rollout_precision).
+    loaded, policy = None, model
     idle_since = time.perf_counter()
     while True:
         try:
@@ -440,11 +444,14 @@ def _worker_main(
             if loaded != job.version:
                 ring.read_into(model, job.version)
                 loaded = job.version
+                if settings.precision is not None:
+                    policy = None  # the old copy's memory is free before the new one is made
+                    policy = low_precision_copy(model, settings.precision)
             torch.manual_seed(job.seed)  # every device's generator
             if job.prompts is not None:
                 finished = _episodes(runner, scorer, model, job, settings, waited)
             else:
-                finished = _sampled(engine, scorer, model, job, settings, waited)
+                finished = _sampled(engine, scorer, policy, job, settings, waited)
             results.put(("done", job.ticket, finished))
         except BaseException:
             results.put(("error", job.ticket, traceback.format_exc()))

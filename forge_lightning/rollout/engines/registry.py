@@ -1,7 +1,9 @@
 """The engines that sample rollouts, by the name ``generation_backend`` gives. An engine is a file
 beside this one with a ``build(tokenizer, eos_token_ids, options)`` function that returns a
 :class:`~forge_lightning.rollout.engines.base.GenerationBackend`; adding one is that file and one
-line in ``ENGINES``. Each is imported only when a run names it (vLLM is a GPU-only install)."""
+line in ``ENGINES``. Each is imported only when a run names it (vLLM is a GPU-only install). A
+``rollout_precision`` samples with HF ``generate`` on a low-precision copy of the policy
+(quantized.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ ENGINES = {
     "hf": "forge_lightning.rollout.engines.hf",
     "vllm": "forge_lightning.rollout.engines.vllm",
 }
+LOW_PRECISION = "forge_lightning.rollout.engines.quantized"  # the engine of a rollout_precision
 
 
 def generation_backend(
@@ -25,9 +28,17 @@ def generation_backend(
     tokenizer: PreTrainedTokenizerBase,
     model: PreTrainedModel,
     vllm_gpu_memory_utilization: float = 0.3,
+    rollout_precision: str | None = None,
 ) -> GenerationBackend:
-    """The sampling engine ``name`` (a key of ``ENGINES``) names, for ``model``'s completions."""
+    """The sampling engine ``name`` (a key of ``ENGINES``) names, for ``model``'s completions;
+    with a ``rollout_precision`` (``hf`` only), HF ``generate`` on a copy in that precision."""
     if name not in ENGINES:
         raise ValueError(f"generation_backend must be one of {sorted(ENGINES)}, got {name!r}")
-    options = EngineOptions(gpu_memory_utilization=vllm_gpu_memory_utilization)
-    return importlib.import_module(ENGINES[name]).build(tokenizer, eos_token_ids(tokenizer, model), options)
+    if rollout_precision is not None and name != "hf":
+        raise ValueError(
+            f"rollout_precision={rollout_precision!r} samples with HF generate on a copy of the policy; "
+            f"generation_backend={name!r} has its own weights: set generation_backend='hf'"
+        )
+    options = EngineOptions(gpu_memory_utilization=vllm_gpu_memory_utilization, precision=rollout_precision)
+    module = ENGINES[name] if rollout_precision is None else LOW_PRECISION
+    return importlib.import_module(module).build(tokenizer, eos_token_ids(tokenizer, model), options)

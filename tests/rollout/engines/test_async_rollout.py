@@ -387,3 +387,31 @@ def test_the_worker_samples_validation_from_the_batchs_seed(tmp_path, module, tr
         grpo.stop_rollout_worker()
     assert draws[0] == draws[1]
     assert draws[0][0] != draws[0][1]  # batch 0's seed is not batch 1's
+
+
+@pytest.mark.integration
+def test_a_worker_with_a_precision_samples_with_a_copy_of_each_version(tiny_model, tokenizer):
+    worker = worker_for(tokenizer, precision="int8")
+    params = SamplingParams(8, temperature=TEMPERATURE)
+    ids, mask = encode_prompts(tokenizer, ["abc", "de"], use_chat_template=False)
+    try:
+        worker.start(tiny_model, version=0)
+        first = worker.collect(worker.submit(ids, mask, 3, params, seed=rollout_seed(7, 0)))
+        with torch.no_grad():
+            tiny_model.lm_head.weight.mul_(3.0)
+        worker.sync_weights(tiny_model)
+        newer = worker.collect(worker.submit(ids, mask, 3, params, seed=rollout_seed(7, 1)))
+    finally:
+        worker.close()
+    # The int8 copy's log-probs: near the version's own, not equal to them.
+    policy = log_probs(tiny_model, tokenizer, ids, mask, newer.completion_ids, 3)
+    gap = newer.behav_logp * (policy != 0) - policy
+    assert newer.version == 1 and 1e-4 < gap.abs().max() < 0.5
+    assert first.version == 0
+
+
+@pytest.mark.integration
+def test_async_with_an_int8_sampler_corrects_by_its_logprobs(fit_async):
+    _, _, logged = fit_async(records=3, rollout_precision="int8", rollout_correction="truncate")
+    # The int8 copy's gap (about 3e-7 here); the worker's float32 policy's is about 1e-14.
+    assert len(logged) == 3 and all(r["sampler_kl"] > 1e-9 for r in logged)

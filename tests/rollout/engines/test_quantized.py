@@ -1,0 +1,89 @@
+"""The low-precision sampler: a copy of the policy in int8 or bfloat16 whose own log-probs come
+with its completions, remade from the policy's weights after each optimizer step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+
+from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.quantized import QuantizedGenerate
+from forge_lightning.rollout.engines.registry import generation_backend
+from forge_lightning.rollout.logprobs import LogProbScorer
+from forge_lightning.rollout.types import Rollout, completion_mask
+from forge_lightning.settings.checks import validate_hparams
+
+PARAMS = SamplingParams(max_new_tokens=6, temperature=0.9)
+
+
+def sample(engine, model, tok):
+    """Two prompts x 3 completions with the engine's log-probs, and the policy's own for them."""
+    batch = tok(["ab", "bca"], return_tensors="pt", padding=True, padding_side="left")
+    torch.manual_seed(0)
+    ids, logp = engine.generate_with_logprobs(model, batch.input_ids, batch.attention_mask, 3, PARAMS)
+    mask = completion_mask(ids, [tok.eos_token_id])
+    rollout = Rollout(batch.input_ids, batch.attention_mask, ids, mask, 3, completions=[])
+    policy = LogProbScorer(temperature=PARAMS.temperature).log_probs_no_grad(model, rollout)
+    return logp, policy, mask.bool()
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_the_low_precision_samplers_logprobs_are_its_own_not_the_policys(precision):
+    tok = make_tokenizer()
+    model = make_model(len(tok))
+    engine = generation_backend("hf", tok, model, rollout_precision=precision)
+    assert isinstance(engine, QuantizedGenerate)
+    logp, policy, mask = sample(engine, model, tok)
+    gap = (logp - policy)[mask].abs()
+    assert 1e-4 < gap.max() < 0.5  # another model's scores, close to the policy's
+    # The policy is left as it was: plain float32 weights that train.
+    assert all(
+        type(p.data) is torch.Tensor and p.dtype == torch.float32 and p.requires_grad
+        for p in model.parameters()
+    )
+
+
+def test_the_int8_copy_quantizes_every_linear_layer_the_lm_head_included():
+    tok = make_tokenizer()
+    model = make_model(len(tok))
+    engine = generation_backend("hf", tok, model, rollout_precision="int8")
+    sample(engine, model, tok)
+    linear = [m for m in engine.sampling_copy.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linear) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
+    for layer in linear:  # int8, one scale per output channel
+        assert layer.weight.qdata.dtype == torch.int8 and layer.weight.scale.shape == (layer.out_features, 1)
+    assert type(engine.sampling_copy.model.embed_tokens.weight.data) is torch.Tensor  # the tie undone
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # in the copy only
+
+
+def test_sync_weights_remakes_the_copy_from_the_policys_new_weights():
+    tok = make_tokenizer()
+    model = make_model(len(tok))
+    engine = generation_backend("hf", tok, model, rollout_precision="bf16")
+    sample(engine, model, tok)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)  # an optimizer step that changes the distribution a lot
+    stale, policy, mask = sample(engine, model, tok)
+    assert (stale - policy)[mask].abs().max() > 0.5
+    engine.sync_weights(model)
+    fresh, policy, mask = sample(engine, model, tok)
+    assert (fresh - policy)[mask].abs().max() < 0.1
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({}, "set rollout_correction"),
+        ({"rollout_correction": "truncate", "calculator": "plain"}, "int8' does not work with calc"),
+        ({"rollout_correction": "truncate", "generation_backend": "vllm"}, "set generation_backend='hf'"),
+    ],
+)
+def test_an_int8_sampler_is_refused_by_name_where_it_cannot_work(settings, match):
+    with pytest.raises(ValueError, match=match):
+        validate_hparams({"rollout_precision": "int8", **settings})
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_int8_sampler_with_rollout_correction_is_accepted(mode):
+    validate_hparams({"rollout_precision": "int8", "rollout_correction": "truncate", "rollout_mode": mode})
