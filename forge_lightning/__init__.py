@@ -7,6 +7,7 @@ asynchronous rollout worker) does not pay for importing all of them.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from forge_lightning import _moved
@@ -14,6 +15,24 @@ from forge_lightning import _moved
 __version__ = "0.1.0"
 
 _moved.install()  # the module paths of the flat layout still import (_moved.py)
+
+
+class _Dropped(logging.Filter):
+    """Drops a logger's records that start with one of ``starts``."""
+
+    def __init__(self, *starts: str) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+# With torchao installed (rollout_precision: int8, the quantize extra), transformers imports it with
+# every model class, and on a CPU build of torch torchao logs that its CUDA kernels did not load, and
+# torch that torchao registers enums it no longer needs to: noise at every command, nothing to act on.
+logging.getLogger("torchao").addFilter(_Dropped("Failed to load"))
+logging.getLogger("torch.utils._pytree").addFilter(_Dropped("<enum "))
 
 # public name -> the submodule that defines it
 _EXPORTS = {
