@@ -40,7 +40,8 @@ def plain_head_weight(model: PreTrainedModel) -> Tensor | None:
     weight.T`` and nothing else; None where the model's own forward must make them: a model not
     in PLAIN_HEAD_MODELS, a head that is not a bias-free ``nn.Linear`` (an adapter on it among
     them), a PEFT model other than LoRA, and an FSDP-sharded model (its root unit gathers the
-    head's weight only in its own forward)."""
+    head's weight only in its own forward), and a model whose ``get_decoder()`` finds no decoder
+    (transformers before 4.57 returns None for Llama-style models: their logits path is kept)."""
     if is_sharded(model):
         return None
     base = model
@@ -48,7 +49,7 @@ def plain_head_weight(model: PreTrainedModel) -> Tensor | None:
         if any(config.peft_type != "LORA" for config in model.peft_config.values()):
             return None
         base = model.get_base_model()
-    if type(base).__name__ not in PLAIN_HEAD_MODELS:
+    if type(base).__name__ not in PLAIN_HEAD_MODELS or not isinstance(base.get_decoder(), nn.Module):
         return None
     head = base.get_output_embeddings()
     if type(head) is not nn.Linear or head.bias is not None:
