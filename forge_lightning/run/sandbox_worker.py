@@ -69,9 +69,18 @@ def serve() -> None:
 
 def readable_paths() -> list[str]:
     """What the worker may read: the interpreter and its installation, ``sys.path`` (the user's
-    modules among them) and :data:`SYSTEM_FOLDERS`."""
+    modules among them), this package's own folder (an editable install imports it through a
+    finder, from a folder that need not be on ``sys.path``) and :data:`SYSTEM_FOLDERS`."""
     executable = os.path.realpath(sys.executable)
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(executable), *SYSTEM_FOLDERS}
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # forge_lightning/
+    paths = {
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        os.path.dirname(executable),
+        package,
+        *SYSTEM_FOLDERS,
+    }
     paths.update(os.path.abspath(entry or os.curdir) for entry in sys.path)
     return sorted(os.path.realpath(path) for path in paths)
 
