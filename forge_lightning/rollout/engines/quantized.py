@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.models.sharding import is_sharded
-from forge_lightning.rollout.engines.base import Completions, EngineOptions, SamplingParams
+from forge_lightning.rollout.engines.base import EngineOptions
 from forge_lightning.rollout.engines.hf import HFGenerate
 
 
@@ -70,64 +71,34 @@ def low_precision_copy(model: PreTrainedModel, precision: str) -> PreTrainedMode
     return CASTS[precision](sampler)
 
 
-class QuantizedGenerate:
+class QuantizedGenerate(HFGenerate):
     """:class:`HFGenerate` on a low-precision copy of the policy, remade by :meth:`sync_weights`
-    (after every optimizer step) and on first use; the ``model`` its methods are given is the
+    (after every optimizer step) and on first use: every ``generate`` goes through
+    :meth:`_generate`, which samples with the copy; the ``model`` its methods are given is the
     policy, read only to make the first copy. The log-probs it reports are the copy's."""
 
-    def __init__(self, engine: HFGenerate, precision: str) -> None:
+    def __init__(
+        self,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        tokenizer: PreTrainedTokenizerBase,
+        precision: str,
+    ) -> None:
         if precision not in CASTS:
             raise ValueError(f"rollout_precision must be one of {sorted(CASTS)} or None, got {precision!r}")
-        self.engine = engine
+        super().__init__(pad_token_id, eos_token_ids, tokenizer)
         self.precision = precision
         self.sampling_copy: PreTrainedModel | None = None
 
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> Tensor:
-        """Completions ``(P*G, Lc)`` sampled by the copy."""
-        return self.engine.generate(self._sampler(model), prompt_ids, prompt_mask, group_size, params)
-
-    def generate_with_ends(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-        logprobs: bool = False,
-    ) -> Completions:
-        """:meth:`HFGenerate.generate_with_ends` on the copy: the log-probs are the copy's."""
-        sampler = self._sampler(model)
-        return self.engine.generate_with_ends(sampler, prompt_ids, prompt_mask, group_size, params, logprobs)
-
-    def generate_with_logprobs(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> tuple[Tensor, Tensor]:
-        """Completions and the copy's log-prob of each token, both ``(P*G, Lc)``."""
-        out = self.generate_with_ends(model, prompt_ids, prompt_mask, group_size, params, logprobs=True)
-        assert out.logp is not None
-        return out.ids, out.logp
+    def _generate(self, model: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+        if self.sampling_copy is None:
+            self.sync_weights(model)
+        return super()._generate(self.sampling_copy, *args, **kwargs)
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         """Remake the copy from the policy's new weights."""
         self.sampling_copy = None  # the old copy's memory is free before the new one is made
         self.sampling_copy = low_precision_copy(model, self.precision)
-
-    def _sampler(self, model: PreTrainedModel) -> PreTrainedModel:
-        if self.sampling_copy is None:
-            self.sync_weights(model)
-        return self.sampling_copy
 
 
 def build(
@@ -136,4 +107,4 @@ def build(
     """HF ``generate`` on a copy of the policy in ``options.precision`` (``rollout_precision``)."""
     if options.precision is None:
         raise ValueError("the quantized engine samples in a rollout_precision: set it to 'int8' or 'bf16'")
-    return QuantizedGenerate(HFGenerate(tokenizer.pad_token_id, eos_ids, tokenizer), options.precision)
+    return QuantizedGenerate(tokenizer.pad_token_id, eos_ids, tokenizer, options.precision)
