@@ -67,6 +67,12 @@ def embedded_gguf_path() -> Path:
     return files[0]
 
 
+def embedded_folder() -> Path:
+    """The embedded model as a safetensors folder, for tools that read a folder (converted from
+    its GGUF on first use, then cached)."""
+    return _embedded_cache()
+
+
 def load_model(
     spec: str, dtype: torch.dtype | str | None = None, attn_implementation: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
