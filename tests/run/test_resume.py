@@ -69,16 +69,16 @@ def run_dir(tmp_path: Path, name: str, model: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("rollout_mode", ["sync", "async", "tools"])
+@pytest.mark.parametrize("rollout_mode", ["sync", "async", "tools", "async_tools"])
 def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_path, rollout_mode):
     # "tools": sync rollouts whose completions call the plain calculator (conftest's bigram model
     # writes "3+4=" most of the time); the tool is deterministic and has no timeout in play.
-    model = request.getfixturevalue("calculator_model_dir" if rollout_mode == "tools" else "tiny_model_dir")
-    settings = (
-        "  calculator: plain\n  max_new_tokens: 10\n"
-        if rollout_mode == "tools"
-        else f"  rollout_mode: {rollout_mode}\n"
-    )
+    # "async_tools": the same, the rollout worker running the tool loop.
+    tools = rollout_mode in ("tools", "async_tools")
+    model = request.getfixturevalue("calculator_model_dir" if tools else "tiny_model_dir")
+    settings = "  calculator: plain\n  max_new_tokens: 10\n" if tools else ""
+    if rollout_mode != "tools":
+        settings += f"  rollout_mode: {rollout_mode.removesuffix('_tools')}\n"
 
     def config(name: str) -> tuple[Path, Path]:
         out, path = run_dir(tmp_path, name, model)
@@ -86,7 +86,7 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_pa
         if rollout_mode == "sync":  # a sampled validation every 2 batches: one before the kill, one after
             text = text.replace("  enable_progress_bar: false\n", VALIDATION_EVERY_2)
             text = text.replace("  kl_beta: 0.05\n", "  kl_beta: 0.05\n  val_num_generations: 2\n")
-        if rollout_mode == "tools":  # a smaller step, so that the policy keeps calling
+        if tools:  # a smaller step, so that the policy keeps calling
             text = text.replace("  max_new_tokens: 6\n", "").replace(
                 "learning_rate: 0.01", "learning_rate: 0.002"
             )
@@ -116,9 +116,9 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_pa
     assert [r["step"] for r in after] == [1, 2, 3, 4, 5]  # no duplicates, never backwards
     for got, want in zip(after, expected):
         keys = ("loss", "reward", "kl", "lr", "grad_norm", "completion_length", "num_tokens")
-        for key in keys + (("tool_calls", "turns") if rollout_mode == "tools" else ()):
+        for key in keys + (("tool_calls", "turns") if tools else ()):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)
-    if rollout_mode == "tools":
+    if tools:
         assert all(r["tool_calls"] > 0 for r in expected), [r["tool_calls"] for r in expected]
     if rollout_mode == "sync":  # the validation after the resume sampled what the straight run's did
         validated = {p.name: p.read_text() for p in (straight / "validation").iterdir()}
