@@ -64,8 +64,8 @@ class Template:
 
     Args:
         name: unique id; part of the leakage key with the operands.
-        ops: number of arithmetic operations the answer takes (1 or 2).
-        text: question text with ``{name}``, ``{pronoun}`` and ``{a}``, ``{b}``, ``{c}`` fields.
+        ops: number of arithmetic operations the answer takes (1, 2 or 3).
+        text: question text with ``{name}``, ``{pronoun}`` and ``{a}``, ``{b}``, ``{c}``, ``{d}`` fields.
         draw: ``(rng, scale) -> operands`` drawing one operand tuple.
         solve: ``operands -> answer`` (an int), computed by construction.
         working: ``operands -> str``, the worked solution written into the GSM8K ``answer`` field.
@@ -79,7 +79,7 @@ class Template:
     working: Callable[[Operands], str]
 
     def question(self, operands: Operands, name: str, pronoun: str) -> str:
-        fields = dict(zip("abc", operands))
+        fields = dict(zip("abcd", operands))
         return self.text.format(name=name, pronoun=pronoun, **fields)
 
 
@@ -147,6 +147,56 @@ def _factors_then_less(rng: random.Random, s: Scale) -> Operands:
 
 def _sum_then_factor(rng: random.Random, s: Scale) -> Operands:
     return _term(rng, s), _term(rng, s), _factor(rng, s)
+
+
+# Three operations: each answer takes three results, two of them intermediate.
+
+
+def _two_products(rng: random.Random, s: Scale) -> Operands:
+    return _factor(rng, s), _factor(rng, s), _factor(rng, s), _factor(rng, s)
+
+
+def _sum_less_product(rng: random.Random, s: Scale) -> Operands:
+    """``a + b - c * d`` with ``c * d < a + b``: ``c`` a factor up to 9, ``d`` at least 2."""
+    a, b = _term(rng, s), _term(rng, s)
+    c = rng.randint(s.low_factor, min(s.max_factor, 9, (a + b - 1) // 2))
+    return a, b, c, rng.randint(2, min(s.max_factor, (a + b - 1) // c))
+
+
+def _product_more_less(rng: random.Random, s: Scale) -> Operands:
+    a, b, c = _factor(rng, s), _factor(rng, s), _term(rng, s)
+    return a, b, c, rng.randint(s.least_taken(a * b + c), a * b + c - 1)
+
+
+def _sum_times_more(rng: random.Random, s: Scale) -> Operands:
+    return _term(rng, s), _term(rng, s), _factor(rng, s), _term(rng, s)
+
+
+def _difference_times_more(rng: random.Random, s: Scale) -> Operands:
+    return (*_difference(rng, s), _factor(rng, s), _term(rng, s))
+
+
+def _value(expression: str) -> int:
+    """The value of ``"a op b"`` (whole numbers; a division here is exact)."""
+    left, op, right = expression.split()
+    a, b = int(left), int(right)
+    return {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
+
+
+def _worked(first: str, second: str, op: str) -> str:
+    """Two results, then the one that combines them: ``a * b = x``, ``c * d = y``, ``x + y = z``."""
+    x, y = _value(first), _value(second)
+    return f"{first} = {x}\n{second} = {y}\n{x} {op} {y} = {_value(f'{x} {op} {y}')}"
+
+
+def _chained(first: str, *steps: tuple[str, int]) -> str:
+    """A result carried through ``steps``: ``a * b = x``, ``x + c = y``, ``y - d = z``."""
+    lines, value = [f"{first} = {_value(first)}"], _value(first)
+    for op, operand in steps:
+        result = _value(f"{value} {op} {operand}")
+        lines.append(f"{value} {op} {operand} = {result}")
+        value = result
+    return "\n".join(lines)
 
 
 TEMPLATES: dict[str, Template] = {
@@ -283,12 +333,59 @@ TEMPLATES: dict[str, Template] = {
             lambda o: (o[0] + o[1]) * o[2],
             lambda o: f"{o[0]} + {o[1]} = {o[0] + o[1]}\n{o[0] + o[1]} * {o[2]} = {(o[0] + o[1]) * o[2]}",
         ),
+        # Three operations.
+        Template(
+            "two_products",
+            3,
+            "{name} buys {a} notebooks that cost {b} dollars each and {c} pens that cost {d} dollars "
+            "each. How many dollars does {name} spend?",
+            _two_products,
+            lambda o: o[0] * o[1] + o[2] * o[3],
+            lambda o: _worked(f"{o[0]} * {o[1]}", f"{o[2]} * {o[3]}", "+"),
+        ),
+        Template(
+            "sum_give_groups",
+            3,
+            "{name} collects {a} shells on Monday and {b} shells on Tuesday. {pronoun} gives {c} "
+            "shells to each of {d} friends. How many shells does {name} have left?",
+            _sum_less_product,
+            lambda o: o[0] + o[1] - o[2] * o[3],
+            lambda o: _worked(f"{o[0]} + {o[1]}", f"{o[2]} * {o[3]}", "-"),
+        ),
+        Template(
+            "rows_add_take",
+            3,
+            "A hall has {a} rows of {b} chairs. Workers bring {c} more chairs, and then {d} chairs are "
+            "taken away. How many chairs are in the hall now?",
+            _product_more_less,
+            lambda o: o[0] * o[1] + o[2] - o[3],
+            lambda o: _chained(f"{o[0]} * {o[1]}", ("+", o[2]), ("-", o[3])),
+        ),
+        Template(
+            "sum_price_extra",
+            3,
+            "{name} buys {a} red pens and {b} blue pens. Each pen costs {c} dollars. {pronoun} also pays "
+            "{d} dollars for a bag. How many dollars does {name} spend?",
+            _sum_times_more,
+            lambda o: (o[0] + o[1]) * o[2] + o[3],
+            lambda o: _chained(f"{o[0]} + {o[1]}", ("*", o[2]), ("+", o[3])),
+        ),
+        Template(
+            "left_boxes_loose",
+            3,
+            "A store has {a} boxes of toys and sells {b} of them. Each box left holds {c} toys, and the "
+            "store also has {d} loose toys. How many toys does the store have?",
+            _difference_times_more,
+            lambda o: (o[0] - o[1]) * o[2] + o[3],
+            lambda o: _chained(f"{o[0]} - {o[1]}", ("*", o[2]), ("+", o[3])),
+        ),
     )
 }
 
 ADD_SUB = ("add_more", "add_days", "sub_give", "sub_eat", "add_class", "add_earn", "sub_spend", "sub_fly")
 ONE_STEP = ("add_more", "add_days", "sub_give", "sub_eat", "mul_boxes", "div_share")
 TWO_STEP = tuple(name for name, t in TEMPLATES.items() if t.ops == 2)
+THREE_STEP = tuple(name for name, t in TEMPLATES.items() if t.ops == 3)
 
 
 @dataclass(frozen=True)
@@ -315,6 +412,13 @@ VARIANTS: dict[str, Variant] = {
         ONE_STEP + TWO_STEP,
         Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
         (("train", 600), ("dev", 200), ("heldout", 300)),
+    ),
+    # Chains for a calculator: every problem takes two or three results (the calc variant's
+    # two-step shapes and five three-step ones) on its two-digit addends and factors 3-25.
+    "multistep": Variant(
+        TWO_STEP + THREE_STEP,
+        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
+        (("train", 800), ("dev", 200), ("heldout", 200)),
     ),
 }
 DEFAULT_VARIANT = "add_sub"

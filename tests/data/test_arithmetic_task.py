@@ -91,10 +91,11 @@ def test_answers_follow_from_the_question_numbers(variant: str) -> None:
             assert value == p.answer == template.solve(p.operands)
 
 
-def test_one_step_and_two_step_templates_exist() -> None:
-    assert {t.ops for t in TEMPLATES.values()} == {1, 2}
+def test_one_two_and_three_step_templates_exist() -> None:
+    assert {t.ops for t in TEMPLATES.values()} == {1, 2, 3}
     assert sum(t.ops == 1 for t in TEMPLATES.values()) >= 4
     assert sum(t.ops == 2 for t in TEMPLATES.values()) >= 4
+    assert sum(t.ops == 3 for t in TEMPLATES.values()) >= 4
 
 
 def test_files_are_gsm8k_rows_the_datamodule_reads(tmp_path: Path) -> None:
@@ -195,7 +196,12 @@ def _digest(parts: dict) -> str:
 # bounds of the calc variant came later) must leave them as they were.
 @pytest.mark.parametrize(
     ("variant", "digest"),
-    [("add_sub", "d41b68e0b9c02524"), ("add_sub_small", "b60fb34a93cce980"), ("mixed", "094b0432ad317861")],
+    [
+        ("add_sub", "d41b68e0b9c02524"),
+        ("add_sub_small", "b60fb34a93cce980"),
+        ("mixed", "094b0432ad317861"),
+        ("calc", "346316c2c957ea2e"),
+    ],
 )
 def test_earlier_variants_still_draw_the_same_problems(variant: str, digest: str) -> None:
     assert _digest(generate(seed=42, variant=variant)) == digest
@@ -212,3 +218,20 @@ def test_calc_variant_has_two_digit_addends_and_larger_factors() -> None:
             assert all(3 <= x <= 25 for x in p.operands), p
         assert p.answer == TEMPLATES[p.template].solve(p.operands) and p.answer >= 0
     assert sum(TEMPLATES[p.template].ops == 2 for p in problems) > len(problems) / 4
+
+
+def test_multistep_variant_needs_two_or_three_results_on_two_digit_numbers() -> None:
+    parts = generate(seed=0, variant="multistep")
+    assert {part: len(problems) for part, problems in parts.items()} == {
+        "train": 800,
+        "dev": 200,
+        "heldout": 200,
+    }
+    problems = [p for ps in parts.values() for p in ps]
+    ops = [TEMPLATES[p.template].ops for p in problems]
+    assert set(ops) == {2, 3} and ops.count(3) > len(problems) / 3  # every problem takes two results
+    for p in problems:
+        assert min(p.operands) >= 2, p  # no 0 or 1 to make a step trivial
+        assert p.answer == TEMPLATES[p.template].solve(p.operands) and p.answer > 0, p
+    heldout = [TEMPLATES[p.template].ops for p in parts["heldout"]]
+    assert heldout.count(2) and heldout.count(3)  # the held-out part measures both lengths
