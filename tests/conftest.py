@@ -24,7 +24,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from aiohttp import web  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+# A 2-layer Llama seeded with ``seed``; ``overrides`` replace any of its LlamaConfig fields.
+from forge_lightning.testing import tiny_model as make_model  # noqa: E402
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -119,24 +122,6 @@ def make_tokenizer(chat_template: bool = False) -> PreTrainedTokenizerFast:
     if chat_template:
         tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def make_model(vocab_size: int, seed: int = 0, **overrides) -> LlamaForCausalLM:
-    """A 2-layer Llama seeded with ``seed``; ``overrides`` replace any of its LlamaConfig fields."""
-    torch.manual_seed(seed)
-    settings = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=1,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **{**settings, **overrides}))
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("settings",),  # the module's settings and the parts built from them
     ("callbacks",),  # Lightning callbacks around the module
     ("module",),  # GRPOLightningModule
-    ("compat", "cli", "bench", "examples"),  # the entry points
+    ("compat", "cli", "bench", "examples", "testing"),  # the entry points; the test kit for users' code
     ("__init__", "__main__"),  # the package's own names
 ]
 
