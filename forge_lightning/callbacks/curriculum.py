@@ -70,9 +70,11 @@ class DifficultyCurriculum(RLLoopCallback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(
+        """Its settings in the key of its checkpoint state, so that two curricula keep theirs apart."""
+        settings = dict(
             window=self.window, min_visits=self.min_visits, threshold=self.threshold, key=self.key
         )
+        return f"{type(self).__qualname__}{settings}"
 
     @override
     def on_rewards_end(
