@@ -9,10 +9,13 @@ first, then another), saving the first of its two steps' gradients to ``OUT/spg-
 ``grpo`` with micro-batches by a token budget under which rank 0 makes 2 and rank 1 makes 4
 (``OUT/tokens-grpo.pt``). With ``levers``, one step per set of algorithm levers in ``LEVERS``
 (each lever in one of them: advantage estimators, loss types, the entropy bonus, the KL in the
-reward), saved to ``OUT/lever-<name>.pt``.
+reward), saved to ``OUT/lever-<name>.pt``. With ``curriculum``, one step under a
+DifficultyCurriculum that remembers rank 0's prompt as always solved: rank 0 drops its one group
+and trains nothing, rank 1 its own; saved to ``OUT/curriculum.pt``, with each rank's curriculum
+history after the step in ``OUT/curriculum-history-<rank>.pt``.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_gradients.py \
-        OUT ROOT [dynamic|tools|levers]
+        OUT ROOT [dynamic|tools|levers|curriculum]
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import torch
 from conftest import CalculatorCalls, FixedCompletions, exact_settings, gradient_spy, other_reference
 from torch.utils.data import DataLoader
 
+from forge_lightning.callbacks.curriculum import DifficultyCurriculum, prompt_keys
 from forge_lightning.data.datamodule import collate_records
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.rollout.sources import TrainingBatch
 
 RECORDS = [{"prompt": "ab"}, {"prompt": "abc d"}]
 # The second prompt of each rank's generation with steps_per_generation 2 (trained in step 2).
@@ -58,6 +63,8 @@ def main(out: Path, root: Path, mode: str = "") -> None:
     rank = int(os.environ["RANK"])
     if mode == "dynamic":
         runs = [("dynamic", DYNAMIC_RECORDS[rank::2], {"reward": flat_or_live, "dynamic_sampling": True})]
+    elif mode == "curriculum":
+        runs = [("curriculum", RECORDS[rank::2], {})]
     elif mode == "levers":
         runs = [(f"lever-{name}", RECORDS[rank::2], settings) for name, settings in LEVERS.items()]
     elif mode == "tools":
@@ -81,6 +88,7 @@ def main(out: Path, root: Path, mode: str = "") -> None:
         else:
             grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
         grads: list[torch.Tensor] = []
+        curriculum = [solved_first_prompt()] if mode == "curriculum" else []
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=2,
@@ -91,13 +99,23 @@ def main(out: Path, root: Path, mode: str = "") -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
             default_root_dir=root / name,
-            callbacks=[other_reference(), gradient_spy(grads)],
+            callbacks=[other_reference(), gradient_spy(grads), *curriculum],
             use_distributed_sampler=False,  # each rank's records are fixed above
         )
         trainer.fit(grpo, DataLoader(records, batch_size=steps, collate_fn=collate_records))
         if trainer.is_global_zero:
             first_step = grads[: len(grads) // steps]
             torch.save(first_step, out / f"{name}.pt")
+        for callback in curriculum:
+            torch.save(callback.history, out / f"curriculum-history-{rank}.pt")
+
+
+def solved_first_prompt() -> DifficultyCurriculum:
+    """A curriculum that remembers one group of ``RECORDS[0]``'s prompt, every completion passing."""
+    curriculum = DifficultyCurriculum(window=2, min_visits=1)
+    key = int(prompt_keys(TrainingBatch([RECORDS[0]["prompt"]], {}, 0))[0])
+    curriculum.load_state_dict({"history": {key: [1.0]}})
+    return curriculum
 
 
 if __name__ == "__main__":

@@ -23,6 +23,13 @@ def kill_on_call(prompts: list[str], responses: list[str]) -> list[float]:
     return [len(set(r)) / 8 for r in responses]
 
 
+def solved_below_13(prompts: list[str], responses: list[str], references: list[str]) -> list[float]:
+    """:func:`kill_on_call`'s scores (and its call count and SIGKILL), but 1 for every completion
+    of a problem whose answer is below 13: prompts the policy always solves, for a curriculum."""
+    scores = kill_on_call(prompts, responses)
+    return [1.0 if float(reference) < 13 else s for s, reference in zip(scores, references)]
+
+
 def flat_on_odd_calls(prompts: list[str], responses: list[str]) -> list[float]:
     """Equal scores on odd calls (every group uninformative), 0/1 alternating on even ones;
     SIGKILLs its own process on call ``$FORGE_KILL_AT``. With dynamic sampling and one group per

@@ -36,6 +36,7 @@ JSONL_KEYS = (
     "truncated_fraction",
     "sampling_rounds",
     "groups_dropped",
+    "groups_filtered",  # groups a loop hook dropped (a curriculum), where a callback may
     "entropy",
     "reward_errors",  # samples whose reward failed (scored 0 under on_reward_error zero)
     "num_tokens",

@@ -12,6 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Timer
 
+from forge_lightning.callbacks.loop_hooks import TrainerHooks
 from forge_lightning.reporting.profiler import PhaseProfiler
 from forge_lightning.run.fit import FitShape, StepCadence
 from forge_lightning.training.context import StepContext
@@ -55,7 +56,7 @@ def max_time_set(callbacks: Sequence[pl.Callback]) -> bool:
 
 def step_context(module: pl.LightningModule) -> StepContext:
     """The loop around a training batch, as the step sees it: ``module``'s backward and gather,
-    and its trainer's reduce, step count, profiler and sizes."""
+    and its trainer's reduce, step count, profiler, sizes and RL loop callbacks (loop_hooks.py)."""
     trainer = module.trainer
     profiler = trainer.profiler
     return StepContext(
@@ -73,6 +74,7 @@ def step_context(module: pl.LightningModule) -> StepContext:
         max_steps=trainer.max_steps,
         max_epochs=trainer.max_epochs,
         log_every_n_steps=trainer.log_every_n_steps,
+        hooks=TrainerHooks(trainer, module),
     )
 
 

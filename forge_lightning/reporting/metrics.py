@@ -68,7 +68,8 @@ PERF_KEYS = (
     "worker_wait_s",
     "padding_fraction",
 )
-COUNT_KEYS = ("reward_errors", "skipped_steps", "num_tokens", "empty_steps", "regenerated")
+# ``groups_filtered``: groups a loop hook dropped (training/loop_hooks.py), logged when one may.
+COUNT_KEYS = ("reward_errors", "skipped_steps", "num_tokens", "empty_steps", "regenerated", "groups_filtered")
 # The loss statistics of a backward pass (add_micro_batch).
 LOSS_STATS = (
     "loss",

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from forge_lightning.training.loop_hooks import LoopHooks, NoHooks
+
 ReduceOp = Literal["sum", "max"]
 Reduce = Callable[[Tensor, ReduceOp], Tensor]  # a tensor summed (or maxed) over the ranks
 
@@ -37,6 +39,7 @@ class StepContext:
     max_steps: int = -1
     max_epochs: int | None = None
     log_every_n_steps: int = 50
+    hooks: LoopHooks = field(default_factory=NoHooks)  # the callbacks' loop hooks (none: NoHooks)
 
     @classmethod
     def one_process(cls, backward: Callable[[Tensor], None] = Tensor.backward, **given: Any) -> StepContext:

@@ -3,6 +3,8 @@
 score the completions -> group-relative advantages -> the plan (what the batch trains, when the
 optimizer steps) -> the fixed log-probs (old policy, reference) -> the loss passes, each backward
 through ``context.backward`` -> the optimizer step where the plan says -> the batch's record.
+The context's loop hooks (training/loop_hooks.py; Lightning callbacks in a fit) hear of the
+rollout, the rewards and the advantages as they are made; the rewards' hook may drop groups.
 
 :class:`TrainingStep` holds the collaborators the module built once from its settings and takes
 the loop around it as a :class:`~forge_lightning.training.context.StepContext` (backward, gather,
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from torch import Tensor
 from transformers import PreTrainedModel
 
 from forge_lightning.reporting.metrics import RunningMetrics, StepRecord
@@ -22,10 +25,12 @@ from forge_lightning.rewards.calls import RewardFn
 from forge_lightning.rewards.extras import RewardExtras
 from forge_lightning.rewards.scoring import batch_advantages, score_groups
 from forge_lightning.rollout.sources import RolloutSource, TrainingBatch
-from forge_lightning.rollout.types import warn_when_few_tokens_count
+from forge_lightning.rollout.types import Rollout, warn_when_few_tokens_count
 from forge_lightning.run.preemption import sigterm_interrupts
 from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.training.context import StepContext
+from forge_lightning.training.dynamic_sampling import SamplingRounds
+from forge_lightning.training.loop_hooks import checked_keep, kept_groups, zero_dropped
 from forge_lightning.training.loss_passes import LossPasses, ReferenceSource
 from forge_lightning.training.optim import OptimizerStep
 from forge_lightning.training.plan import StepPlan, mean_stats, take_share
@@ -87,7 +92,8 @@ class TrainingStep:
     ) -> tuple[StepRecord, bool]:
         """Score ``item``'s rollout, backpropagate its loss and step ``optimizer`` where the plan
         says. Returns the batch's record and whether it ended an optimizer step."""
-        s, profile, rollout = self.settings, context.profile, item.rollout
+        s, profile, rollout, hooks = self.settings, context.profile, item.rollout, context.hooks
+        hooks.rollouts_end(rollout, item)
         extras = RewardExtras(context.global_step(), context.epoch_at(item.batch_idx), context.max_steps)
         with profile("reward"), sigterm_interrupts():
             rewards, components, errors = score_groups(
@@ -95,13 +101,18 @@ class TrainingStep:
                 extras.arguments(), self.sandbox,
             )  # fmt: skip
         self.metrics.add_logged(extras.logged(), "train")  # TRL's log_metric
+        keep = self.groups_kept(rewards, item, context)  # (P,) bool; None: every group
         with profile("logprob"):  # kl_in_reward: each reward less its completion's KL
             shaped = self.loss_passes.rewards_with_kl(model, reference, rollout, rewards)
+        # Every group's, dropped or not: the batch's std and the ranks' gather take equal shapes.
         advantages = batch_advantages(  # (P*G,)
             shaped, s.group_size, s.advantage_scale, context.world_size, context.gather, s.advantage_estimator
         )
-        plan = self.plan.plan(rollout, rewards, advantages, item.batch_idx, context)
-        trained = plan.rollout  # the batch's rollout, or (dynamic sampling) its informative groups
+        advantages = zero_dropped(keep, advantages, s.group_size)
+        hooks.advantages_end(advantages, item)
+        plan = self.plan.plan(*kept_groups(keep, rollout, rewards, advantages), item.batch_idx, context)
+        # The batch's rollout, or the groups the hooks kept, or (dynamic sampling) their informative ones.
+        trained = plan.rollout
         if s.mask_truncated_completions:
             warn_when_few_tokens_count(rollout)
         with profile("logprob"):
@@ -109,10 +120,7 @@ class TrainingStep:
         pass_stats = []
         for part in plan.passes:  # the whole rollout, or (steps_per_generation) one share of it
             share, share_advantages, old, ref = take_share(part, trained, plan.advantages, old_logp, ref_logp)
-            # Before any backward: DDP all-reduces in each one, so every rank must make as many.
-            made = len(self.loss_passes.micro_batches(share, model))
-            missing = self.plan.backward_calls_missing(made, context)
-            extra = max(missing, self.loss_passes.backward_calls_missing(made, context))
+            extra = self.backward_calls_missing(share, model, context)
             pass_stats.append(
                 self.loss_passes.backward(
                     model, share, share_advantages, old, ref, context.backward, profile, extra
@@ -131,6 +139,29 @@ class TrainingStep:
             context.global_step(), context.log_every_n_steps, context.phases(),
         )  # fmt: skip
         return record, plan.stepped
+
+    def groups_kept(self, rewards: Tensor, item: TrainingBatch, context: StepContext) -> Tensor | None:
+        """The keep mask ``(P,)`` the rewards' hook returns for ``item``'s groups (None: all),
+        its dropped groups counted in ``groups_filtered`` whenever the hooks filter."""
+        num_prompts = item.rollout.prompt_ids.shape[0]
+        keep = checked_keep(context.hooks.rewards_end(rewards, item), num_prompts, "rewards_end")
+        if context.hooks.filters:  # on every rank alike, so that every rank joins the counter's reduction
+            self.metrics.add({"groups_filtered": 0.0 if keep is None else float((~keep).sum())})
+        return keep
+
+    def backward_calls_missing(self, share: Rollout, model: PreTrainedModel, context: StepContext) -> int:
+        """Zero-weight backward calls this rank adds to a pass over ``share`` to make as many as
+        the busiest rank: DDP all-reduces in each one. Asked before any backward of the pass, of
+        the plan (dynamic sampling), the loss passes (a token budget) and, when the hooks filter,
+        of every rank (each kept its own number of groups)."""
+        made = len(self.loss_passes.micro_batches(share, model))
+        missing = self.plan.backward_calls_missing(made, context)
+        missing = max(missing, self.loss_passes.backward_calls_missing(made, context))
+        if context.hooks.filters and context.world_size > 1:
+            missing = max(
+                missing, SamplingRounds.backward_calls_missing(made, context.reduce, context.device)
+            )
+        return missing
 
     def step_optimizer(
         self, model: PreTrainedModel, optimizer: Any, scheduler: Any, context: StepContext

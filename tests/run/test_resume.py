@@ -335,3 +335,48 @@ def test_kill_chains_with_gradient_accumulation_resume_exactly(
     # Only what the uninterrupted run keeps: no step checkpoint left behind by a kill.
     kept = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
     assert kept == ["epoch=0-step=3.ckpt", "last.ckpt"]
+
+
+CURRICULUM = """    - class_path: forge_lightning.callbacks.DifficultyCurriculum
+      init_args: {window: 2, min_visits: 1, threshold: 0.7}
+"""
+
+
+@pytest.mark.integration
+def test_resume_with_the_difficulty_curriculum_drops_what_the_uninterrupted_run_drops(
+    tiny_model_dir, tmp_path
+):
+    def config(name: str) -> tuple[Path, Path]:
+        out, path = run_dir(tmp_path, name, tiny_model_dir)
+        text = path.read_text().replace("reward: faults.kill_on_call", "reward: faults.solved_below_13")
+        text = text.replace(
+            "      init_args: {logging_steps: 1}\n", "      init_args: {logging_steps: 1}\n" + CURRICULUM
+        )
+        # Four prompts (two always solved), two batches an epoch; no validation: call n is batch n's.
+        text = text.replace(
+            "  enable_model_summary: false\n", "  enable_model_summary: false\n  limit_val_batches: 0\n"
+        )
+        path.write_text(text + "  max_samples: 4\n")
+        return out, path
+
+    straight, straight_cfg = config("straight")
+    done = fit(straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = records(straight)
+    # Nothing is known in the first epoch; then prompts whose groups all passed (or failed) go, from
+    # the history in the checkpoint after the kill. (A step with every group dropped has no loss.)
+    assert [r["groups_filtered"] for r in expected] == [0.0, 0.0, 1.0, 1.0, 2.0]
+
+    killed, killed_cfg = config("killed")
+    crash = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4"})
+    assert crash.returncode == -9  # inside step 4's reward
+    assert [r["step"] for r in records(killed)] == [1, 2, 3]
+    resumed = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_c")}, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = records(killed)
+    assert [r["step"] for r in after] == [1, 2, 3, 4, 5]
+    for got, want in zip(after, expected):
+        assert got.keys() == want.keys(), got["step"]
+        for key in ("loss", "reward", "kl", "lr", "grad_norm", "num_tokens", "groups_filtered"):
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (got["step"], key)

@@ -186,6 +186,25 @@ def test_ddp_dynamic_sampling_with_ranks_out_of_step_matches_one_batch_of_the_in
 
 
 @pytest.mark.integration
+def test_ddp_curriculum_dropping_a_ranks_only_group_matches_one_batch_of_the_other_ranks(
+    tmp_path, step_gradients
+):
+    from ddp_gradients import RECORDS
+
+    # Rank 0's one prompt is remembered as always solved: it trains nothing (its zero-weight
+    # backward joins rank 1's all-reduce), and the step is rank 1's group alone.
+    ddp_gradients(tmp_path, "curriculum")
+    ddp = torch.load(tmp_path / "curriculum.pt")
+    _, one = step_gradients(records=RECORDS[1:], batch_size=1, fixed=True)
+    assert any(g.abs().sum() > 0 for g in one)
+    for a, b in zip(ddp, one):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
+    # Both ranks remember both prompts' groups: rank zero's state, the one saved, is every rank's.
+    histories = [torch.load(tmp_path / f"curriculum-history-{rank}.pt") for rank in (0, 1)]
+    assert histories[0] == histories[1] and len(histories[0]) == 2
+
+
+@pytest.mark.integration
 def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_path, step_gradients):
     ddp_gradients(tmp_path)
     for loss_type in ("grpo", "dapo", "dr_grpo", "forge"):
