@@ -1,8 +1,9 @@
-"""Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging and the signal guard.
+"""Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging and the guards.
 
 Each one works alone in a user's own ``Trainer``.
 """
 
+from forge_lightning.callbacks.collapse_guard import CollapseGuard
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.callbacks.reference import ReferenceModel
 from forge_lightning.callbacks.reward_logger import RewardLogger
@@ -10,6 +11,7 @@ from forge_lightning.callbacks.signal_guard import SignalGuard, SignalGuardError
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
 
 __all__ = [
+    "CollapseGuard",
     "HFCheckpoint",
     "ReferenceModel",
     "RewardLogger",
