@@ -12,9 +12,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from lightning.pytorch.loggers import Logger
 
 from forge_lightning.callbacks import CollapseGuard
-from forge_lightning.callbacks.collapse_guard import CollapseRule, CollapseWatch, Snapshot, cpu_copy
+from forge_lightning.callbacks.collapse_guard import (
+    ROLLBACKS,
+    CollapseRule,
+    CollapseWatch,
+    Snapshot,
+    cpu_copy,
+)
 from forge_lightning.cli.forge_cli import build_cli
 from forge_lightning.run.folder import LOG_NAME
 
@@ -116,29 +123,69 @@ def scripted(prompts: list[str], completions: list[str], trainer_state, **kwargs
     return [sum(ch == "a" for ch in c) / 8 for c in completions]
 
 
-class WeightSpy(pl.Callback):
-    """Each optimizer step's trainable weights, optimizer state and logged metrics, as this
-    callback's turn after the batch sees them."""
+def collapsed_validation(prompts: list[str], completions: list[str], trainer_state, **kwargs) -> list[float]:
+    """Count 'a' characters, but -2 for every completion scored after optimizer step COLLAPSE_AT
+    (its validation, and the training batch of the step after it)."""
+    if trainer_state.global_step == COLLAPSE_AT:
+        return [-2.0] * len(completions)
+    return [sum(ch == "a" for ch in c) / 8 for c in completions]
+
+
+class RecordingLogger(Logger):
+    """Every metric sent to a logger, with its step."""
 
     def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+class WeightSpy(pl.Callback):
+    """Each optimizer step's trainable weights, optimizer state and logged metrics, as this
+    callback's turn after the batch sees them; and the weights each batch starts from."""
+
+    def __init__(self) -> None:
+        self.starts: dict[int, dict[str, torch.Tensor]] = {}  # by the steps taken before the batch
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
         self.moments: dict[int, dict] = {}
         self.metrics: dict[int, dict[str, float]] = {}
 
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:
+        self.starts[trainer.global_step] = trainable(pl_module)
+
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         step = trainer.global_step
-        self.weights[step] = {n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
+        self.weights[step] = trainable(pl_module)
         self.moments[step] = cpu_copy(trainer.optimizers[0].state_dict()["state"])
         self.metrics[step] = dict(pl_module.last_step.metrics)
 
 
+def trainable(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
 def guarded_fit(module, trainer, loader, root: Path, guard: CollapseGuard, reward=scripted, **kwargs):
-    """Six steps of one prompt each under ``guard``, with a spy before it and one after it."""
+    """Six steps of one prompt each under ``guard``, with a spy before it and one after it;
+    ``kwargs``: the Trainer's (``val_check_interval``, ``logger``, ...)."""
     pl.seed_everything(0)
     before, after = WeightSpy(), WeightSpy()
-    grpo = module(reward=reward, gradient_accumulation_steps=1, lr_schedule="constant", **kwargs)
-    fit = trainer(root, max_steps=6, callbacks=[before, guard, after])
-    fit.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(6)]))
+    grpo = module(reward=reward, gradient_accumulation_steps=1, lr_schedule="constant")
+    fit = trainer(root, max_steps=6, callbacks=[before, guard, after], **kwargs)
+    val = loader([{"prompt": "v"}]) if "val_check_interval" in kwargs else None
+    fit.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(6)]), val)
     return grpo, before, after
 
 
@@ -150,9 +197,12 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def test_a_scripted_collapse_rolls_back_once_to_the_best_weights_and_trains_on_slower(
     tmp_path, module, trainer, loader
 ):
-    guard = CollapseGuard("train/reward", drop=1.0, lr_scale=0.5, kl_beta_scale=2.0)
+    guard, logger = (
+        CollapseGuard("train/reward", drop=1.0, lr_scale=0.5, kl_beta_scale=2.0),
+        RecordingLogger(),
+    )
     with pytest.warns(UserWarning, match=rf"^CollapseGuard: train/reward = -2 at step {COLLAPSE_AT} "):
-        grpo, before, after = guarded_fit(module, trainer, loader, tmp_path, guard, kl_beta=0.01)
+        grpo, before, after = guarded_fit(module, trainer, loader, tmp_path, guard, logger=logger)
     rewards = {step: before.metrics[step]["train/reward"] for step in range(1, COLLAPSE_AT)}
     best = max(rewards, key=lambda step: (rewards[step], -step))  # the first of the best
     (event,) = guard.events
@@ -170,6 +220,73 @@ def test_a_scripted_collapse_rolls_back_once_to_the_best_weights_and_trains_on_s
     assert lrs == pytest.approx([1e-3] * COLLAPSE_AT + [5e-4] * (6 - COLLAPSE_AT))
     assert grpo.settings.loss.kl_beta == grpo.step.loss_passes.loss.kl_beta == pytest.approx(0.02)
     assert grpo.hparams.kl_beta == 0.01 and grpo.hparams.learning_rate == 1e-3  # the settings as given
-    assert same({n: p for n, p in grpo.named_parameters() if p.requires_grad}, after.weights[6])
+    assert same(trainable(grpo), after.weights[6])
+    # The event: in training_log.jsonl and, as guard/rollbacks, to the loggers at its step.
     logged = [json.loads(line) for line in (tmp_path / LOG_NAME).read_text().splitlines()]
     assert logged == [event]
+    assert [(step, m) for step, m in logger.logged if ROLLBACKS in m] == [(COLLAPSE_AT, {ROLLBACKS: 1.0})]
+
+
+@pytest.mark.integration
+def test_a_validation_metric_rolls_back_to_the_weights_it_scored_best(tmp_path, module, trainer, loader):
+    guard = CollapseGuard("val/reward", drop=1.0)
+    with pytest.warns(UserWarning, match=rf"^CollapseGuard: val/reward = -2 at step {COLLAPSE_AT} "):
+        _, before, _ = guarded_fit(
+            module, trainer, loader, tmp_path, guard, reward=collapsed_validation, val_check_interval=1
+        )
+    (event,) = guard.events
+    best = event["restored_step"]
+    assert event["step"] == COLLAPSE_AT and best < COLLAPSE_AT and event["best"] == event["restored_value"]
+    # Validated after step `best`, rolled back after step COLLAPSE_AT's validation: the next
+    # batch starts from the weights of step `best`.
+    assert same(before.starts[COLLAPSE_AT], before.weights[best])
+    assert not same(before.starts[COLLAPSE_AT], before.weights[COLLAPSE_AT])
+
+
+@pytest.mark.integration
+def test_the_same_run_rolls_back_at_the_same_steps(tmp_path, module, trainer, loader, count_a):
+    # Sampled, not scripted: train/reward of a tiny model counting 'a's (a few hundredths) drops
+    # more than 0.02 below its best twice in six steps; where, the sampled completions decide.
+    runs = []
+    for name in ("first", "second"):
+        guard = CollapseGuard("train/reward", drop=0.02, max_rollbacks=2)
+        with pytest.warns(UserWarning, match="^CollapseGuard: "):
+            grpo, _, after = guarded_fit(module, trainer, loader, tmp_path / name, guard, reward=count_a)
+        runs.append((guard.events, after.weights[6]))
+    (events, weights), (again, again_weights) = runs
+    assert len(events) == 2 and events[0]["restored_step"] < events[0]["step"] < events[1]["step"]
+    assert events == again and same(weights, again_weights)
+
+
+def write_guard_config(path: Path) -> Path:
+    guard = {"class_path": "forge_lightning.callbacks.CollapseGuard", "init_args": {"drop": 1.0}}
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [guard]}}))
+    return path
+
+
+@pytest.mark.integration
+def test_a_run_resumed_after_a_rollback_trains_on_with_the_changed_settings(
+    tiny_model_dir, tmp_path, tiny_overrides
+):
+    # smoke.yaml on the tiny model, its reward collapsing at step 4: the rollback comes before the
+    # checkpoint of step 4 (Lightning runs ModelCheckpoint last), which the resume starts from.
+    out = tmp_path / "run"
+    args = ["fit", "--config", str(ROOT / "configs" / "smoke.yaml"), *tiny_overrides(tiny_model_dir, out)]
+    args += ["--config", str(write_guard_config(tmp_path / "guard.yaml"))]
+    args += ["--model.reward=test_collapse_guard.scripted", "--hf_checkpoint=null", "--trainer.logger=false"]
+    with pytest.warns(UserWarning, match=f"^CollapseGuard: train/reward = -2 at step {COLLAPSE_AT} "):
+        first = build_cli([*args, f"--trainer.max_steps={COLLAPSE_AT}"])
+    assert first.model.adjustments.lr_scale == 0.5
+    resumed = build_cli([*args, "--trainer.max_steps=6", "--ckpt_path=last"])  # the resume check accepts it
+    assert (resumed.model.adjustments.lr_scale, resumed.model.adjustments.kl_beta_scale) == (0.5, 2.0)
+    assert resumed.model.settings.loss.kl_beta == pytest.approx(0.02)  # kl_beta 0.01, doubled
+    assert resumed.model.hparams.learning_rate == 3e-5 and resumed.model.hparams.kl_beta == 0.01
+    (guard,) = [c for c in resumed.trainer.callbacks if isinstance(c, CollapseGuard)]
+    assert guard.rollbacks == 1 and [e["step"] for e in guard.events] == [COLLAPSE_AT]
+    lines = [json.loads(line) for line in (out / LOG_NAME).read_text().splitlines()]
+    (event,) = [line for line in lines if line.get("event") == "rollback"]
+    assert event == guard.events[0]
+    reports = [line for line in lines if "event" not in line]
+    assert [r["step"] for r in reports] == [1, 2, 3, 4, 5, 6]  # no step repeated
+    lrs = [r["lr"] for r in reports]
+    assert lrs == pytest.approx([3e-5] * COLLAPSE_AT + [1.5e-5] * (6 - COLLAPSE_AT))
