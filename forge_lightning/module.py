@@ -8,6 +8,7 @@ builds them once from its settings (settings/components.py) and runs them from L
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -62,6 +63,7 @@ from forge_lightning.settings.components import (
 )
 from forge_lightning.settings.groups import GRPOSettings, check_generation_budget
 from forge_lightning.settings.trl_names import pointing_at_settings
+from forge_lightning.training.adjustments import CHECKPOINT_KEY, Adjustments, scale_learning_rate
 from forge_lightning.training.loss_passes import ReferenceSource
 from forge_lightning.training.optim import rescale_schedule
 from forge_lightning.training.run_state import load_run_state, save_run_state
@@ -363,6 +365,8 @@ class GRPOLightningModule(pl.LightningModule):
         self._checkpoint_step: int | None = None  # the global_step of a checkpoint loaded outside fit
         self._preemption = Preemption()
         self._rewards_checked = self._stepped = False
+        # Factors a callback set midway (CollapseGuard), on the loss settings the hparams give.
+        self._adjustments, self._given_loss = Adjustments(), self.settings.loss
 
     @override
     def configure_model(self) -> None:
@@ -450,6 +454,31 @@ class GRPOLightningModule(pl.LightningModule):
     def needs_reference(self) -> bool:
         return self.settings.loss.needs_reference
 
+    @property
+    def adjustments(self) -> Adjustments:
+        """The factors on the learning rate and the KL weight set midway (all 1 until ``adjust``)."""
+        return self._adjustments
+
+    def adjust(self, lr_scale: float, kl_beta_scale: float) -> Adjustments:
+        """Scale the learning rate (the optimizer's rates and its schedule's peak) and the KL weight
+        by these factors for the rest of the run (a CollapseGuard after a rollback). The
+        hyperparameters stay as given; the factors are kept in checkpoints (``forge_adjustments``),
+        so a resumed fit trains on with them. Returns the adjustments now in force."""
+        scheduler = self.lr_schedulers()
+        if scheduler is not None and lr_scale != 1.0:
+            scale_learning_rate(scheduler, lr_scale)
+        self._use_adjustments(self._adjustments.then(lr_scale, kl_beta_scale))
+        return self._adjustments
+
+    def weights_restored(self) -> None:
+        """The policy's weights were put back outside a step: the rollout engine samples with them."""
+        self.rollout_source.weights_updated(self.model)
+
+    def _use_adjustments(self, adjustments: Adjustments) -> None:
+        self._adjustments = adjustments
+        self.settings = replace(self.settings, loss=adjustments.loss(self._given_loss))
+        self.step.loss_passes.loss = self.settings.loss  # what the loss passes read at each step
+
     def use_reference(self, source: ReferenceSource) -> None:
         """Take the frozen reference from ``source`` (the ReferenceModel callback calls this)."""
         self.reference = source
@@ -472,11 +501,13 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def on_train_start(self) -> None:
         # A resumed run's optimizer and schedule come back with the checkpoint's learning rate;
-        # a new --model.learning_rate takes effect from here on (and on_load_checkpoint said so).
+        # a new --model.learning_rate takes effect from here on (and on_load_checkpoint said so),
+        # times the factor a CollapseGuard set, which the checkpoint's schedule already has.
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             total = self.plan.total_steps(fit_shape(self.trainer))
-            rescale_schedule(scheduler, self.settings.optimizer.learning_rate, total)
+            peak = self.settings.optimizer.learning_rate * self._adjustments.lr_scale
+            rescale_schedule(scheduler, peak, total)
         self.reporter.window = []
         self._checkpoint_step = None  # the trainer's global_step counts these weights' steps now
 
@@ -577,6 +608,7 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         save_run_state(checkpoint, fit_shape(self.trainer), self.reporter, self.rollout_source, self.reward)
+        checkpoint[CHECKPOINT_KEY] = self._adjustments.state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -584,6 +616,8 @@ class GRPOLightningModule(pl.LightningModule):
         # Resuming a fit checks and restores the run; validate or load_from_checkpoint may use other settings.
         resumed = fit_shape(self.trainer) if self._fitting else None
         load_run_state(checkpoint, resumed, self.hparams, self.reporter, self.rollout_source, self.reward)
+        if resumed is not None:  # a resumed fit trains on with the changes made midway
+            self._use_adjustments(Adjustments.from_state(checkpoint.get(CHECKPOINT_KEY)))
 
     @override
     def configure_callbacks(self) -> list[pl.Callback]:

@@ -1,10 +1,11 @@
-"""Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging and the signal
-guard; :class:`RLLoopCallback`, the base of a callback that hooks into the RL loop (loop_hooks.py),
-and one such, :class:`DifficultyCurriculum` (curriculum.py).
+"""Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging and the guards
+(signal, collapse); :class:`RLLoopCallback`, the base of a callback that hooks into the RL loop
+(loop_hooks.py), and one such, :class:`DifficultyCurriculum` (curriculum.py).
 
 Each one works alone in a user's own ``Trainer``.
 """
 
+from forge_lightning.callbacks.collapse_guard import CollapseGuard
 from forge_lightning.callbacks.curriculum import DifficultyCurriculum
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.callbacks.loop_hooks import RLLoopCallback
@@ -14,6 +15,7 @@ from forge_lightning.callbacks.signal_guard import SignalGuard, SignalGuardError
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
 
 __all__ = [
+    "CollapseGuard",
     "DifficultyCurriculum",
     "HFCheckpoint",
     "ReferenceModel",

@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 from transformers import PreTrainedModel
 
 from forge_lightning.reporting.metrics import StepRecord
+from forge_lightning.training.adjustments import Adjustments
 from forge_lightning.training.loss_passes import ReferenceSource
 
 
@@ -72,3 +73,22 @@ class RunsRollouts(Protocol):
     """A module whose rollouts may come from a worker process, stopped when a fit fails."""
 
     def stop_rollout_worker(self) -> None: ...
+
+
+@runtime_checkable
+class TakesAdjustments(Protocol):
+    """A module whose weights a callback may put back (CollapseGuard's rollback) and whose learning
+    rate and KL weight it may scale for the rest of the run, the change kept in its checkpoints."""
+
+    @property
+    def adjustments(self) -> Adjustments:
+        """The factors on the run's settings so far (all 1 until a change)."""
+        ...
+
+    def adjust(self, lr_scale: float, kl_beta_scale: float) -> Adjustments:
+        """Scale the learning rate and the KL weight from now on; the adjustments in force after."""
+        ...
+
+    def weights_restored(self) -> None:
+        """The policy's weights were replaced outside a step: the rollout engine takes them."""
+        ...
