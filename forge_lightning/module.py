@@ -70,7 +70,6 @@ from forge_lightning.training.peak_memory import memory_limit
 from forge_lightning.training.preflight import (
     Engine,
     WorstCase,
-    check_preflight,
     data_longest_prompt,
     filler_token,
     longest_prompt,
@@ -78,6 +77,7 @@ from forge_lightning.training.preflight import (
     run_preflight,
     training_prompts,
 )
+from forge_lightning.training.preflight_advice import check_preflight
 from forge_lightning.training.run_state import load_run_state, save_run_state
 
 

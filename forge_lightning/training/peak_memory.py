@@ -95,3 +95,8 @@ def _status_bytes(field: str) -> int:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def size_text(value: float) -> str:
+    """Bytes in GiB, or MiB under a tenth of one."""
+    return f"{value / GB:.2f} GiB" if value >= GB / 10 else f"{value / 2**20:.1f} MiB"

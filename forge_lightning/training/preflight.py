@@ -26,9 +26,9 @@ state is added to the peak. The total is compared with the limit; a run over it 
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,7 +39,7 @@ from forge_lightning.rollout.engines.base import GenerationBackend, SamplingPara
 from forge_lightning.rollout.types import Rollout
 from forge_lightning.training.context import StepContext
 from forge_lightning.training.loss_passes import LossPasses
-from forge_lightning.training.peak_memory import GB, PeakMemory, Phase
+from forge_lightning.training.peak_memory import PeakMemory, Phase, size_text
 
 # The GenerationConfig / vLLM SamplingParams field that keeps a completion going to its cap.
 FULL_LENGTH = {"hf": "min_new_tokens", "vllm": "min_tokens"}
@@ -59,6 +59,12 @@ class WorstCase:
     new_tokens: int  # max_new_tokens
     prompts: int  # P: prompts per training batch
     group_size: int  # G
+
+    def described(self) -> str:
+        return (
+            f"({self.prompts} prompts x {self.group_size} completions of {self.prompt_length} "
+            f"prompt + {self.new_tokens} new tokens)"
+        )
 
 
 @dataclass(frozen=True)
@@ -88,17 +94,17 @@ class PreflightReport:
 
     def phases(self) -> str:
         """Where the peak comes from, phase by phase."""
-        gen = "not measured here" if self.generation is None else _size(self.generation.peak)
+        gen = "not measured here" if self.generation is None else size_text(self.generation.peak)
         return (
             f"the generation {gen}, the training micro-batch of {self.rows} rows "
-            f"{_size(self.training.peak)}, AdamW's state to come {_size(self.optimizer_state)}"
+            f"{size_text(self.training.peak)}, AdamW's state to come {size_text(self.optimizer_state)}"
         )
 
     def summary(self) -> str:
         """The line a preflight that passed logs."""
         return (
-            f"Preflight: the worst case peaks at {_size(self.peak)} {self.memory} of "
-            f"{_size(self.limit)} allowed ({self.phases()}), in {self.seconds:.1f} s"
+            f"Preflight: the worst case peaks at {size_text(self.peak)} {self.memory} of "
+            f"{size_text(self.limit)} allowed ({self.phases()}), in {self.seconds:.1f} s"
         )
 
 
@@ -189,7 +195,7 @@ def run_preflight(
     memory, began = PeakMemory(context.device), time.perf_counter()
     devices = [context.device] if context.device.type == "cuda" else []
     baseline = memory.reset()
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), _out_of_memory_stops(case, memory.name):
         generation = None
         if engine is not None:
             with memory.phase() as measured, torch.no_grad():
@@ -201,6 +207,20 @@ def run_preflight(
         memory.name, baseline, generation, measured[0], rows, tokens, optimizer_state, limit,
         time.perf_counter() - began,
     )  # fmt: skip
+
+
+@contextmanager
+def _out_of_memory_stops(case: WorstCase, memory: str) -> Iterator[None]:
+    """A GPU out of memory in the worst case is the preflight's stop, not a traceback: its peak is
+    then unknown, so the suggestions are the settings to lower, unsized."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as err:
+        raise PreflightError(
+            f"Preflight: the worst-case first step {case.described()} ran out of memory ({memory}): "
+            "lower train_micro_batch_size or train_micro_batch_tokens, set gradient_checkpointing: "
+            f"true, or shorten max_prompt_length or max_new_tokens. {err}"
+        ) from None
 
 
 def _generate(model: PreTrainedModel, engine: Engine, case: WorstCase, token: int, device: Any) -> None:
@@ -236,90 +256,3 @@ def _train_one_micro_batch(
         loss_passes.count = count
     tokens = groups * case.prompt_length + rows * case.new_tokens
     return rows, tokens
-
-
-def check_preflight(
-    report: PreflightReport, case: WorstCase, gradient_checkpointing: bool, context: StepContext
-) -> None:
-    """Raise :class:`PreflightError` with sized suggestions when ``report`` is over its limit on
-    any rank (every rank then stops, none waiting for the others at the first step)."""
-    over = torch.tensor(float(report.over), device=context.device)
-    if context.reduce(over, "max").item() == 0:
-        return
-    if not report.over:
-        raise PreflightError("Preflight: another rank's worst-case first step is over its memory limit")
-    lines = "\n".join(f"  {line}" for line in suggestions(report, case, gradient_checkpointing))
-    raise PreflightError(
-        f"Preflight: the worst-case first step ({case.prompts} prompts x {case.group_size} completions "
-        f"of {case.prompt_length} prompt + {case.new_tokens} new tokens) peaks at {_size(report.peak)} "
-        f"{report.memory}, over the limit of {_size(report.limit)} (preflight_memory_gb): "
-        f"{report.phases()}. To fit it, change one of:\n{lines}"
-    )
-
-
-def suggestions(report: PreflightReport, case: WorstCase, gradient_checkpointing: bool) -> list[str]:
-    """The settings that bring ``report``'s peak under its limit, each sized from the measured
-    cost per row and per token (the memory before the preflight and AdamW's state are fixed)."""
-    room = report.limit - report.baseline - report.optimizer_state
-    if room <= 0:
-        fixed = _size(report.baseline + report.optimizer_state)
-        return [
-            f"the process before the preflight (the weights, the reference, the libraries) and AdamW's "
-            f"state take {fixed} alone: train a LoRA adapter (peft), a smaller model, or raise "
-            "preflight_memory_gb"
-        ]
-    out: list[str] = []
-    if report.training.peak + report.optimizer_state > report.limit:
-        out += _training_suggestions(report, case, gradient_checkpointing, room)
-    generation = report.generation
-    if generation is not None and generation.peak + report.optimizer_state > report.limit:
-        out.append(_generation_suggestion(generation.peak - report.baseline, case, room))
-    return out or ["raise preflight_memory_gb"]
-
-
-def _generation_suggestion(cost: int, case: WorstCase, room: int) -> str:
-    """Fewer prompts per batch or, where one prompt's group is over already, fewer new tokens:
-    the generation's memory (its KV cache, its logits) grows with rows x tokens."""
-    per_prompt = max(cost, 1) / case.prompts
-    prompts = math.floor(room / per_prompt)
-    if 1 <= prompts < case.prompts:
-        return (
-            f"data.prompts_per_step: {prompts} (now {case.prompts}; gradient_accumulation_steps "
-            f"up to keep the step's prompts; the generation of {case.prompts * case.group_size} "
-            f"rows added {_size(cost)})"
-        )
-    per_token = per_prompt / (case.prompt_length + case.new_tokens)
-    new_tokens = math.floor(room / per_token) - case.prompt_length
-    if 1 <= new_tokens < case.new_tokens:
-        return f"max_new_tokens: {new_tokens} (now {case.new_tokens}; one prompt's generation is over)"
-    return f"group_size below {case.group_size} (one prompt's generation is over the limit)"
-
-
-def _training_suggestions(
-    report: PreflightReport, case: WorstCase, gradient_checkpointing: bool, room: int
-) -> list[str]:
-    """Sized micro-batches, gradient checkpointing, shorter prompts: what lowers the training side."""
-    cost = max(report.training.peak - report.baseline, 1)  # what its micro-batch added
-    per_row, per_token = cost / report.rows, cost / report.tokens
-    out = []
-    rows = math.floor(room / per_row)
-    row_tokens = case.prompt_length + case.new_tokens
-    if 1 <= rows < report.rows:
-        out.append(f"train_micro_batch_size: {rows} (now {report.rows} rows; {_size(per_row)} each)")
-        budget = math.floor(room / per_token)
-        if budget >= row_tokens:
-            out.append(f"train_micro_batch_tokens: {budget} (a row of the worst case is {row_tokens})")
-    if not gradient_checkpointing:
-        out.append("gradient_checkpointing: true (each layer's activations recomputed in the backward)")
-    # The same micro-batch with shorter prompts: its tokens are units x L + rows x new tokens,
-    # a unit being a group sharing its prompt or a row with its own.
-    units = (report.tokens - report.rows * case.new_tokens) / case.prompt_length
-    prompt = math.floor((room / per_token - report.rows * case.new_tokens) / units)
-    if 1 <= prompt < case.prompt_length:
-        out.append(f"max_prompt_length: {prompt} (now {case.prompt_length}; longer prompts are cut)")
-    return out
-
-
-def _size(value: float) -> str:
-    """Bytes in GiB, or MiB under a tenth of one."""
-    return f"{value / GB:.2f} GiB" if value >= GB / 10 else f"{value / 2**20:.1f} MiB"

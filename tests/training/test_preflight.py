@@ -21,13 +21,13 @@ from forge_lightning.training.preflight import (
     PreflightError,
     PreflightReport,
     WorstCase,
-    check_preflight,
     data_longest_prompt,
     longest_prompt,
+    optimizer_state_bytes,
     run_preflight,
-    suggestions,
     training_prompts,
 )
+from forge_lightning.training.preflight_advice import check_preflight, suggestions
 
 MB = 2**20
 
@@ -156,6 +156,32 @@ def test_a_process_over_the_limit_before_the_preflight_is_told_so():
     over = PreflightReport("CPU RSS", 3 * GB, None, Phase(3 * GB, 3 * GB), 8, 320, GB // 2, 2 * GB, 1.0)
     [advice] = suggestions(over, WorstCase(24, 16, 2, 4), False)
     assert advice.startswith("the process before the preflight") and "3.50 GiB" in advice
+
+
+def test_adams_state_to_come_is_two_copies_of_each_trainable_weight_without_state():
+    model = make_model(95)
+    model.lm_head.requires_grad_(False)  # tied to the embedding: frozen too
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = sum(p.numel() * 4 for p in trainable)
+    assert optimizer_state_bytes(model, {}) == 2 * weights
+    optimizer = torch.optim.AdamW(trainable)
+    model(torch.ones(1, 3, dtype=torch.long)).logits.sum().backward()
+    optimizer.step()  # a resumed run's state is in memory already
+    assert optimizer_state_bytes(model, optimizer.state) == 0
+
+
+def test_out_of_gpu_memory_in_the_worst_case_is_the_preflight_stop():
+    class OutOfMemory(RecordingEngine):
+        def generate(self, *args) -> torch.Tensor:
+            torch.rand(3)  # drawn from the RNG before it failed
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    rng = torch.random.get_rng_state()
+    with pytest.raises(
+        PreflightError, match=r"^Preflight: .* ran out of memory .*train_micro_batch_size.*2.00 GiB"
+    ):
+        preflight(make_model(95), passes(), Engine(OutOfMemory(), SamplingParams(16), "hf"))
+    assert torch.equal(torch.random.get_rng_state(), rng)
 
 
 def test_longest_prompt_is_the_setting_then_the_data_else_refused():
