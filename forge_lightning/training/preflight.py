@@ -11,7 +11,8 @@ Two phases, each measured for its peak memory, in the order a step runs them:
   ``train_micro_batch_size`` / ``train_micro_batch_tokens``) through the same loss passes
   (training/loss_passes.py) and backward as the step, with the reference's log-probs where the
   loss reads them. One micro-batch is enough: the step frees each one's activations before the
-  next and every one here is as large as the first.
+  next and every one here is as large as the first. The forwards without gradients a step may
+  also run (the reference's, the old policy's) hold less than this one and are not run.
 
 Nothing of the run changes: no optimizer step, the gradients put back as they were (None before
 the first step), the loss passes' step normaliser restored, and torch's RNG streams (CPU and the
@@ -160,7 +161,8 @@ def worst_case_rollout(prompts: int, group_size: int, case: WorstCase, token: in
 
 def filler_token(vocab_size: int, special: Sequence[int]) -> int:
     """A token id that ends nothing: the smallest that is not a special token."""
-    return next(i for i in range(vocab_size) if i not in set(special))
+    special = set(special)
+    return next(i for i in range(vocab_size) if i not in special)
 
 
 def optimizer_state_bytes(model: PreTrainedModel, state: dict[Any, Any]) -> int:
@@ -246,7 +248,9 @@ def _train_one_micro_batch(
     if loss_passes.loss.needs_reference:  # its values do not matter to the memory, only its shape
         reference = torch.zeros(part.completion_ids.shape, device=context.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    grads, count = [p.grad for p in params], loss_passes.count
+    # Copies: a backward adds into an existing gradient in place (None at a fit's start: no copy).
+    grads = [None if p.grad is None else p.grad.clone() for p in params]
+    count = loss_passes.count
     try:
         advantages = torch.ones(rows, device=context.device)
         loss_passes.backward(model, part, advantages, None, reference, context.backward, context.profile)

@@ -79,6 +79,15 @@ def test_preflight_leaves_weights_gradients_normaliser_and_rng_as_they_were():
     assert loss_passes.count.item() == 3.0
 
 
+def test_a_gradient_already_accumulated_is_put_back_as_it_was():
+    model = make_model(95)
+    model(torch.ones(1, 3, dtype=torch.long)).logits.sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    preflight(model, passes())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[name]), name
+
+
 def test_the_engine_generates_every_completion_to_max_new_tokens_for_the_whole_batch():
     engine = RecordingEngine()
     sampling = SamplingParams(16, temperature=0.7, stop=("\n",), extra={"typical_p": 0.9})
