@@ -12,7 +12,9 @@ from dataclasses import replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -66,6 +68,18 @@ from forge_lightning.settings.trl_names import pointing_at_settings
 from forge_lightning.training.adjustments import CHECKPOINT_KEY, Adjustments, scale_learning_rate
 from forge_lightning.training.loss_passes import ReferenceSource
 from forge_lightning.training.optim import rescale_schedule
+from forge_lightning.training.peak_memory import memory_limit
+from forge_lightning.training.preflight import (
+    Engine,
+    WorstCase,
+    data_longest_prompt,
+    filler_token,
+    longest_prompt,
+    optimizer_state_bytes,
+    run_preflight,
+    training_prompts,
+)
+from forge_lightning.training.preflight_advice import check_preflight
 from forge_lightning.training.run_state import load_run_state, save_run_state
 
 
@@ -221,6 +235,9 @@ class GRPOLightningModule(pl.LightningModule):
         accuracy: the check behind ``val/accuracy`` (a reward scoring 1 when right); GSM8K's if None.
         answer_key: what a sampled completion votes for in maj@k (GSM8K's extracted number by
             default), ``completion -> hashable``, None for no answer. None logs no maj@k.
+        preflight: first a worst-case step, weights unchanged (training/preflight.py): stop, with
+            sized suggestions, where its peak memory is over ``preflight_memory_gb``.
+        preflight_memory_gb: GiB the preflight's peak CPU RSS (GPU: allocated) may reach; None: all of it.
     """
 
     # TRL's names (num_generations, beta, ...) and close misspellings get a pointer to the setting
@@ -329,6 +346,9 @@ class GRPOLightningModule(pl.LightningModule):
         val_max_new_tokens: int | None = None,
         accuracy: Callable[..., Any] | None = None,
         answer_key: Callable[[str], Any] | None = extract_answer,
+        # -- a worst-case first step (PreflightSettings)
+        preflight: bool = False,
+        preflight_memory_gb: float | None = None,
     ) -> None:
         super().__init__()
         # save_hyperparameters reads these arguments from this frame: stored as plain data.
@@ -510,6 +530,34 @@ class GRPOLightningModule(pl.LightningModule):
             rescale_schedule(scheduler, peak, total)
         self.reporter.window = []
         self._checkpoint_step = None  # the trainer's global_step counts these weights' steps now
+        if self.settings.preflight.enabled:  # here, where the training loader is known
+            self._preflight()
+
+    def _preflight(self) -> None:
+        """The worst-case first step (training/preflight.py): stop now if it does not fit."""
+        s, context = self.settings, step_context(self)
+        prompts = batch_sizes(fit_shape(self.trainer))[0] or 1
+        setting = s.prompts.max_prompt_length
+        longest = longest_prompt(setting, None if setting is not None else self._data_longest_prompt())
+        case = WorstCase(longest, s.sampling.max_new_tokens, prompts, s.sampling.group_size)
+        worker = self.rollout_source.runs_a_worker  # its memory is the worker process's
+        engine = None if worker else Engine(self.generator, self.sampling, s.engine.generation_backend)
+        token = filler_token(self.model.config.vocab_size, self.tokenizer.all_special_ids)
+        limit = memory_limit(s.preflight.preflight_memory_gb, self.device)
+        state = optimizer_state_bytes(self.model, self.optimizers().state)
+        passes = self.step.loss_passes
+        with self.trainer.precision_plugin.train_step_context():  # autocast, as in training_step
+            report = run_preflight(self.model, passes, engine, case, token, context, limit, state)
+        check_preflight(report, case, s.memory.gradient_checkpointing, context)
+        rank_zero_info(report.summary())
+
+    def _data_longest_prompt(self) -> int | None:
+        """The training data's longest prompt in tokens, as the sampler encodes it (cut at the
+        model's context less max_new_tokens); None where the data cannot be read ahead."""
+        prompts = training_prompts(self.trainer.train_dataloader)
+        if prompts is None or not isinstance(self.sampler, RolloutSampler):
+            return None
+        return data_longest_prompt(prompts, lambda chunk: self.sampler.encode(chunk, torch.device("cpu"))[1])
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -33,6 +33,7 @@ from forge_lightning.run.folder import RunFolder, RunFolderError, remove_untrack
 from forge_lightning.run.preemption import EXIT_CODE
 from forge_lightning.run.resume import check_resume_settings
 from forge_lightning.settings.trl_names import refuse_foreign_settings
+from forge_lightning.training.preflight import PreflightError
 
 # The run's own callbacks, each a top-level group of the config and the command line
 # (``--hf_checkpoint.save_steps 7``), on by default, off with ``--<group> null``.
@@ -208,7 +209,7 @@ class ForgeCLI(LightningCLI):
                 # from before each step: here a checkpoint is meant to hold the state after it.
                 warnings.filterwarnings("ignore", message=_PRE_STEP_STATE_WARNING, category=UserWarning)
                 self.trainer.fit(model, **kwargs)
-        except SignalGuardError as err:  # a run that trains nothing: its one message, not a traceback
+        except (SignalGuardError, PreflightError) as err:  # its one message, not a traceback
             raise SystemExit(str(err)) from None
         finally:
             if self._run_folder is not None:

@@ -41,6 +41,8 @@ CHANGEABLE_ON_RESUME = frozenset(
         "val_top_p",
         "val_max_new_tokens",
         "max_generation_tokens",
+        "preflight",
+        "preflight_memory_gb",
     }
 )
 

@@ -111,6 +111,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "rollout_correction": (_optional(lambda v: v in ("mask", "truncate")), "None, 'mask' or 'truncate'"),
     "rollout_correction_level": (lambda v: v in ("token", "sequence"), "'token' or 'sequence'"),
     "rollout_correction_cap": (_optional(lambda v: v > 1), "None or > 1"),
+    "preflight_memory_gb": (_optional(lambda v: v > 0), "None or > 0 (GiB)"),
 }
 
 

@@ -309,6 +309,22 @@ class SandboxSettings(_Group):
 
 
 @dataclass(frozen=True)
+class PreflightSettings(_Group):
+    """A worst-case first step before training (training/preflight.py)."""
+
+    enabled: bool = field(default=False, metadata={"setting": "preflight"})
+    """``preflight``: before the first step, generate and train the worst case once (the longest
+    prompt, ``max_new_tokens`` for every completion, the batch's P x G rows, one full
+    micro-batch) and stop with sized suggestions where its peak memory, with AdamW's state to
+    come, is over ``preflight_memory_gb``. No optimizer step: the weights, gradients and RNG
+    streams are left as they were, so the run takes the same steps as without. The longest prompt
+    is ``max_prompt_length``, else the training data's longest (read ahead, tokenised)."""
+    preflight_memory_gb: float | None = None
+    """the preflight's limit in GiB: the peak CPU RSS of the process (the GPU's allocated memory
+    on a GPU); None: the machine's memory (the GPU's)."""
+
+
+@dataclass(frozen=True)
 class ValidationSettings(_Group):
     """The sampled completions of a validation, besides the greedy one (evaluation/sampled.py)."""
 
@@ -345,6 +361,7 @@ GROUPS: dict[str, type[_Group]] = {
     "tools": ToolSettings,
     "sandbox": SandboxSettings,
     "validation": ValidationSettings,
+    "preflight": PreflightSettings,
 }
 
 G = TypeVar("G", bound=_Group)
@@ -379,6 +396,7 @@ class GRPOSettings:
     tools: ToolSettings
     sandbox: SandboxSettings
     validation: ValidationSettings
+    preflight: PreflightSettings
 
     @classmethod
     def from_hparams(cls, values: Mapping[str, Any]) -> GRPOSettings:

@@ -271,3 +271,14 @@ def test_the_progress_bar_shows_no_logger_version(tmp_path):
 
     trainer = Trainer(logger=CSVLogger(tmp_path), default_root_dir=tmp_path, enable_checkpointing=False)
     assert "v_num" not in default_progress_bar().get_metrics(trainer, None)
+
+
+@pytest.mark.integration
+def test_a_preflight_over_its_limit_exits_with_its_message(tiny_model_dir, tmp_path, tiny_overrides):
+    flags = ["--model.preflight=true", "--model.preflight_memory_gb=0.1", "--trainer.max_steps=1"]
+    with pytest.raises(SystemExit) as stopped:  # the message as the exit code: no traceback
+        build_cli(["fit", *smoke_args(tiny_model_dir, tmp_path, tiny_overrides), *flags])
+    message = str(stopped.value.code)
+    assert message.startswith("Preflight: the worst-case first step (4 prompts x 4 completions")
+    assert "over the limit of 102.4 MiB (preflight_memory_gb)" in message
+    assert not list(tmp_path.rglob("*.ckpt"))  # stopped before any step

@@ -84,6 +84,7 @@ BAD = {
     "rollout_precision": "int4",
     "rollout_correction_level": "batch",
     "rollout_correction_cap": 1.0,
+    "preflight_memory_gb": 0.0,
 }
 
 

@@ -149,6 +149,8 @@ CHANGED = dict(
     val_temperature=0.8,
     val_top_p=0.9,
     val_max_new_tokens=16,
+    preflight=True,
+    preflight_memory_gb=4.0,
 )
 # What the settings above exclude, each set changed in a module of its own.
 CHANGED_TOO = {
