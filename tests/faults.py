@@ -85,3 +85,18 @@ class KillWhileWriting(Callback):
 
         fileio.write_atomically = write_atomically  # write_folder_atomically calls it (HF folders)
         checkpoint_io.write_atomically = write_atomically  # Lightning checkpoints
+
+
+def distinct_characters(prompts: list[str], responses: list[str]) -> list[float]:
+    """Distinct characters per response, over 8: a reward that varies among a tiny model's samples."""
+    return [len(set(r)) / 8 for r in responses]
+
+
+class SkipRngRestore(Callback):
+    """A broken resume: once made, the module's resume leaves the RNG states as the new process
+    has them instead of restoring the checkpoint's (training/run_state.py's ``set_rng_states``)."""
+
+    def __init__(self) -> None:
+        import forge_lightning.training.run_state as run_state
+
+        run_state.set_rng_states = lambda states: None
