@@ -1,15 +1,15 @@
 """``forge-lightning check-resume --config X [overrides]``: does a resume after a crash continue the
 run exactly? The config's own run, shortened to a few steps in a temporary folder, runs once
 straight; then once per hard moment it is SIGKILLed there (callbacks/kill_point.py), resumed with
-``--ckpt_path last`` until it ends, and every logged value and every weight saved is compared
-with the straight run's (run/run_diff.py). Prints ``PASS``, or ``FAIL:`` and the first difference
-(exit status 1).
+``--ckpt_path last`` to the end, and every logged value and every weight saved is compared with
+the straight run's (run/run_diff.py). Prints ``PASS``, or ``FAIL:`` and the first difference
+(exit status 1; 2 when the check could not be made).
 
-The moments, each in optimizer step k + 1 (after step k's checkpoint; k is 1, or the steps a batch
-takes with ``steps_per_generation`` > 1): inside the step, after a backward (with gradient
-accumulation, in its last batch: the earlier batches' gradients held, no optimizer step yet);
-while its ``last.ckpt`` is written; and for ``rollout_mode: async`` as its last batch ends, with
-batches handed to the rollout worker and not trained yet.
+The moments come after the first checkpoint, at step k (1, or with ``steps_per_generation`` > 1
+the optimizer steps a batch takes): inside step k + 1, after a backward (with gradient
+accumulation, in the step's last batch: the earlier batches' gradients held, no optimizer step
+yet); while the next checkpoint's ``last.ckpt`` is written; and for ``rollout_mode: async`` as the
+batch of step k + 1 ends, with batches handed to the rollout worker and not trained yet.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ TIMINGS = tuple(key for key in JSONL_KEYS if key.endswith("_s"))
 # Each group check-resume sets, and the class that, listed in trainer.callbacks instead, takes
 # the group's place (the group's flags would then configure a second copy).
 GROUPS = {"checkpoint": "ModelCheckpoint", "reward_logger": "RewardLogger"}
+# The groups' own output folders, which would otherwise take every run's files to one place.
+OUTPUT_FOLDERS = {"checkpoint": "dirpath", "reward_logger": "output_dir", "hf_checkpoint": "output_dir"}
 SIGKILL_EXIT = -9
 
 
@@ -81,7 +83,10 @@ def main(argv: list[str]) -> None:
     try:
         difference = check_resume(fit_args, workdir, args.steps, args.rtol)
     except CheckError as err:
-        print(f"{PROG}: {err}\n(the runs are in {workdir})", file=sys.stderr)
+        ran = any(workdir.iterdir()) if workdir.is_dir() else False
+        if not ran and args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(f"{PROG}: {err}" + (f"\n(the runs are in {workdir})" if ran else ""), file=sys.stderr)
         raise SystemExit(2) from None
     if difference is None:
         print("PASS")
@@ -100,7 +105,7 @@ def check_resume(fit_args: list[str], workdir: Path, steps: int, rtol: float) ->
     if (config["trainer"].get("max_steps") or -1) > 0:
         steps = min(steps, config["trainer"]["max_steps"])  # shortened, never longer
     steps = k * max(2, -(-steps // k))  # whole batches, and a step after the first checkpoint
-    fit_args = [*fit_args, *shortened(config, workdir, steps, k)]
+    fit_args = [*fit_args, *shortened(config, steps, k)]
     print(f"{PROG}: {steps} optimizer steps a run, checkpoints every {k}, in {workdir}", flush=True)
     fit(fit_args, workdir / "straight", "straight")
     for run in kill_runs(config["model"], k):
@@ -134,13 +139,13 @@ def steps_per_batch(model: dict[str, Any]) -> int:
     return generation * int(model.get("num_iterations") or 1) if generation > 1 else 1
 
 
-def shortened(config: dict[str, Any], workdir: Path, steps: int, every: int) -> list[str]:
+def shortened(config: dict[str, Any], steps: int, every: int) -> list[str]:
     """The flags that make the config's run checkable: ``steps`` steps, a resumable checkpoint
     every ``every`` steps, a log record every step, no logger, and everything it writes under the
     run's folder (each run adds its own ``default_root_dir``). CheckError for what it cannot be."""
     trainer = config["trainer"]
     if trainer.get("enable_checkpointing") is False or config.get("checkpoint") is None:
-        raise CheckError("this config keeps no Lightning checkpoint (checkpoint: null), so no run of it resumes")
+        raise CheckError("this config keeps no Lightning checkpoint (checkpoint: null): no run of it resumes")
     listed = trainer.get("callbacks") or []
     for group, kind in GROUPS.items():
         if any(str(c.get("class_path", "")).endswith(f".{kind}") for c in listed if isinstance(c, dict)):
@@ -153,21 +158,22 @@ def shortened(config: dict[str, Any], workdir: Path, steps: int, every: int) -> 
     if config.get("reward_logger") is None:  # the log compared, back on
         flags.append("--reward_logger=forge_lightning.callbacks.RewardLogger")
     flags.append("--reward_logger.logging_steps=1")
-    for group, setting in (("checkpoint", "dirpath"), ("reward_logger", "output_dir"), ("hf_checkpoint", "output_dir")):
+    for group, setting in OUTPUT_FOLDERS.items():
         if ((config.get(group) or {}).get("init_args") or {}).get(setting) is not None:
             flags.append(f"--{group}.{setting}=null")  # into the run's own folder
     return [*flags, "--trainer.callbacks+=forge_lightning.callbacks.KillPoint"]
 
 
 def kill_runs(model: dict[str, Any], k: int) -> list[KillRun]:
-    """The crashes to check for this config, each in step ``k + 1``."""
+    """The crashes to check for this config, each after the first checkpoint (step ``k``) and
+    before the next one is in place."""
     accumulation = int(model.get("gradient_accumulation_steps") or 1)
     step = k + 1
     inside = f"inside step {step}, after a backward in its batch {accumulation} of {accumulation}"
-    written = f"while step {step}'s last.ckpt is written"
+    written = f"while step {2 * k}'s last.ckpt is written"  # the second checkpoint
     runs = [
         KillRun("inside_step", KillPointSpec("backward", step, str(accumulation)), inside),
-        KillRun("checkpoint_write", KillPointSpec("write", step, "last.ckpt"), written),
+        KillRun("checkpoint_write", KillPointSpec("write", 2 * k, "last.ckpt"), written),
     ]
     if model.get("rollout_mode") == "async":
         in_flight = f"with rollouts in flight, as step {step}'s last batch ends"
@@ -182,7 +188,8 @@ def fit(fit_args: list[str], folder: Path, label: str, kill: KillPointSpec | Non
     env = {key: value for key, value in os.environ.items() if key != KILL_POINT_ENV}
     if kill is not None:
         env[KILL_POINT_ENV] = str(kill)
-    command = [sys.executable, "-m", "forge_lightning", "fit", *fit_args, f"--trainer.default_root_dir={folder}"]
+    command = [sys.executable, "-m", "forge_lightning", "fit", *fit_args]
+    command.append(f"--trainer.default_root_dir={folder}")  # last: it wins over any the user gave
     log = folder.with_name(f"{folder.name}.log")
     started = time.monotonic()
     with open(log, "a") as out:

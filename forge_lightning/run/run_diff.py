@@ -59,8 +59,9 @@ def _log_difference(straight: Path, resumed: Path, rtol: float, ignore: tuple[st
         for key in dict.fromkeys([*a, *b]):
             if key in ignore:
                 continue
-            if not _agree(a.get(key, _MISSING), b.get(key, _MISSING), rtol):
-                return Difference(f"{LOG_NAME} step {a.get('step')}", key, a.get(key, _MISSING), b.get(key, _MISSING))
+            want_value, got_value = a.get(key, _MISSING), b.get(key, _MISSING)
+            if not _agree(want_value, got_value, rtol):
+                return Difference(f"{LOG_NAME} step {a.get('step')}", key, want_value, got_value)
     return None
 
 
@@ -83,7 +84,7 @@ def _safetensors_difference(straight: Path, resumed: Path) -> Difference | None:
             continue
         other = resumed / name
         if not other.is_file():
-            return Difference(str(name), "the file", "written", "missing")
+            return Difference(str(name), "the file", _WRITTEN, _MISSING)
         difference = _tensor_difference(str(name), load_file(path), load_file(other))
         if difference is not None:
             return difference
@@ -95,9 +96,13 @@ def _checkpoint_difference(straight: Path, resumed: Path) -> Difference | None:
     if not (straight / name).is_file():
         return None
     if not (resumed / name).is_file():
-        return Difference(str(name), "the file", "written", "missing")
-    want, got = (torch.load(root / name, map_location="cpu", mmap=True, weights_only=True) for root in (straight, resumed))
-    return _tensor_difference(str(name), {k: want.get(k) for k in CHECKPOINT_STATE}, {k: got.get(k) for k in CHECKPOINT_STATE})
+        return Difference(str(name), "the file", _WRITTEN, _MISSING)
+    return _tensor_difference(str(name), _training_state(straight / name), _training_state(resumed / name))
+
+
+def _training_state(path: Path) -> dict[str, Any]:
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return {key: saved.get(key) for key in CHECKPOINT_STATE}
 
 
 def _tensor_difference(where: str, want: Any, got: Any) -> Difference | None:
@@ -109,13 +114,18 @@ def _tensor_difference(where: str, want: Any, got: Any) -> Difference | None:
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             if a.dtype != b.dtype or a.shape != b.shape:
                 return Difference(where, key, a, b)
-            if not torch.equal(a, b):  # named by its first element that differs
-                index = int((a != b).flatten().nonzero()[0])
-                at = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), a.shape)) if a.dim() else ()
-                return Difference(where, f"{key}{list(at)}", a.flatten()[index].item(), b.flatten()[index].item())
+            if not torch.equal(a, b):
+                return _first_element(where, key, a, b)
         elif not _agree(a, b, 0.0):
             return Difference(where, key, a, b)
     return None
+
+
+def _first_element(where: str, key: str, a: torch.Tensor, b: torch.Tensor) -> Difference:
+    """The difference of two unequal tensors of one shape, named by their first element apart."""
+    index = int((a != b).flatten().nonzero()[0])
+    at = [int(i) for i in torch.unravel_index(torch.tensor(index), a.shape)] if a.dim() else []
+    return Difference(where, f"{key}{at}", a.flatten()[index].item(), b.flatten()[index].item())
 
 
 def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -129,12 +139,17 @@ def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix, value
 
 
-class _Missing:
+class _Marker:
+    """A value one run has and the other lacks, as the report names it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
     def __repr__(self) -> str:
-        return "(missing)"
+        return self.name
 
 
-_MISSING = _Missing()
+_MISSING, _WRITTEN = _Marker("missing"), _Marker("written")
 
 
 def _show(value: Any) -> str:
