@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,23 +58,11 @@ class CheckError(Exception):
     """The config cannot be checked as given, or a run failed: the message says which and why."""
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], build_cli: Callable[[list[str]], Any]) -> None:
     """Parse ``argv`` (what follows ``check-resume``), run the check, exit 0 on PASS, 1 on FAIL
-    and 2 when the check itself could not be made."""
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        allow_abbrev=False,
-        description=(
-            "Run the config (shortened to a few steps, in a temporary folder) straight, then SIGKILL "
-            "it at its hard moments (inside a step, while a checkpoint is written, with async rollouts "
-            "in flight), resume each with --ckpt_path last, and compare every logged value and every "
-            "weight with the straight run: PASS, or FAIL and the first difference (exit status 1)."
-        ),
-        epilog="Every other argument goes to each `fit` as it is (--config files, --model.* ...).",
-    )
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps of each run (default: 4)")
-    parser.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance of logged values")
-    parser.add_argument("--workdir", help="keep the runs here (default: a temporary folder, kept on FAIL)")
+    and 2 when the check itself could not be made; ``build_cli``: the CLI's (forge_cli.py), which
+    resolves the config as a fit would."""
+    parser = arguments()
     args, fit_args = parser.parse_known_args(argv)
     if not any(a in ("-c", "--config") or a.startswith("--config=") for a in fit_args):
         parser.error("--config is required: the config whose resume is checked")
@@ -81,7 +70,8 @@ def main(argv: list[str]) -> None:
         parser.error("--ckpt_path: each run starts fresh; check-resume adds --ckpt_path last to its resumes")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="forge-check-resume-"))
     try:
-        difference = check_resume(fit_args, workdir, args.steps, args.rtol)
+        config = resolved_config(fit_args, build_cli)
+        difference = check_resume(config, fit_args, workdir, args.steps, args.rtol)
     except CheckError as err:
         ran = any(workdir.iterdir()) if workdir.is_dir() else False
         if not ran and args.workdir is None:
@@ -97,9 +87,32 @@ def main(argv: list[str]) -> None:
     raise SystemExit(1)
 
 
-def check_resume(fit_args: list[str], workdir: Path, steps: int, rtol: float) -> str | None:
-    """Run the straight run and each kill run in ``workdir``; the first difference, None if none."""
-    config = resolved_config(fit_args)
+def arguments() -> argparse.ArgumentParser:
+    """check-resume's own options; every other argument is the fit's."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        allow_abbrev=False,
+        description=(
+            "Run the config (shortened to a few steps, in a temporary folder) straight, then SIGKILL "
+            "it at its hard moments (inside a step, while a checkpoint is written, with async rollouts "
+            "in flight), resume each with --ckpt_path last, and compare every logged value and every "
+            "weight with the straight run: PASS, or FAIL and the first difference (exit status 1)."
+        ),
+        epilog="Every other argument goes to each `fit` as it is (--config files, --model.* ...).",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps of each run (default: 4)")
+    parser.add_argument(
+        "--rtol", type=float, default=1e-6, help="relative tolerance of logged values (weights: exact)"
+    )
+    parser.add_argument("--workdir", help="keep the runs here (default: a temporary folder, kept on FAIL)")
+    return parser
+
+
+def check_resume(
+    config: dict[str, Any], fit_args: list[str], workdir: Path, steps: int, rtol: float
+) -> str | None:
+    """Run ``fit_args`` (resolved: ``config``) straight and killed at each moment, in ``workdir``;
+    the first difference, None if none."""
     workdir.mkdir(parents=True, exist_ok=True)
     k = steps_per_batch(config["model"])
     if (config["trainer"].get("max_steps") or -1) > 0:
@@ -118,10 +131,8 @@ def check_resume(fit_args: list[str], workdir: Path, steps: int, rtol: float) ->
     return None
 
 
-def resolved_config(fit_args: list[str]) -> dict[str, Any]:
-    """The fit's config as LightningCLI resolves it (``--print_config``), without running it."""
-    from forge_lightning.cli.forge_cli import build_cli  # the CLI is this module's caller
-
+def resolved_config(fit_args: list[str], build_cli: Callable[[list[str]], Any]) -> dict[str, Any]:
+    """The fit's config as the CLI resolves it (``--print_config``), without running it."""
     printed, errors = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
         try:

@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args[:1] == ["check-resume"]:
         from forge_lightning.cli.check_resume import main as check_resume_main
 
-        check_resume_main(args[1:])
+        check_resume_main(args[1:], build_cli)
     else:
         try:
             build_cli(argv)
