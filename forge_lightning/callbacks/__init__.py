@@ -1,4 +1,5 @@
-"""Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging and the signal guard.
+"""Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging, the signal guard,
+and the kill point that ``check-resume`` arms.
 
 Each one works alone in a user's own ``Trainer``.
 """
