@@ -178,12 +178,13 @@ def shortened(config: dict[str, Any], steps: int, every: int) -> list[str]:
 def kill_runs(model: dict[str, Any], k: int) -> list[KillRun]:
     """The crashes to check for this config, each after the first checkpoint (step ``k``) and
     before the next one is in place."""
-    accumulation = int(model.get("gradient_accumulation_steps") or 1)
+    # A step's batches: accumulated ones, or with k > 1 one batch for k steps.
+    batches = int(model.get("gradient_accumulation_steps") or 1) if k == 1 else 1
     step = k + 1
-    inside = f"inside step {step}, after a backward in its batch {accumulation} of {accumulation}"
+    inside = f"inside step {step}, after a backward in its batch {batches} of {batches}"
     written = f"while step {2 * k}'s last.ckpt is written"  # the second checkpoint
     runs = [
-        KillRun("inside_step", KillPointSpec("backward", step, str(accumulation)), inside),
+        KillRun("inside_step", KillPointSpec("backward", step, str(batches)), inside),
         KillRun("checkpoint_write", KillPointSpec("write", 2 * k, "last.ckpt"), written),
     ]
     if model.get("rollout_mode") == "async":

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from forge_lightning.callbacks.kill_point import KillPointSpec
-from forge_lightning.cli.check_resume import CheckError, kill_runs, shortened
+from forge_lightning.cli.check_resume import CheckError, kill_runs, shortened, steps_per_batch
 from forge_lightning.cli.forge_cli import build_cli, main
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -127,10 +127,15 @@ def test_the_runs_are_shortened_into_their_own_folders_with_a_checkpoint_a_step(
     [
         ({"gradient_accumulation_steps": 2}, 1, ["backward@2/2", "write@2/last.ckpt"]),
         ({"rollout_mode": "async"}, 1, ["backward@2/1", "write@2/last.ckpt", "batch_end@2"]),
-        ({"steps_per_generation": 2}, 2, ["backward@3/1", "write@4/last.ckpt"]),
+        (
+            {"steps_per_generation": 2, "gradient_accumulation_steps": 3},
+            2,
+            ["backward@3/1", "write@4/last.ckpt"],
+        ),
     ],
 )
 def test_each_kill_falls_after_the_first_checkpoint_and_async_runs_add_rollouts_in_flight(model, k, points):
+    assert steps_per_batch(model) == k  # the steps between checkpoints
     runs = kill_runs(model, k)
     assert [str(run.point) for run in runs] == points
     assert all(isinstance(run.point, KillPointSpec) for run in runs)
