@@ -67,28 +67,16 @@ class TermAtBatch(Callback):
         self.seen += 1
 
 
-class KillWhileWriting(Callback):
-    """SIGKILLs its own process while a file or folder named ``name`` is being written at optimizer
-    step ``step`` (``$FORGE_KILL_WRITE`` = ``name@step``, e.g. ``last.ckpt@2`` or ``2@2`` for the HF
-    folder ``2/``): after its temporary sibling is written, before it is renamed into place."""
+def distinct_characters(prompts: list[str], responses: list[str]) -> list[float]:
+    """Distinct characters per response, over 8: a reward that varies among a tiny model's samples."""
+    return [len(set(r)) / 8 for r in responses]
 
-    def setup(self, trainer, pl_module, stage) -> None:
-        spec = os.environ.get("FORGE_KILL_WRITE")
-        if not spec:
-            return
-        import forge_lightning.run.checkpoint_io as checkpoint_io
-        import forge_lightning.run.fileio as fileio
 
-        name, step = spec.rsplit("@", 1)
-        original = fileio.write_atomically
+class SkipRngRestore(Callback):
+    """A broken resume: once made, the module's resume leaves the RNG states as the new process
+    has them instead of restoring the checkpoint's (training/run_state.py's ``set_rng_states``)."""
 
-        def write_atomically(target, write, **kwargs):
-            def killing(tmp):
-                write(tmp)
-                if Path(target).name == name and trainer.global_step == int(step):
-                    os.kill(os.getpid(), signal.SIGKILL)
+    def __init__(self) -> None:
+        import forge_lightning.training.run_state as run_state
 
-            return original(target, killing, **kwargs)
-
-        fileio.write_atomically = write_atomically  # write_folder_atomically calls it (HF folders)
-        checkpoint_io.write_atomically = write_atomically  # Lightning checkpoints
+        run_state.set_rng_states = lambda states: None

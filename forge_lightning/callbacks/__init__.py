@@ -1,6 +1,7 @@
-"""Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging and the guards
-(signal, collapse); :class:`RLLoopCallback`, the base of a callback that hooks into the RL loop
-(loop_hooks.py), and one such, :class:`DifficultyCurriculum` (curriculum.py).
+"""Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging, the guards
+(signal, collapse) and the kill point that ``check-resume`` arms; :class:`RLLoopCallback`, the
+base of a callback that hooks into the RL loop (loop_hooks.py), and one such,
+:class:`DifficultyCurriculum` (curriculum.py).
 
 Each one works alone in a user's own ``Trainer``.
 """
@@ -8,6 +9,7 @@ Each one works alone in a user's own ``Trainer``.
 from forge_lightning.callbacks.collapse_guard import CollapseGuard
 from forge_lightning.callbacks.curriculum import DifficultyCurriculum
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
+from forge_lightning.callbacks.kill_point import KillPoint
 from forge_lightning.callbacks.loop_hooks import RLLoopCallback
 from forge_lightning.callbacks.reference import ReferenceModel
 from forge_lightning.callbacks.reward_logger import RewardLogger
@@ -18,6 +20,7 @@ __all__ = [
     "CollapseGuard",
     "DifficultyCurriculum",
     "HFCheckpoint",
+    "KillPoint",
     "ReferenceModel",
     "RLLoopCallback",
     "RewardLogger",

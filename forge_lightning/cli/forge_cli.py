@@ -474,6 +474,14 @@ def _checkpoint_dirs(callbacks: list[Any]) -> list[str]:
     return [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
 
 
+# The top-level help's last lines: the commands main() runs itself, before LightningCLI.
+OTHER_COMMANDS = (
+    "check-resume --config X [overrides]: kill the config's run at its hard moments, resume it and "
+    "compare it with a straight run. plot LOG: draw a run's curves from its training_log.jsonl. "
+    "(Each takes --help.)"
+)
+
+
 def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
     """Build (and by default run) the CLI; ``args`` as on the command line (None reads ``sys.argv``)."""
     # The module logs its metrics once per optimizer step, so every batch may flush them; the
@@ -497,19 +505,24 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
         auto_configure_optimizers=False,
         # --model.lr would otherwise be taken for --model.lr_schedule, and --model.temp for
         # --model.temperature, without a word.
-        parser_kwargs={"allow_abbrev": False},
+        parser_kwargs={"allow_abbrev": False, "epilog": OTHER_COMMANDS},
         args=args,
         run=run,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: ``plot`` draws a run's curves, anything else goes to LightningCLI."""
+    """Console-script entry point: ``plot`` draws a run's curves, ``check-resume`` kills and
+    resumes a config's run (cli/check_resume.py), anything else goes to LightningCLI."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["plot"]:
         from forge_lightning.reporting.plot import main as plot_main  # matplotlib only when plotting
 
         plot_main(args[1:])
+    elif args[:1] == ["check-resume"]:
+        from forge_lightning.cli.check_resume import main as check_resume_main
+
+        check_resume_main(args[1:], build_cli)
     else:
         try:
             build_cli(argv)

@@ -263,7 +263,7 @@ trainer:
   enable_model_summary: false
   limit_val_batches: 0
   callbacks:
-    - class_path: faults.KillWhileWriting
+    - class_path: forge_lightning.callbacks.KillPoint
 hf_checkpoint:
   save_steps: 1
 checkpoint:
@@ -305,8 +305,8 @@ def uninterrupted_accumulation_run(tiny_model_dir, tmp_path_factory) -> Path:
     "first_kill",
     [
         {"FORGE_KILL_AT": "4"},  # between step 2's two batches
-        {"FORGE_KILL_WRITE": "last.ckpt@2"},  # while step 2's Lightning checkpoint is written
-        {"FORGE_KILL_WRITE": "2@2"},  # while step 2's HF folder is written
+        {"FORGE_KILL_POINT": "write@2/last.ckpt"},  # while step 2's Lightning checkpoint is written
+        {"FORGE_KILL_POINT": "write@2/2"},  # while step 2's HF folder is written
     ],
     ids=["between-batches", "lightning-checkpoint", "hf-folder"],
 )
