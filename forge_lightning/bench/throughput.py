@@ -33,6 +33,15 @@ that each round's lines share the machine's load: S = 1 and S = 4 at one prompt 
 step, S = 4 with the engine's log-probs, and S = 1 with four prompts per step. Each line adds
 ``generate_share``, the generate phase's share of the timed seconds.
 
+``--tools PATH [PATH ...]`` gives the policy function tools (import paths) through the built-in tool
+loop, ``--agent PATH`` runs a user's agent (``async def agent(client, row)``) through the
+OpenAI-compatible endpoint (rollout/agents/); each line then adds ``sampled_tokens_per_s``, the
+policy's own tokens (a tool's are not sampled) per second of the step, and
+``generate_tokens_per_s``, per second of its generate phase. ``--endpoint-compare --agent A
+--tools T ...`` runs the two routes at the same settings, interleaved ``--rounds`` times, the agent
+line with ``vs_tool_loop`` (its ``generate_tokens_per_s`` over the tool loop's before it): the cost
+of the HTTP layer. References are skipped on these lines.
+
 ``--rollout-precision int8`` (or ``bf16``) samples with a low-precision copy of the policy
 (rollout/engines/quantized.py) and sets ``rollout_correction: truncate`` (TIS, cap 3) itself; the
 references still time the policy's own ``generate``.
@@ -106,7 +115,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--steps-per-generation", type=int, default=1, help="optimizer steps per generation (S)")
     add("--engine-logprobs", action="store_true", help="old-policy log-probs from generate's scores")
     add("--generation-compare", action="store_true", help="S = 1 | 4 | 4 with engine log-probs | P = 4")
-    add("--rounds", type=int, default=1, help="generation-compare: rounds of the four lines")
+    add("--rounds", type=int, default=1, help="generation-compare, endpoint-compare: rounds of their lines")
+    add("--tools", nargs="+", default=None, help="function tools by import path (the built-in tool loop)")
+    add("--agent", default=None, help="an agent by import path, through the OpenAI-compatible endpoint")
+    add("--max-tool-calls", type=int, default=4, help="tools: the calls one completion may make")
+    add("--endpoint-compare", action="store_true", help="--tools against --agent, interleaved --rounds times")
     add(
         "--rollout-precision",
         choices=ROLLOUT_PRECISIONS,
@@ -128,6 +141,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--steps {args.steps} is not a multiple of steps per generation {spg}")
     if (args.generation_compare or args.steps_per_generation > 1) and args.rollout_mode != "sync":
         parser.error("--steps-per-generation and --generation-compare time sync rollouts")
+    if args.endpoint_compare and not (args.tools and args.agent):
+        parser.error("--endpoint-compare compares --tools with --agent: give both")
+    if args.tools and args.agent and not args.endpoint_compare:
+        parser.error("--tools and --agent are two routes: give one, or both with --endpoint-compare")
+    if args.endpoint_compare and (args.generation_compare or args.rollout_mode != "sync"):
+        parser.error("--endpoint-compare times sync rollouts alone")
     if args.rollout_precision and (args.engine_logprobs or args.generation_compare):
         parser.error(
             "--rollout-precision corrects by the sampler's log-probs: leave out --engine-logprobs "
@@ -159,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             result = run(argparse.Namespace(**{**vars(args), **changes})) | extra
         if compare and results:  # async against the sync line before it
             result["vs_sync"] = result["completion_tokens_per_s"] / results[0]["completion_tokens_per_s"]
+        if args.endpoint_compare and result["settings"]["agent"]:  # against the tool loop before it
+            result["vs_tool_loop"] = result["generate_tokens_per_s"] / results[-1]["generate_tokens_per_s"]
         print(json.dumps(result), file=stdout, flush=True)
         results.append(result)
     return results[-1]
@@ -170,6 +191,9 @@ def _lines(args: argparse.Namespace) -> list[tuple[dict[str, Any], dict[str, Any
     (with ``--sync-threads``), then async; else the arguments as given."""
     if args.generation_compare:
         return [(line, {"round": r}) for r in range(args.rounds) for line in GENERATION_LINES]
+    if args.endpoint_compare:
+        routes = [{"agent": None, "route": "tool_loop"}, {"tools": None, "route": "endpoint"}]
+        return [(route, {"round": r}) for r in range(args.rounds) for route in routes]
     if args.rollout_mode == "compare":
         sync = {"rollout_mode": "sync", "threads": args.sync_threads or args.threads}
         return [(sync, {}), ({"rollout_mode": "async"}, {})]
@@ -211,6 +235,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         use_engine_logprobs=args.engine_logprobs,
         rollout_precision=args.rollout_precision,
         rollout_correction="truncate" if args.rollout_precision else None,  # TIS at the default cap 3
+        tools=args.tools,
+        agent=args.agent,
+        max_tool_calls=args.max_tool_calls,
     )
     recording = module.rollout_source = RecordingRollouts(module.rollout_source)
     setup_rss = _current_rss_mb()
@@ -313,7 +340,8 @@ class StepTimer(pl.Callback):
         )
         trained = [s for s in self.steps if s["trained"]]
         timed = len(trained) > 1 and records  # the first step that trains is the warm-up
-        if timed and not self.args.no_references and self.args.rollout_mode == "sync":
+        routes = self.args.tools or self.args.agent  # no plain generate to hold them against
+        if timed and not self.args.no_references and self.args.rollout_mode == "sync" and not routes:
             self.references.append(_references(pl_module, kept[-1], self.args))
 
 
@@ -356,6 +384,11 @@ def _summary(
     }
     if memory["peak_gpu_mb"] is not None:
         result["peak_gpu_mb"] = memory["peak_gpu_mb"]
+    if args.tools or args.agent:  # the policy's own tokens: a tool's or an agent's turns are not sampled
+        sampled = [int(r.completion_lengths.sum()) for r in rollouts]
+        result["sampled_tokens_per_s"] = sum(sampled) / sum(seconds)
+        result["generate_tokens_per_s"] = sum(sampled) / sum(s["generate"] for s in steps)
+        result["sampled_tokens_per_step"] = statistics.median(sampled)
     result["settings"] = {
         "model": args.model,
         "data": str(args.data),
@@ -377,6 +410,8 @@ def _summary(
         "steps_per_generation": args.steps_per_generation,
         "engine_logprobs": args.engine_logprobs,
         "rollout_precision": args.rollout_precision,
+        "tools": args.tools,
+        "agent": args.agent,
     }
     if args.rollout_mode == "async":
         result["settings"]["max_staleness"] = args.max_staleness

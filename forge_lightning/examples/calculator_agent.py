@@ -5,7 +5,9 @@
 
 Two tools: ``calculate`` evaluates an arithmetic expression (the calculator's safe evaluator,
 rollout/tools/calculator.py: the model's text is parsed into numbers and ``+ - * /``, never run),
-``answer`` submits the final number. The agent offers both, runs the calls the model makes, sends
+``answer`` submits the final number. ``calculate`` and ``answer`` are also plain function tools,
+so that the built-in tool loop can run the same episodes (``python -m forge_lightning.bench
+--endpoint-compare``). The agent offers both, runs the calls the model makes, sends
 back their results, and stops at an answer, a turn with no call, or ``MAX_TURNS``. Its return
 value, 1.0 for the row's reference answer and 0.0 otherwise, is the episode's reward.
 """
@@ -50,11 +52,24 @@ TOOLS = [
 
 
 def calculate(expression: str) -> str:
-    """The value of ``expression``, or why the calculator refuses it."""
+    """Evaluate an arithmetic expression of numbers, + - * / and parentheses.
+
+    Args:
+        expression: the expression, e.g. (41 + 29) * 2
+    """
     try:
         return format_number(safe_eval(str(expression)))
     except CalculatorError as err:
         return f"error: {err}"
+
+
+def answer(value: str) -> str:
+    """Submit the final answer, a number.
+
+    Args:
+        value: the answer
+    """
+    return "submitted"
 
 
 async def agent(client: Any, row: dict[str, Any]) -> float:

@@ -9,7 +9,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from conftest import CHAT_TEMPLATE, make_model, make_tokenizer
+from transformers import AutoModelForCausalLM
 
 import forge_lightning.rollout.logprobs as logprobs_module
 import forge_lightning.training.loss_passes as backward_module
@@ -260,3 +261,30 @@ def test_bench_with_an_int8_sampler_corrects_by_its_logprobs(tiny_model_dir, tmp
     with pytest.raises(SystemExit):
         bench.main([*args, "--rollout-precision", "int8", "--engine-logprobs"])
     assert "--rollout-precision corrects by the sampler's log-probs" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_bench_endpoint_compare_runs_the_tool_loop_and_the_agent_on_the_same_episodes(
+    tiny_model_dir, tmp_path, capsys
+):
+    write_gsm8k(tmp_path)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), make_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE  # the tool turns need a template, the tools' schemas not
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    agent = "forge_lightning.examples.calculator_agent"
+    args = ["--model", str(tmp_path / "model"), "--data", str(tmp_path), "--steps", "1", "--group", "2"]
+    routes = ["--agent", f"{agent}.agent", "--tools", f"{agent}.calculate", f"{agent}.answer"]
+    bench.main([*args, "--max-new-tokens", "4", "--endpoint-compare", *routes, "--rounds", "2"])
+
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(r["round"], bool(r["settings"]["agent"]), bool(r["settings"]["tools"])) for r in lines] == [
+        (0, False, True), (0, True, False), (1, False, True), (1, True, False),
+    ]  # fmt: skip
+    for tool_loop, endpoint in zip(lines[::2], lines[1::2]):
+        assert tool_loop["sampled_tokens_per_step"] > 0 and "vs_tool_loop" not in tool_loop
+        ratio = endpoint["generate_tokens_per_s"] / tool_loop["generate_tokens_per_s"]
+        assert endpoint["vs_tool_loop"] == pytest.approx(ratio)
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--endpoint-compare", "--agent", f"{agent}.agent"])
+    assert "give both" in capsys.readouterr().err
