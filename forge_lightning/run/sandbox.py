@@ -20,15 +20,23 @@ checked; a machine that lacks one is refused with the reason, never given a weak
 
 Arguments and results cross as pickles: :meth:`Sandbox.prepare` pickles the functions up front, so
 that one which cannot cross (a lambda, a local function) is refused by name at the start.
+
+A stateful environment's episode is sticky (:meth:`Sandbox.open_episode`, run/episode_worker.py):
+its environment is made in a process of one worker when the episode opens, every later call of
+it goes to that process, and it ends when the trainer drops its handle. Episodes share the
+``workers`` (each opens on the worker holding the fewest, so that a batch of them spreads over
+all), and a worker runs one call at a time, its episodes' included: ``sandbox_workers`` is still
+how many calls run at once. A worker that dies, or is killed, takes its episodes with it: their
+later calls fail with a :class:`SandboxCallError` naming why.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import pickle
-import queue
 import shutil
 import signal
 import subprocess
@@ -41,6 +49,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from forge_lightning.run.episode_worker import EpisodeOp
 from forge_lightning.run.isolation import (
     NAMESPACES,
     SandboxUnavailable,
@@ -48,9 +57,18 @@ from forge_lightning.run.isolation import (
     probe,
     remove_cgroup,
 )
+from forge_lightning.run.sandbox_episodes import SandboxEpisode
 from forge_lightning.run.sandbox_worker import WORKER_MARK
 
-__all__ = ["Sandbox", "SandboxCallError", "SandboxLimits", "SandboxTimeout", "SandboxUnavailable", "probe"]
+__all__ = [
+    "Sandbox",
+    "SandboxCallError",
+    "SandboxEpisode",
+    "SandboxLimits",
+    "SandboxTimeout",
+    "SandboxUnavailable",
+    "probe",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +76,9 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = 60.0
 # Seconds a new worker may take to start and import the prepared functions' modules.
 START_TIMEOUT = 120.0
+# Seconds past an episode's call's timeout before the trainer kills its worker: the worker kills
+# the episode's process itself at the timeout, and answers.
+EPISODE_GRACE = 5.0
 _SERVE = "from forge_lightning.run.sandbox_worker import serve; serve()"
 
 
@@ -94,10 +115,11 @@ class Sandbox:
             raise ValueError(f"sandbox_workers must be >= 1, got {workers}")
         self.workers, self.limits = workers, limits or SandboxLimits()
         self._preload = pickle.dumps((_noop, (), {}))
-        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._idle: list[_Worker] = []
         self._started = 0
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()  # a worker came back, went, or did not start
         self._all: set[_Worker] = set()
+        self._episodes = itertools.count()
         self._finalizer = weakref.finalize(self, _kill_all, self._all)
 
     def check(self) -> str:
@@ -126,9 +148,50 @@ class Sandbox:
             raise TypeError(
                 f"{name}: its arguments cannot cross into the sandbox (plain data only): {err}"
             ) from err
-        worker = self._acquire()
+        return self._ask(self._acquire(), frame, timeout, name)
+
+    def open_episode(
+        self,
+        factory: Callable[[], Any],
+        method: str | None,
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        name: str,
+    ) -> tuple[SandboxEpisode, Any]:
+        """A new episode, its environment made by ``factory()`` in a process of the worker that
+        holds the fewest episodes, and the value of its ``method(**kwargs)`` (``reset``; None:
+        none is called). Raises as :meth:`call` does, naming ``name``; ``timeout`` None is
+        :data:`DEFAULT_TIMEOUT`."""
+        worker = self._acquire(balance=True)
+        episode = SandboxEpisode(self, worker, next(self._episodes), name)
+        op = EpisodeOp(
+            "open", episode.id, (factory, method, kwargs), _seconds(timeout), worker.take_releases()
+        )
+        return episode, self._ask_episode(worker, op, name)
+
+    def call_episode(
+        self, episode: SandboxEpisode, method: str, kwargs: dict[str, Any], timeout: float | None, name: str
+    ) -> Any:
+        """``method(**kwargs)`` of ``episode``'s environment, in its process; raises as :meth:`call`
+        does, naming ``name``, and :class:`SandboxCallError` where the episode has ended."""
+        worker = self._acquire(pinned=episode.worker, name=name)
+        op = EpisodeOp("call", episode.id, (method, kwargs), _seconds(timeout), worker.take_releases())
+        return self._ask_episode(worker, op, name)
+
+    def _ask_episode(self, worker: _Worker, op: EpisodeOp, name: str) -> Any:
         try:
-            kind, value = worker.ask(frame, timeout)
+            frame = pickle.dumps(op)
+        except Exception as err:
+            self._give_back(worker)
+            raise TypeError(
+                f"{name}: its arguments cannot cross into the sandbox (plain data only): {err}"
+            ) from err
+        return self._ask(worker, frame, op.timeout, name, EPISODE_GRACE)
+
+    def _ask(self, worker: _Worker, frame: bytes, timeout: float, name: str, grace: float = 0.0) -> Any:
+        """Send ``frame`` to ``worker`` (acquired), give it back, and return the value or raise."""
+        try:
+            kind, value = worker.ask(frame, timeout + grace)
         except TimeoutError:
             self._discard(worker, f"{name} ran past {timeout:g}s")
             raise SandboxTimeout(
@@ -138,13 +201,13 @@ class Sandbox:
         except (EOFError, OSError) as err:
             self._discard(worker, f"{name}: its worker died")
             raise SandboxCallError(f"{name}: its sandbox worker died ({err!r})") from None
-        self._idle.put(worker)
+        self._give_back(worker)
         if kind == "ok":
             return value
         if kind == "raised":
             raise value
         log.warning("sandboxed call %s %s", name, value)
-        raise SandboxCallError(f"{name} {value}")
+        raise (SandboxTimeout if kind == "timeout" else SandboxCallError)(f"{name} {value}")
 
     def worker_pids(self) -> list[int]:
         """The host pids of the workers' ``unshare`` processes (each the leader of its group)."""
@@ -152,48 +215,71 @@ class Sandbox:
 
     def close(self) -> None:
         """Kill every worker; a later call starts new ones."""
-        with self._lock:
+        with self._changed:
+            for worker in self._all:
+                worker.gone = "the sandbox was closed"
             _kill_all(self._all)
-            self._idle = queue.Queue()
+            self._idle = []
             self._started = 0
+            self._changed.notify_all()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A copy (a deep-copied or pickled module's) starts workers of its own, never shares these.
         return (_unstarted, (self.workers, self.limits, self._preload))
 
-    def _acquire(self) -> _Worker:
-        """An idle worker, a new one while fewer than ``workers`` run, else the next one freed."""
-        while True:
-            try:
-                return self._idle.get_nowait()
-            except queue.Empty:
-                pass
-            with self._lock:
-                spawn = self._started < self.workers
-                self._started += spawn
-            if spawn:
-                break
-            try:  # a short wait: a worker killed meanwhile frees its place instead
-                return self._idle.get(timeout=0.05)
-            except queue.Empty:
-                continue
+    def _acquire(self, pinned: _Worker | None = None, balance: bool = False, name: str = "") -> _Worker:
+        """``pinned`` once it is idle (SandboxCallError naming ``name`` where it is gone); else an
+        idle worker, a new one while fewer than ``workers`` run, or the next one freed. With
+        ``balance``, the worker that holds the fewest episodes (a new one while some hold none)."""
+        with self._changed:
+            while True:
+                target = self._least_loaded() if balance else pinned
+                if target is not None and target.gone is not None:
+                    raise SandboxCallError(
+                        f"{name}: its episode ended: its sandbox worker is gone ({target.gone})"
+                    )
+                if target is not None and target in self._idle:
+                    self._idle.remove(target)
+                    return target
+                if target is None and self._idle and not balance:
+                    return self._idle.pop()
+                if target is None and self._started < self.workers:
+                    self._started += 1
+                    break
+                self._changed.wait()
         try:
             worker = _Worker(self.limits, self._preload)
         except BaseException:
-            with self._lock:
+            with self._changed:
                 self._started -= 1
+                self._changed.notify_all()
             raise
         self._all.add(worker)
         return worker
+
+    def _least_loaded(self) -> _Worker | None:
+        """The live worker holding the fewest episodes; None (start one) while there is room and
+        each holds some."""
+        live = [worker for worker in self._all if worker.gone is None]
+        if self._started < self.workers and all(worker.episodes for worker in live):
+            return None
+        return min(live, key=lambda worker: len(worker.episodes), default=None)
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._changed:
+            self._idle.append(worker)
+            self._changed.notify_all()
 
     def _discard(self, worker: _Worker, why: str) -> None:
         log.warning(
             "sandbox: %s; its worker (pid %d) was killed with its process group", why, worker.process.pid
         )
+        worker.gone = why
         worker.kill()
-        self._all.discard(worker)
-        with self._lock:
+        with self._changed:
+            self._all.discard(worker)
             self._started -= 1
+            self._changed.notify_all()
 
 
 def refuse_unpicklable(fn: Any, name: str) -> None:
@@ -219,6 +305,10 @@ def _noop() -> None:
     return None
 
 
+def _seconds(timeout: float | None) -> float:
+    return DEFAULT_TIMEOUT if timeout is None else timeout
+
+
 def _imported(functions: list[Any]) -> None:
     """Nothing: unpickling ``functions`` in the worker imported their modules."""
     return None
@@ -228,6 +318,9 @@ class _Worker:
     """One worker process: its pipes, scratch folder and (under root) pids cgroup."""
 
     def __init__(self, limits: SandboxLimits, preload: bytes) -> None:
+        self.episodes: set[int] = set()  # the episodes open in it
+        self.releases: list[int] = []  # the episodes dropped since its last episode message
+        self.gone: str | None = None  # why it was killed
         self.scratch = tempfile.mkdtemp(prefix="forge-sandbox-")
         self.cgroup = pids_cgroup(limits.processes) if os.geteuid() == 0 else None
         task_r, task_w = os.pipe()
@@ -269,6 +362,13 @@ class _Worker:
         if kind != "ok":
             self.kill()
             raise SandboxCallError(f"a sandbox worker could not load the prepared functions: {value}")
+
+    def take_releases(self) -> tuple[int, ...]:
+        """The episodes dropped since the last message, to be ended before the next one."""
+        taken = []
+        while self.releases:
+            taken.append(self.releases.pop())  # appended by a finalizer, in any thread
+        return tuple(taken)
 
     def ask(self, frame: bytes, timeout: float) -> tuple[str, Any]:
         """Send one call, and wait at most ``timeout`` s for its answer (TimeoutError)."""
