@@ -1,7 +1,7 @@
 """``python -m forge_lightning.bench.sandbox_cost``: what ``sandbox: process`` costs a call, as one
-JSON line: the pool's start-up (the isolation probe and a worker's start, its first call
-included), a trivial reward's call on a batch through the reward path (rewards.call_reward) in the
-sandbox and in the trainer's thread, and a sticky episode's open, method call and score (the
+JSON line: the pool's start-up (the isolation probe, once per process, then the first call, which
+starts a worker), a trivial reward's call on a batch through the reward path (``call_reward``) in
+the sandbox and in the trainer's thread, and a sticky episode's open, method call and score (the
 environment path, tools/environments.py) in the sandbox and in process. Each figure is the median
 of ``--calls`` calls, in microseconds (the mean beside it); the whole-step overhead is measured
 from outside (notebooks/figures/sandbox/README.md).
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # Not at import time; Steps and trivial by their import path, not as __main__'s (python -m),
     # which a worker cannot import.
     from forge_lightning.bench.sandbox_cost import Steps, trivial  # noqa: PLC0415
-    from forge_lightning.rewards.calls import invoke_reward  # noqa: PLC0415
+    from forge_lightning.rewards.library import call_reward  # noqa: PLC0415
     from forge_lightning.rollout.tools.environments import sandboxed_environment  # noqa: PLC0415
     from forge_lightning.run.sandbox import Sandbox  # noqa: PLC0415
 
@@ -61,13 +61,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prompts, responses = ["p"] * args.batch, ["r" * i for i in range(args.batch)]
 
     def reward(sandbox: Any) -> Callable[[], Any]:
-        return lambda: invoke_reward(trivial, prompts, responses, {}, 60.0, 600.0, sandbox)
+        return lambda: call_reward(trivial, prompts, responses, {}, None, sandbox)  # as under smoke.yaml
 
     started = time.perf_counter()
     sandbox = Sandbox(args.workers)
-    sandbox.prepare({"reward 'trivial'": trivial, "environment_factory": Steps})
-    reward(sandbox)()
-    startup = time.perf_counter() - started
+    sandbox.prepare({"reward 'trivial'": trivial, "environment_factory": Steps})  # probes the machine
+    probed = time.perf_counter()
+    reward(sandbox)()  # starts the first worker, which imports the prepared functions' modules
+    first = time.perf_counter()
     try:
         figures = {
             "reward_thread": _timed(reward(None), args.calls),
@@ -89,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "calls": args.calls,
         "batch": args.batch,
         "workers": args.workers,
-        "startup_s": round(startup, 4),
+        "probe_s": round(probed - started, 4),
+        "first_call_s": round(first - probed, 4),
         **{f"{name}_us": median for name, (median, _) in figures.items()},
         **{f"{name}_mean_us": mean for name, (_, mean) in figures.items()},
     }

@@ -33,32 +33,23 @@ later calls fail with a :class:`SandboxCallError` naming why.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import pickle
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 from forge_lightning.run.episode_worker import EpisodeOp
-from forge_lightning.run.isolation import (
-    NAMESPACES,
-    SandboxUnavailable,
-    pids_cgroup,
-    probe,
-    remove_cgroup,
-)
+from forge_lightning.run.isolation import SandboxUnavailable, probe
 from forge_lightning.run.sandbox_episodes import SandboxEpisode
-from forge_lightning.run.sandbox_worker import WORKER_MARK
+from forge_lightning.run.sandbox_process import (
+    SandboxCallError,
+    SandboxLimits,
+    SandboxTimeout,
+    WorkerProcess,
+    kill_all,
+)
 
 __all__ = [
     "Sandbox",
@@ -74,32 +65,9 @@ log = logging.getLogger(__name__)
 
 # Seconds a sandboxed call may take when its reward_timeout / tool_timeout is None.
 DEFAULT_TIMEOUT = 60.0
-# Seconds a new worker may take to start and import the prepared functions' modules.
-START_TIMEOUT = 120.0
 # Seconds past an episode's call's timeout before the trainer kills its worker: the worker kills
 # the episode's process itself at the timeout, and answers.
 EPISODE_GRACE = 5.0
-_SERVE = "from forge_lightning.run.sandbox_worker import serve; serve()"
-
-
-class SandboxCallError(Exception):
-    """A sandboxed call failed without an exception of its own: it exited, was killed by a signal,
-    ran past its time, or what it returned cannot cross. An Exception: that call's failure, not the run's."""
-
-
-class SandboxTimeout(SandboxCallError, TimeoutError):
-    """A sandboxed call ran past its timeout and was killed with every process it started."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Limits of each sandboxed call."""
-
-    memory_mb: int = 2048  # address space a call may add to its worker's
-    cpu_seconds: int = 60  # CPU time of one call
-    open_files: int = 256
-    file_size_mb: int = 256  # the largest file a call may write
-    processes: int = 64  # processes and threads of one worker, the call's among them
 
 
 class Sandbox:
@@ -115,12 +83,12 @@ class Sandbox:
             raise ValueError(f"sandbox_workers must be >= 1, got {workers}")
         self.workers, self.limits = workers, limits or SandboxLimits()
         self._preload = pickle.dumps((_noop, (), {}))
-        self._idle: list[_Worker] = []
+        self._idle: list[WorkerProcess] = []
         self._started = 0
         self._changed = threading.Condition()  # a worker came back, went, or did not start
-        self._all: set[_Worker] = set()
+        self._all: set[WorkerProcess] = set()
         self._episodes = itertools.count()
-        self._finalizer = weakref.finalize(self, _kill_all, self._all)
+        self._finalizer = weakref.finalize(self, kill_all, self._all)
 
     def check(self) -> str:
         """The mechanism this machine gives (:func:`probe`); SandboxUnavailable naming what is missing."""
@@ -178,7 +146,7 @@ class Sandbox:
         op = EpisodeOp("call", episode.id, (method, kwargs), _seconds(timeout), worker.take_releases())
         return self._ask_episode(worker, op, name)
 
-    def _ask_episode(self, worker: _Worker, op: EpisodeOp, name: str) -> Any:
+    def _ask_episode(self, worker: WorkerProcess, op: EpisodeOp, name: str) -> Any:
         try:
             frame = pickle.dumps(op)
         except Exception as err:
@@ -188,7 +156,7 @@ class Sandbox:
             ) from err
         return self._ask(worker, frame, op.timeout, name, EPISODE_GRACE)
 
-    def _ask(self, worker: _Worker, frame: bytes, timeout: float, name: str, grace: float = 0.0) -> Any:
+    def _ask(self, worker: WorkerProcess, frame: bytes, timeout: float, name: str, grace: float = 0.0) -> Any:
         """Send ``frame`` to ``worker`` (acquired), give it back, and return the value or raise."""
         try:
             kind, value = worker.ask(frame, timeout + grace)
@@ -218,7 +186,7 @@ class Sandbox:
         with self._changed:
             for worker in self._all:
                 worker.gone = "the sandbox was closed"
-            _kill_all(self._all)
+            kill_all(self._all)
             self._idle = []
             self._started = 0
             self._changed.notify_all()
@@ -227,7 +195,9 @@ class Sandbox:
         # A copy (a deep-copied or pickled module's) starts workers of its own, never shares these.
         return (_unstarted, (self.workers, self.limits, self._preload))
 
-    def _acquire(self, pinned: _Worker | None = None, balance: bool = False, name: str = "") -> _Worker:
+    def _acquire(
+        self, pinned: WorkerProcess | None = None, balance: bool = False, name: str = ""
+    ) -> WorkerProcess:
         """``pinned`` once it is idle (SandboxCallError naming ``name`` where it is gone); else an
         idle worker, a new one while fewer than ``workers`` run, or the next one freed. With
         ``balance``, the worker that holds the fewest episodes (a new one while some hold none)."""
@@ -248,7 +218,7 @@ class Sandbox:
                     break
                 self._changed.wait()
         try:
-            worker = _Worker(self.limits, self._preload)
+            worker = WorkerProcess(self.limits, self._preload)
         except BaseException:
             with self._changed:
                 self._started -= 1
@@ -257,7 +227,7 @@ class Sandbox:
         self._all.add(worker)
         return worker
 
-    def _least_loaded(self) -> _Worker | None:
+    def _least_loaded(self) -> WorkerProcess | None:
         """The live worker holding the fewest episodes; None (start one) while there is room and
         each holds some."""
         live = [worker for worker in self._all if worker.gone is None]
@@ -265,12 +235,12 @@ class Sandbox:
             return None
         return min(live, key=lambda worker: len(worker.episodes), default=None)
 
-    def _give_back(self, worker: _Worker) -> None:
+    def _give_back(self, worker: WorkerProcess) -> None:
         with self._changed:
             self._idle.append(worker)
             self._changed.notify_all()
 
-    def _discard(self, worker: _Worker, why: str) -> None:
+    def _discard(self, worker: WorkerProcess, why: str) -> None:
         log.warning(
             "sandbox: %s; its worker (pid %d) was killed with its process group", why, worker.process.pid
         )
@@ -312,100 +282,3 @@ def _seconds(timeout: float | None) -> float:
 def _imported(functions: list[Any]) -> None:
     """Nothing: unpickling ``functions`` in the worker imported their modules."""
     return None
-
-
-class _Worker:
-    """One worker process: its pipes, scratch folder and (under root) pids cgroup."""
-
-    def __init__(self, limits: SandboxLimits, preload: bytes) -> None:
-        self.episodes: set[int] = set()  # the episodes open in it
-        self.releases: list[int] = []  # the episodes dropped since its last episode message
-        self.gone: str | None = None  # why it was killed
-        self.scratch = tempfile.mkdtemp(prefix="forge-sandbox-")
-        self.cgroup = pids_cgroup(limits.processes) if os.geteuid() == 0 else None
-        task_r, task_w = os.pipe()
-        answer_r, answer_w = os.pipe()
-        self.lifeline_r, self.lifeline_w = os.pipe()
-        passed = (task_r, answer_w, self.lifeline_r)
-        command = [sys.executable, "-c", _SERVE, *map(str, passed), self.scratch, json.dumps(asdict(limits))]
-        command = ["unshare", *NAMESPACES, *command]
-        if self.cgroup is not None:  # join the cgroup before anything else runs
-            command = [
-                "sh",
-                "-c",
-                'echo $$ > "$0" && exec "$@"',
-                os.path.join(self.cgroup, "cgroup.procs"),
-                *command,
-            ]
-        self.process = subprocess.Popen(
-            command,
-            pass_fds=passed,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=self.scratch,
-            env=_worker_environment(self.scratch),
-        )
-        for fd in passed:
-            os.close(fd)
-        self.tasks = Connection(task_w, readable=False)
-        self.answers = Connection(answer_r, writable=False)
-        try:
-            kind, value = self.ask(preload, START_TIMEOUT)
-        except BaseException as err:
-            self.kill()
-            if isinstance(err, (EOFError, OSError, TimeoutError)):
-                raise SandboxCallError(
-                    f"a sandbox worker did not start ({err!r}); its stderr says why"
-                ) from err
-            raise
-        if kind != "ok":
-            self.kill()
-            raise SandboxCallError(f"a sandbox worker could not load the prepared functions: {value}")
-
-    def take_releases(self) -> tuple[int, ...]:
-        """The episodes dropped since the last message, to be ended before the next one."""
-        taken = []
-        while self.releases:
-            taken.append(self.releases.pop())  # appended by a finalizer, in any thread
-        return tuple(taken)
-
-    def ask(self, frame: bytes, timeout: float) -> tuple[str, Any]:
-        """Send one call, and wait at most ``timeout`` s for its answer (TimeoutError)."""
-        self.tasks.send_bytes(frame)
-        if not self.answers.poll(timeout):
-            raise TimeoutError
-        return pickle.loads(self.answers.recv_bytes())
-
-    def kill(self) -> None:
-        """Kill the worker's process group (``unshare``, the worker and so its pid namespace)."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-        for conn in (self.tasks, self.answers):
-            conn.close()
-        os.close(self.lifeline_w)
-        remove_cgroup(self.cgroup)
-        shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def _kill_all(workers: set[_Worker]) -> None:
-    for worker in list(workers):
-        worker.kill()
-    workers.clear()
-
-
-def _worker_environment(scratch: str) -> dict[str, str]:
-    """The worker's environment: the trainer's, with its ``sys.path`` (so that the user's modules
-    import there as here) and the scratch folder as home and temporary folder."""
-    paths = [os.path.abspath(entry or os.curdir) for entry in sys.path]
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(paths),
-        "TMPDIR": scratch,
-        "HOME": scratch,
-        "PYTHONDONTWRITEBYTECODE": "1",
-        WORKER_MARK: "1",
-    }
