@@ -10,6 +10,7 @@ from outside (notebooks/figures/sandbox/README.md).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -46,6 +47,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=200, help="calls timed per figure")
     parser.add_argument("--batch", type=int, default=32, help="responses per reward call (smoke: 4 x 8)")
     parser.add_argument("--workers", type=int, default=2, help="the sandbox's workers")
+    parser.add_argument(
+        "--reward",
+        default=None,
+        help="the reward timed, by import path (a class is made with no arguments; e.g. "
+        "forge_lightning.rewards.library.GSM8KAnswerReward, smoke.yaml's); default: one that costs nothing",
+    )
     return parser.parse_args(argv)
 
 
@@ -58,14 +65,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from forge_lightning.run.sandbox import Sandbox  # noqa: PLC0415
 
     args = parse_args(argv)
-    prompts, responses = ["p"] * args.batch, ["r" * i for i in range(args.batch)]
+    timed = trivial if args.reward is None else _imported(args.reward)
+    prompts, responses = ["p"] * args.batch, [f"Answer: {i}" for i in range(args.batch)]
+    references = [str(i % 3) for i in range(args.batch)]
 
     def reward(sandbox: Any) -> Callable[[], Any]:
-        return lambda: call_reward(trivial, prompts, responses, {}, None, sandbox)  # as under smoke.yaml
+        kwargs = {"references": references}  # the reward takes what it names (none: trivial)
+        return lambda: call_reward(timed, prompts, responses, kwargs, None, sandbox)  # as smoke.yaml
 
     started = time.perf_counter()
     sandbox = Sandbox(args.workers)
-    sandbox.prepare({"reward 'trivial'": trivial, "environment_factory": Steps})  # probes the machine
+    sandbox.prepare({"reward": timed, "environment_factory": Steps})  # probes the machine
     probed = time.perf_counter()
     reward(sandbox)()  # starts the first worker, which imports the prepared functions' modules
     first = time.perf_counter()
@@ -87,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         sandbox.close()
     result = {
+        "reward": args.reward or "trivial",
         "calls": args.calls,
         "batch": args.batch,
         "workers": args.workers,
@@ -97,6 +108,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(json.dumps(result), file=sys.stdout, flush=True)
     return result
+
+
+def _imported(path: str) -> Any:
+    """The object at the import path ``path``; a class made with no arguments."""
+    module, _, name = path.rpartition(".")
+    found = getattr(importlib.import_module(module), name)
+    return found() if isinstance(found, type) else found
 
 
 def _timed(call: Callable[[], Any], calls: int) -> tuple[float, float]:
