@@ -26,8 +26,10 @@ its environment is made in a process of one worker when the episode opens, every
 it goes to that process, and it ends when the trainer drops its handle. Episodes share the
 ``workers`` (each opens on the worker holding the fewest, so that a batch of them spreads over
 all), and a worker runs one call at a time, its episodes' included: ``sandbox_workers`` is still
-how many calls run at once. A worker that dies, or is killed, takes its episodes with it: their
-later calls fail with a :class:`SandboxCallError` naming why.
+how many calls run at once. Each open episode is a process of its worker, within the worker's bound
+of ``processes``; a dropped one is ended with the next episode message its worker gets (a step's
+episodes end as the next step's open). A worker that dies, or is killed, takes its episodes with
+it: their later calls fail with a :class:`SandboxCallError` naming why.
 """
 
 from __future__ import annotations
