@@ -223,10 +223,13 @@ class GRPOLightningModule(pl.LightningModule):
         sandbox: ``thread``: rewards and tools run in the trainer's process (a timeout abandons the
             call's thread); ``process``: in sandboxed worker processes (run/sandbox.py), each call
             killed with everything it started past its timeout (60 s where None); refused at the
-            start where the machine cannot isolate. A RewardModel stays in process.
+            start where the machine cannot isolate. A RewardModel stays in process. An
+            environment lives in one worker's process for its whole episode (its tools and its
+            score are called there; episodes share the workers).
         sandbox_memory_mb: ``process``: the address space a call may add to its worker's, in MiB.
         sandbox_cpu_seconds: ``process``: the CPU seconds of one call.
-        sandbox_workers: ``process``: worker processes, so calls that may run at once.
+        sandbox_workers: ``process``: worker processes, so calls that may run at once (an
+            episode's among them).
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
             and maj@k; 0: greedy only.
         val_temperature: temperature of the sampled validation completions.

@@ -1,5 +1,6 @@
 """``python -m forge_lightning.bench``: the throughput benchmark (throughput.py) and the two
-references each timed step is measured against (references.py)."""
+references each timed step is measured against (references.py); ``python -m
+forge_lightning.bench.sandbox_cost``: what ``sandbox: process`` costs a call (sandbox_cost.py)."""
 
 from forge_lightning._moved import lazy_exports
 

@@ -20,65 +20,56 @@ checked; a machine that lacks one is refused with the reason, never given a weak
 
 Arguments and results cross as pickles: :meth:`Sandbox.prepare` pickles the functions up front, so
 that one which cannot cross (a lambda, a local function) is refused by name at the start.
+
+A stateful environment's episode is sticky (:meth:`Sandbox.open_episode`, run/episode_worker.py):
+its environment is made in a process of one worker when the episode opens, every later call of
+it goes to that process, and it ends when the trainer drops its handle. Episodes share the
+``workers`` (each opens on the worker holding the fewest, so that a batch of them spreads over
+all), and a worker runs one call at a time, its episodes' included: ``sandbox_workers`` is still
+how many calls run at once. Each open episode is a process of its worker, within the worker's bound
+of ``processes``; a dropped one is ended with the next episode message its worker gets (a step's
+episodes end as the next step's open). A worker that dies, or is killed, takes its episodes with
+it: their later calls fail with a :class:`SandboxCallError` naming why.
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 import logging
-import os
 import pickle
-import queue
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
-from forge_lightning.run.isolation import (
-    NAMESPACES,
-    SandboxUnavailable,
-    pids_cgroup,
-    probe,
-    remove_cgroup,
+from forge_lightning.run.episode_worker import EpisodeOp
+from forge_lightning.run.isolation import SandboxUnavailable, probe
+from forge_lightning.run.sandbox_episodes import SandboxEpisode
+from forge_lightning.run.sandbox_process import (
+    SandboxCallError,
+    SandboxLimits,
+    SandboxTimeout,
+    WorkerProcess,
+    kill_all,
 )
-from forge_lightning.run.sandbox_worker import WORKER_MARK
 
-__all__ = ["Sandbox", "SandboxCallError", "SandboxLimits", "SandboxTimeout", "SandboxUnavailable", "probe"]
+__all__ = [
+    "Sandbox",
+    "SandboxCallError",
+    "SandboxEpisode",
+    "SandboxLimits",
+    "SandboxTimeout",
+    "SandboxUnavailable",
+    "probe",
+]
 
 log = logging.getLogger(__name__)
 
 # Seconds a sandboxed call may take when its reward_timeout / tool_timeout is None.
 DEFAULT_TIMEOUT = 60.0
-# Seconds a new worker may take to start and import the prepared functions' modules.
-START_TIMEOUT = 120.0
-_SERVE = "from forge_lightning.run.sandbox_worker import serve; serve()"
-
-
-class SandboxCallError(Exception):
-    """A sandboxed call failed without an exception of its own: it exited, was killed by a signal,
-    ran past its time, or what it returned cannot cross. An Exception: that call's failure, not the run's."""
-
-
-class SandboxTimeout(SandboxCallError, TimeoutError):
-    """A sandboxed call ran past its timeout and was killed with every process it started."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Limits of each sandboxed call."""
-
-    memory_mb: int = 2048  # address space a call may add to its worker's
-    cpu_seconds: int = 60  # CPU time of one call
-    open_files: int = 256
-    file_size_mb: int = 256  # the largest file a call may write
-    processes: int = 64  # processes and threads of one worker, the call's among them
+# Seconds past an episode's call's timeout before the trainer kills its worker: the worker kills
+# the episode's process itself at the timeout, and answers.
+EPISODE_GRACE = 5.0
 
 
 class Sandbox:
@@ -94,11 +85,12 @@ class Sandbox:
             raise ValueError(f"sandbox_workers must be >= 1, got {workers}")
         self.workers, self.limits = workers, limits or SandboxLimits()
         self._preload = pickle.dumps((_noop, (), {}))
-        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._idle: list[WorkerProcess] = []
         self._started = 0
-        self._lock = threading.Lock()
-        self._all: set[_Worker] = set()
-        self._finalizer = weakref.finalize(self, _kill_all, self._all)
+        self._changed = threading.Condition()  # a worker came back, went, or did not start
+        self._all: set[WorkerProcess] = set()
+        self._episodes = itertools.count()
+        self._finalizer = weakref.finalize(self, kill_all, self._all)
 
     def check(self) -> str:
         """The mechanism this machine gives (:func:`probe`); SandboxUnavailable naming what is missing."""
@@ -126,9 +118,50 @@ class Sandbox:
             raise TypeError(
                 f"{name}: its arguments cannot cross into the sandbox (plain data only): {err}"
             ) from err
-        worker = self._acquire()
+        return self._ask(self._acquire(), frame, timeout, name)
+
+    def open_episode(
+        self,
+        factory: Callable[[], Any],
+        method: str | None,
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        name: str,
+    ) -> tuple[SandboxEpisode, Any]:
+        """A new episode, its environment made by ``factory()`` in a process of the worker that
+        holds the fewest episodes, and the value of its ``method(**kwargs)`` (``reset``; None:
+        none is called). Raises as :meth:`call` does, naming ``name``; ``timeout`` None is
+        :data:`DEFAULT_TIMEOUT`."""
+        worker = self._acquire(balance=True)
+        episode = SandboxEpisode(self, worker, next(self._episodes), name)
+        op = EpisodeOp(
+            "open", episode.id, (factory, method, kwargs), _seconds(timeout), worker.take_releases()
+        )
+        return episode, self._ask_episode(worker, op, name)
+
+    def call_episode(
+        self, episode: SandboxEpisode, method: str, kwargs: dict[str, Any], timeout: float | None, name: str
+    ) -> Any:
+        """``method(**kwargs)`` of ``episode``'s environment, in its process; raises as :meth:`call`
+        does, naming ``name``, and :class:`SandboxCallError` where the episode has ended."""
+        worker = self._acquire(pinned=episode.worker, name=name)
+        op = EpisodeOp("call", episode.id, (method, kwargs), _seconds(timeout), worker.take_releases())
+        return self._ask_episode(worker, op, name)
+
+    def _ask_episode(self, worker: WorkerProcess, op: EpisodeOp, name: str) -> Any:
         try:
-            kind, value = worker.ask(frame, timeout)
+            frame = pickle.dumps(op)
+        except Exception as err:
+            self._give_back(worker)
+            raise TypeError(
+                f"{name}: its arguments cannot cross into the sandbox (plain data only): {err}"
+            ) from err
+        return self._ask(worker, frame, op.timeout, name, EPISODE_GRACE)
+
+    def _ask(self, worker: WorkerProcess, frame: bytes, timeout: float, name: str, grace: float = 0.0) -> Any:
+        """Send ``frame`` to ``worker`` (acquired), give it back, and return the value or raise."""
+        try:
+            kind, value = worker.ask(frame, timeout + grace)
         except TimeoutError:
             self._discard(worker, f"{name} ran past {timeout:g}s")
             raise SandboxTimeout(
@@ -138,13 +171,13 @@ class Sandbox:
         except (EOFError, OSError) as err:
             self._discard(worker, f"{name}: its worker died")
             raise SandboxCallError(f"{name}: its sandbox worker died ({err!r})") from None
-        self._idle.put(worker)
+        self._give_back(worker)
         if kind == "ok":
             return value
         if kind == "raised":
             raise value
         log.warning("sandboxed call %s %s", name, value)
-        raise SandboxCallError(f"{name} {value}")
+        raise (SandboxTimeout if kind == "timeout" else SandboxCallError)(f"{name} {value}")
 
     def worker_pids(self) -> list[int]:
         """The host pids of the workers' ``unshare`` processes (each the leader of its group)."""
@@ -152,48 +185,73 @@ class Sandbox:
 
     def close(self) -> None:
         """Kill every worker; a later call starts new ones."""
-        with self._lock:
-            _kill_all(self._all)
-            self._idle = queue.Queue()
+        with self._changed:
+            for worker in self._all:
+                worker.gone = "the sandbox was closed"
+            kill_all(self._all)
+            self._idle = []
             self._started = 0
+            self._changed.notify_all()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A copy (a deep-copied or pickled module's) starts workers of its own, never shares these.
         return (_unstarted, (self.workers, self.limits, self._preload))
 
-    def _acquire(self) -> _Worker:
-        """An idle worker, a new one while fewer than ``workers`` run, else the next one freed."""
-        while True:
-            try:
-                return self._idle.get_nowait()
-            except queue.Empty:
-                pass
-            with self._lock:
-                spawn = self._started < self.workers
-                self._started += spawn
-            if spawn:
-                break
-            try:  # a short wait: a worker killed meanwhile frees its place instead
-                return self._idle.get(timeout=0.05)
-            except queue.Empty:
-                continue
+    def _acquire(
+        self, pinned: WorkerProcess | None = None, balance: bool = False, name: str = ""
+    ) -> WorkerProcess:
+        """``pinned`` once it is idle (SandboxCallError naming ``name`` where it is gone); else an
+        idle worker, a new one while fewer than ``workers`` run, or the next one freed. With
+        ``balance``, the worker that holds the fewest episodes (a new one while some hold none)."""
+        with self._changed:
+            while True:
+                target = self._least_loaded() if balance else pinned
+                if target is not None and target.gone is not None:
+                    raise SandboxCallError(
+                        f"{name}: its episode ended: its sandbox worker is gone ({target.gone})"
+                    )
+                if target is not None and target in self._idle:
+                    self._idle.remove(target)
+                    return target
+                if target is None and self._idle and not balance:
+                    return self._idle.pop()
+                if target is None and self._started < self.workers:
+                    self._started += 1
+                    break
+                self._changed.wait()
         try:
-            worker = _Worker(self.limits, self._preload)
+            worker = WorkerProcess(self.limits, self._preload)
         except BaseException:
-            with self._lock:
+            with self._changed:
                 self._started -= 1
+                self._changed.notify_all()
             raise
         self._all.add(worker)
         return worker
 
-    def _discard(self, worker: _Worker, why: str) -> None:
+    def _least_loaded(self) -> WorkerProcess | None:
+        """The live worker holding the fewest episodes; None (start one) while there is room and
+        each holds some."""
+        live = [worker for worker in self._all if worker.gone is None]
+        if self._started < self.workers and all(worker.episodes for worker in live):
+            return None
+        return min(live, key=lambda worker: len(worker.episodes), default=None)
+
+    def _give_back(self, worker: WorkerProcess) -> None:
+        with self._changed:
+            self._idle.append(worker)
+            self._changed.notify_all()
+
+    def _discard(self, worker: WorkerProcess, why: str) -> None:
         log.warning(
             "sandbox: %s; its worker (pid %d) was killed with its process group", why, worker.process.pid
         )
+        worker.gone = why
         worker.kill()
-        self._all.discard(worker)
-        with self._lock:
+        with self._changed:
+            self._all.discard(worker)
             self._started -= 1
+            self._changed.notify_all()
 
 
 def refuse_unpicklable(fn: Any, name: str) -> None:
@@ -219,93 +277,10 @@ def _noop() -> None:
     return None
 
 
+def _seconds(timeout: float | None) -> float:
+    return DEFAULT_TIMEOUT if timeout is None else timeout
+
+
 def _imported(functions: list[Any]) -> None:
     """Nothing: unpickling ``functions`` in the worker imported their modules."""
     return None
-
-
-class _Worker:
-    """One worker process: its pipes, scratch folder and (under root) pids cgroup."""
-
-    def __init__(self, limits: SandboxLimits, preload: bytes) -> None:
-        self.scratch = tempfile.mkdtemp(prefix="forge-sandbox-")
-        self.cgroup = pids_cgroup(limits.processes) if os.geteuid() == 0 else None
-        task_r, task_w = os.pipe()
-        answer_r, answer_w = os.pipe()
-        self.lifeline_r, self.lifeline_w = os.pipe()
-        passed = (task_r, answer_w, self.lifeline_r)
-        command = [sys.executable, "-c", _SERVE, *map(str, passed), self.scratch, json.dumps(asdict(limits))]
-        command = ["unshare", *NAMESPACES, *command]
-        if self.cgroup is not None:  # join the cgroup before anything else runs
-            command = [
-                "sh",
-                "-c",
-                'echo $$ > "$0" && exec "$@"',
-                os.path.join(self.cgroup, "cgroup.procs"),
-                *command,
-            ]
-        self.process = subprocess.Popen(
-            command,
-            pass_fds=passed,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=self.scratch,
-            env=_worker_environment(self.scratch),
-        )
-        for fd in passed:
-            os.close(fd)
-        self.tasks = Connection(task_w, readable=False)
-        self.answers = Connection(answer_r, writable=False)
-        try:
-            kind, value = self.ask(preload, START_TIMEOUT)
-        except BaseException as err:
-            self.kill()
-            if isinstance(err, (EOFError, OSError, TimeoutError)):
-                raise SandboxCallError(
-                    f"a sandbox worker did not start ({err!r}); its stderr says why"
-                ) from err
-            raise
-        if kind != "ok":
-            self.kill()
-            raise SandboxCallError(f"a sandbox worker could not load the prepared functions: {value}")
-
-    def ask(self, frame: bytes, timeout: float) -> tuple[str, Any]:
-        """Send one call, and wait at most ``timeout`` s for its answer (TimeoutError)."""
-        self.tasks.send_bytes(frame)
-        if not self.answers.poll(timeout):
-            raise TimeoutError
-        return pickle.loads(self.answers.recv_bytes())
-
-    def kill(self) -> None:
-        """Kill the worker's process group (``unshare``, the worker and so its pid namespace)."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-        for conn in (self.tasks, self.answers):
-            conn.close()
-        os.close(self.lifeline_w)
-        remove_cgroup(self.cgroup)
-        shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def _kill_all(workers: set[_Worker]) -> None:
-    for worker in list(workers):
-        worker.kill()
-    workers.clear()
-
-
-def _worker_environment(scratch: str) -> dict[str, str]:
-    """The worker's environment: the trainer's, with its ``sys.path`` (so that the user's modules
-    import there as here) and the scratch folder as home and temporary folder."""
-    paths = [os.path.abspath(entry or os.curdir) for entry in sys.path]
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(paths),
-        "TMPDIR": scratch,
-        "HOME": scratch,
-        "PYTHONDONTWRITEBYTECODE": "1",
-        WORKER_MARK: "1",
-    }

@@ -14,8 +14,6 @@ trainer writes, is the lifeline: when it closes (the trainer died) the worker ex
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
 import os
 import pickle
@@ -25,11 +23,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from forge_lightning.run.episode_worker import FOLDER_PREFIX, EpisodeOp, Episodes
 from forge_lightning.run.landlock import restrict
+from forge_lightning.run.sandbox_frames import awaited, death, frame, raised
 
 # Folders every Python process needs to read (its libraries, the system's configuration).
 SYSTEM_FOLDERS = ("/usr", "/lib", "/lib64", "/bin", "/etc", "/proc", "/sys", "/dev")
@@ -56,15 +57,16 @@ def serve() -> None:
         resource.setrlimit(kind, (value, value))
     tasks = Connection(task_fd, writable=False)
     answers = Connection(answer_fd, readable=False)
+    episodes = Episodes(scratch, limits)
     while True:
         ready, _, _ = select.select([task_fd, lifeline_fd], [], [])
         if lifeline_fd in ready:
             os._exit(0)  # the trainer is gone (or closed the pool)
         try:
-            frame = tasks.recv_bytes()
+            message = tasks.recv_bytes()
         except EOFError:
             os._exit(0)
-        answers.send_bytes(_answer(frame, scratch, limits, lifeline_fd))
+        answers.send_bytes(_answer(message, scratch, limits, lifeline_fd, episodes))
 
 
 def readable_paths() -> list[str]:
@@ -85,20 +87,28 @@ def readable_paths() -> list[str]:
     return sorted(os.path.realpath(path) for path in paths)
 
 
-def _answer(frame: bytes, scratch: str, limits: dict[str, Any], lifeline_fd: int) -> bytes:
-    """One call's answer frame: run in a forked child, which is then killed with whatever it started."""
+def _answer(
+    message: bytes, scratch: str, limits: dict[str, Any], lifeline_fd: int, episodes: Episodes
+) -> bytes:
+    """One message's answer frame: a call run in a forked child, which is then killed with
+    whatever it started; an episode's message (run/episode_worker.py) handed to its episodes."""
     try:
-        fn, args, kwargs = pickle.loads(frame)  # imports the call's modules here, once per worker
+        task = pickle.loads(message)  # imports the call's modules here, once per worker
     except BaseException as err:  # a module the worker cannot import, a class that fails to load
-        return _frame("failed", f"could not be unpickled in the sandbox: {err!r}")
+        return frame("failed", f"could not be unpickled in the sandbox: {err!r}")
+    if isinstance(task, EpisodeOp):
+        return episodes.answer(task, lifeline_fd)
+    fn, args, kwargs = task
     reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:  # the call's own process
         os.close(reader)
+        episodes.close_in_child()
         _run_child(fn, args, kwargs, writer, limits)
     os.close(writer)
-    answer = _collect(pid, Connection(reader, writable=False), lifeline_fd)
-    _sweep(scratch)
+    spared = episodes.groups()
+    answer = _collect(pid, Connection(reader, writable=False), lifeline_fd, spared)
+    _sweep(scratch, spared)
     return answer
 
 
@@ -111,11 +121,11 @@ def _run_child(fn: Any, args: tuple, kwargs: dict[str, Any], writer: int, limits
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         cpu = int(limits["cpu_seconds"])
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
-        answer = _frame("ok", _result(fn(*args, **kwargs)))
+        answer = frame("ok", awaited(fn(*args, **kwargs)))
     except (SystemExit, KeyboardInterrupt) as err:
-        answer = _frame("failed", f"raised {err!r} from its own code")
+        answer = frame("failed", f"raised {err!r} from its own code")
     except BaseException as err:
-        answer = _raised(err)
+        answer = raised(err)
     try:
         Connection(writer, readable=False).send_bytes(answer)
     except BaseException:
@@ -123,39 +133,13 @@ def _run_child(fn: Any, args: tuple, kwargs: dict[str, Any], writer: int, limits
     os._exit(code)
 
 
-def _result(value: Any) -> Any:
-    """A call's value, awaited where it is a coroutine (an ``async def`` reward or tool)."""
-    return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
-
-
-async def _awaited(value: Any) -> Any:
-    return await value
-
-
-def _frame(kind: str, value: Any) -> bytes:
-    try:
-        return pickle.dumps((kind, value))
-    except Exception as err:  # a result of a class the trainer could not rebuild either
-        return pickle.dumps(("failed", f"returned {type(value).__name__}, which cannot be pickled ({err})"))
-
-
-def _raised(err: BaseException) -> bytes:
-    """The exception itself where it pickles and unpickles, else a RuntimeError with its text."""
-    try:
-        frame = pickle.dumps(("raised", err))
-        pickle.loads(frame)
-        return frame
-    except Exception:
-        return pickle.dumps(("raised", RuntimeError(f"{type(err).__name__}: {err}")))
-
-
-def _collect(pid: int, conn: Connection, lifeline_fd: int) -> bytes:
+def _collect(pid: int, conn: Connection, lifeline_fd: int, spared: set[int]) -> bytes:
     """The child's answer frame, or a ``failed`` frame saying how it died; ``conn`` is closed."""
     with conn:
-        return _wait_for(pid, conn, lifeline_fd)
+        return _wait_for(pid, conn, lifeline_fd, spared)
 
 
-def _wait_for(pid: int, conn: Connection, lifeline_fd: int) -> bytes:
+def _wait_for(pid: int, conn: Connection, lifeline_fd: int, spared: set[int]) -> bytes:
     reader, status = conn.fileno(), None
     while status is None:
         ready, _, _ = select.select([reader, lifeline_fd], [], [], POLL_SECONDS)
@@ -163,59 +147,65 @@ def _wait_for(pid: int, conn: Connection, lifeline_fd: int) -> bytes:
             os._exit(0)
         if reader in ready:
             try:
-                frame = conn.recv_bytes()
+                answer = conn.recv_bytes()
             except EOFError:
-                frame = None
-            if frame is not None:
+                answer = None
+            if answer is not None:
                 os.kill(pid, signal.SIGKILL)  # it answered: whatever it does now does not count
                 os.waitpid(pid, 0)
-                return frame
+                return answer
         done, status = os.waitpid(pid, os.WNOHANG)
         status = status if done else None
-    _kill_others()  # a descendant may hold the pipe open
+    _kill_others(spared)  # a descendant may hold the pipe open
     if conn.poll(0):
         try:
             return conn.recv_bytes()
         except EOFError:
             pass
-    return _frame("failed", _death(status))
+    return frame("failed", death(status))
 
 
-def _death(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        number = os.WTERMSIG(status)
-        name = signal.Signals(number).name
-        why = {
-            "SIGXCPU": " (it used up sandbox_cpu_seconds)",
-            "SIGKILL": " (killed: its CPU time or memory ran out, or it was killed)",
-            "SIGSEGV": " (a segmentation fault)",
-        }.get(name, "")
-        return f"was killed by signal {name}{why}"
-    return f"exited with code {os.WEXITSTATUS(status)} without answering"
-
-
-def _kill_others() -> None:
-    """Kill every process of this pid namespace but the worker (its first), and reap them."""
-    me = os.getpid()
+def _kill_others(spared: set[int] = frozenset()) -> None:
+    """Kill every process of this pid namespace but the worker (its first) and the process groups
+    ``spared`` (its episodes'), and reap them."""
+    me, killed = os.getpid(), set()
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    while True:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            if os.getpgid(pid) not in spared:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+        except ProcessLookupError:
+            pass
+    while killed:  # reap the killed (each is the worker's child, or becomes one when its parent dies)
+        try:  # with no episode alive every child left is a killed one: wait for the next to die
+            pid, _ = os.waitpid(-1, os.WNOHANG if spared else 0)
         except ChildProcessError:
             return
-        if pid == 0:  # some still dying: they are SIGKILLed, so wait for them
-            pid, _ = os.waitpid(-1, 0)
+        if pid:
+            killed.discard(pid)
+            continue
+        killed = {pid for pid in killed if _running(pid)}
+        time.sleep(0.001)
 
 
-def _sweep(scratch: str) -> None:
-    """After a call: no process it started and no file it wrote is left."""
-    _kill_others()
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (one a spared episode's process will reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _sweep(scratch: str, spared: set[int] = frozenset()) -> None:
+    """After a call: no process it started and no file it wrote is left (the episodes' are)."""
+    _kill_others(spared)
     for entry in os.listdir(scratch):
+        if entry.startswith(FOLDER_PREFIX):
+            continue
         path = os.path.join(scratch, entry)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)

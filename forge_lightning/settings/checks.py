@@ -186,11 +186,6 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
     _check_advantage_levers(values)
     if _tool_mode(values) is not None:
         _check_tools(values)
-    if values.get("sandbox") == "process" and values.get("environment_factory") is not None:
-        raise ValueError(
-            "sandbox='process' does not run an environment_factory's environments yet (an episode's "
-            "state would need a worker of its own): use function tools, or sandbox='thread'"
-        )
     if values.get("rollout_precision") is not None:
         _check_rollout_precision(values)
     if values.get("use_engine_logprobs"):

@@ -43,6 +43,7 @@ from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
 from forge_lightning.rollout.sources import RolloutSettings, RolloutSource, rollout_source
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
+from forge_lightning.rollout.tools.environments import factories_by_name
 from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.rollout.tools.stored import StoredTools
 from forge_lightning.run.sandbox import Sandbox, SandboxLimits
@@ -132,7 +133,7 @@ def build_components(
     reward = EnvironmentReward() if scored else stored.reward_fn
     accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
     rewards = {"reward": reward, "accuracy check": accuracy}
-    sandbox = user_code_sandbox(settings.sandbox, rewards, tools.functions)
+    sandbox = user_code_sandbox(settings.sandbox, rewards, tools.functions, tools.factory)
     reward_names = component_names(reward)
     tool_names = ["calculator"] if settings.tools.calculator is not None else tools.names
     s, loss = settings.sampling, settings.loss
@@ -287,12 +288,13 @@ def reward_calls(rewards: RewardSettings, sandbox: Sandbox | None) -> RewardCall
 
 
 def user_code_sandbox(
-    settings: SandboxSettings, rewards: dict[str, RewardFn], tools: list[Any]
+    settings: SandboxSettings, rewards: dict[str, RewardFn], tools: list[Any], environments: Any = None
 ) -> Sandbox | None:
-    """The sandbox the rewards (by role: ``reward``, ``accuracy check``) and the function
-    ``tools`` run in under ``sandbox: process``, checked now: a machine that cannot isolate, a
-    reward or tool that cannot cross into a worker, is refused by name before any model is
-    loaded. None under ``sandbox: thread``."""
+    """The sandbox the rewards (by role: ``reward``, ``accuracy check``), the function ``tools``
+    and the episodes of the ``environments`` (a factory, or a mapping name -> factory) run in
+    under ``sandbox: process``, checked now: a machine that cannot isolate, a reward, tool or
+    environment that cannot cross into a worker, is refused by name before any model is loaded.
+    None under ``sandbox: thread``."""
     if settings.sandbox != "process":
         return None
     limits = SandboxLimits(memory_mb=settings.sandbox_memory_mb, cpu_seconds=settings.sandbox_cpu_seconds)
@@ -309,6 +311,8 @@ def user_code_sandbox(
                 refuse_outside_sandbox(part, f"{role} {name!r}")
                 functions[f"{role} {name!r}"] = part
     functions.update({f"tool {getattr(fn, '__name__', fn)!r}": fn for fn in tools})
+    for name, factory in factories_by_name(environments).items():
+        functions["environment_factory" if name is None else f"environment_factory[{name!r}]"] = factory
     sandbox.prepare(functions)
     return sandbox
 

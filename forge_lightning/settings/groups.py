@@ -299,13 +299,15 @@ class SandboxSettings(_Group):
     ``process``: each call in a pool of sandboxed worker processes (no network, reads only Python
     and ``sys.path``, writes only a scratch folder, the limits below), killed with everything it
     started past ``reward_timeout``/``tool_timeout`` (60 s where None); refused at the start where
-    the machine cannot isolate. A RewardModel stays in the trainer's process."""
+    the machine cannot isolate. A RewardModel stays in the trainer's process. An
+    ``environment_factory``'s environment lives in one worker's process for its whole episode
+    (its tools and its score are called there; episodes share the workers)."""
     sandbox_memory_mb: int = 2048
     """``process``: the address space a call may add to its worker's, in MiB."""
     sandbox_cpu_seconds: int = 60
     """``process``: the CPU seconds of one call."""
     sandbox_workers: int = 2
-    """``process``: worker processes, so calls that may run at once."""
+    """``process``: worker processes, so calls that may run at once (an episode's among them)."""
 
 
 @dataclass(frozen=True)

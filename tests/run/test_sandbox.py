@@ -181,8 +181,13 @@ def test_the_module_refuses_at_its_start_what_cannot_run_in_its_sandbox(module):
         module(reward=local, sandbox="process")
     with pytest.raises(TypeError, match="reward 'wants_log_metric' takes log_metric, which cannot cross"):
         module(reward=wants_log_metric, sandbox="process")
-    with pytest.raises(ValueError, match="sandbox='process' does not run an environment_factory"):
-        module(environment_factory="hostile.Counter", sandbox="process")
+
+    class Local(hostile.Counter):
+        pass
+
+    with pytest.raises(ValueError, match="environment_factory takes importable functions and classes"):
+        module(environment_factory=Local, sandbox="process")
+    assert module(environment_factory="hostile.Counter", sandbox="process").sandbox is not None
     assert module(reward=hostile.counts, sandbox="process").sandbox.worker_pids() == []  # none yet
 
 

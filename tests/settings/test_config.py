@@ -137,6 +137,12 @@ def test_settings_that_cannot_go_together_are_refused_naming_them(settings, fiel
         validate_hparams(settings)
 
 
+def test_an_environment_factory_may_run_in_the_process_sandbox_with_sync_rollouts_only():
+    validate_hparams({"environment_factory": "mypkg.Env", "sandbox": "process", "sandbox_workers": 3})
+    with pytest.raises(ValueError, match="rollout_mode='async'"):
+        validate_hparams({"environment_factory": "mypkg.Env", "sandbox": "process", "rollout_mode": "async"})
+
+
 @pytest.mark.parametrize(
     ("backend", "key", "value"),
     [

@@ -68,7 +68,7 @@ def check_call(
     """The :class:`Job` of a parsed call, or the error the model reads where the call cannot run
     (the parser's message, an unknown tool, arguments that do not fit its signature). A function
     tool runs in ``sandbox`` where given, killed there past ``timeout``; an environment's method
-    in this process (``sandbox: process`` refuses environments)."""
+    is called on its environment (which, under ``sandbox: process``, calls its worker itself)."""
     if isinstance(parsed, str):
         return f"error: {parsed}", False, False
     name, fn = parsed.name, functions.get(parsed.name)

@@ -5,15 +5,22 @@ last user message; ``get_reward()`` (TRL's name; ``reward()`` is read too) score
 episode (:class:`EnvironmentReward`); its other public methods are the tools (an ``async def``
 tool, or reset, is awaited). Several environments are a mapping name -> factory: each row's
 ``environment`` field (TRL's column) picks its own, so one run mixes tasks.
+
+Under ``sandbox: process`` an episode's environment lives in a sandbox worker's process for the
+whole episode (run/sandbox.py's sticky episodes): :func:`sandboxed_environment` makes it there
+and resets it, and the trainer holds a :class:`SandboxedEnvironment`, whose public methods (the
+tools, the score) run in that process.
 """
 
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from forge_lightning.run.user_code import is_async
+from forge_lightning.run.sandbox import Sandbox, SandboxEpisode
+from forge_lightning.run.user_code import accepted_kwargs, is_async
 
 # The environment methods that are not tools: the episode's start, and its score (TRL's name first).
 RESET = "reset"
@@ -57,6 +64,62 @@ def environment_class(factory: Callable[[], Any]) -> type:
     """The class of the environments ``factory`` makes: a class is its own; a function is called
     once and its instance's class read."""
     return factory if inspect.isclass(factory) else type(factory())
+
+
+def environment_type(env: Any) -> type:
+    """The class of ``env``: its own, or for a :class:`SandboxedEnvironment` the class in its worker."""
+    return env.environment_class if isinstance(env, SandboxedEnvironment) else type(env)
+
+
+def probe_environment(factory: Callable[[], Any], sandboxed: bool) -> Any:
+    """An environment to read the tools and their schemas from: under ``sandbox: process`` a
+    class's instance made without running its ``__init__`` (user code runs in the workers);
+    else (or for a function factory) one the factory makes."""
+    return factory.__new__(factory) if sandboxed and inspect.isclass(factory) else factory()
+
+
+class SandboxedEnvironment:
+    """An episode's environment that lives in a sandbox worker's process: each public method of
+    ``environment_class`` (with its signature, as a tool's schema needs) is called there.
+
+    Args:
+        episode: the sticky episode holding it.
+        environment_class: the class of the environment made there.
+        timeout: seconds a call may take, after which the episode's process is killed and the
+            episode ends (None: the sandbox's default).
+    """
+
+    def __init__(self, episode: SandboxEpisode, environment_class: type, timeout: float | None) -> None:
+        self.episode, self.environment_class, self.timeout = episode, environment_class, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        cls = self.__dict__.get("environment_class")
+        fn = None if cls is None or name.startswith("_") else getattr(cls, name, None)
+        if not inspect.isfunction(fn):
+            raise AttributeError(name)
+        return types.MethodType(_remote(name, fn, f"{cls.__name__}.{name}"), self)
+
+
+def _remote(name: str, fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """A function standing for the method ``fn`` that calls it in the episode's process."""
+
+    def method(self: SandboxedEnvironment, **kwargs: Any) -> Any:
+        return self.episode.call(name, kwargs, self.timeout, what)
+
+    method.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    method.__name__, method.__qualname__, method.__doc__ = name, what, fn.__doc__
+    return method
+
+
+def sandboxed_environment(
+    sandbox: Sandbox, factory: Callable[[], Any], cls: type, row: dict[str, Any], timeout: float | None
+) -> tuple[SandboxedEnvironment, Any]:
+    """A new episode's environment made by ``factory`` in one of ``sandbox``'s workers, its
+    ``reset`` called there with the fields of ``row`` it takes; and what reset returned."""
+    reset = getattr(cls, RESET, None)
+    method, kwargs = (RESET, accepted_kwargs(reset, row)) if callable(reset) else (None, {})
+    episode, text = sandbox.open_episode(factory, method, kwargs, timeout, f"{cls.__name__}.{RESET}")
+    return SandboxedEnvironment(episode, cls, timeout), text
 
 
 def environment_tools(cls: type) -> list[str]:

@@ -44,8 +44,11 @@ from forge_lightning.rollout.tools.environments import (
     RESET,
     environment_named,
     environment_tools,
+    environment_type,
     factories_by_name,
+    probe_environment,
     refuse_async,
+    sandboxed_environment,
 )
 from forge_lightning.rollout.tools.parsers import CallFormat, ParsedCall, format_named
 from forge_lightning.rollout.tools.stored import tool_names
@@ -90,7 +93,9 @@ class FunctionTools:
             (:data:`CUT_MARK`) and counted (``tool_results_cut``).
         max_parallel: the calls (of all rows, and of one turn) that run at once.
         chat_template_kwargs: passed to every rendering of the chat template.
-        sandbox: where the function tools run (run/sandbox.py); None: in this process.
+        sandbox: where the function tools run (run/sandbox.py), and each episode's environment,
+            made in one worker's process and called there for the whole episode; None: in this
+            process.
     """
 
     calls_before_eos = True
@@ -119,7 +124,9 @@ class FunctionTools:
         self.calls = CallLoop(max_parallel, timeout, max_result_chars)
         refuse_async(list(self.factories.values()), None)
         # One environment made per factory, to read its class: its tools and their schemas.
-        probes = {name: factory() for name, factory in self.factories.items()} or {None: None}
+        probes = {
+            name: probe_environment(factory, sandbox is not None) for name, factory in self.factories.items()
+        } or {None: None}
         self.environments = {name: type(env) for name, env in probes.items() if env is not None}
         for cls in self.environments.values():
             refuse_async([], cls)
@@ -263,7 +270,12 @@ class FunctionTools:
         return text
 
     def _reset(self, name: str | None, row: dict[str, Any]) -> tuple[Any, str | None]:
-        """A new environment of the factory ``name``, reset for ``row`` (an async reset awaited)."""
+        """A new environment of the factory ``name``, reset for ``row`` (an async reset awaited):
+        in a sandbox worker's process for the whole episode where there is a sandbox."""
+        if self.sandbox is not None:
+            return sandboxed_environment(
+                self.sandbox, self.factories[name], self.environments[name], row, self.timeout
+            )
         env = self.factories[name]()
         reset = getattr(env, RESET, None)
         text = reset(**accepted_kwargs(reset, row)) if reset is not None else None
@@ -273,7 +285,7 @@ class FunctionTools:
         """The tools by name: the functions, and ``env``'s methods bound to it."""
         functions = {fn.__name__: fn for fn in self.tools}
         if env is not None:
-            functions.update({name: getattr(env, name) for name in environment_tools(type(env))})
+            functions.update({name: getattr(env, name) for name in environment_tools(environment_type(env))})
         return functions
 
     def conversation(

@@ -1,0 +1,24 @@
+"""The sandbox's cost benchmark prints one JSON line of positive figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forge_lightning.bench import sandbox_cost
+from forge_lightning.run import isolation
+from forge_lightning.run.sandbox import SandboxUnavailable
+
+
+@pytest.mark.integration  # starts sandbox workers
+def test_sandbox_cost_prints_one_json_line_of_positive_figures(capsys):
+    try:
+        isolation.probe()
+    except SandboxUnavailable as err:
+        pytest.skip(f"this machine cannot isolate sandboxed workers: {err}")
+    result = sandbox_cost.main(["--calls", "3", "--batch", "2", "--workers", "1"])
+    assert json.loads(capsys.readouterr().out) == result
+    timed = [key for key in result if key.endswith("_us") or key.endswith("_s")]
+    assert len(timed) == 16 and all(result[key] > 0 for key in timed)
+    assert result["reward_process_us"] > result["reward_thread_us"]  # a worker's round trip costs
