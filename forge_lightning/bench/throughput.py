@@ -67,6 +67,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from forge_lightning.bench.references import plain_generate_seconds, straightforward_update_seconds
 from forge_lightning.data import collate_records, load_gsm8k
@@ -115,6 +116,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--steps-per-generation", type=int, default=1, help="optimizer steps per generation (S)")
     add("--engine-logprobs", action="store_true", help="old-policy log-probs from generate's scores")
     add("--generation-compare", action="store_true", help="S = 1 | 4 | 4 with engine log-probs | P = 4")
+    add(
+        "--lm-head-chunk-size",
+        type=int,
+        default=None,
+        help="lm_head_chunk_size: 0 for the full logits (default: the module's)",
+    )
+    add("--phase-memory", action="store_true", help="the peak RSS of each phase (generate, logprob, ...)")
     add("--rounds", type=int, default=1, help="generation-compare, endpoint-compare: rounds of their lines")
     add("--tools", nargs="+", default=None, help="function tools by import path (the built-in tool loop)")
     add("--agent", default=None, help="an agent by import path, through the OpenAI-compatible endpoint")
@@ -237,6 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rollout_correction="truncate" if args.rollout_precision else None,  # TIS at the default cap 3
         tools=args.tools,
         agent=args.agent,
+        **_head_chunks(args.lm_head_chunk_size),
         max_tool_calls=args.max_tool_calls,
     )
     recording = module.rollout_source = RecordingRollouts(module.rollout_source)
@@ -254,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             num_sanity_val_steps=0,
             default_root_dir=root,
             callbacks=[timer],
-            profiler=PhaseProfiler(),
+            profiler=PeakPhaseProfiler() if args.phase_memory else PhaseProfiler(),
         )
         loader = DataLoader(records, batch_size=args.prompts_per_step * spg, collate_fn=collate_records)
         trainer.fit(module, loader)
@@ -262,6 +271,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     first = next(i for i, step in enumerate(timer.steps) if step["trained"])
     steps, rollouts = timer.steps[first + 1 :], recording.kept[1:]
     memory = {"setup_rss_mb": setup_rss, "peak_rss_mb": timer.peak_rss_mb, "peak_gpu_mb": timer.peak_gpu_mb}
+    if args.phase_memory:  # each phase's own peak over the timed steps
+        memory["phases"] = timer.phase_peaks
     result = _summary(args, steps, rollouts, timer.references, memory, device, dtype)
     if asynchronous:
         seconds = sum(s["seconds"] for s in steps)
@@ -312,6 +323,7 @@ class StepTimer(pl.Callback):
         self.peak_gpu_mb: float | None = None
         self._peak_rss = _PeakRss()
         self._start = 0.0
+        self.phase_peaks: dict[str, float] = {}  # --phase-memory: each phase's peak, timed steps
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._peak_rss.start()
@@ -325,7 +337,15 @@ class StepTimer(pl.Callback):
     ) -> None:
         synchronize()
         seconds = time.perf_counter() - self._start
-        self.peak_rss_mb = max(self.peak_rss_mb, self._peak_rss.stop())
+        profiler = trainer.profiler
+        if isinstance(profiler, PeakPhaseProfiler):  # the phases reset the high-water mark
+            self.peak_rss_mb = max(self.peak_rss_mb, *profiler.peaks.values(), 0.0)
+            if any(s["trained"] for s in self.steps):  # the warm-up's peaks are left out
+                for phase, peak in profiler.peaks.items():
+                    self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0.0), peak)
+            profiler.peaks = {}
+        else:
+            self.peak_rss_mb = max(self.peak_rss_mb, self._peak_rss.stop())
         if pl_module.device.type == "cuda":
             gpu = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
             self.peak_gpu_mb = max(self.peak_gpu_mb or 0.0, gpu)
@@ -384,6 +404,8 @@ def _summary(
     }
     if memory["peak_gpu_mb"] is not None:
         result["peak_gpu_mb"] = memory["peak_gpu_mb"]
+    for phase, peak in memory.get("phases", {}).items():  # above the RSS the loaded model holds
+        result[f"peak_rss_{phase}_increase_mb"] = peak - memory["setup_rss_mb"]
     if args.tools or args.agent:  # the policy's own tokens: a tool's or an agent's turns are not sampled
         sampled = [int(r.completion_lengths.sum()) for r in rollouts]
         result["sampled_tokens_per_s"] = sum(sampled) / sum(seconds)
@@ -410,6 +432,7 @@ def _summary(
         "steps_per_generation": args.steps_per_generation,
         "engine_logprobs": args.engine_logprobs,
         "rollout_precision": args.rollout_precision,
+        "lm_head_chunk_size": args.lm_head_chunk_size,
         "tools": args.tools,
         "agent": args.agent,
     }
@@ -431,6 +454,35 @@ def _current_rss_mb() -> float:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     return psutil.Process().memory_info().rss / 2**20
+
+
+def _head_chunks(size: int | None) -> dict[str, int | None]:
+    """The module's ``lm_head_chunk_size`` as ``--lm-head-chunk-size`` gives it: its default when
+    not given, None (the full logits) for 0."""
+    return {} if size is None else {"lm_head_chunk_size": size or None}
+
+
+class PeakPhaseProfiler(PhaseProfiler):
+    """A :class:`PhaseProfiler` that also takes each phase's peak resident memory (MiB): the kernel's
+    high-water mark (``_PeakRss``), reset as a phase starts and read as it stops, the largest of
+    the phase's runs since ``peaks`` was emptied (the step timer empties it after each step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peaks: dict[str, float] = {}
+        self._rss = _PeakRss()
+
+    @override
+    def start(self, action_name: str) -> None:
+        super().start(action_name)
+        if action_name in self.phases:
+            self._rss.start()
+
+    @override
+    def stop(self, action_name: str) -> None:
+        super().stop(action_name)
+        if action_name in self.phases:
+            self.peaks[action_name] = max(self.peaks.get(action_name, 0.0), self._rss.stop())
 
 
 class _PeakRss:

@@ -288,3 +288,20 @@ def test_bench_endpoint_compare_runs_the_tool_loop_and_the_agent_on_the_same_epi
     with pytest.raises(SystemExit):
         bench.main([*args, "--endpoint-compare", "--agent", f"{agent}.agent"])
     assert "give both" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_bench_phase_memory_gives_each_phases_peak_and_takes_the_lm_head_setting(tiny_model_dir, tmp_path):
+    write_gsm8k(tmp_path)
+    args = ["--model", str(tiny_model_dir), "--data", str(tmp_path), "--steps", "1", "--group", "2"]
+    result = bench.main(
+        [*args, "--max-new-tokens", "4", "--no-references", "--phase-memory", "--lm-head-chunk-size", "0"]
+    )
+    assert result["settings"]["lm_head_chunk_size"] == 0
+    increases = {
+        phase: result[f"peak_rss_{phase}_increase_mb"] for phase in ("generate", "logprob", "backward")
+    }
+    setup = result["setup_rss_mb"]
+    assert all(setup + increase > 0 for increase in increases.values())  # a peak resident size each
+    assert result["peak_rss_mb"] >= max(setup + i for i in increases.values())  # the step's: its phases'
+    assert bench._head_chunks(None) == {} and bench._head_chunks(0) == {"lm_head_chunk_size": None}
