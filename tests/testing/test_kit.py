@@ -193,7 +193,7 @@ def readme_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_example_test_passes_with_the_kits_fixtures(tmp_path):
+def test_readme_example_test_passes_with_the_kits_fixtures(tmp_path, monkeypatch):
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["forge_lightning.testing.fixtures"]\n')
     (tmp_path / "test_example.py").write_text(readme_example())
 
@@ -215,6 +215,14 @@ def test_readme_example_test_passes_with_the_kits_fixtures(tmp_path):
         "--rootdir",
         str(tmp_path),
     ]
+    # The inner session imports its own conftest.py: the suite's ``conftest`` module (which test
+    # modules import from) and sys.path are put back after it (monkeypatch's undo).
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("conftest", "test_example"):
+        if name in sys.modules:
+            monkeypatch.setitem(sys.modules, name, sys.modules[name])
+        else:
+            monkeypatch.delitem(sys.modules, name, raising=False)
     code = pytest.main(args, plugins=[outcomes])
     assert code == 0, outcomes.reports
     assert outcomes.reports and all(outcome == "passed" for _, outcome in outcomes.reports)
