@@ -127,6 +127,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--tools", nargs="+", default=None, help="function tools by import path (the built-in tool loop)")
     add("--agent", default=None, help="an agent by import path, through the OpenAI-compatible endpoint")
     add("--max-tool-calls", type=int, default=4, help="tools: the calls one completion may make")
+    add("--system-prompt", default=None, help="the system message of every prompt")
     add("--endpoint-compare", action="store_true", help="--tools against --agent, interleaved --rounds times")
     add(
         "--rollout-precision",
@@ -247,6 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         agent=args.agent,
         **_head_chunks(args.lm_head_chunk_size),
         max_tool_calls=args.max_tool_calls,
+        system_prompt=args.system_prompt,
     )
     recording = module.rollout_source = RecordingRollouts(module.rollout_source)
     setup_rss = _current_rss_mb()

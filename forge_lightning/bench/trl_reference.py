@@ -19,6 +19,15 @@ our benchmark runs without), float32 on the CPU, ``--threads`` torch threads. On
 warm-up step, then ``--steps`` timed ones: a step is TRL's ``on_step_begin`` to ``on_step_end``
 (generation, reward, log-probs, loss, backward, optimizer). Exactly one JSON line goes to stdout:
 medians over the timed steps and the settings; TRL's logs go to stderr.
+
+``--tool`` makes it a tool-using step: the trainer gets the function tool :func:`multiply` and a
+system prompt (``TOOL_SYSTEM_PROMPT``) that asks for it, TRL's tool loop (HF generate, parse the
+Hermes-style call, call, generate on) runs inside the timed step, at most ``--max-tool-calls``
+rounds, and completions end where the model ends them (no forced length). TRL parses calls only
+for chat templates it knows: the model folder must carry one (versus_trl gives both sides the
+folder with TRL's ``qwen2_5`` template, whose ``<|im_start|>`` turns SmolLM2's tokenizer has).
+Completion tokens are then TRL's logged ``completions/mean_length`` x completions (a tool's result
+tokens included, as TRL's completions hold them).
 """
 
 from __future__ import annotations
@@ -30,6 +39,18 @@ import statistics
 import sys
 import time
 from typing import Any
+
+TOOL_SYSTEM_PROMPT = "Use the multiply tool for every product."
+
+
+def multiply(a: float, b: float) -> float:
+    """Multiply two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a * b
 
 
 def distinct_characters(completions: list[Any], **kwargs: Any) -> list[float]:
@@ -51,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--temperature", type=float, default=0.9)
     add("--kl-beta", type=float, default=0.01)
     add("--seed", type=int, default=0)
+    add("--tool", action="store_true", help="the multiply tool through TRL's tool loop")
+    add("--max-tool-calls", type=int, default=4, help="--tool: TRL's max_tool_calling_iterations")
     add("--label", default="trl")
     return parser.parse_args(argv)
 
@@ -78,6 +101,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = [json.loads(line) for line in f if line.strip()]
     count = args.prompts_per_step * (args.steps + 1)
     rows = [rows[i % len(rows)] for i in range(count)]
+    if args.tool:
+        system = {"role": "system", "content": TOOL_SYSTEM_PROMPT}
+        rows = [{"prompt": [system, *(m for m in row["prompt"] if m["role"] != "system")]} for row in rows]
     dataset = Dataset.from_list(rows)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -117,7 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shuffle_dataset=False,
             disable_tqdm=True,
             gradient_checkpointing=False,  # TRL's default is on; ours is off: the same work
-            generation_kwargs={"min_new_tokens": args.max_new_tokens},
+            generation_kwargs={} if args.tool else {"min_new_tokens": args.max_new_tokens},
+            **({"max_tool_calling_iterations": args.max_tool_calls} if args.tool else {}),
         )
         trainer = trl.GRPOTrainer(
             model=model,
@@ -126,6 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             train_dataset=dataset,
             processing_class=tokenizer,
             callbacks=[timer],
+            **({"tools": [multiply]} if args.tool else {}),
         )
         trainer.train()
     logged = trainer.state.log_history
@@ -145,13 +173,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prompts_per_step": args.prompts_per_step,
             "group": args.group,
             "max_new_tokens": args.max_new_tokens,
-            "fixed_length": True,
+            "fixed_length": not args.tool,
+            "tool": args.tool,
             "threads": torch.get_num_threads(),
             "kl_beta": args.kl_beta,
             "temperature": args.temperature,
             "torch": torch.__version__,
         },
     }
+    if args.tool:  # TRL's share of completions that called a tool, per timed step
+        calls = [entry["tools/call_frequency"] for entry in logged if "tools/call_frequency" in entry]
+        result["tool_call_frequency"] = calls[1:]
     return result
 
 

@@ -13,6 +13,13 @@ script that imports nothing of this package) and ours (``python -m forge_lightni
 --fixed-length --no-references``) one after the other at the same settings, so that each round's
 two lines share the machine's load. Each process warms up with one step and times ``--steps``.
 
+``--tool`` times a tool-using step instead: both sides get the function tool ``multiply``
+(trl_reference.py) and the system prompt that asks for it, TRL through its tool loop, ours through
+``--tools``; completions end where the model ends them. TRL parses calls only for chat templates it
+knows, so both sides read a copy of the model folder whose tokenizer carries TRL's own ``qwen2_5``
+template (ChatML turns, which SmolLM2's tokenizer has, and Hermes ``<tool_call>`` calls, our
+``tool_call_format`` default).
+
 Every line goes to stdout as it comes (each side's own JSON line, with ``round``), then one
 summary line: ``vs_trl``, ours over TRL's completion tokens/s, each round's and their median.
 """
@@ -20,6 +27,7 @@ summary line: ``vs_trl``, ours over TRL's completion tokens/s, each round's and 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -30,6 +38,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
+from forge_lightning.bench.trl_reference import TOOL_SYSTEM_PROMPT, multiply
 from forge_lightning.data.gsm8k import load_gsm8k
 from forge_lightning.models.loading import EMBEDDED, embedded_folder
 
@@ -51,6 +62,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--steps", type=int, default=3, help="timed steps per process, after one warm-up step")
     add("--rounds", type=int, default=2)
     add("--threads", type=int, default=2)
+    add("--tool", action="store_true", help="a tool-using step: the multiply tool on both sides")
+    add("--max-tool-calls", type=int, default=4)
     add("--label", default="versus-trl")
     args = parser.parse_args(argv)
     if not Path(args.trl_python).is_file():
@@ -72,21 +85,34 @@ def commands(args: argparse.Namespace, model: str, prompts: Path) -> dict[str, l
         *("--max-new-tokens", str(args.max_new_tokens), "--steps", str(args.steps)),
         *("--threads", str(args.threads)),
     ]
-    return {
-        "trl": [args.trl_python, str(TRL_SCRIPT), "--model", model, "--prompts", str(prompts), *shared],
-        "forge_lightning": [
-            sys.executable,
-            "-m",
-            "forge_lightning.bench",
-            "--data",
-            args.data,
-            "--model",
-            model,
-            "--fixed-length",
-            "--no-references",
-            *shared,
-        ],  # fmt: skip
-    }
+    trl = [args.trl_python, str(TRL_SCRIPT), "--model", model, "--prompts", str(prompts), *shared]
+    ours = [sys.executable, "-m", "forge_lightning.bench", "--data", args.data, "--model", model, *shared]
+    if args.tool:
+        calls = ["--max-tool-calls", str(args.max_tool_calls)]
+        trl += ["--tool", *calls]
+        tool = f"{multiply.__module__}.{multiply.__name__}"
+        ours += ["--tools", tool, "--system-prompt", TOOL_SYSTEM_PROMPT, "--no-references", *calls]
+    else:
+        ours += ["--fixed-length", "--no-references"]
+    return {"trl": trl, "forge_lightning": ours}
+
+
+def with_trl_template(trl_python: str, model: str, folder: Path) -> str:
+    """A copy of ``model`` (its files linked) whose tokenizer carries TRL's ``qwen2_5`` chat
+    template, read from TRL's own package: the template TRL parses tool calls of."""
+    found = subprocess.run(
+        [trl_python, "-c", "import pathlib, trl; print(pathlib.Path(trl.__file__).parent)"],
+        stdout=subprocess.PIPE, text=True, check=True,
+    )  # fmt: skip
+    template = (Path(found.stdout.strip()) / "chat_templates" / "qwen2_5.jinja").read_text()
+    folder.mkdir()
+    for item in Path(model).iterdir():
+        if not item.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (folder / item.name).symlink_to(item.resolve())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return str(folder)
 
 
 def write_prompts(data: str, count: int, path: Path) -> None:
@@ -114,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model = str(embedded_folder()) if args.model == EMBEDDED else args.model
     lines: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="versus-trl-") as tmp:
+        if args.tool:
+            model = with_trl_template(args.trl_python, model, Path(tmp) / "model")
         prompts = Path(tmp) / "prompts.jsonl"
         write_prompts(args.data, args.prompts_per_step * (args.steps + 1), prompts)
         sides = commands(args, model, prompts)
@@ -128,11 +156,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ]
     summary = {
         "label": args.label,
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python -m forge_lightning.bench.versus_trl", *(argv or sys.argv[1:])]),
         "vs_trl": statistics.median(ratios),
         "vs_trl_rounds": ratios,
         "settings": {
             key: getattr(args, key)
-            for key in ("prompts_per_step", "group", "max_new_tokens", "steps", "rounds", "threads")
+            for key in ("prompts_per_step", "group", "max_new_tokens", "steps", "rounds", "threads", "tool")
         },
     }
     print(json.dumps(summary), flush=True)

@@ -4,11 +4,13 @@ driver interleaves the two sides and divides ours by TRL's."""
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import stat
 import sys
 
 import pytest
+from transformers import AutoTokenizer
 
 from forge_lightning.bench import versus_trl
 from forge_lightning.bench.versus_trl import TRL_SCRIPT
@@ -82,3 +84,40 @@ def test_the_driver_interleaves_the_sides_and_divides_ours_by_trls(tmp_path, tin
     ours = [line["completion_tokens_per_s"] for line in lines[1:4:2]]
     assert summary["vs_trl_rounds"] == pytest.approx([tokens / 10.0 for tokens in ours])
     assert lines[-1] == summary
+
+
+def test_a_tool_step_gives_both_sides_the_same_tool_and_system_prompt(tmp_path):
+    trl_python = tmp_path / "python"
+    trl_python.write_text("")
+    args = versus_trl.parse_args(["--trl-python", str(trl_python), "--data", str(tmp_path), "--tool"])
+    sides = versus_trl.commands(args, "/models/m", tmp_path / "p.jsonl")
+    trl, ours = sides["trl"], sides["forge_lightning"]
+    assert "--tool" in trl and "--fixed-length" not in ours  # completions end where the model ends them
+    tool = ours[ours.index("--tools") + 1]
+    module, name = tool.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name) is trl_reference_multiply()
+    assert ours[ours.index("--system-prompt") + 1] == versus_trl.TOOL_SYSTEM_PROMPT
+    assert trl[trl.index("--max-tool-calls") + 1] == ours[ours.index("--max-tool-calls") + 1]
+
+
+def trl_reference_multiply():
+    from forge_lightning.bench.trl_reference import multiply
+
+    return multiply
+
+
+@pytest.mark.integration
+def test_the_tool_steps_model_folder_carries_trls_qwen_template(tmp_path, tiny_model_dir):
+    # A stand-in for TRL's python: it prints its package folder, which holds chat_templates/qwen2_5.jinja.
+    package = tmp_path / "trl"
+    (package / "chat_templates").mkdir(parents=True)
+    (package / "chat_templates" / "qwen2_5.jinja").write_text("{{ messages[0]['content'] }}<tool_call>")
+    fake = tmp_path / "trl-python"
+    fake.write_text(f"#!/bin/sh\necho {package}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    folder = versus_trl.with_trl_template(str(fake), str(tiny_model_dir), tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.chat_template == "{{ messages[0]['content'] }}<tool_call>"
+    assert (tmp_path / "model" / "model.safetensors").resolve() == (
+        tiny_model_dir / "model.safetensors"
+    ).resolve()
