@@ -124,6 +124,18 @@ def make_tokenizer(chat_template: bool = False) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def skip_unless_sandbox_isolates() -> None:
+    """Skip the test, with the probe's reason, where the machine cannot isolate sandboxed workers
+    (run/isolation.py's probe: unshare, Landlock, a pids bound), as the GPU tests are without a GPU."""
+    from forge_lightning.run import isolation
+    from forge_lightning.run.sandbox import SandboxUnavailable
+
+    try:
+        isolation.probe()
+    except SandboxUnavailable as err:
+        pytest.skip(f"this machine cannot isolate sandboxed workers: {err}")
+
+
 @pytest.fixture
 def tokenizer() -> PreTrainedTokenizerFast:
     return make_tokenizer()

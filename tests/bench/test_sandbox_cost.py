@@ -5,18 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import skip_unless_sandbox_isolates
 
 from forge_lightning.bench import sandbox_cost
-from forge_lightning.run import isolation
-from forge_lightning.run.sandbox import SandboxUnavailable
 
 
 @pytest.mark.integration  # starts sandbox workers
 def test_sandbox_cost_prints_one_json_line_of_positive_figures(capsys):
-    try:
-        isolation.probe()
-    except SandboxUnavailable as err:
-        pytest.skip(f"this machine cannot isolate sandboxed workers: {err}")
+    skip_unless_sandbox_isolates()
     result = sandbox_cost.main(["--calls", "3", "--batch", "2", "--workers", "1"])
     assert json.loads(capsys.readouterr().out) == result
     timed = [key for key in result if key.endswith("_us") or key.endswith("_s")]

@@ -10,6 +10,7 @@ import time
 
 import hostile
 import pytest
+from conftest import skip_unless_sandbox_isolates
 
 from forge_lightning.rewards.library import BaseReward, CompositeReward, RewardModel
 from forge_lightning.rewards.scoring import score
@@ -50,10 +51,7 @@ def isolating_machine(request):
     the probe's reason, as the GPU tests are without a GPU. The refusal itself is tested below on
     every machine."""
     if "integration" in request.keywords:
-        try:
-            isolation.probe()
-        except SandboxUnavailable as err:
-            pytest.skip(f"this machine cannot isolate sandboxed workers: {err}")
+        skip_unless_sandbox_isolates()
 
 
 @pytest.fixture

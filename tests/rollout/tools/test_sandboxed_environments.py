@@ -11,6 +11,7 @@ import os
 import pytest
 import sticky
 import torch
+from conftest import skip_unless_sandbox_isolates
 from test_function_tools import GREEDY, TurnEngine, call, chat_tokenizer, sampler, tiny
 from test_tools import ScriptedLlama
 
@@ -18,8 +19,7 @@ from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rewards.scoring import score
 from forge_lightning.rollout.tools import FunctionTools
-from forge_lightning.run import isolation
-from forge_lightning.run.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
+from forge_lightning.run.sandbox import Sandbox, SandboxLimits
 
 DONE = {"role": "assistant", "content": "Done."}
 pytestmark = pytest.mark.integration
@@ -28,10 +28,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(autouse=True)
 def isolating_machine():
     """Skipped, with the probe's reason, where the machine cannot isolate workers (test_sandbox.py)."""
-    try:
-        isolation.probe()
-    except SandboxUnavailable as err:
-        pytest.skip(f"this machine cannot isolate sandboxed workers: {err}")
+    skip_unless_sandbox_isolates()
 
 
 @pytest.fixture
