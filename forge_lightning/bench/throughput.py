@@ -44,7 +44,8 @@ of the HTTP layer. References are skipped on these lines.
 
 ``--rollout-precision int8`` (or ``bf16``) samples with a low-precision copy of the policy
 (rollout/engines/quantized.py) and sets ``rollout_correction: truncate`` (TIS, cap 3) itself; the
-references still time the policy's own ``generate``.
+references still time the policy's own ``generate``. ``--gradient-checkpointing`` recomputes each
+layer's activations in the backward (the module's ``gradient_checkpointing``).
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="lm_head_chunk_size: 0 for the full logits (default: the module's)",
     )
     add("--phase-memory", action="store_true", help="the peak RSS of each phase (generate, logprob, ...)")
+    add("--gradient-checkpointing", action="store_true", help="recompute activations in the backward")
     add("--rounds", type=int, default=1, help="generation-compare, endpoint-compare: rounds of their lines")
     add("--tools", nargs="+", default=None, help="function tools by import path (the built-in tool loop)")
     add("--agent", default=None, help="an agent by import path, through the OpenAI-compatible endpoint")
@@ -247,6 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tools=args.tools,
         agent=args.agent,
         **_head_chunks(args.lm_head_chunk_size),
+        gradient_checkpointing=args.gradient_checkpointing,
         max_tool_calls=args.max_tool_calls,
         system_prompt=args.system_prompt,
     )
@@ -435,6 +438,7 @@ def _summary(
         "engine_logprobs": args.engine_logprobs,
         "rollout_precision": args.rollout_precision,
         "lm_head_chunk_size": args.lm_head_chunk_size,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "tools": args.tools,
         "agent": args.agent,
     }

@@ -12,6 +12,8 @@ the same chat template), then, ``--rounds`` times, runs TRL's step (bench/trl_re
 script that imports nothing of this package) and ours (``python -m forge_lightning.bench
 --fixed-length --no-references``) one after the other at the same settings, so that each round's
 two lines share the machine's load. Each process warms up with one step and times ``--steps``.
+``--rollout-precision bf16`` (or ``int8``) has our side sample with a low-precision copy of the
+policy, corrected by TIS (the bench's flag of that name); TRL's side samples with the policy.
 
 ``--tool`` times a tool-using step instead: both sides get the function tool ``multiply``
 (trl_reference.py) and the system prompt that asks for it, TRL through its tool loop, ours through
@@ -64,6 +66,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=2)
     add("--tool", action="store_true", help="a tool-using step: the multiply tool on both sides")
     add("--max-tool-calls", type=int, default=4)
+    add(
+        "--rollout-precision",
+        choices=("int8", "bf16"),
+        default=None,
+        help="our side samples with a low-precision copy of the policy, corrected by TIS",
+    )
     add("--label", default="versus-trl")
     args = parser.parse_args(argv)
     if not Path(args.trl_python).is_file():
@@ -87,6 +95,8 @@ def commands(args: argparse.Namespace, model: str, prompts: Path) -> dict[str, l
     ]
     trl = [args.trl_python, str(TRL_SCRIPT), "--model", model, "--prompts", str(prompts), *shared]
     ours = [sys.executable, "-m", "forge_lightning.bench", "--data", args.data, "--model", model, *shared]
+    if args.rollout_precision:
+        ours += ["--rollout-precision", args.rollout_precision]
     if args.tool:
         calls = ["--max-tool-calls", str(args.max_tool_calls)]
         trl += ["--tool", *calls]
@@ -162,7 +172,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "vs_trl_rounds": ratios,
         "settings": {
             key: getattr(args, key)
-            for key in ("prompts_per_step", "group", "max_new_tokens", "steps", "rounds", "threads", "tool")
+            for key in (
+                *("prompts_per_step", "group", "max_new_tokens", "steps", "rounds", "threads"),
+                *("tool", "rollout_precision"),
+            )
         },
     }
     print(json.dumps(summary), flush=True)

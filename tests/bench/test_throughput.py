@@ -305,3 +305,7 @@ def test_bench_phase_memory_gives_each_phases_peak_and_takes_the_lm_head_setting
     assert all(setup + increase > 0 for increase in increases.values())  # a peak resident size each
     assert result["peak_rss_mb"] >= max(setup + i for i in increases.values())  # the step's: its phases'
     assert bench._head_chunks(None) == {} and bench._head_chunks(0) == {"lm_head_chunk_size": None}
+    assert result["settings"]["gradient_checkpointing"] is False
+    checkpointed = bench.main([*args, "--max-new-tokens", "4", "--no-references", "--gradient-checkpointing"])
+    assert checkpointed["settings"]["gradient_checkpointing"] is True
+    assert checkpointed["completion_tokens_per_step"] == result["completion_tokens_per_step"]

@@ -100,6 +100,19 @@ def test_a_tool_step_gives_both_sides_the_same_tool_and_system_prompt(tmp_path):
     assert trl[trl.index("--max-tool-calls") + 1] == ours[ours.index("--max-tool-calls") + 1]
 
 
+def test_a_low_precision_sampler_is_ours_alone(tmp_path):
+    trl_python = tmp_path / "python"
+    trl_python.write_text("")
+    base = ["--trl-python", str(trl_python), "--data", str(tmp_path)]
+    args = versus_trl.parse_args([*base, "--rollout-precision", "bf16"])
+    sides = versus_trl.commands(args, "/models/m", tmp_path / "p.jsonl")
+    ours = sides["forge_lightning"]
+    assert ours[ours.index("--rollout-precision") + 1] == "bf16"
+    assert "--rollout-precision" not in sides["trl"]  # TRL samples with its policy
+    plain = versus_trl.commands(versus_trl.parse_args(base), "/models/m", tmp_path / "p.jsonl")
+    assert "--rollout-precision" not in plain["forge_lightning"]
+
+
 def trl_reference_multiply():
     from forge_lightning.bench.trl_reference import multiply
 
