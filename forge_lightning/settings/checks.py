@@ -374,11 +374,6 @@ def _check_rollout_precision(values: Mapping[str, Any]) -> None:
             f"rollout_precision={precision!r} samples with a copy whose log-probs differ from the "
             "policy's; the loss must weigh them: set rollout_correction ('truncate' or 'mask')"
         )
-    if _tool_mode(values) is not None:
-        raise ValueError(
-            f"rollout_precision={precision!r} does not work with {_tool_mode(values)} yet: tool "
-            "rollouts take no rollout_correction; set rollout_precision to null"
-        )
     if values.get("generation_backend", "hf") != "hf":
         raise ValueError(
             f"rollout_precision={precision!r} samples with HF generate on a copy of the policy; "
