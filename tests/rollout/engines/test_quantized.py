@@ -75,7 +75,10 @@ def test_sync_weights_remakes_the_copy_from_the_policys_new_weights():
     ("settings", "match"),
     [
         ({}, "set rollout_correction"),
-        ({"rollout_correction": "truncate", "calculator": "plain"}, "int8' does not work with calc"),
+        (
+            {"rollout_correction": "truncate", "agent": "forge_lightning.examples.calculator_agent.agent"},
+            "does not work with rollout_correction: the agent's endpoint reports no log-probs",
+        ),
         ({"rollout_correction": "truncate", "generation_backend": "vllm"}, "set generation_backend='hf'"),
     ],
 )
@@ -85,5 +88,8 @@ def test_an_int8_sampler_is_refused_by_name_where_it_cannot_work(settings, match
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_an_int8_sampler_with_rollout_correction_is_accepted(mode):
-    validate_hparams({"rollout_precision": "int8", "rollout_correction": "truncate", "rollout_mode": mode})
+@pytest.mark.parametrize("tools", [{}, {"calculator": "plain"}])
+def test_an_int8_sampler_with_rollout_correction_is_accepted(mode, tools):
+    validate_hparams(
+        {"rollout_precision": "int8", "rollout_correction": "truncate", "rollout_mode": mode, **tools}
+    )
