@@ -6,7 +6,7 @@ TensorBoard events and appended as one line to ``padding_cpu.jsonl`` beside this
     OMP_NUM_THREADS=1 python notebooks/figures/bench/padding.py LABEL STEPS [FLAGS...]
 
 FLAGS go to ``forge-lightning fit`` after the config, e.g. ``--model.train_micro_batch_tokens
-1600``. Every setting samples the same completions at step 1 (same seed); later steps follow
+1536``. Every setting samples the same completions at step 1 (same seed); later steps follow
 each run's own updates, which the micro-batching changes only to float tolerance. Run from the
 repository root.
 """
