@@ -42,6 +42,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from forge_lightning.bench.throughput import ROLLOUT_PRECISIONS
 from forge_lightning.bench.trl_reference import TOOL_SYSTEM_PROMPT, multiply
 from forge_lightning.data.gsm8k import load_gsm8k
 from forge_lightning.models.loading import EMBEDDED, embedded_folder
@@ -68,7 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--max-tool-calls", type=int, default=4)
     add(
         "--rollout-precision",
-        choices=("int8", "bf16"),
+        choices=ROLLOUT_PRECISIONS,
         default=None,
         help="our side samples with a low-precision copy of the policy, corrected by TIS",
     )
