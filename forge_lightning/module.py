@@ -234,7 +234,8 @@ class GRPOLightningModule(pl.LightningModule):
             and maj@k; 0: greedy only.
         val_temperature: temperature of the sampled validation completions.
         val_top_p: nucleus mass of the sampled validation completions.
-        val_max_new_tokens: longest sampled validation completion; None: ``max_new_tokens``.
+        val_max_new_tokens: longest validation completion, greedy and sampled (and predict's);
+            None: ``max_new_tokens``.
         accuracy: the check behind ``val/accuracy`` (a reward scoring 1 when right); GSM8K's if None.
         answer_key: what a sampled completion votes for in maj@k (GSM8K's extracted number by
             default), ``completion -> hashable``, None for no answer. None logs no maj@k.

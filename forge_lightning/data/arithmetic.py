@@ -395,6 +395,9 @@ class Variant:
     templates: tuple[str, ...]
     scale: Scale = Scale()
     sizes: tuple[tuple[str, int], ...] = (("train", 500), ("dev", 200), ("heldout", 300))
+    train_extra: tuple[str, ...] = ()
+    """templates of the train part alone (a curriculum: easier shapes mixed into training); the
+    dev and held-out parts stay those of ``templates`` alone, the same problems as without them."""
 
 
 VARIANTS: dict[str, Variant] = {
@@ -419,6 +422,14 @@ VARIANTS: dict[str, Variant] = {
         TWO_STEP + THREE_STEP,
         Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
         (("train", 800), ("dev", 200), ("heldout", 200)),
+    ),
+    # multistep's dev and held-out parts, its train part mixed with the calc variant's one-step
+    # shapes (6 of its 16 templates): one result is rewarded early, the rest needs chains.
+    "multistep_mixed": Variant(
+        TWO_STEP + THREE_STEP,
+        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
+        (("train", 800), ("dev", 200), ("heldout", 200)),
+        train_extra=ONE_STEP,
     ),
 }
 DEFAULT_VARIANT = "add_sub"
@@ -468,7 +479,7 @@ def generate(
     sizes = dict(spec.sizes) if sizes is None else dict(sizes)
     if set(sizes) != set(PARTS) or any(n < 0 for n in sizes.values()):
         raise ValueError(f"sizes needs a non-negative count for each of {PARTS}, got {sizes}")
-    unknown = [name for name in spec.templates if name not in TEMPLATES]
+    unknown = [name for name in spec.templates + spec.train_extra if name not in TEMPLATES]
     if unknown or not spec.templates:
         raise ValueError(f"unknown or no templates: {unknown or spec.templates}")
     rng = random.Random(seed)
@@ -478,6 +489,10 @@ def generate(
     parts: dict[str, list[Problem]] = {}
     turn = 0
     for part in ("heldout", "dev", "train"):
+        if part == "train" and spec.train_extra:  # drawn after dev: the other parts stay as they were
+            extra = list(spec.train_extra)
+            rng.shuffle(extra)
+            order, turn = order + extra, 0
         problems: list[Problem] = []
         misses = 0
         while len(problems) < sizes[part]:
@@ -535,6 +550,7 @@ def write_task(
         "variant": variant,
         "scale": vars(VARIANTS[variant].scale),
         "templates": {name: TEMPLATES[name].text for name in VARIANTS[variant].templates},
+        "train_extra": {name: TEMPLATES[name].text for name in VARIANTS[variant].train_extra},
         "sizes": {part: len(problems) for part, problems in parts.items()},
         "files": {part: files[part].name for part in PARTS},
         "regenerate": f"python -m forge_lightning.data.arithmetic --out {out} --seed {seed} "

@@ -161,7 +161,7 @@ def build_components(
     val_metrics = RunningMetrics(
         reward_names, keys=(*VALIDATION_KEYS, *sampled_keys(settings.validation.val_num_generations))
     )
-    greedy = SamplingParams(s.max_new_tokens, greedy=True, stop=stop)
+    greedy = SamplingParams(settings.validation.max_new_tokens(s.max_new_tokens), greedy=True, stop=stop)
     passes = LossPasses(scorer, loss, settings.advantages.mask_truncated_completions)
     source, plan = rollout_source(rollout_settings(settings, sampling)), step_plan(plan_settings(settings))
     reporter = StepReporter(train_metrics)  # its cadence handed over by module.report_every

@@ -342,10 +342,11 @@ class ValidationSettings(_Group):
     val_top_p: float = 1.0
     """nucleus mass of the sampled validation completions."""
     val_max_new_tokens: int | None = None
-    """longest sampled validation completion; None: ``max_new_tokens``."""
+    """longest validation completion, greedy and sampled alike (and ``predict``'s); None:
+    ``max_new_tokens``. A model trained on short completions can then be judged at a longer one."""
 
     def max_new_tokens(self, training: int) -> int:
-        """The longest sampled validation completion, given training's ``max_new_tokens``."""
+        """The longest validation completion, given training's ``max_new_tokens``."""
         return self.val_max_new_tokens or training
 
 

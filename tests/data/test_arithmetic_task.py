@@ -235,3 +235,14 @@ def test_multistep_variant_needs_two_or_three_results_on_two_digit_numbers() -> 
         assert p.answer == TEMPLATES[p.template].solve(p.operands) and p.answer > 0, p
     heldout = [TEMPLATES[p.template].ops for p in parts["heldout"]]
     assert heldout.count(2) and heldout.count(3)  # the held-out part measures both lengths
+
+
+def test_multistep_mixed_trains_on_one_step_shapes_too_and_keeps_multisteps_evaluation_parts() -> None:
+    mixed, plain = generate(seed=0, variant="multistep_mixed"), generate(seed=0, variant="multistep")
+    assert mixed["heldout"] == plain["heldout"] and mixed["dev"] == plain["dev"]  # the same measure
+    train_ops = [TEMPLATES[p.template].ops for p in mixed["train"]]
+    assert len(train_ops) == 800 and {1, 2, 3} == set(train_ops)
+    assert 0.3 < train_ops.count(1) / len(train_ops) < 0.45  # 6 of the 16 templates take turns
+    evaluated = {p.key for part in ("dev", "heldout") for p in mixed[part]}
+    assert not evaluated & {p.key for p in mixed["train"]}
+    assert all(TEMPLATES[p.template].ops > 1 for part in ("dev", "heldout") for p in mixed[part])

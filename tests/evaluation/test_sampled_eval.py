@@ -124,6 +124,7 @@ def test_a_scripted_policy_gives_exact_sampled_metrics(module, trainer, loader, 
     assert metrics["val/pass@1"] == metrics["val/mean@4"]
     sampled = [p for p in grpo.generator.params if not p.greedy]
     assert sampled == [SamplingParams(3, temperature=0.7, top_p=0.9)] * 2  # one call per batch
+    assert {p.max_new_tokens for p in grpo.generator.params if p.greedy} == {3}  # greedy's too
 
 
 @pytest.mark.integration
