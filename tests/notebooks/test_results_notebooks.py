@@ -55,7 +55,7 @@ def has_png(cell) -> bool:
 
 
 @pytest.mark.parametrize(
-    "name", ["learning.ipynb", "throughput.ipynb", "arithmetic.ipynb", "tools.ipynb", "sampled.ipynb"]
+    "name", ["learning.ipynb", "throughput.ipynb", "arithmetic.ipynb", "tools.ipynb", "sampled.ipynb", "chains.ipynb"]
 )
 def test_committed_notebook_is_saved_executed(name):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -290,6 +290,35 @@ def test_tools_notebook_recomputes_held_out_accuracy_and_meets_every_bar(tmp_pat
         flags = [w for w in command.split() if w.startswith("--") and w != "--config"]
         assert len(flags) == len(set(flags)), command
     assert "--data.val_part dev --data.val_max_samples 32" in commands[0]
+
+
+@pytest.mark.integration
+def test_chains_notebook_tables_every_evaluation_and_attempt_from_its_files(tmp_path, monkeypatch):
+    multistep = NOTEBOOKS / "figures" / "multistep"
+    records = map(json.loads, (multistep / "evals.jsonl").read_text().splitlines())
+    evals = {e["label"]: e for e in records}  # a label evaluated again: its last record
+    cells = execute("chains.ipynb", monkeypatch, tmp_path)
+
+    # Every figure of the held-out and GSM8K tables is its answers file's, as evaluate.py recorded it.
+    for cell, problems in (("heldout", "200"), ("gsm8k", "200")):
+        [held] = tables(cells[cell])
+        assert len(held) > 2
+        for row in held[1:]:
+            label = next(e for e in evals.values() if f"`{e['command']}`" == row[-1])["label"]
+            answers = [json.loads(line) for line in (multistep / "evals" / f"{label}.jsonl").read_text().splitlines()]
+            assert row[1] == problems and len(answers) == 200
+            assert float(row[2]) == pytest.approx(sum(a["correct"] for a in answers) / 200, abs=5e-4)
+            assert float(row[2]) == pytest.approx(evals[label]["accuracy"], abs=5e-4)
+            calls = sum(len(a.get("tool_calls") or []) for a in answers) / 200
+            assert float(row[3 if cell == "heldout" else 5]) == pytest.approx(calls, abs=5e-3)
+    # Every run folder is an attempt of the table, with its steps as its log ends.
+    [attempts] = tables(cells["attempts"])
+    runs = sorted(p.name for p in (multistep / "training").iterdir())
+    assert sorted(row[1] for row in attempts[1:]) == runs
+    for row in attempts[1:]:
+        log = (multistep / "training" / row[1] / "training_log.jsonl").read_text().splitlines()
+        assert int(row[5]) == json.loads(log[-1])["step"]
+    assert has_png(cells["curves"]) and (tmp_path / "chains_curves.png").is_file()
 
 
 def plain_vote(samples: list[dict]) -> float:

@@ -1,13 +1,14 @@
 """Cheap probes before any multi-step run: one system message (and model) on the ``multistep``
 variant's dev part, sampled as a training step samples, to see whether GRPO would get a signal.
 
-16 dev problems (seed 0) x 8 samples at temperature 0.8, 160 new tokens, the plain calculator.
+16 dev problems (seed 0) x 8 samples at temperature 0.8 (or another), 160 new tokens, the plain calculator.
 Appends one JSON line to probe.jsonl beside this file: the mean reward, the groups with at least
 one right answer (those give GRPO a gradient), calls per sample, and one sample:
 
-    OMP_NUM_THREADS=1 python notebooks/figures/multistep/probe.py PROMPT [MODEL]
+    OMP_NUM_THREADS=1 python notebooks/figures/multistep/probe.py PROMPT [MODEL [TEMPERATURE]]
 
-PROMPT is a key of SYSTEM below; MODEL is ``embedded`` (default) or a run's ``final/`` folder.
+PROMPT is a key of SYSTEM below; MODEL is ``embedded`` (default) or a run's ``final/`` folder;
+TEMPERATURE 0.8 by default.
 Run from the repository root.
 """
 
@@ -49,6 +50,7 @@ SYSTEM = {
     ),
 }
 prompt, model = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "embedded")
+temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.8
 problems = generate(seed=0, variant="multistep")["dev"][:16]
 m = GRPOLightningModule(
     model=model, calculator="plain", max_tool_calls=4, system_prompt=SYSTEM[prompt], max_new_tokens=160, kl_beta=0.0
@@ -56,7 +58,7 @@ m = GRPOLightningModule(
 m.configure_model()
 start = time.time()
 rollout = m.sampler(
-    m.model, [p.question for p in problems], SamplingParams(160, temperature=0.8), group_size=8
+    m.model, [p.question for p in problems], SamplingParams(160, temperature=temperature), group_size=8
 )
 scores = GSM8KAnswerReward()(
     [p.question for p in problems for _ in range(8)],
@@ -67,6 +69,7 @@ calls = rollout.tool_stats["tool_calls"]
 out = {
     "prompt": prompt,
     "model": model,
+    "temperature": temperature,
     "samples": len(rollout.completions),
     "seconds": round(time.time() - start, 1),
     "accuracy": sum(scores) / len(scores),
