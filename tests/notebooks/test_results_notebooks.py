@@ -317,7 +317,7 @@ def test_chains_notebook_tables_every_evaluation_and_attempt_from_its_files(tmp_
     assert sorted(row[1] for row in attempts[1:]) == runs
     for row in attempts[1:]:
         log = (multistep / "training" / row[1] / "training_log.jsonl").read_text().splitlines()
-        assert int(row[5]) == json.loads(log[-1])["step"]
+        assert int(row[6]) == json.loads(log[-1])["step"]
     assert has_png(cells["curves"]) and (tmp_path / "chains_curves.png").is_file()
 
 
