@@ -55,7 +55,15 @@ def has_png(cell) -> bool:
 
 
 @pytest.mark.parametrize(
-    "name", ["learning.ipynb", "throughput.ipynb", "arithmetic.ipynb", "tools.ipynb", "sampled.ipynb", "chains.ipynb"]
+    "name",
+    [
+        "learning.ipynb",
+        "throughput.ipynb",
+        "arithmetic.ipynb",
+        "tools.ipynb",
+        "sampled.ipynb",
+        "chains.ipynb",
+    ],
 )
 def test_committed_notebook_is_saved_executed(name):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -305,7 +313,9 @@ def test_chains_notebook_tables_every_evaluation_and_attempt_from_its_files(tmp_
         assert len(held) > 2
         for row in held[1:]:
             label = next(e for e in evals.values() if f"`{e['command']}`" == row[-1])["label"]
-            answers = [json.loads(line) for line in (multistep / "evals" / f"{label}.jsonl").read_text().splitlines()]
+            answers = [
+                json.loads(line) for line in (multistep / "evals" / f"{label}.jsonl").read_text().splitlines()
+            ]
             assert row[1] == problems and len(answers) == 200
             assert float(row[2]) == pytest.approx(sum(a["correct"] for a in answers) / 200, abs=5e-4)
             assert float(row[2]) == pytest.approx(evals[label]["accuracy"], abs=5e-4)

@@ -18,14 +18,16 @@ import time
 from pathlib import Path
 
 import torch
+from forge_lightning.sampling import SamplingParams
 
 from forge_lightning import GRPOLightningModule
 from forge_lightning.data.arithmetic import generate
 from forge_lightning.rewards import GSM8KAnswerReward
-from forge_lightning.sampling import SamplingParams
 
 torch.set_num_threads(1)
-TOM = "Problem: Tom buys 23 boxes with 4 pens in each box. He gives 15 pens away. How many pens does he have?\n"
+TOM = (
+    "Problem: Tom buys 23 boxes with 4 pens in each box. He gives 15 pens away. How many pens does he have?\n"
+)
 SYSTEM = {
     # configs/calculator_cpu.yaml's: a two-step worked example, one calculation a line.
     "calc": (
@@ -53,7 +55,12 @@ prompt, model = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "embedded")
 temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.8
 problems = generate(seed=0, variant="multistep")["dev"][:16]
 m = GRPOLightningModule(
-    model=model, calculator="plain", max_tool_calls=4, system_prompt=SYSTEM[prompt], max_new_tokens=160, kl_beta=0.0
+    model=model,
+    calculator="plain",
+    max_tool_calls=4,
+    system_prompt=SYSTEM[prompt],
+    max_new_tokens=160,
+    kl_beta=0.0,
 )
 m.configure_model()
 start = time.time()
