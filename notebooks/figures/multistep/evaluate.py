@@ -1,8 +1,8 @@
-"""Evaluations of the multi-step and GSM8K calculator runs of notebooks/tools.ipynb ("Chains"): a
+"""Evaluations of the multi-step and GSM8K calculator runs of notebooks/chains.ipynb: a
 ``forge-lightning validate`` of one model under one setup, its answers copied to
 ``evals/<label>.jsonl`` beside this file and one line recorded in ``evals.jsonl`` (the command, the
 accuracy, calls per answer, and among right answers the share whose final number is a calculator
-result; notebooks/tools.ipynb reads both):
+result; notebooks/chains.ipynb reads both):
 
     OMP_NUM_THREADS=1 python notebooks/figures/multistep/evaluate.py LABEL MODEL SETUP [EXTRA FLAGS...]
 

@@ -43,6 +43,19 @@ SYSTEM = {
         "Problem: Tom buys 23 boxes with 4 pens in each box. He gives 15 pens away and then finds 8 more "
         "pens. How many pens does he have?\n23 * 4 = 92\n92 - 15 = 77\n77 + 8 = 85\nAnswer: 85"
     ),
+    # Three worked examples, one of each way results combine (a sum then a product, two products
+    # then their sum, a product then a difference), in stories none of the task's templates tells.
+    "fewshot": (
+        "Solve the problem with one short calculation per line, then end with the line Answer: <number>. "
+        "Write each calculation as an expression followed by =, and a calculator writes the result for "
+        "you. Examples:\n"
+        "Problem: A bus makes 14 trips in the morning and 11 trips in the afternoon. It carries 30 people "
+        "on each trip. How many people does it carry?\n14 + 11 = 25\n25 * 30 = 750\nAnswer: 750\n\n"
+        "Problem: A shop sells 7 shirts for 12 dollars each and 5 hats for 9 dollars each. How many "
+        "dollars does the shop get?\n7 * 12 = 84\n5 * 9 = 45\n84 + 45 = 129\nAnswer: 129\n\n"
+        + TOM
+        + "23 * 4 = 92\n92 - 15 = 77\nAnswer: 77"
+    ),
     # The whole problem as one expression: one call.
     "compound": (
         "Write the whole problem as one expression with parentheses, followed by =, and a calculator "
@@ -84,6 +97,10 @@ out = {
     "calls_per_sample": float(calls.float().mean()),
     "samples_with_two_calls": int((calls >= 2).sum()),
     "example": rollout.completions[0],
+    "right_by_template": {
+        t: sum(s for p, s in zip([p for p in problems for _ in range(8)], scores) if p.template == t)
+        for t in dict.fromkeys(p.template for p in problems)
+    },
     "system_prompt": SYSTEM[prompt],
 }
 print(json.dumps(out))
