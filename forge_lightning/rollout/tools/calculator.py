@@ -40,17 +40,20 @@ class CalculatorError(ValueError):
 
 # ``x`` or ``×`` between two operands is a multiplication (``12 x 13``, ``2x(3)``).
 _TIMES = re.compile(r"(?<=[\d).])\s*[x×]\s*(?=[\d(.])")
+# A thousands separator: a comma between a digit and a group of exactly three (``80,000``).
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
 
 
 def safe_eval(expr: str) -> int | float:
     """The value of an arithmetic expression: an int when it is whole, else a float rounded to 6
     decimals. Raises :class:`CalculatorError` for anything outside the grammar, a division by zero,
-    an expression over 100 characters, or a number (given or intermediate) over 1e12 in magnitude."""
+    an expression over 100 characters, or a number (given or intermediate) over 1e12 in magnitude.
+    A number may group its thousands with commas (``80,000 * 1.5``); any other comma is refused."""
     if len(expr) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
-        tree = ast.parse(_TIMES.sub("*", expr.strip()), mode="eval")
+        tree = ast.parse(_THOUSANDS.sub("", _TIMES.sub("*", expr.strip())), mode="eval")
     except SyntaxError:
         raise CalculatorError("malformed expression") from None
     value = _value(tree.body)
@@ -96,17 +99,19 @@ _ANNOTATION = re.compile(r"<<([^<>=\n]*)=$")
 _ANNOTATION_BODY = re.compile(r"<?[^<>=\n]*=")
 # Plain: the longest run of arithmetic characters before a final ``=``, matched on the reversed
 # text (searched for from the left, it would be tried at each position of every earlier run) ...
-_REVERSED_RUN = re.compile(r"[\d.()+\-*/x×\s]*")
+_REVERSED_RUN = re.compile(r"[\d.,()+\-*/x×\s]*")
 # ... searched whole up to this many characters (20 ms at worst); a longer run is refused whole.
 _LONGEST_RUN = 10 * MAX_EXPRESSION_CHARS
 # ... of which the longest suffix that is numbers joined by binary operators, matched with its
 # spaces taken out (but for one between two digits or a digit and a point, which no expression
-# has: "3. 68 / 11 =" in a numbered list is the call "68 / 11"): a pattern with a
+# has: "3. 68 / 11 =" in a numbered list is the call "68 / 11"; nor one after a comma: "3, 100 + 5 ="
+# is the call "100 + 5", where "3,100 + 5 =" is 3100 + 5): a pattern with a
 # ``\s*`` on each side of every operator could match a run of spaces in many ways, and a sampled
 # tail like "1 +  1 +  ... x =" would take exponential time to refuse.
 _LOOSE_SPACE = re.compile(r"\s+")
-_SPACE_NOT_IN_A_NUMBER = re.compile(r"(?<![\d.]) | (?![\d.])")
-_NUMBER = r"\(*-?\d+(?:\.\d+)?\)*"
+_SPACE_NOT_IN_A_NUMBER = re.compile(r"(?<![\d.,]) | (?![\d.])")
+_NUMBER = r"\(*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\)*"  # thousands grouped with commas or not
+
 _PLAIN_EXPRESSION = re.compile(rf"{_NUMBER}(?:[+\-*/x×]{_NUMBER})+")
 
 
@@ -117,9 +122,12 @@ def _compact(text: str) -> str:
 def _plain_call_start(run: str) -> int | None:
     """Where in ``run`` (arithmetic characters) the longest expression that ends it begins. It
     begins where a number begins: "12345 * 6789" is never read as "2345 * 6789", nor "1.2.3 + 4" as
-    "2.3 + 4"; one over MAX_EXPRESSION_CHARS is still found whole (and refused by ``respond``)."""
+    "2.3 + 4", nor "80,000 * 2" or "1,2345 * 2" as "000 * 2" or "2345 * 2" (no number begins just after
+    a digit and a comma); one over MAX_EXPRESSION_CHARS is still found whole (and refused by ``respond``)."""
     for start in range(len(run)):
         if run[start] not in "0123456789(-" or (start and run[start - 1] in "0123456789."):
+            continue
+        if start >= 2 and run[start - 1] == "," and run[start - 2].isdigit():
             continue
         if _PLAIN_EXPRESSION.fullmatch(_compact(run[start:])):
             return start

@@ -70,11 +70,33 @@ def test_a_run_too_long_to_search_is_refused_whole_or_is_no_call():
         ("3.14.15 * 2 =", None),
         (" ".join(map(str, range(60))) + " + 4 =", "59 + 4"),  # a long run, its call whole
         ("it is 5 =", None),
+        ("80,000 * 1.50 =", "80,000 * 1.50"),  # not "000 * 1.50": thousands grouped with commas
+        ("costs $1,234,567 - 250 =", "1,234,567 - 250"),
+        ("1,2345 * 2 =", None),  # not "2345 * 2": no number begins just after a digit and a comma
+        ("12,5 + 3 =", None),  # a decimal comma: no call rather than "5 + 3"
+        ("He has 3, 100 + 5 =", "100 + 5"),  # a comma and a space end a number
     ],
 )
 def test_a_plain_call_starts_where_its_first_number_starts(text, call):
     tok = make_tokenizer()
     assert CalculatorTools(InlineCalculator("plain"), tok).call_at(None, ids(tok, text)) == call
+
+
+@pytest.mark.parametrize(
+    ("expression", "result"),
+    [
+        ("80,000 * 1.50", "120000"),
+        ("(1,000 + 2) * 3", "3006"),
+        ("1,000.5 * 2", "2001"),
+        ("1,2345 * 2", "?"),
+        ("1,2", "?"),
+    ],
+)
+@pytest.mark.parametrize("style", ["plain", "annotation"])
+def test_thousands_separators_are_read_and_any_other_comma_refused(style, expression, result):
+    calculator = InlineCalculator(style)
+    text, ok = calculator.respond(expression)
+    assert text.strip(" >") == result and ok == (result != "?")
 
 
 def test_a_long_line_of_prose_ending_with_equals_is_no_annotation_call():
