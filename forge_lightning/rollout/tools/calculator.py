@@ -111,7 +111,6 @@ _LONGEST_RUN = 10 * MAX_EXPRESSION_CHARS
 _LOOSE_SPACE = re.compile(r"\s+")
 _SPACE_NOT_IN_A_NUMBER = re.compile(r"(?<![\d.,]) | (?![\d.])")
 _NUMBER = r"\(*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\)*"  # thousands grouped with commas or not
-
 _PLAIN_EXPRESSION = re.compile(rf"{_NUMBER}(?:[+\-*/x×]{_NUMBER})+")
 
 
