@@ -40,8 +40,10 @@ class CalculatorError(ValueError):
 
 # ``x`` or ``×`` between two operands is a multiplication (``12 x 13``, ``2x(3)``).
 _TIMES = re.compile(r"(?<=[\d).])\s*[x×]\s*(?=[\d(.])")
-# A thousands separator: a comma between a digit and a group of exactly three (``80,000``).
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# A number whose thousands are grouped with commas (``80,000``, ``1,234,567.5``): one to three digits
+# first, then groups of three; the rule of a plain call's numbers (``_NUMBER`` below), so that
+# ``1234,567`` is refused by both styles rather than read as 1234567 by one.
+_GROUPED = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
 
 
@@ -53,7 +55,8 @@ def safe_eval(expr: str) -> int | float:
     if len(expr) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
-        tree = ast.parse(_THOUSANDS.sub("", _TIMES.sub("*", expr.strip())), mode="eval")
+        ungrouped = _GROUPED.sub(lambda m: m.group().replace(",", ""), _TIMES.sub("*", expr.strip()))
+        tree = ast.parse(ungrouped, mode="eval")
     except SyntaxError:
         raise CalculatorError("malformed expression") from None
     value = _value(tree.body)
@@ -77,6 +80,8 @@ def _value(node: ast.AST) -> Fraction:
         if right == 0:
             raise CalculatorError("division by zero")
         value = left / right
+    elif isinstance(node, ast.Tuple):
+        raise CalculatorError("a comma that groups no thousands (80,000 does; 1234,567 does not)")
     else:
         what = type(node.op if isinstance(node, (ast.BinOp, ast.UnaryOp)) else node).__name__
         raise CalculatorError(f"{what} is not allowed: numbers, + - * / and parentheses only")

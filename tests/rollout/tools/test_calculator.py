@@ -73,6 +73,7 @@ def test_a_run_too_long_to_search_is_refused_whole_or_is_no_call():
         ("80,000 * 1.50 =", "80,000 * 1.50"),  # not "000 * 1.50": thousands grouped with commas
         ("costs $1,234,567 - 250 =", "1,234,567 - 250"),
         ("1,2345 * 2 =", None),  # not "2345 * 2": no number begins just after a digit and a comma
+        ("1234,567 * 2 =", None),
         ("12,5 + 3 =", None),  # a decimal comma: no call rather than "5 + 3"
         ("He has 3, 100 + 5 =", "100 + 5"),  # a comma and a space end a number
     ],
@@ -89,6 +90,8 @@ def test_a_plain_call_starts_where_its_first_number_starts(text, call):
         ("(1,000 + 2) * 3", "3006"),
         ("1,000.5 * 2", "2001"),
         ("1,2345 * 2", "?"),
+        ("1234,567 * 2", "?"),  # not 1234567: a grouped number starts with one to three digits
+        ("1,234,56 + 1", "?"),
         ("1,2", "?"),
     ],
 )

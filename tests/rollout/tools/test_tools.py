@@ -44,6 +44,12 @@ def test_safe_eval_refuses_what_is_not_small_arithmetic(expr):
         safe_eval(expr)
 
 
+@pytest.mark.parametrize("expr", ["1234,567 * 2", "1,2", "1,234,56 + 1", "(1, 2)"])
+def test_a_comma_that_groups_no_thousands_is_refused_by_name(expr):
+    with pytest.raises(CalculatorError, match="a comma that groups no thousands"):
+        safe_eval(expr)
+
+
 def test_annotation_calls_end_with_an_open_annotation():
     calc = InlineCalculator("annotation")
     assert calc.trigger("She pays <<48/2=") == "48/2"
