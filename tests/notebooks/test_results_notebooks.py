@@ -321,6 +321,15 @@ def test_chains_notebook_tables_every_evaluation_and_attempt_from_its_files(tmp_
             assert float(row[2]) == pytest.approx(evals[label]["accuracy"], abs=5e-4)
             calls = sum(len(a.get("tool_calls") or []) for a in answers) / 200
             assert row[3 if cell == "heldout" else 5] == f"{calls:.2f}"  # 0.955 prints 0.95: not a tolerance
+            if label in ("gsm8k-base", "gsm8k-b0"):  # the "base, B0 and trained, with pass@8"
+                assert row[3] != "-", label
+            if cell == "gsm8k" and row[3] != "-":  # pass@8: from this run's samples or its own sampled one's
+                sampled = multistep / "evals" / f"{label}_pass8.jsonl"
+                if sampled.is_file():
+                    answers = [json.loads(line) for line in sampled.read_text().splitlines()]
+                assert len(answers) == 200 and all(len(a["samples"]) == 8 for a in answers)
+                passed = sum(any(s["correct"] for s in a["samples"]) for a in answers) / 200
+                assert float(row[3]) == pytest.approx(passed, abs=5e-4)
     # Every run folder is an attempt of the table, with its steps as its log ends.
     [attempts] = tables(cells["attempts"])
     runs = sorted(p.name for p in (multistep / "training").iterdir())
