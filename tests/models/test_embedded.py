@@ -58,7 +58,7 @@ def test_a_step_of_the_embedded_model_with_the_calculator(tmp_path):
     from forge_lightning.data.arithmetic import generate
 
     pl.seed_everything(0)
-    problems = generate(seed=0, variant="calc")["dev"][:8]
+    problems = generate(seed=0, variant="calc")["dev"][:4]
     grpo = GRPOLightningModule(
         model="embedded",
         calculator="plain",
@@ -77,10 +77,10 @@ def test_a_step_of_the_embedded_model_with_the_calculator(tmp_path):
         enable_progress_bar=False,
         default_root_dir=tmp_path,
     )
-    loader = DataLoader([p.sample() for p in problems], batch_size=8, collate_fn=collate_records)
+    loader = DataLoader([p.sample() for p in problems], batch_size=4, collate_fn=collate_records)
     trainer.fit(grpo, loader)
     metrics = grpo.last_step.metrics
-    assert metrics["train/tool_calls"] > 0  # at least one parsed call among the 16 completions
+    assert metrics["train/tool_calls"] > 0  # at least one parsed call among the 8 completions
     assert math.isfinite(metrics["train/loss"])
 
 

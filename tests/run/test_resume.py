@@ -48,13 +48,33 @@ VALIDATION_EVERY_2 = "  enable_progress_bar: false\n  val_check_interval: 2\n  n
 
 
 def fit(config: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "forge_lightning", "fit", "--config", str(config), *extra],
-        env={**os.environ, "PYTHONPATH": str(TESTS), **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    (done,) = side_by_side((config, env, *extra))
+    return done
+
+
+def side_by_side(*runs: tuple) -> list[subprocess.CompletedProcess]:
+    """``forge-lightning fit`` for each ``(config, env, *extra)`` at once, one CPU thread each (the
+    tiny runs' time is mostly Python's imports, which two cores run two at a time)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "forge_lightning", "fit", "--config", str(config), *extra],
+            env={**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1", **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for config, env, *extra in runs
+    ]
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
 
 
 def records(out: Path) -> list[dict]:
@@ -94,9 +114,6 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_pa
         return out, path
 
     straight, straight_cfg = config("straight")
-    done = fit(straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")})
-    assert done.returncode == 0, done.stderr[-3000:]
-
     killed, killed_cfg = config("killed")
     tag = f"forge-resume-{os.getpid()}-{rollout_mode}"
     # SIGKILL inside step 4's reward (async: step 4 trains the rollout of batch 4, handed at step 3;
@@ -104,7 +121,8 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_pa
     # calls the reward too.
     kill_at = "5" if rollout_mode == "sync" else "4"
     env = {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": kill_at, "FORGE_TEST_TAG": tag}
-    crash = fit(killed_cfg, env)
+    done, crash = side_by_side((straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")}), (killed_cfg, env))
+    assert done.returncode == 0, done.stderr[-3000:]
     assert crash.returncode == -9
     assert [r["step"] for r in records(killed)] == [1, 2, 3]
     assert no_process_with(tag, seconds=30), "a process of the killed run outlived it (the rollout worker?)"
@@ -179,15 +197,17 @@ def test_resume_with_dynamic_sampling_after_a_kill_in_a_steps_second_round(tiny_
         return out, path
 
     straight, straight_cfg = config("straight")
-    done = fit(straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")})
+    killed, killed_cfg = config("killed")
+    done, crash = side_by_side(
+        (straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")}),
+        (killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4"}),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     expected = records(straight)
     # A flat round, then an informative one (after the epoch's validation call, the order shifts).
     assert [r["sampling_rounds"] for r in expected][:4] == [2.0] * 4
     assert [r["groups_dropped"] for r in expected][:4] == [2.0] * 4
 
-    killed, killed_cfg = config("killed")
-    crash = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4"})
     assert crash.returncode == -9  # inside step 2's second round
     assert [r["step"] for r in records(killed)] == [1]
     resumed = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_c")}, "--ckpt_path", "last")
@@ -215,13 +235,15 @@ def test_resume_of_a_generation_split_into_steps_redoes_the_generation_killed(ti
         return out, path
 
     straight, straight_cfg = config("straight")
-    done = fit(straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")})
+    killed, killed_cfg = config("killed")
+    done, crash = side_by_side(
+        (straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")}),
+        (killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "3"}),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     expected = records(straight)
     assert [r["step"] for r in expected] == [2, 4, 6]
 
-    killed, killed_cfg = config("killed")
-    crash = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "3"})
     assert crash.returncode == -9  # inside the third generation's reward, after step 4's checkpoint
     assert [r["step"] for r in records(killed)] == [2, 4]
     resumed = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_c")}, "--ckpt_path", "last")
@@ -360,15 +382,17 @@ def test_resume_with_the_difficulty_curriculum_drops_what_the_uninterrupted_run_
         return out, path
 
     straight, straight_cfg = config("straight")
-    done = fit(straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")})
+    killed, killed_cfg = config("killed")
+    done, crash = side_by_side(
+        (straight_cfg, {"FORGE_CALLS": str(tmp_path / "calls_a")}),
+        (killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4"}),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     expected = records(straight)
     # Nothing is known in the first epoch; then prompts whose groups all passed (or failed) go, from
     # the history in the checkpoint after the kill. (A step with every group dropped has no loss.)
     assert [r["groups_filtered"] for r in expected] == [0.0, 0.0, 1.0, 1.0, 2.0]
 
-    killed, killed_cfg = config("killed")
-    crash = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_b"), "FORGE_KILL_AT": "4"})
     assert crash.returncode == -9  # inside step 4's reward
     assert [r["step"] for r in records(killed)] == [1, 2, 3]
     resumed = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_c")}, "--ckpt_path", "last")
