@@ -41,9 +41,10 @@ class CalculatorError(ValueError):
 # ``x`` or ``×`` between two operands is a multiplication (``12 x 13``, ``2x(3)``).
 _TIMES = re.compile(r"(?<=[\d).])\s*[x×]\s*(?=[\d(.])")
 # A number whose thousands are grouped with commas (``80,000``, ``1,234,567.5``): one to three digits
-# first, then groups of three; the rule of a plain call's numbers (``_NUMBER`` below), so that
-# ``1234,567`` is refused by both styles rather than read as 1234567 by one.
-_GROUPED = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
+# first, then groups of three. safe_eval and a plain call's numbers (``_NUMBER`` below) share it, so
+# that ``1234,567`` is refused by both styles rather than read as 1234567 by one.
+_GROUPED_DIGITS = r"\d{1,3}(?:,\d{3})+"
+_GROUPED = re.compile(rf"(?<![\d.,]){_GROUPED_DIGITS}(?![\d,])")
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
 
 
@@ -115,7 +116,7 @@ _LONGEST_RUN = 10 * MAX_EXPRESSION_CHARS
 # tail like "1 +  1 +  ... x =" would take exponential time to refuse.
 _LOOSE_SPACE = re.compile(r"\s+")
 _SPACE_NOT_IN_A_NUMBER = re.compile(r"(?<![\d.,]) | (?![\d.])")
-_NUMBER = r"\(*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\)*"  # thousands grouped with commas or not
+_NUMBER = rf"\(*-?(?:{_GROUPED_DIGITS}|\d+)(?:\.\d+)?\)*"  # thousands grouped with commas or not
 _PLAIN_EXPRESSION = re.compile(rf"{_NUMBER}(?:[+\-*/x×]{_NUMBER})+")
 
 
