@@ -205,7 +205,9 @@ class GRPOLightningModule(pl.LightningModule):
             or ``plain`` (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py).
         max_tool_calls: with tools, the calls one completion may make.
         tool_call_format: how a completion writes a call: ``hermes``, ``llama3_json`` or ``qwen3_coder``.
-        tool_timeout: seconds a tool call may take before it is abandoned and answered with an error.
+        tool_timeout: seconds a tool call may take before it is abandoned and answered with an error
+            (an ``async def`` one too, even where it blocks its event loop); under ``sandbox:
+            thread`` its thread runs on, counted in ``tool_threads_abandoned``.
         max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
             cut before it is rendered, marked as cut and counted (``tool_results_cut``).
         max_parallel_tool_calls: the tool calls that run at once (``async def`` ones are awaited).
@@ -230,6 +232,8 @@ class GRPOLightningModule(pl.LightningModule):
         sandbox_cpu_seconds: ``process``: the CPU seconds of one call.
         sandbox_workers: ``process``: worker processes, so calls that may run at once (an
             episode's among them).
+        sandbox_env: ``process``: the names of the trainer's environment variables that cross
+            into the workers (an API key a reward needs); no other variable does.
         val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
             and maj@k; 0: greedy only.
         val_temperature: temperature of the sampled validation completions.
@@ -343,6 +347,7 @@ class GRPOLightningModule(pl.LightningModule):
         sandbox_memory_mb: int = 2048,
         sandbox_cpu_seconds: int = 60,
         sandbox_workers: int = 2,
+        sandbox_env: list[str] | None = None,
         # -- validation (ValidationSettings)
         val_num_generations: int = 0,
         val_temperature: float = 1.0,

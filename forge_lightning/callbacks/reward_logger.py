@@ -54,7 +54,7 @@ ASYNC_JSONL_KEYS = (
 # Logged where the sampler's log-probs correct the loss (rollout_correction, async rollouts).
 CORRECTION_JSONL_KEYS = ("sampler_kl", "correction_weight_mean", "correction_masked_fraction")
 # Logged with tool-using rollouts only (rollout/tool_sampler.py).
-TOOL_JSONL_KEYS = ("tool_calls", "tool_errors", "turns", "tool_token_fraction")
+TOOL_JSONL_KEYS = ("tool_calls", "tool_errors", "turns", "tool_token_fraction", "tool_threads_abandoned")
 JSONL_KEYS += ASYNC_JSONL_KEYS + CORRECTION_JSONL_KEYS + TOOL_JSONL_KEYS
 
 

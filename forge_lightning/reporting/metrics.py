@@ -43,15 +43,17 @@ TRAIN_KEYS = (
     "correction_weight_mean",
     "correction_masked_fraction",
     # Tool-using rollouts (rollout/tool_sampler.py), per completion: calls, calls that failed, generate
-    # rounds, results cut to max_tool_result_chars, and the share of the completion's tokens a tool
+    # rounds, results cut to max_tool_result_chars, calls abandoned at tool_timeout whose threads run
+    # on in the trainer's process (sandbox: thread), and the share of the completion's tokens a tool
     # wrote; and ``tool_calls/<name>``, each tool's calls (RunningMetrics' ``tools``).
     "tool_calls",
     "tool_errors",
     "turns",
     "tool_results_cut",
+    "tool_threads_abandoned",
     "tool_token_fraction",
     # Agent rollouts (rollout/agents/runner.py), per episode: failed (1) or not, and its calls
-    # served but not trained (outside its chain, or refused).
+    # served but not trained (outside its chain, refused, or answered empty past its budget).
     "agent_errors",
     "agent_calls_dropped",
 )

@@ -31,6 +31,7 @@ from forge_lightning.run.user_code import (
     call_within,
     takes_completions,
     trl_kwargs,
+    warn_thread_abandoned,
 )
 
 # The arguments that live in the trainer's process (a callable, the environments' objects): a
@@ -189,9 +190,11 @@ def invoke_reward(
     ``timeout`` seconds (the sandbox's default where None) with everything it started; that, an
     exit or a crash there is that call's error (a :class:`RewardTimeout`, a SandboxCallError).
 
-    Else, with ``timeout`` (seconds) the call runs in a daemon thread and is abandoned, raising
-    :class:`RewardTimeout`, when it takes longer; the abandoned thread is left to finish alone
-    (a thread cannot be killed), and a process exit does not wait for it. Without one, a call
+    Else, with ``timeout`` (seconds) the call runs in a daemon thread (an ``async def`` reward on
+    that thread's own event loop, so one that blocks its loop is no different) and is abandoned,
+    raising :class:`RewardTimeout`, when it takes longer; the abandoned thread is left to finish
+    alone (a thread cannot be killed; a warning says so once per process), and a process exit
+    does not wait for it. Without one, a call
     running past ``slow_after`` seconds is warned about (once) and left to run. A SystemExit or
     KeyboardInterrupt that the reward's code raises becomes :class:`RewardExit` naming the
     reward; one that a signal raised (Ctrl-C, a SIGTERM) passes through unchanged.
@@ -259,10 +262,14 @@ def _call_watched(call: Callable[[], Any], name: str, slow_after: float) -> Any:
 
 
 def _call_within(call: Callable[[], Any], what: str, size: int, timeout: float) -> Any:
-    """``call()`` in a daemon thread, abandoned with :class:`RewardTimeout` after ``timeout`` s."""
+    """``call()`` in a daemon thread, abandoned with :class:`RewardTimeout` after ``timeout`` s
+    (its thread runs on: warned about once per process)."""
     try:
         return call_within(call, timeout, what)
     except CallTimeout:
+        warn_thread_abandoned(
+            "reward", "reward_timeout", "under on_reward_error zero, their samples count in reward_errors"
+        )
         raise RewardTimeout(
             f"{what} took longer than reward_timeout={timeout:g}s on {size} responses; the call was abandoned"
         ) from None

@@ -1,11 +1,15 @@
 """An LLM as a judge: :class:`JudgeReward` asks a model to rate each completion and reads a
-number or a yes/no from its reply.
+number or a yes/no from its reply (rewards/judge_replies.py reads it).
 
 The judge is a local HF causal LM (a folder or any model spec, run like RewardModel: batched, no
 grad, eval mode, on the policy's device) or an OpenAI-compatible chat-completions endpoint. Each
 completion is written into ``template``; the text is the judge's user message (through the local
-model's chat template when its tokenizer has one), its greedy reply is read by ``parse``. A reply
-``parse`` cannot read is no score: the reward reports it as unscored (rewards/scoring.py), and
+model's chat template when its tokenizer has one), its greedy reply is read by ``parse``: by
+default :func:`read_score`, which reads a yes/no or the score the judge gives ("7", "Score: 7/10",
+"I give it 3", "8.5 out of 10"), never the numbers of a scale it names ("on a scale of 0 to 10"),
+in the units of the scale the template names ("from 0 (useless) to 10 (perfect)": "4/5" is 8.0).
+A reply ``parse`` cannot read (no score in it, or one outside the template's scale) is no score:
+the reward reports it as unscored (rewards/scoring.py), that sample's error, and
 ``model.on_reward_error`` decides: ``raise`` names the sample and the reply, ``zero`` scores it 0
 and counts it in ``reward_errors``. A checkpoint stores the judge's spec and, for a local folder,
 its fingerprints as a reward model's (rewards/reward_model.py): a resume refuses other weights,
@@ -15,7 +19,7 @@ config, tokenizer or chat template, and a changed template or parser (rewards/re
 from __future__ import annotations
 
 import asyncio
-import re
+import functools
 import string
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +40,7 @@ from forge_lightning.rewards.http import (
     post_json,
     run_coroutine,
 )
+from forge_lightning.rewards.judge_replies import read_score, template_scale
 from forge_lightning.rewards.reward_model import PolicyContext, formatting_fingerprints
 from forge_lightning.rewards.scoring import UNSCORED
 from forge_lightning.rollout.engines.base import SamplingParams
@@ -48,20 +53,6 @@ DEFAULT_TEMPLATE = (
     "Rate the response to the question from 0 (useless) to 10 (perfect). Reply with the number "
     "only.\n\nQuestion: {prompt}\n\nResponse: {completion}"
 )
-_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)")
-_YES_NO = {"yes": 1.0, "no": 0.0}
-
-
-def read_score(reply: str) -> float | None:
-    """A judge's reply as a score: 1.0 or 0.0 when its first word is yes or no (any case, any
-    punctuation after it), else the first number in it (``"Score: 7/10"`` is 7.0); None when it
-    has neither."""
-    words = reply.strip().split(maxsplit=1)
-    first = words[0].strip(".,:;!?\"'*").lower() if words else ""
-    if first in _YES_NO:
-        return _YES_NO[first]
-    number = _NUMBER.search(reply)
-    return float(number.group()) if number else None
 
 
 class JudgeReward(BaseReward):
@@ -79,7 +70,8 @@ class JudgeReward(BaseReward):
             the batch's field of that name (e.g. ``{references}``), which the run then must give.
         parse: reads a reply as a score: a function ``str -> float | None`` (None, or a
             ValueError: it cannot), e.g. by import path in a config; :func:`read_score` reads a
-            yes/no or a number.
+            yes/no or the score given, in the units of the template's scale (where it names one:
+            ``from 0 to 10``, ``on a scale of 1 to 5``), and finds none outside that scale.
         tokenizer: required with a built model; loaded with a spec.
         batch_size: replies generated per forward pass (local), or requests in flight at once (url).
         max_new_tokens: the longest reply, in tokens.
@@ -126,6 +118,9 @@ class JudgeReward(BaseReward):
         self.batch_size, self.device = batch_size, device
         self.timeout, self.retries, self.backoff, self.api_key_env = timeout, retries, backoff, api_key_env
         self.needs = tuple(name for name in template_fields(template) if name not in ("prompt", "completion"))
+        # The default reader puts a score in the template's units ("4/5" asked "from 0 to 10" is 8).
+        scale = template_scale(template)
+        self._reader = functools.partial(read_score, scale=scale) if parse is read_score else parse
         # A local judge's folder and its fingerprints, which checkpoints record as a reward
         # model's (reward_model.reward_model_fingerprints): a resume refuses a changed judge.
         self.folder = Path(model) if url is None and isinstance(model, str) and Path(model).is_dir() else None
@@ -188,7 +183,7 @@ class JudgeReward(BaseReward):
 
     def _read(self, reply: str) -> float | None:
         try:
-            value = self.parse(reply)
+            value = self._reader(reply)
         except ValueError:
             return None
         return None if value is None else float(value)

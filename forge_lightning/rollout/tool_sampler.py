@@ -72,7 +72,8 @@ class ToolRolloutSampler:
     tools' together; an answer that would cross it is cut and the completion counts as
     truncated. A completion makes at most ``max_tool_calls`` calls; after that a call is just text
     (a turn that wrote several calls past it has the extra ones answered as errors, not run).
-    A failed call (a refused expression, a tool that raised) is answered and counted in ``tool_errors``.
+    A failed call (a refused expression, a tool that raised) is answered and counted in ``tool_errors``;
+    one abandoned at its timeout in this process, whose thread runs on, in ``tool_threads_abandoned`` too.
     """
 
     def __init__(
@@ -357,6 +358,9 @@ class ToolRolloutSampler:
                 "turns": torch.tensor([e.turns for e in episodes], device=device),
                 "tool_results_cut": torch.tensor(
                     [sum(bool(c.get("truncated")) for c in e.log) for e in episodes], device=device
+                ),
+                "tool_threads_abandoned": torch.tensor(
+                    [sum(bool(c.get("abandoned")) for c in e.log) for e in episodes], device=device
                 ),
                 **{key: counts.to(device) for key, counts in per_tool.items()},
             },

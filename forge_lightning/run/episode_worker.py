@@ -26,7 +26,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from forge_lightning.run.sandbox_frames import awaited, death, frame, raised
+from forge_lightning.run.isolation import enter_call
+from forge_lightning.run.sandbox_frames import awaited, death, encoded, failed, raised, receive
 
 # The folder of episode N in the worker's scratch folder (the sweep after a plain call spares it).
 FOLDER_PREFIX = ".episode-"
@@ -74,16 +75,15 @@ class Episodes:
             try:
                 self._open(op.episode, op.payload)
             except OSError as err:  # no process to be had: the worker is at its processes' bound
-                return frame(
-                    "failed",
+                return failed(
                     f"could not start its episode's process ({err}): each open episode is a process "
                     f"of its worker, within the worker's bound of {self.limits['processes']} "
                     "processes; more sandbox_workers spread the episodes over more",
                 )
         elif op.episode in self.ended:
-            return frame("failed", f"cannot run: its episode ended when {self.ended[op.episode]}")
+            return failed(f"cannot run: its episode ended when {self.ended[op.episode]}")
         elif op.episode not in self.live:
-            return frame("failed", "cannot run: its episode is not open in this worker")
+            return failed("cannot run: its episode is not open in this worker")
         else:
             try:
                 self.live[op.episode].conn.send_bytes(pickle.dumps(op.payload))
@@ -94,11 +94,6 @@ class Episodes:
     def groups(self) -> set[int]:
         """The process groups of the live episodes (the sweep spares them)."""
         return {live.pid for live in self.live.values()}
-
-    def close_in_child(self) -> None:
-        """In a process forked from the worker: let go of the episodes' pipes."""
-        for live in self.live.values():
-            live.conn.close()
 
     def end(self, episode: int, why: str | None = None) -> None:
         """Kill the episode's process group and remove its folder; ``why`` is kept for its later calls."""
@@ -119,9 +114,8 @@ class Episodes:
         pid = os.fork()
         if pid == 0:  # the episode's process: it never returns into the worker's loop
             try:
-                mine.close()
-                self.close_in_child()
                 os.setpgid(0, 0)
+                enter_call(theirs.fileno(), self.limits["drop_to"])
                 folder = os.path.join(self.scratch, f"{FOLDER_PREFIX}{episode}")
                 os.makedirs(folder, exist_ok=True)
                 os.chdir(folder)
@@ -142,14 +136,17 @@ class Episodes:
             os._exit(0)  # the trainer is gone
         if not ready:
             self.end(episode, f"a call ran past its {timeout:g}s and was killed")
-            return frame("timeout", f"ran past its {timeout:g}s: its episode's process was killed")
+            return encoded("timeout", f"ran past its {timeout:g}s: its episode's process was killed")
         try:
-            return live.conn.recv_bytes()
-        except (EOFError, OSError):
+            answer = receive(live.conn)
+        except OSError:
+            answer = None
+        if answer is None:
             status = _reaped(live.pid)
             why = "ended without answering" if status is None else death(status)
             self.end(episode, f"its process {why}")
-            return frame("failed", f"ended its episode: its process {why}")
+            return failed(f"ended its episode: its process {why}")
+        return answer
 
 
 def serve_episode(conn: Connection, payload: tuple, limits: dict[str, Any]) -> None:
@@ -167,9 +164,9 @@ def serve_episode(conn: Connection, payload: tuple, limits: dict[str, Any]) -> N
             if environment is None:  # the first message: make the environment
                 environment = factory()
             value = getattr(environment, method)(**kwargs) if method is not None else None
-            answer = frame("ok", awaited(value, loop))
+            answer = encoded("ok", awaited(value, loop))
         except (SystemExit, KeyboardInterrupt) as err:
-            answer = frame("failed", f"raised {err!r} from its own code")
+            answer = failed(f"raised {err!r} from its own code")
         except BaseException as err:
             answer = raised(err)
         conn.send_bytes(answer)

@@ -1,18 +1,30 @@
 """What the machine gives the sandbox (run/sandbox.py), found once per process: the namespaces
-``unshare`` makes, Landlock, and the bound on a worker's processes (``RLIMIT_NPROC`` for a user
-that is not root; root ignores it, so under root a ``pids`` cgroup per worker, v1 or v2). A machine
-without one of them is refused with the reason, never given a weaker sandbox."""
+``unshare`` makes, Landlock, the socket filter (run/seccomp.py), and the bound on a worker's
+processes (``RLIMIT_NPROC`` for a user that is not root; root ignores it, so under root a ``pids``
+cgroup per worker, v1 or v2). A machine without one of them is refused with the reason, never
+given a weaker sandbox.
+
+Who user code runs as: under a trainer that is not root, as that user (its one id, mapped to root
+in the worker's user namespace, is all the namespace may hold). Under root, the trainer writes the
+worker's user namespace's maps itself (:func:`map_ids`): root and :data:`UNPRIVILEGED` (nobody),
+each to itself. The worker, root there and keeping its capabilities (``unshare --keep-caps``),
+imports the user's modules; each call's process then drops to nobody (:func:`enter_call`), which
+cannot read a root-only file, signal or trace the worker, or open its descriptors."""
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
+from forge_lightning.run import seccomp
 from forge_lightning.run.landlock import abi_version
 
 log = logging.getLogger("forge_lightning.run.sandbox")
@@ -29,6 +41,12 @@ NAMESPACES = [
     "--mount-proc",
     "--ipc",
 ]
+
+
+# The namespaces under a root trainer: the same, with no map of unshare's (the trainer writes it).
+ROOT_NAMESPACES = ["--user", "--keep-caps", *NAMESPACES[2:]]
+# The host's unprivileged user (nobody), whom a call's process becomes under a root trainer.
+UNPRIVILEGED = 65534
 
 
 class SandboxUnavailable(RuntimeError):
@@ -68,15 +86,86 @@ def probe() -> str:
                 f"cgroup can be made to bound its processes instead ({err})"
             ) from err
         limit = "a pids cgroup"
-    check = [sys.executable, "-I", "-S", "-c", "import os; assert os.getpid() == 1"]
-    done = subprocess.run(["unshare", *NAMESPACES, *check], capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
+    why = seccomp.supported()
+    if why is not None:
+        raise SandboxUnavailable(f"sandbox: process needs a socket filter: {why}")
+    check = [sys.executable, "-I", "-S", seccomp.__file__]  # pid 1 of its namespace, no sockets
+    try:
+        done = started(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        err = done.communicate(timeout=60)[1]
+    except (OSError, subprocess.TimeoutExpired) as error:
+        err = repr(error)
+    else:
+        err = err if done.returncode == 0 else err or f"exited with code {done.returncode}"
+    if err:
         raise SandboxUnavailable(
             "sandbox: process needs user, pid, network and mount namespaces (unshare "
-            f"{' '.join(NAMESPACES)}), which failed here: {done.stderr.strip()[-500:]}"
+            f"{' '.join(namespaces())}) and a seccomp filter, which failed here: {err.strip()[-500:]}"
         )
-    _probed.append(f"namespaces (user, pid, net, mount, ipc), Landlock ABI {abi}, rlimits and {limit}")
+    who = "nobody" if os.geteuid() == 0 else "the trainer's own user"
+    _probed.append(
+        f"namespaces (user, pid, net, mount, ipc), Landlock ABI {abi}, a socket filter, rlimits and "
+        f"{limit}; calls run as {who}"
+    )
     return _probed[0]
+
+
+def namespaces() -> list[str]:
+    """``unshare``'s options for a worker: under root without a map (:func:`map_ids` writes it)."""
+    return ROOT_NAMESPACES if os.geteuid() == 0 else NAMESPACES
+
+
+def started(command: list[str], cgroup: str | None = None, **popen: Any) -> subprocess.Popen:
+    """``command`` started by ``unshare`` in a worker's namespaces (in ``cgroup``, where given,
+    before anything else runs), in a session of its own; under root, the user namespace's maps
+    are written before this returns. OSError where they cannot be."""
+    command = ["unshare", *namespaces(), *command]
+    if cgroup is not None:  # join the cgroup before anything else runs
+        command = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cgroup, "cgroup.procs"), *command]
+    process = subprocess.Popen(command, start_new_session=True, **popen)
+    if os.geteuid() == 0:
+        try:
+            map_ids(process.pid)
+        except BaseException:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+    return process
+
+
+def map_ids(pid: int, wait: float = 10.0) -> None:
+    """Once ``pid`` (``unshare``) is in a user namespace of its own, map root and
+    :data:`UNPRIVILEGED` there, each to itself. The worker waits for it (:func:`mapped`)."""
+    mine, deadline = os.readlink("/proc/self/ns/user"), time.monotonic() + wait
+    while os.readlink(f"/proc/{pid}/ns/user") == mine:  # FileNotFoundError: it died
+        if time.monotonic() > deadline:
+            raise OSError(f"the sandbox's unshare (pid {pid}) made no user namespace in {wait:g}s")
+        time.sleep(0.0005)
+    lines = f"0 0 1\n{UNPRIVILEGED} {UNPRIVILEGED} 1\n"
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "w") as f:
+            f.write(lines)
+
+
+def mapped(wait: float = 10.0) -> None:
+    """In the worker: wait until this user namespace's map is written (where nothing writes it,
+    as under a trainer that is not root, it is written by unshare before the worker starts)."""
+    deadline = time.monotonic() + wait
+    while not open("/proc/self/uid_map").read().strip():
+        if time.monotonic() > deadline:
+            raise OSError(f"no user map was written in {wait:g}s")
+        time.sleep(0.0005)
+
+
+def enter_call(keep: int, drop_to: int | None) -> None:
+    """In a process forked by the worker to run user code: close every descriptor but the
+    standard ones and ``keep`` (its own answer pipe), and become ``drop_to`` (None: stay)."""
+    os.closerange(3, keep)
+    os.closerange(keep + 1, max(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 16))
+    if drop_to is not None:
+        os.setgroups([])
+        os.setresgid(drop_to, drop_to, drop_to)
+        os.setresuid(drop_to, drop_to, drop_to)
 
 
 def pids_root() -> str:
@@ -118,3 +207,60 @@ def remove_cgroup(folder: str | None, wait: float = 2.0) -> None:
                 log.warning("sandbox: the cgroup %s could not be removed", folder)
                 return
             time.sleep(0.01)
+
+
+# mount(2) flags, and open_tree(2)/move_mount(2) (Linux 5.2+, the same numbers on every architecture).
+_MS_NOSUID, _MS_NODEV = 2, 4
+_OPEN_TREE, _MOVE_MOUNT = 428, 429
+_AT_FDCWD, _OPEN_TREE_CLONE, _AT_RECURSIVE, _MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 0x8000, 4
+
+
+def expose(paths: list[str], user: int) -> None:
+    """In the worker, before Landlock (which forbids mounts): where a folder above one of ``paths``
+    is closed to ``user`` (a Python installed below ``/root``, mode 0700), hide that folder under an
+    empty one of this mount namespace's own and put back ``paths`` alone below it, so that a call
+    running as ``user`` reaches them and nothing else there. OSError where the kernel refuses."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    closed: dict[str, list[str]] = {}
+    for path in paths:
+        folder = _closed_above(path, user)
+        if folder is not None and os.path.exists(path):
+            closed.setdefault(folder, []).append(path)
+    for folder, inside in closed.items():
+        trees = []
+        for path in inside:  # a detached copy of each, taken before the folder is hidden
+            fd = libc.syscall(
+                _OPEN_TREE, _AT_FDCWD, path.encode(), _OPEN_TREE_CLONE | _AT_RECURSIVE | os.O_CLOEXEC
+            )
+            if fd < 0:
+                raise OSError(ctypes.get_errno(), f"open_tree({path}) failed")
+            trees.append((path, fd))
+        if (
+            libc.mount(b"tmpfs", folder.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=0755,size=64k")
+            != 0
+        ):
+            raise OSError(ctypes.get_errno(), f"mounting an empty folder on {folder} failed")
+        for path, fd in trees:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, mode=0o755, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+                open(path, "a").close()
+            moved = libc.syscall(_MOVE_MOUNT, fd, b"", _AT_FDCWD, path.encode(), _MOVE_MOUNT_F_EMPTY_PATH)
+            os.close(fd)
+            if moved != 0:
+                raise OSError(ctypes.get_errno(), f"putting {path} back failed")
+
+
+def _closed_above(path: str, user: int) -> str | None:
+    """The highest folder above ``path`` that ``user`` (in no group of the folder's) cannot pass."""
+    parts = os.path.realpath(path).split(os.sep)[1:]
+    for depth in range(1, len(parts)):
+        folder = os.sep + os.path.join(*parts[:depth])
+        info = os.stat(folder)
+        passes = 0o001 if info.st_uid != user else 0o100
+        if not info.st_mode & passes:
+            return folder
+    return None

@@ -59,11 +59,17 @@ def _handled_fs(abi: int) -> int:
     )
 
 
-def restrict(read: Iterable[str], write: Iterable[str], read_write_files: Iterable[str] = ()) -> int:
+def restrict(
+    read: Iterable[str],
+    write: Iterable[str],
+    read_write_files: Iterable[str] = (),
+    list_only: Iterable[str] = (),
+) -> int:
     """Restrict this process (and what it starts) to reading and executing below ``read``, doing
-    anything below ``write``, and reading and writing the files ``read_write_files`` (``/dev/null``);
-    no TCP, no signals out of the domain where the kernel can refuse them. Paths that do not exist
-    are skipped. Returns the ABI version used; OSError naming the call that failed."""
+    anything below ``write``, reading and writing the files ``read_write_files`` (``/dev/null``)
+    and listing the folders below ``list_only`` (their names, not their files' contents); no TCP,
+    no signals out of the domain where the kernel can refuse them. Paths that do not exist are
+    skipped. Returns the ABI version used; OSError naming the call that failed."""
     libc, abi = _libc(), abi_version()
     if abi < 1:
         raise OSError("Landlock is not available in this kernel")
@@ -77,6 +83,7 @@ def restrict(read: Iterable[str], write: Iterable[str], read_write_files: Iterab
         rights = [(p, _EXECUTE | _READ_FILE | _READ_DIR) for p in read]
         rights += [(p, handled) for p in write]
         rights += [(p, _READ_FILE | _WRITE_FILE) for p in read_write_files]
+        rights += [(p, _READ_DIR) for p in list_only]
         for path, allowed in rights:
             _add_rule(libc, ruleset, path, allowed & handled)
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -96,6 +103,8 @@ def _add_rule(libc: ctypes.CDLL, ruleset: int, path: str, allowed: int) -> None:
     try:
         if not os.path.isdir(path):
             allowed &= _FILE_RIGHTS
+        if not allowed:
+            return  # a folder's right given to a file
         rule = _PathBeneath(allowed, fd)
         if libc.syscall(_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)) != 0:
             raise OSError(ctypes.get_errno(), f"landlock_add_rule failed for {path}")

@@ -27,6 +27,7 @@ CHANGEABLE_ON_RESUME = frozenset(
         "sandbox_memory_mb",
         "sandbox_cpu_seconds",
         "sandbox_workers",
+        "sandbox_env",
         "attn_implementation",
         "prefix_sharing",
         "logprob_chunk_size",

@@ -8,18 +8,27 @@ checked; a machine that lacks one is refused with the reason, never given a weak
 - a worker is a fresh interpreter (never a fork of the trainer), started by ``unshare`` in new
   user, pid, network, mount and IPC namespaces: it sees no network, and when it dies every
   process it started dies with it (the kernel ends a pid namespace with its first process);
-- Landlock: it reads only the Python installation, ``sys.path`` and the system's folders, and
-  writes only its scratch folder (emptied after each call). A folder on ``sys.path`` is readable
-  whole (the working directory, where it is on it): a run folder below one is readable by the
-  reward's own code, not by the programs ``run_python`` starts (Python's installation only);
+- Landlock: it reads only the Python installation, the system's folders and the user's modules
+  (run/sandbox_view.py: never a run folder, nor a data file beside a module), and writes only its
+  scratch folder (emptied after each call); the programs ``run_python`` starts read Python's
+  installation alone;
+- a seccomp filter (run/seccomp.py): no socket can be made, connected, bound or sent to, a Unix
+  one at a path included (a catchable PermissionError); a socket pair still works (asyncio);
+- each call runs in a process that holds no descriptor of its worker's but its own answer pipe
+  and, under a root trainer, as nobody (run/isolation.py): a root-only file cannot be read;
+- of the trainer's environment variables, only those ``env`` names cross (none by default);
 - resource limits on each call: address space (``memory_mb``), CPU seconds, open files, file size;
 - a bounded number of processes: ``RLIMIT_NPROC`` for a user that is not root; root ignores it,
   so under root each worker gets a ``pids`` cgroup of its own (cgroup v1 or v2) with that bound;
 - a call past its timeout (:data:`DEFAULT_TIMEOUT` where none is set: never "wait for ever") is
   killed with its worker's whole process group (``os.killpg``); the next call gets a new worker.
 
-Arguments and results cross as pickles: :meth:`Sandbox.prepare` pickles the functions up front, so
-that one which cannot cross (a lambda, a local function) is refused by name at the start.
+Arguments cross into a worker as pickles (the trainer's own; :meth:`Sandbox.prepare` pickles the
+functions up front, so that one which cannot cross, a lambda or a local function, is refused by
+name at the start). What comes back is data (run/sandbox_frames.py): JSON, never unpickled, each
+answer naming its call's id; a result that is not data is that call's error, a raised exception
+comes back as its type's name and message (a built-in type as itself), and an answer out of form
+or naming another call kills its worker.
 
 A stateful environment's episode is sticky (:meth:`Sandbox.open_episode`, run/episode_worker.py):
 its environment is made in a process of one worker when the episode opens, every later call of
@@ -39,25 +48,30 @@ import logging
 import pickle
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from forge_lightning.run.episode_worker import EpisodeOp
 from forge_lightning.run.isolation import SandboxUnavailable, probe
 from forge_lightning.run.sandbox_episodes import SandboxEpisode
+from forge_lightning.run.sandbox_frames import SandboxRaised, exception
 from forge_lightning.run.sandbox_process import (
+    ForgedAnswer,
     SandboxCallError,
     SandboxLimits,
     SandboxTimeout,
     WorkerProcess,
     kill_all,
 )
+from forge_lightning.run.sandbox_view import WorkerView, worker_view
 
 __all__ = [
+    "ForgedAnswer",
     "Sandbox",
     "SandboxCallError",
     "SandboxEpisode",
     "SandboxLimits",
+    "SandboxRaised",
     "SandboxTimeout",
     "SandboxUnavailable",
     "probe",
@@ -78,13 +92,18 @@ class Sandbox:
     Args:
         workers: processes, so calls that run at once (more wait for a free one).
         limits: what each call may use.
+        env: the names of the trainer's environment variables that cross into the workers (an
+            API key a reward needs); no other does.
     """
 
-    def __init__(self, workers: int = 2, limits: SandboxLimits | None = None) -> None:
+    def __init__(
+        self, workers: int = 2, limits: SandboxLimits | None = None, env: Sequence[str] = ()
+    ) -> None:
         if workers < 1:
             raise ValueError(f"sandbox_workers must be >= 1, got {workers}")
-        self.workers, self.limits = workers, limits or SandboxLimits()
+        self.workers, self.limits, self.env = workers, limits or SandboxLimits(), tuple(env)
         self._preload = pickle.dumps((_noop, (), {}))
+        self._view = worker_view([], self.env)
         self._idle: list[WorkerProcess] = []
         self._started = 0
         self._changed = threading.Condition()  # a worker came back, went, or did not start
@@ -104,6 +123,7 @@ class Sandbox:
         for name, fn in functions.items():
             refuse_unpicklable(fn, name)
         self._preload = pickle.dumps((_imported, (list(functions.values()),), {}))
+        self._view = worker_view(functions.values(), self.env)
 
     def call(
         self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], timeout: float | None, name: str
@@ -168,6 +188,9 @@ class Sandbox:
                 f"{name} ran past its {timeout:g}s in the sandbox and was killed with every process "
                 "it started"
             ) from None
+        except ForgedAnswer as err:
+            self._discard(worker, f"{name}: {err}")
+            raise ForgedAnswer(f"{name}: {err}; its worker was killed") from None
         except (EOFError, OSError) as err:
             self._discard(worker, f"{name}: its worker died")
             raise SandboxCallError(f"{name}: its sandbox worker died ({err!r})") from None
@@ -175,7 +198,7 @@ class Sandbox:
         if kind == "ok":
             return value
         if kind == "raised":
-            raise value
+            raise exception(value)
         log.warning("sandboxed call %s %s", name, value)
         raise (SandboxTimeout if kind == "timeout" else SandboxCallError)(f"{name} {value}")
 
@@ -195,7 +218,7 @@ class Sandbox:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A copy (a deep-copied or pickled module's) starts workers of its own, never shares these.
-        return (_unstarted, (self.workers, self.limits, self._preload))
+        return (_unstarted, (self.workers, self.limits, self._preload, self.env, self._view))
 
     def _acquire(
         self, pinned: WorkerProcess | None = None, balance: bool = False, name: str = ""
@@ -220,7 +243,7 @@ class Sandbox:
                     break
                 self._changed.wait()
         try:
-            worker = WorkerProcess(self.limits, self._preload)
+            worker = WorkerProcess(self.limits, self._preload, self._view)
         except BaseException:
             with self._changed:
                 self._started -= 1
@@ -267,9 +290,16 @@ def refuse_unpicklable(fn: Any, name: str) -> None:
         ) from err
 
 
-def _unstarted(workers: int, limits: SandboxLimits, preload: bytes) -> Sandbox:
-    sandbox = Sandbox(workers, limits)
+def _unstarted(
+    workers: int,
+    limits: SandboxLimits,
+    preload: bytes,
+    env: tuple[str, ...] = (),
+    view: WorkerView | None = None,
+) -> Sandbox:
+    sandbox = Sandbox(workers, limits, env)
     sandbox._preload = preload
+    sandbox._view = view or sandbox._view
     return sandbox
 
 

@@ -1,24 +1,31 @@
 """One sandbox worker process as the trainer holds it (run/sandbox.py's pool): started by
 ``unshare`` in its own namespaces (and, under root, a pids cgroup of its own), its pipes, its
 scratch folder, its episodes (run/episode_worker.py), and how it is killed; and what a sandboxed
-call's failure is."""
+call's failure is.
+
+Each message carries a new id; the answer names it back. An answer is read as JSON data
+(run/sandbox_frames.py), never unpickled: one that is not the sandbox's form, or that names
+another call, means something in the worker spoke for it, and the worker is killed."""
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from forge_lightning.run.isolation import NAMESPACES, pids_cgroup, remove_cgroup
-from forge_lightning.run.sandbox_worker import WORKER_MARK
+from forge_lightning.run.isolation import UNPRIVILEGED, pids_cgroup, remove_cgroup, started
+from forge_lightning.run.sandbox_frames import KINDS, MAX_ANSWER_BYTES
+from forge_lightning.run.sandbox_view import WorkerView
+from forge_lightning.run.sandbox_worker import ID_BYTES, WORKER_MARK
 
 # Seconds a new worker may take to start and import the prepared functions' modules.
 START_TIMEOUT = 120.0
@@ -32,6 +39,11 @@ class SandboxCallError(Exception):
 
 class SandboxTimeout(SandboxCallError, TimeoutError):
     """A sandboxed call ran past its timeout and was killed with every process it started."""
+
+
+class ForgedAnswer(SandboxCallError):
+    """A worker's answer was not the sandbox's form, or named another call: something in the
+    worker wrote on its answer pipe. The worker is killed; the call is an error."""
 
 
 @dataclass(frozen=True)
@@ -48,37 +60,40 @@ class SandboxLimits:
 class WorkerProcess:
     """One worker process: its pipes, scratch folder and (under root) pids cgroup."""
 
-    def __init__(self, limits: SandboxLimits, preload: bytes) -> None:
+    def __init__(self, limits: SandboxLimits, preload: bytes, view: WorkerView | None = None) -> None:
+        view = view or WorkerView()
         self.episodes: set[int] = set()  # the episodes open in it
         self.releases: list[int] = []  # the episodes dropped since its last episode message
         self.gone: str | None = None  # why it was killed
         self.scratch = tempfile.mkdtemp(prefix="forge-sandbox-")
-        self.cgroup = pids_cgroup(limits.processes) if os.geteuid() == 0 else None
+        root = os.geteuid() == 0
+        if root:  # the calls run as nobody, who must write their folder
+            os.chown(self.scratch, UNPRIVILEGED, UNPRIVILEGED)
+        self.cgroup = pids_cgroup(limits.processes) if root else None
         task_r, task_w = os.pipe()
         answer_r, answer_w = os.pipe()
         self.lifeline_r, self.lifeline_w = os.pipe()
         passed = (task_r, answer_w, self.lifeline_r)
-        command = [sys.executable, "-c", _SERVE, *map(str, passed), self.scratch, json.dumps(asdict(limits))]
-        command = ["unshare", *NAMESPACES, *command]
-        if self.cgroup is not None:  # join the cgroup before anything else runs
-            command = [
-                "sh",
-                "-c",
-                'echo $$ > "$0" && exec "$@"',
-                os.path.join(self.cgroup, "cgroup.procs"),
-                *command,
-            ]
-        self.process = subprocess.Popen(
-            command,
-            pass_fds=passed,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=self.scratch,
-            env=worker_environment(self.scratch),
-        )
-        for fd in passed:
-            os.close(fd)
+        setup = {
+            "limits": asdict(limits),
+            "drop_to": UNPRIVILEGED if root else None,
+            "read": list(view.read),
+            "list_only": list(view.list_only),
+        }
+        command = [sys.executable, "-c", _SERVE, *map(str, passed), self.scratch, json.dumps(setup)]
+        try:
+            self.process = started(
+                command,
+                self.cgroup,
+                pass_fds=passed,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                cwd=self.scratch,
+                env=worker_environment(self.scratch, view.environment()),
+            )
+        finally:
+            for fd in passed:
+                os.close(fd)
         self.tasks = Connection(task_w, readable=False)
         self.answers = Connection(answer_r, writable=False)
         try:
@@ -102,11 +117,26 @@ class WorkerProcess:
         return tuple(taken)
 
     def ask(self, frame: bytes, timeout: float) -> tuple[str, Any]:
-        """Send one call, and wait at most ``timeout`` s for its answer (TimeoutError)."""
-        self.tasks.send_bytes(frame)
+        """Send one call (a pickle, which the worker reads), and wait at most ``timeout`` s for its
+        answer (TimeoutError): ``(kind, value)``, read as JSON. :class:`ForgedAnswer` where the
+        answer is not of the sandbox's form or names another call."""
+        call = secrets.token_hex(ID_BYTES // 2).encode()
+        self.tasks.send_bytes(call + frame)
         if not self.answers.poll(timeout):
             raise TimeoutError
-        return pickle.loads(self.answers.recv_bytes())
+        try:
+            answer = self.answers.recv_bytes(MAX_ANSWER_BYTES + 4096)
+        except OSError as err:  # longer than any answer the worker writes
+            raise ForgedAnswer(f"its worker answered out of form ({err})") from None
+        try:
+            named, kind, value = json.loads(answer)
+        except (ValueError, TypeError):
+            raise ForgedAnswer("its worker's answer is not the sandbox's JSON") from None
+        if named != call.decode() or kind not in KINDS:
+            raise ForgedAnswer(
+                "its worker's answer names another call: something in the worker wrote on its pipe"
+            )
+        return kind, value
 
     def kill(self) -> None:
         """Kill the worker's process group (``unshare``, the worker and so its pid namespace)."""
@@ -129,12 +159,18 @@ def kill_all(workers: set[WorkerProcess]) -> None:
     workers.clear()
 
 
-def worker_environment(scratch: str) -> dict[str, str]:
-    """The worker's environment: the trainer's, with its ``sys.path`` (so that the user's modules
-    import there as here) and the scratch folder as home and temporary folder."""
+# The variables every worker gets, not the trainer's: a locale, a PATH of the system's folders.
+BASE_ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def worker_environment(scratch: str, crossing: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The worker's environment: none of the trainer's variables but ``crossing`` (those
+    ``sandbox_env`` names), :data:`BASE_ENVIRONMENT`, the trainer's ``sys.path`` (so that the
+    user's modules import there as here) and the scratch folder as home and temporary folder."""
     paths = [os.path.abspath(entry or os.curdir) for entry in sys.path]
     return {
-        **os.environ,
+        **BASE_ENVIRONMENT,
+        **(crossing or {}),
         "PYTHONPATH": os.pathsep.join(paths),
         "TMPDIR": scratch,
         "HOME": scratch,

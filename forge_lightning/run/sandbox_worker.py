@@ -1,15 +1,20 @@
 """The sandbox's worker process (run/sandbox.py starts it): a fresh interpreter in its own user,
-pid, network, mount and IPC namespaces, restricted by Landlock to reading the Python installation,
-``sys.path`` and the system's folders and to writing its scratch folder. It runs each call in a
-forked child under the call's resource limits, answers with the child's result (or how the child
-died), then kills every other process in its pid namespace and empties the scratch folder, so that
-nothing a call started outlives it and no call sees another's files.
+pid, network, mount and IPC namespaces. Before it reads its first task it restricts itself, and
+all it will start, by Landlock to reading the Python installation and the user's modules (the
+paths the trainer names) and writing its scratch folder, and by a seccomp filter to no sockets
+(run/seccomp.py). It runs each call in a forked child that keeps no descriptor of the worker's but
+its own answer pipe and, under a root trainer, runs as nobody (run/isolation.py's
+:func:`~forge_lightning.run.isolation.enter_call`), under the call's resource limits. It answers
+with the child's result (or how the child died), then kills every other process in its pid
+namespace and empties the scratch folder, so that nothing a call started outlives it and no call
+sees another's files.
 
-Messages are pickled frames on two pipes: the trainer's ``(function, args, kwargs)`` in, the
-answer ``(kind, value)`` out: ``ok`` and the result, ``raised`` and the exception, ``failed`` and
-a sentence (an exit, a signal, a result that cannot be pickled). A third pipe, which only the
-trainer writes, is the lifeline: when it closes (the trainer died) the worker exits, and with it
-(the pid namespace's first process) every process it holds.
+Messages are frames on two pipes: the trainer's, a call id then a pickle of ``(function, args,
+kwargs)`` (or of an episode's message), in; the answer out, as JSON ``[id, kind, value]``
+(run/sandbox_frames.py): what a call hands back is read as data, never unpickled, by the worker and
+the trainer alike. A third pipe, which only the trainer writes, is the lifeline: when it closes
+(the trainer died) the worker exits, and with it (the pid namespace's first process) every process
+it holds.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from forge_lightning.run.episode_worker import FOLDER_PREFIX, EpisodeOp, Episodes
+from forge_lightning.run.isolation import enter_call, expose, mapped
 from forge_lightning.run.landlock import restrict
-from forge_lightning.run.sandbox_frames import awaited, death, frame, raised
+from forge_lightning.run.sandbox_frames import awaited, death, decoded, encoded, failed, raised, receive
+from forge_lightning.run.seccomp import deny_sockets
 
 # Folders every Python process needs to read (its libraries, the system's configuration).
 SYSTEM_FOLDERS = ("/usr", "/lib", "/lib64", "/bin", "/etc", "/proc", "/sys", "/dev")
@@ -39,15 +46,24 @@ DEVICE_FILES = ("/dev/null", "/dev/zero", "/dev/urandom")
 POLL_SECONDS = 0.05
 # The environment variable that marks a sandbox worker (run/sandbox.py sets it).
 WORKER_MARK = "FORGE_SANDBOX_WORKER"
+# The length of a call's id, which starts each task frame (hex digits).
+ID_BYTES = 32
 
 
 def serve() -> None:
     """The worker's loop: ``sys.argv`` holds the fds of the task, answer and lifeline pipes, the
-    scratch folder and the limits as JSON (SandboxLimits' fields)."""
+    scratch folder and its setup as JSON (the limits, SandboxLimits' fields; the id a call's
+    process drops to, or null; the paths it may read and the folders it may only list)."""
     task_fd, answer_fd, lifeline_fd = (int(value) for value in sys.argv[1:4])
-    scratch, limits = sys.argv[4], json.loads(sys.argv[5])
-    os.chdir(scratch)
-    restrict(readable_paths(), [scratch], DEVICE_FILES)
+    scratch, setup = sys.argv[4], json.loads(sys.argv[5])
+    limits = {**setup["limits"], "drop_to": setup["drop_to"]}
+    tasks = Connection(task_fd, writable=False)
+    answers = Connection(answer_fd, readable=False)
+    mapped()  # under a root trainer, written by it before its first task
+    if limits["drop_to"] is not None:  # the calls run as nobody: a Python below /root stays theirs to read
+        expose(setup["read"], limits["drop_to"])
+    restrict([*setup["read"], *SYSTEM_FOLDERS], [scratch], DEVICE_FILES, setup["list_only"])
+    deny_sockets()
     for kind, value in (
         (resource.RLIMIT_NOFILE, limits["open_files"]),
         (resource.RLIMIT_FSIZE, limits["file_size_mb"] << 20),
@@ -55,8 +71,6 @@ def serve() -> None:
         (resource.RLIMIT_NPROC, limits["processes"]),  # binds a user that is not root (sandbox.py)
     ):
         resource.setrlimit(kind, (value, value))
-    tasks = Connection(task_fd, writable=False)
-    answers = Connection(answer_fd, readable=False)
     episodes = Episodes(scratch, limits)
     while True:
         ready, _, _ = select.select([task_fd, lifeline_fd], [], [])
@@ -66,64 +80,73 @@ def serve() -> None:
             message = tasks.recv_bytes()
         except EOFError:
             os._exit(0)
-        answers.send_bytes(_answer(message, scratch, limits, lifeline_fd, episodes))
+        call, message = message[:ID_BYTES].decode(), message[ID_BYTES:]
+        kind, value = _answer(message, scratch, limits, lifeline_fd, episodes)
+        answers.send_bytes(json.dumps([call, kind, value]).encode())
 
 
-def readable_paths() -> list[str]:
-    """What the worker may read: the interpreter and its installation, ``sys.path`` (the user's
-    modules among them), this package's own folder (an editable install imports it through a
-    finder, from a folder that need not be on ``sys.path``) and :data:`SYSTEM_FOLDERS`."""
+def python_installation() -> list[str]:
+    """The folders of Python's installation: its prefixes, the interpreter's folder, its
+    site-packages (the user's too) and this package's own folder (an editable install imports it
+    through a finder, from a folder that need not be on ``sys.path``)."""
+    import site
+
     executable = os.path.realpath(sys.executable)
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # forge_lightning/
-    paths = {
-        sys.prefix,
-        sys.base_prefix,
-        sys.exec_prefix,
-        os.path.dirname(executable),
-        package,
-        *SYSTEM_FOLDERS,
-    }
-    paths.update(os.path.abspath(entry or os.curdir) for entry in sys.path)
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(executable), package}
+    paths.update(site.getsitepackages())
+    paths.add(site.getusersitepackages())
     return sorted(os.path.realpath(path) for path in paths)
 
 
 def _answer(
     message: bytes, scratch: str, limits: dict[str, Any], lifeline_fd: int, episodes: Episodes
-) -> bytes:
-    """One message's answer frame: a call run in a forked child, which is then killed with
-    whatever it started; an episode's message (run/episode_worker.py) handed to its episodes."""
+) -> tuple[str, Any]:
+    """One message's answer ``(kind, value)``: a call run in a forked child, which is then killed
+    with whatever it started; an episode's message (run/episode_worker.py) handed to its episodes."""
     try:
-        task = pickle.loads(message)  # imports the call's modules here, once per worker
+        task = pickle.loads(message)  # the trainer's; imports the call's modules here, once per worker
     except BaseException as err:  # a module the worker cannot import, a class that fails to load
-        return frame("failed", f"could not be unpickled in the sandbox: {err!r}")
+        return "failed", (
+            f"could not be unpickled in the sandbox: {err!r} (a worker reads Python's installation and "
+            "the modules of the functions its sandbox was prepared with, no others)"
+        )
     if isinstance(task, EpisodeOp):
-        return episodes.answer(task, lifeline_fd)
+        return read_answer(episodes.answer(task, lifeline_fd))
     fn, args, kwargs = task
     reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:  # the call's own process
-        os.close(reader)
-        episodes.close_in_child()
         _run_child(fn, args, kwargs, writer, limits)
     os.close(writer)
     spared = episodes.groups()
     answer = _collect(pid, Connection(reader, writable=False), lifeline_fd, spared)
     _sweep(scratch, spared)
-    return answer
+    return read_answer(answer)
+
+
+def read_answer(answer: bytes) -> tuple[str, Any]:
+    """A call's answer as data; a ``failed`` one where its process wrote bytes of its own."""
+    try:
+        return decoded(answer)
+    except ValueError as err:
+        return "failed", f"answered out of form: {err}"
 
 
 def _run_child(fn: Any, args: tuple, kwargs: dict[str, Any], writer: int, limits: dict[str, Any]) -> None:
-    """Run the call under its limits and write its answer; never returns."""
+    """Run the call under its limits, holding no descriptor of the worker's and (under a root
+    trainer) as nobody, and write its answer; never returns."""
     code = 0
     try:
         used = os.sysconf("SC_PAGE_SIZE") * int(open("/proc/self/statm").read().split()[0])
+        enter_call(writer, limits["drop_to"])
         memory = used + (limits["memory_mb"] << 20)  # the call's own allowance above the worker's
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         cpu = int(limits["cpu_seconds"])
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL
-        answer = frame("ok", awaited(fn(*args, **kwargs)))
+        answer = encoded("ok", awaited(fn(*args, **kwargs)))
     except (SystemExit, KeyboardInterrupt) as err:
-        answer = frame("failed", f"raised {err!r} from its own code")
+        answer = failed(f"raised {err!r} from its own code")
     except BaseException as err:
         answer = raised(err)
     try:
@@ -134,7 +157,7 @@ def _run_child(fn: Any, args: tuple, kwargs: dict[str, Any], writer: int, limits
 
 
 def _collect(pid: int, conn: Connection, lifeline_fd: int, spared: set[int]) -> bytes:
-    """The child's answer frame, or a ``failed`` frame saying how it died; ``conn`` is closed."""
+    """The child's answer, or a ``failed`` answer saying how it died; ``conn`` is closed."""
     with conn:
         return _wait_for(pid, conn, lifeline_fd, spared)
 
@@ -146,10 +169,7 @@ def _wait_for(pid: int, conn: Connection, lifeline_fd: int, spared: set[int]) ->
         if lifeline_fd in ready:
             os._exit(0)
         if reader in ready:
-            try:
-                answer = conn.recv_bytes()
-            except EOFError:
-                answer = None
+            answer = receive(conn)
             if answer is not None:
                 os.kill(pid, signal.SIGKILL)  # it answered: whatever it does now does not count
                 os.waitpid(pid, 0)
@@ -158,11 +178,10 @@ def _wait_for(pid: int, conn: Connection, lifeline_fd: int, spared: set[int]) ->
         status = status if done else None
     _kill_others(spared)  # a descendant may hold the pipe open
     if conn.poll(0):
-        try:
-            return conn.recv_bytes()
-        except EOFError:
-            pass
-    return frame("failed", death(status))
+        answer = receive(conn)
+        if answer is not None:
+            return answer
+    return failed(death(status))
 
 
 def _kill_others(spared: set[int] = frozenset()) -> None:

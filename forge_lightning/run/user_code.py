@@ -6,13 +6,17 @@ failure, one that a signal raised stops the run."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from forge_lightning.run.preemption import raised_by_signal, signals_marked
+
+log = logging.getLogger(__name__)
 
 # Batch keys renamed from the dataset's column names (split_batch), by Forge's convention. TRL
 # passes every column under its own name, so a TRL-style reward gets it under both.
@@ -93,7 +97,9 @@ class CallTimeout(TimeoutError):
 
 def call_within(call: Callable[[], Any], timeout: float | None, name: str) -> Any:
     """``call()``, in a daemon thread abandoned after ``timeout`` seconds (:class:`CallTimeout`
-    naming ``name``); the thread is left to finish alone, as a thread cannot be killed."""
+    naming ``name``); the thread is left to finish alone, as a thread cannot be killed. An
+    ``async def`` reward's loop (:func:`awaited`) is this thread's own, so a coroutine that blocks
+    it is abandoned the same way."""
     if timeout is None:
         return call()
     outcome: dict[str, Any] = {}
@@ -113,6 +119,23 @@ def call_within(call: Callable[[], Any], timeout: float | None, name: str) -> An
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+@functools.cache
+def warn_thread_abandoned(what: str, setting: str, counted: str) -> None:
+    """Say, once per process for each ``what`` (``tool``, ``reward``), that a call abandoned past
+    ``setting`` (its timeout) in this process runs on in its thread, how such calls are
+    ``counted``, and what kills them instead."""
+    log.warning(
+        "a %s call ran past %s and was abandoned, but its thread keeps running in this process until "
+        "the call returns (a thread cannot be killed, nor an async %s that blocks its event loop), "
+        "holding what it holds (a CPU, memory, files); sandbox: process runs each call in a worker "
+        "process and kills it past its timeout. Said once per process; %s",
+        what,
+        setting,
+        what,
+        counted,
+    )
 
 
 class UserCodeExit(Exception):

@@ -100,6 +100,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
     "sandbox_memory_mb": (lambda v: isinstance(v, int) and v >= 64, "an integer >= 64 (MiB)"),
     "sandbox_cpu_seconds": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     "sandbox_workers": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    "sandbox_env": (
+        _optional(lambda v: isinstance(v, (list, tuple)) and all(isinstance(n, str) and n for n in v)),
+        "None or a list of environment variables' names",
+    ),
     "agent": (_optional(lambda v: isinstance(v, str) and "." in v), "None or an import path (pkg.module.fn)"),
     "agent_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
     "val_num_generations": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),

@@ -43,6 +43,7 @@ from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
 from forge_lightning.rollout.sources import RolloutSettings, RolloutSource, rollout_source
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
+from forge_lightning.rollout.tools.calls import tool_text
 from forge_lightning.rollout.tools.environments import factories_by_name
 from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.rollout.tools.stored import StoredTools
@@ -298,7 +299,7 @@ def user_code_sandbox(
     if settings.sandbox != "process":
         return None
     limits = SandboxLimits(memory_mb=settings.sandbox_memory_mb, cpu_seconds=settings.sandbox_cpu_seconds)
-    sandbox = Sandbox(settings.sandbox_workers, limits)
+    sandbox = Sandbox(settings.sandbox_workers, limits, settings.sandbox_env or ())
     functions: dict[str, Any] = {}
     for role, reward in rewards.items():
         parts = (
@@ -311,6 +312,8 @@ def user_code_sandbox(
                 refuse_outside_sandbox(part, f"{role} {name!r}")
                 functions[f"{role} {name!r}"] = part
     functions.update({f"tool {getattr(fn, '__name__', fn)!r}": fn for fn in tools})
+    if tools:  # each call's text is made and cut in its worker
+        functions["tool text"] = tool_text
     for name, factory in factories_by_name(environments).items():
         functions["environment_factory" if name is None else f"environment_factory[{name!r}]"] = factory
     sandbox.prepare(functions)

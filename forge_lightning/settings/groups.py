@@ -269,14 +269,17 @@ class ToolSettings(_Group):
     (``<tool_call>{json}</tool_call>``), ``llama3_json`` (Llama 3.1/3.2's JSON reply) or
     ``qwen3_coder`` (Qwen3-Coder's ``<function=...>`` XML)."""
     tool_timeout: float | None = 10.0
-    """seconds a tool call may take before it is abandoned and answered with an error."""
+    """seconds a tool call may take before it is abandoned and answered with an error (an ``async
+    def`` one too, even where it blocks its event loop); under ``sandbox: thread`` its thread runs
+    on, counted in ``tool_threads_abandoned`` and warned about once per process."""
     max_tool_result_chars: int = 10_000
     """the characters of a tool's result the model reads; a longer one is cut before it is
     rendered, marked as cut and counted (``tool_results_cut``)."""
     max_parallel_tool_calls: int = 16
     """the tool calls that run at once: the calls of every row that waits for a tool, and every
-    call of one turn, run concurrently up to this many (an ``async def`` tool is awaited), each
-    under ``tool_timeout``; the answers keep the order the calls were written."""
+    call of one turn, run concurrently up to this many (an ``async def`` tool is awaited, on an
+    event loop no other call at once uses), each under ``tool_timeout``; the answers keep the order
+    the calls were written."""
     agent: str | None = None
     """the import path of ``async def agent(client, row) -> float``, a user's agent written
     against the OpenAI SDK, run ``group_size`` times per prompt with a client of the policy's own
@@ -296,8 +299,10 @@ class SandboxSettings(_Group):
 
     sandbox: Literal["thread", "process"] = "thread"
     """``thread``: in the trainer's process (a timeout abandons the call's thread, which runs on);
-    ``process``: each call in a pool of sandboxed worker processes (no network, reads only Python
-    and ``sys.path``, writes only a scratch folder, the limits below), killed with everything it
+    ``process``: each call in a pool of sandboxed worker processes (no network and no sockets,
+    reads only Python and the user's modules, writes only a scratch folder, none of the trainer's
+    environment variables but ``sandbox_env``'s, as nobody under a root trainer, the limits
+    below; what it returns crosses back as data, never unpickled), killed with everything it
     started past ``reward_timeout``/``tool_timeout`` (60 s where None); refused at the start where
     the machine cannot isolate. A RewardModel stays in the trainer's process. An
     ``environment_factory``'s environment lives in one worker's process for its whole episode
@@ -308,6 +313,9 @@ class SandboxSettings(_Group):
     """``process``: the CPU seconds of one call."""
     sandbox_workers: int = 2
     """``process``: worker processes, so calls that may run at once (an episode's among them)."""
+    sandbox_env: list[str] | None = None
+    """``process``: the names of the trainer's environment variables that cross into the workers
+    (an API key a reward needs); no other variable does. A name that is not set does not cross."""
 
 
 @dataclass(frozen=True)

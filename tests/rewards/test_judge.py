@@ -11,6 +11,7 @@ from conftest import make_model, make_tokenizer
 
 from forge_lightning.rewards import JudgeReward, read_score, require_arguments
 from forge_lightning.rewards.http import RewardServerError
+from forge_lightning.rewards.judge import DEFAULT_TEMPLATE
 from forge_lightning.rewards.reward_model import PolicyContext
 from forge_lightning.rewards.scoring import score
 from forge_lightning.rollout.engines.hf import HFGenerate
@@ -43,6 +44,62 @@ def reply_to(message: str) -> str:
 )
 def test_read_score_reads_a_yes_no_or_the_first_number(reply, expected):
     assert read_score(reply) == expected
+
+
+def judge_replying(reply: str, template: str) -> JudgeReward:
+    """A JudgeReward whose judge replies ``reply`` to every message (no model, no server)."""
+    judge = JudgeReward(url="http://127.0.0.1:1/v1", template=template)
+    judge._endpoint_replies = lambda texts: [reply] * len(texts)
+    return judge
+
+
+FIVE_POINTS = "Rate the answer on a scale of 1 to 5.\n\n{completion}"
+NO_SCALE = "Is this answer right? {completion}"
+
+
+# Common judge phrasings; None: the reply holds no score (only its scale's numbers, or a number
+# outside the template's scale), which is the sample's error, never a 0.
+@pytest.mark.parametrize(
+    ("template", "reply", "expected"),
+    [
+        (DEFAULT_TEMPLATE, "On a scale of 0 to 10, I give it 3.", 3.0),
+        (DEFAULT_TEMPLATE, "From 1 to 10, I'd rate it a 6.", 6.0),
+        (DEFAULT_TEMPLATE, "I give it 5.", 5.0),
+        (DEFAULT_TEMPLATE, "7 out of 10", 7.0),
+        (DEFAULT_TEMPLATE, "8.5 out of 10", 8.5),
+        (DEFAULT_TEMPLATE, "7/10", 7.0),
+        (DEFAULT_TEMPLATE, "7 / 10", 7.0),
+        (DEFAULT_TEMPLATE, "**7**/10", 7.0),
+        (DEFAULT_TEMPLATE, "score: 6", 6.0),
+        (DEFAULT_TEMPLATE, "Score: 9/10", 9.0),
+        (DEFAULT_TEMPLATE, "**Score:** 8", 8.0),
+        (DEFAULT_TEMPLATE, "Rating: 4", 4.0),
+        (DEFAULT_TEMPLATE, "It cites 2 sources and is right. Score: 9", 9.0),
+        (DEFAULT_TEMPLATE, "Score (0-10): 4", 4.0),
+        (DEFAULT_TEMPLATE, "Rating: 3/5", 6.0),  # out of 5, in the template's 0 to 10
+        (DEFAULT_TEMPLATE, "10", 10.0),
+        (DEFAULT_TEMPLATE, "On a scale of 0 to 10.", None),
+        (DEFAULT_TEMPLATE, "12/10", None),
+        (DEFAULT_TEMPLATE, "Score: 11", None),
+        (FIVE_POINTS, "4", 4.0),
+        (FIVE_POINTS, "8 out of 10", 4.0),
+        (FIVE_POINTS, "7", None),
+        (NO_SCALE, "Score: 7/10", 7.0),
+        (NO_SCALE, "15", 15.0),
+        (NO_SCALE, "yes", 1.0),
+    ],
+)
+def test_a_judges_common_phrasings_are_read_in_the_templates_scale(template, reply, expected):
+    judge = judge_replying(reply, template)
+    if expected is not None:
+        assert score(judge, ["q"], ["a"], on_error="zero") == score(judge, ["q"], ["a"])
+        assert score(judge, ["q"], ["a"]).total == [expected]
+        return
+    with pytest.warns(
+        UserWarning, match=rf"could not score 1 of 1 samples.*replied {re.escape(repr(reply))}"
+    ):
+        scored = score(judge, ["q"], ["a"], on_error="zero")
+    assert scored.total == [0.0] and scored.num_errors == 1  # counted in reward_errors
 
 
 def openai_judge(serve):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import re
@@ -564,6 +565,28 @@ def test_an_async_reward_past_its_timeout_fails_alone_while_the_others_score() -
         scored = score(CompositeReward(rewards), ["p"], ["a"], "zero", reward_timeout=0.3)
     assert scored.components == {"slow": [0.0], "quick": [2.0]}
     assert scored.num_errors == 1
+
+
+async def blocks_its_loop(prompts, responses):
+    time.sleep(5)  # a sync sleep in a coroutine: nothing else runs on its loop meanwhile
+    return [1.0] * len(responses)
+
+
+def test_an_async_reward_that_blocks_its_loop_times_out_warned_about_once(caplog) -> None:
+    from forge_lightning.run.user_code import warn_thread_abandoned
+
+    rewards = [(blocks_its_loop, 1.0, "blocks"), (sleeper(0.0, 2.0), 1.0, "quick")]
+    warn_thread_abandoned.cache_clear()  # once per process: from this test's first call on
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="forge_lightning.run.user_code"):
+        with pytest.warns(UserWarning, match="took longer than reward_timeout=1s"):
+            scored = score(CompositeReward(rewards), ["p"], ["a"], "zero", reward_timeout=1.0)
+        with pytest.raises(RuntimeError, match="'blocks_its_loop' took longer than reward_timeout=1s"):
+            score(blocks_its_loop, ["p"], ["a"], reward_timeout=1.0)
+    assert time.monotonic() - start < 4.5, "a blocked loop was waited for (5 s each)"
+    assert scored.components == {"blocks": [0.0], "quick": [2.0]} and scored.num_errors == 1
+    warned = [r.getMessage() for r in caplog.records if "keeps running" in r.getMessage()]
+    assert len(warned) == 1 and "reward_timeout" in warned[0] and "sandbox: process" in warned[0]
 
 
 def wants_tool_calls(prompts, responses, tool_calls):

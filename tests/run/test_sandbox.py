@@ -162,6 +162,7 @@ class HoldsAModel(BaseReward):
 def test_a_reward_that_holds_a_model_stays_in_process_beside_sandboxed_ones():
     assert RewardModel.in_process
     sandbox = Sandbox(workers=1)
+    sandbox.prepare({"code": hostile.counts})
     try:
         scored = score(CompositeReward([(HoldsAModel(), 1.0, "model"), (hostile.counts, 1.0, "code")]),
                        ["p"], ["abc"], sandbox=sandbox)  # fmt: skip
@@ -208,6 +209,7 @@ def test_a_sandboxed_reward_reads_trainer_state_and_goes_without_log_metric():
 
     extras = RewardExtras(7, 1, 10).arguments()  # trainer_state and log_metric, a bound method
     sandbox = Sandbox(workers=1)
+    sandbox.prepare({"reads_state": hostile.reads_state})
     try:
         scored = score(hostile.reads_state, ["p"], ["r"], sandbox=sandbox, reward_timeout=5.0, **extras)
     finally:

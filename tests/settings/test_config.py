@@ -72,6 +72,7 @@ BAD = {
     "sandbox_memory_mb": 32,
     "sandbox_cpu_seconds": 0,
     "sandbox_workers": 0,
+    "sandbox_env": "OPENAI_API_KEY",  # one name, not a list of them
     "agent": "calculator_agent",
     "agent_timeout": 0.0,
     "val_num_generations": -1,

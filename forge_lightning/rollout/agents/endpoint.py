@@ -1,11 +1,18 @@
 """The policy as an OpenAI-compatible chat completions endpoint, for an agent's own client.
 
 :class:`AgentEndpoint` is an aiohttp server bound to 127.0.0.1 on a free port, on a thread of its
-own with its own asyncio loop; the agents run as coroutines on that loop. Each episode has its own
-base URL (``/episodes/<key>/v1``), so that its calls are recorded in its
-:class:`~forge_lightning.rollout.agents.episodes.EpisodeLog`. A request becomes prompt ids there and
-waits in a queue; :meth:`AgentEndpoint.serve`, run by the caller's thread (the trainer's, where the
-model lives), gathers the requests (every running episode's, or those that came before a pause of
+own with its own asyncio loop; the agents run as coroutines on that loop. Any process of the
+machine can reach that port, so the endpoint has a door: every request must carry
+``Authorization: Bearer <api_key>``, a secret made per endpoint (:attr:`AgentEndpoint.api_key`)
+that the agent's ``openai.AsyncOpenAI`` client carries as its ``api_key`` (runner.py); a request
+without it, or with another, is answered 401 and touches no episode. Each episode has its own base
+URL (:meth:`AgentEndpoint.base_url`, ``/episodes/<token>/v1``) named by a random token, not by its
+key, so that knowing the key does not locate the episode (an unknown URL is answered 404); its
+calls are recorded in its :class:`~forge_lightning.rollout.agents.episodes.EpisodeLog`. A
+request's fields are checked first (chat_request.py): a wrong one is answered 400 naming it, in
+OpenAI's error shape. A request becomes prompt ids there and waits in a queue;
+:meth:`AgentEndpoint.serve`, run by the caller's thread (the trainer's, where the model lives),
+gathers the requests (every running episode's, or those that came before a pause of
 ``GATHER_S``), samples them in one batch and answers each.
 
 What the policy samples is data: its text goes back as the message's content, and a tool call in
@@ -13,13 +20,17 @@ it (in ``tool_call_format``, read as JSON by rollout/tools/parsers.py, never run
 ``tool_calls``; the agent runs its tools. A request's sampling settings (temperature, top_p, stop,
 ...) are not used: the run's are, which the loss assumes. Its ``max_tokens`` (or
 ``max_completion_tokens``) lowers the episode's remaining budget; ``n`` > 1 and ``stream`` are refused.
+A call past the budget is answered empty, cut for length, and counted with the refused ones
+(``EpisodeLog.dropped``): every call answered is in a chain or counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -31,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from forge_lightning.rollout.agents.chat_request import RequestError, chat_request
 from forge_lightning.rollout.agents.episodes import Call, EpisodeLog, message_key
 from forge_lightning.rollout.tools.parsers import ParsedCall, format_named
 
@@ -75,7 +87,7 @@ Generate = Callable[[list[Pending]], list[tuple[list[int], bool]]]
 
 class AgentEndpoint:
     """A chat completions server for the episodes :meth:`open` registers; a context manager that
-    starts it and stops it.
+    starts it and stops it. ``api_key``: the secret every request must carry as a Bearer token.
 
     Args:
         tokenizer: the policy's, with a chat template.
@@ -85,7 +97,10 @@ class AgentEndpoint:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, call_format: str = "hermes") -> None:
         self.tokenizer = tokenizer
         self.format = format_named(call_format)
+        self.api_key = secrets.token_urlsafe(32)
         self.logs: dict[str, EpisodeLog] = {}
+        self._tokens: dict[str, str] = {}  # an episode's key -> the random part of its URL
+        self._by_token: dict[str, EpisodeLog] = {}
         self.running = 0  # episodes opened and not ended (ended)
         self.requests: queue.Queue[Pending] = queue.Queue()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -111,9 +126,15 @@ class AgentEndpoint:
     async def _start(self) -> None:
         from aiohttp import web  # here: a run without an agent does not import it
 
-        app = web.Application()
-        app.router.add_post("/episodes/{key}/v1/chat/completions", self._chat)
-        app.router.add_get("/episodes/{key}/v1/models", self._models)
+        @web.middleware
+        async def door(request: web.Request, handler: Callable) -> web.StreamResponse:
+            if not self._authorized(request):
+                return _error(401, "a request needs the endpoint's key: Authorization: Bearer <api_key>")
+            return await handler(request)
+
+        app = web.Application(middlewares=[door])
+        app.router.add_post("/episodes/{token}/v1/chat/completions", self._chat)
+        app.router.add_get("/episodes/{token}/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -124,6 +145,8 @@ class AgentEndpoint:
     def open(self, key: str, max_new_tokens: int) -> EpisodeLog:
         """Register an episode; its calls go to ``base_url(key)``."""
         self.logs[key] = EpisodeLog(self.tokenizer, max_new_tokens, self.format)
+        self._tokens[key] = secrets.token_urlsafe(16)
+        self._by_token[self._tokens[key]] = self.logs[key]
         self.running += 1
         return self.logs[key]
 
@@ -132,7 +155,8 @@ class AgentEndpoint:
         self.running -= 1
 
     def base_url(self, key: str) -> str:
-        return f"http://127.0.0.1:{self.port}/episodes/{key}/v1"
+        """Episode ``key``'s base URL: a random token in it, not the key, names the episode."""
+        return f"http://127.0.0.1:{self.port}/episodes/{self._tokens[key]}/v1"
 
     def run(self, coroutine: Coroutine[Any, Any, Any]) -> Future:
         """Run ``coroutine`` (the agents) on the endpoint's loop."""
@@ -174,30 +198,38 @@ class AgentEndpoint:
             batch.append(self.requests.get_nowait())
         return batch
 
+    def _authorized(self, request: web.Request) -> bool:
+        """Whether ``request`` carries this endpoint's key, compared in constant time."""
+        sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(sent, f"Bearer {self.api_key}".encode())
+
+    def _episode(self, request: web.Request) -> EpisodeLog | None:
+        """The log of the episode whose URL ``request`` came to; None for an unknown URL."""
+        return self._by_token.get(request.match_info["token"])
+
     async def _models(self, request: web.Request) -> web.Response:
+        if self._episode(request) is None:
+            return _error(404, "no episode is running at this URL")
         return _json({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
-        log = self.logs.get(request.match_info["key"])
+        log = self._episode(request)
         if log is None:
-            return _error(404, f"no episode {request.match_info['key']!r} is running")
+            return _error(404, "no episode is running at this URL")
         try:
-            body = await request.json()
+            ask = chat_request(await request.json())
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error(400, "the request body is not JSON", log)
-        refused = _refused(body)
-        if refused:
-            return _error(400, refused, log)
+        except RequestError as err:
+            return _error(400, str(err), log, err.param)
         try:
-            prompt_ids, chain, shown = log.prompt(body["messages"], body.get("tools"))
+            prompt_ids, chain, shown = log.prompt(ask.messages, ask.tools)
         except ValueError as err:
-            return _error(400, str(err), log)
+            return _error(400, str(err), log, "messages")
         room = log.room(prompt_ids, chain)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        limit = room if not asked else min(room, int(asked))
-        if limit <= 0:  # the episode's budget is spent: an empty answer, cut for length
-            if chain is not None:
-                chain.budget_hit = True
+        limit = room if ask.max_tokens is None else min(room, ask.max_tokens)
+        if limit <= 0:  # the episode's budget is spent: an empty answer, cut for length (counted)
+            log.spent(chain)
             return _json(_completion("", [], "length", len(prompt_ids), 0))
         future = asyncio.get_running_loop().create_future()
         self.requests.put(Pending(prompt_ids, limit, future, asyncio.get_running_loop()))
@@ -206,10 +238,10 @@ class AgentEndpoint:
         except Exception as err:  # the model's forward failed: serve() raises it in the trainer
             return _error(500, f"generation failed: {err!r}", log)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        content, calls = self._reply(text, body.get("tools"))
+        content, calls = self._reply(text, ask.tools)
         reply = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        keys = [message_key(m) for m in body["messages"]]
-        chain = log.record(Call(keys, shown, prompt_ids, ids, ended, text, reply, body["messages"]), chain)
+        keys = [message_key(m) for m in ask.messages]
+        chain = log.record(Call(keys, shown, prompt_ids, ids, ended, text, reply, ask.messages), chain)
         if not ended and len(ids) >= room:
             chain.budget_hit = True
         finish = "tool_calls" if calls else ("stop" if ended else "length")
@@ -235,23 +267,13 @@ class AgentEndpoint:
         return head or None, calls
 
 
-def _refused(body: Any) -> str | None:
-    """Why a request is refused, or None."""
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
-        return "a chat completion request needs 'messages', a non-empty list of messages"
-    if not all(isinstance(m, dict) and "role" in m for m in body["messages"]):
-        return "each message is an object with a 'role'"
-    if body.get("stream"):
-        return "stream is not supported: the endpoint answers whole completions"
-    if body.get("n") not in (None, 1):
-        return f"n={body['n']} is not supported: make one request per completion (each is its own sample)"
-    return None
-
-
-def _error(status: int, message: str, log: EpisodeLog | None = None) -> web.Response:
+def _error(
+    status: int, message: str, log: EpisodeLog | None = None, param: str | None = None
+) -> web.Response:
+    """An error in OpenAI's shape; counted in ``log`` (a call of its episode refused) where given."""
     if log is not None:
         log.refused += 1
-    return _json({"error": {"message": message, "type": "invalid_request_error"}}, status)
+    return _json({"error": {"message": message, "type": "invalid_request_error", "param": param}}, status)
 
 
 def _json(data: dict[str, Any], status: int = 200) -> web.Response:

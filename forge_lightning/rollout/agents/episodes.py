@@ -11,10 +11,13 @@ the system message as for function tools (``TOOLS_SYSTEM_PROMPT``).
 
 A call *extends* a chain when its prompt ids begin, token for token, with the chain's last call's
 prompt + completion ids; the tokens between are what the agent inserted (masked in the loss). A call
-that extends no chain starts a new one. The episode is the chain with the most calls (the most
-sampled tokens on a tie, then the first); the calls of the other chains were served but are not
-trained: they are counted (``agent_calls_dropped``) and dropped, since a group holds one completion
-per episode.
+that extends no chain starts a new one, and so does one whose chain grew while it was sampled
+(another call from the same history answered first): each call of a chain extends the one before.
+The episode is the chain with the most calls (the most sampled tokens on a tie, then the first);
+the calls of the other chains were served but are not trained: they are counted
+(``agent_calls_dropped``) and dropped, since a group holds one completion per episode. So are the
+calls answered with an error and those answered empty once the budget was spent: every call the
+endpoint answers is in a chain or counted.
 """
 
 from __future__ import annotations
@@ -120,6 +123,7 @@ class EpisodeLog:
         self.format = call_format or HermesToolCalls()
         self.chains: list[Chain] = []
         self.refused = 0  # calls answered with an error (a bad request, a template that failed)
+        self.spent_calls = 0  # calls answered empty: their chain's budget was spent
 
     def prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -150,12 +154,20 @@ class EpisodeLog:
         return self.max_new_tokens - (len(prompt_ids) - start)
 
     def record(self, call: Call, chain: Chain | None) -> Chain:
-        """Add ``call`` to ``chain`` (or a new chain); the chain."""
-        if chain is None:
+        """Add ``call`` to ``chain``, the one its prompt extended when it came (:meth:`prompt`), or to
+        a new chain where there was none or ``chain`` has grown since (a call from the same history
+        was answered meanwhile: appending this one would train its tokens after that one's); the chain."""
+        if chain is None or call.prompt_ids[: len(chain.ids)] != chain.ids:
             chain = Chain()
             self.chains.append(chain)
         chain.calls.append(call)
         return chain
+
+    def spent(self, chain: Chain | None) -> None:
+        """A call answered empty, for ``chain``'s budget is spent: the chain is cut; the call is counted."""
+        self.spent_calls += 1
+        if chain is not None:
+            chain.budget_hit = True
 
     def episode(self) -> Chain | None:
         """The chain trained: the one with the most calls, then the most sampled tokens, then the first."""
@@ -168,9 +180,9 @@ class EpisodeLog:
         return sum(len(c.calls) for c in self.chains)
 
     def dropped(self) -> int:
-        """Calls served outside the episode's chain (or refused), not trained."""
+        """Calls answered and not trained: outside the episode's chain, refused, or past the budget."""
         episode = self.episode()
-        return self.calls - (len(episode.calls) if episode else 0) + self.refused
+        return self.calls - (len(episode.calls) if episode else 0) + self.refused + self.spent_calls
 
     def _continued(self, keys: list[tuple]) -> Call | None:
         """The latest call with the most messages whose messages and reply begin ``keys``."""

@@ -5,7 +5,8 @@ its calls served by the policy through an OpenAI-compatible endpoint (agents/end
 :class:`~forge_lightning.rollout.sampler.RolloutSampler` and
 :class:`~forge_lightning.rollout.tool_sampler.ToolRolloutSampler`. For a batch it starts the
 endpoint, runs every episode concurrently (each with an ``openai.AsyncOpenAI`` client of its own
-base URL, and the prompt's row: ``prompt`` and the batch's fields), samples their requests in
+base URL that carries the endpoint's key, and the prompt's row: ``prompt`` and the batch's fields),
+samples their requests in
 batches on this thread, and turns each episode's chain of calls (agents/episodes.py) into one
 completion of the :class:`Rollout` (agents/assemble.py): the tokens the policy sampled are trained
 (``model_mask`` 1), the turns the agent inserted (tool results, user turns) are read but masked.
@@ -145,7 +146,7 @@ class AgentRunner:
         from openai import AsyncOpenAI
 
         url = endpoint.base_url(key)
-        client = AsyncOpenAI(base_url=url, api_key="forge-lightning", max_retries=0, http_client=http)
+        client = AsyncOpenAI(base_url=url, api_key=endpoint.api_key, max_retries=0, http_client=http)
         try:
             return await asyncio.wait_for(self.agent(client, dict(row)), self.timeout)
         except asyncio.TimeoutError:

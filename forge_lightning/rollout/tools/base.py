@@ -55,7 +55,9 @@ class Episode:
 @dataclass
 class Answer:
     """A call's answer: the tokens appended to the completion, whether the call succeeded, its
-    log entry ``{name, arguments, result, ok}`` (the ``tool_calls`` fact), and whether it ends the
+    log entry ``{name, arguments, result, ok, truncated}`` (the ``tool_calls`` fact; with
+    ``"abandoned": True`` where the call ran past its timeout in this process and its thread runs
+    on), and whether it ends the
     policy's turn (a ``tool`` message does; the calculator's answer is inline). A turn that wrote
     several calls is answered at once: ``others`` are the entries of the calls after the first."""
 

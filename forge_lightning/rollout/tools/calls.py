@@ -1,7 +1,9 @@
 """One call of a function tool: checked against its signature, invoked (the one place a tool is
 called; tools/call_loop.py runs many at once, each within its time limit), its result made the text
 the model reads (cut to a length, marked where cut), and every failure of the tool's own an error
-message the model reads back while the run goes on."""
+message the model reads back while the run goes on. A sync tool runs in a thread of its own, an
+``async def`` one on an event loop of its own (tools/event_loops.py): either is abandoned at its
+time limit without holding the other calls."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ import json
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from transformers.utils import get_json_schema
 
+from forge_lightning.rollout.tools.event_loops import EventLoops
 from forge_lightning.rollout.tools.parsers import ParsedCall
 from forge_lightning.run.sandbox import Sandbox
-from forge_lightning.run.user_code import UserCodeExit, call_user_code, close_unawaited
+from forge_lightning.run.user_code import UserCodeExit, awaited, call_user_code, close_unawaited
 
 T = TypeVar("T")
 
@@ -25,6 +28,7 @@ T = TypeVar("T")
 # what follows a result that was cut.
 MAX_RESULT_CHARS = 10_000
 CUT_MARK = "\n[cut: the result has {total} characters; the first {kept} are shown]"
+LONGEST_MARK = CUT_MARK.format(total=10**18, kept=10**18)
 # What a tool is, for the messages that refuse something else.
 WHAT_A_TOOL_IS = (
     "a tool is a Python function with type hints and a Google-style docstring (its schema is made "
@@ -44,8 +48,11 @@ def tool_schema(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
 @dataclass
 class Job:
     """A call ready to run: the tool, its arguments (checked against its signature), its name, the
-    environment it is a method of (None for a function), whose calls run one at a time, and the
-    sandbox a function tool runs in (run/sandbox.py; None: this process) with its time limit."""
+    environment it is a method of (None for a function), whose calls run one at a time, the
+    sandbox a function tool runs in (run/sandbox.py; None: this process) with its time limit, and
+    whether the call runs in a sandbox worker (a function tool's, or an environment's method under
+    ``sandbox: process``), which kills it past its time limit, or else in this process, where a
+    call past it is abandoned and its thread runs on."""
 
     fn: Callable[..., Any]
     arguments: dict[str, Any]
@@ -53,10 +60,17 @@ class Job:
     owner: Any = None
     sandbox: Sandbox | None = None
     timeout: float | None = None
+    isolated: bool = False
 
 
-# A call's answer: its text, whether it succeeded, whether the text was cut.
-Outcome: TypeAlias = tuple[str, bool, bool]
+class Outcome(NamedTuple):
+    """A call's answer: its text, whether it succeeded, whether the text was cut, and whether it
+    was abandoned at its time limit in this process (its thread runs on: ``tool_threads_abandoned``)."""
+
+    text: str
+    ok: bool
+    cut: bool
+    abandoned: bool = False
 
 
 def check_call(
@@ -70,44 +84,64 @@ def check_call(
     tool runs in ``sandbox`` where given, killed there past ``timeout``; an environment's method
     is called on its environment (which, under ``sandbox: process``, calls its worker itself)."""
     if isinstance(parsed, str):
-        return f"error: {parsed}", False, False
+        return Outcome(f"error: {parsed}", False, False)
     name, fn = parsed.name, functions.get(parsed.name)
     if fn is None:
-        return f"error: no tool is named {name!r}; the tools are {', '.join(functions)}", False, False
+        return Outcome(
+            f"error: no tool is named {name!r}; the tools are {', '.join(functions)}", False, False
+        )
     try:
         inspect.signature(fn).bind(**parsed.arguments)
     except TypeError as err:
-        return f"error: wrong arguments for {name}: {err}", False, False
+        return Outcome(f"error: wrong arguments for {name}: {err}", False, False)
     owner = fn.__self__ if inspect.ismethod(fn) else None
-    return Job(fn, parsed.arguments, name, owner, sandbox if owner is None else None, timeout)
+    # Under a sandbox an environment lives in a worker too: its methods call the worker.
+    return Job(
+        fn, parsed.arguments, name, owner, sandbox if owner is None else None, timeout, sandbox is not None
+    )
 
 
 def called(job: Job, max_chars: int) -> tuple[str, bool] | Awaitable[Any]:
     """The one place a tool is called: ``fn(**arguments)``, its value made the text the model
     reads, cut to ``max_chars`` (whether it was cut too): the JSON of a huge or pathological value
     (circular, a raising ``__str__``) is the tool's own failure, within its time limit. What runs
-    this elsewhere (another process) hands back text already cut. An ``async def`` tool's
-    awaitable comes back as it is, for :func:`invoke` to await. A sandboxed tool runs in a worker
-    process (which awaits an async one), killed with all it started past the job's timeout."""
+    this in a sandbox worker (:func:`tool_text`) hands back text already cut there. An ``async def`` tool's
+    awaitable comes back as it is, for :func:`invoke` to await on a loop of its own. A sandboxed
+    tool runs in a worker process (which awaits an async one), killed with all it started past the
+    job's timeout."""
     if job.sandbox is not None:
-        value = job.sandbox.call(job.fn, (), job.arguments, job.timeout, f"tool {job.name!r}")
-        return result_text(value, max_chars)
+        answer = job.sandbox.call(
+            tool_text, (job.fn, max_chars), job.arguments, job.timeout, f"tool {job.name!r}"
+        )
+        if not (isinstance(answer, list) and len(answer) == 2 and isinstance(answer[0], str)):
+            raise TypeError("its sandboxed call answered out of form (not its text and whether it was cut)")
+        text, cut = answer[0], bool(answer[1])
+        if len(text) > max_chars + len(LONGEST_MARK):  # a call that wrote its own answer, uncut
+            text, cut = capped(text, max_chars)
+        return text, cut
     value = job.fn(**job.arguments)
     return value if inspect.isawaitable(value) else result_text(value, max_chars)
 
 
-async def invoke(job: Job, max_chars: int) -> tuple[str, bool]:
+def tool_text(fn: Callable[..., Any], max_chars: int, /, **arguments: Any) -> tuple[str, bool]:
+    """In a sandbox worker: ``fn(**arguments)`` (awaited where it is a coroutine) made the text the
+    model reads and cut to ``max_chars`` there, so that no more than that crosses back; and
+    whether it was cut."""
+    value = fn(**arguments)
+    return result_text(awaited(value) if inspect.isawaitable(value) else value, max_chars)
+
+
+async def invoke(job: Job, max_chars: int, loops: EventLoops) -> tuple[str, bool]:
     """``job``'s text and whether it was cut: :func:`called` in a thread of its own, an async
-    tool's awaitable awaited on the running loop and its value made text in a thread. A SystemExit
-    or KeyboardInterrupt the tool raises is its own (:class:`UserCodeExit`): no signal reaches any
-    thread but the main one, which only waits."""
+    tool's awaitable awaited on a loop of ``loops`` (one no other call awaits on, so that a
+    coroutine that blocks it holds only this call) and its value made text in a thread. Cancelled
+    (a timeout), the call is abandoned wherever it runs. A SystemExit or KeyboardInterrupt the
+    tool raises is its own (:class:`UserCodeExit`): no signal reaches any thread but the main one,
+    which only waits."""
     made = await in_thread(lambda: called(job, max_chars), job.name)
     if not inspect.isawaitable(made):
         return made
-    try:
-        value = await made
-    except (SystemExit, KeyboardInterrupt) as err:
-        raise UserCodeExit(f"raised {err!r} from its own code (no signal did)") from err
+    value = await loops.run(made)
     return await in_thread(lambda: result_text(value, max_chars), job.name)
 
 
@@ -135,8 +169,10 @@ def in_thread(call: Callable[[], T], name: str) -> asyncio.Future[T]:
 def failure(name: str, err: Exception, max_chars: int) -> Outcome:
     """The answer of a call that raised ``err`` (its own SystemExit or KeyboardInterrupt too)."""
     if isinstance(err, UserCodeExit):
-        return f"error: {name} {err}", False, False
-    return capped(f"error: {name} raised {type(err).__name__}: {described(err)}", max_chars)[0], False, False
+        return Outcome(f"error: {name} {err}", False, False)
+    return Outcome(
+        capped(f"error: {name} raised {type(err).__name__}: {described(err)}", max_chars)[0], False, False
+    )
 
 
 def result_text(value: Any, max_chars: int) -> tuple[str, bool]:

@@ -87,7 +87,8 @@ class FunctionTools:
             by its ``environment`` field.
         call_format: the tool-call format's name (parsers.CALL_FORMATS).
         timeout: seconds a call may take once it runs, its result made text included; a longer one
-            is abandoned and answered with an error.
+            is abandoned and answered with an error (in this process its thread runs on: its log
+            entry says ``"abandoned": True`` and it is counted in ``tool_threads_abandoned``).
         system_prompt: the module's, which a prompt without a system message gets.
         max_result_chars: the characters of a result the model reads; a longer one is cut, marked
             (:data:`CUT_MARK`) and counted (``tool_results_cut``).
@@ -221,7 +222,9 @@ class FunctionTools:
     def _planned(self, episode: Episode, text: str) -> list[tuple[ParsedCall | str, Job | Outcome]]:
         """Each call of the turn ``text``, and its job, or its answer where it does not run."""
         room = None if episode.max_calls is None else episode.max_calls - episode.calls
-        refused = f"error: not run: a completion makes at most {episode.max_calls} calls", False, False
+        refused = Outcome(
+            f"error: not run: a completion makes at most {episode.max_calls} calls", False, False
+        )
         functions = episode.context.functions
         return [
             (
@@ -239,12 +242,11 @@ class FunctionTools:
         """The answer of the turn ``call`` whose calls had ``outcomes``: one ``tool`` message each."""
         context: EpisodeTools = episode.context
         entries, messages = [], []
-        for parsed, (result, ok, cut) in outcomes:
+        for parsed, (result, ok, cut, abandoned) in outcomes:
             name = parsed.name if isinstance(parsed, ParsedCall) else None
             arguments = parsed.arguments if isinstance(parsed, ParsedCall) else None
-            entries.append(
-                {"name": name, "arguments": arguments, "result": result, "ok": ok, "truncated": cut}
-            )
+            entry = {"name": name, "arguments": arguments, "result": result, "ok": ok, "truncated": cut}
+            entries.append({**entry, "abandoned": True} if abandoned else entry)
             messages.append({"role": "tool", "name": name or "error", "content": result})
         turn = {"role": "assistant", "content": call}
         eos = self.tokenizer.decode(episode.ids[-1:]) if episode.ended_with_eos else None
@@ -279,7 +281,7 @@ class FunctionTools:
         env = self.factories[name]()
         reset = getattr(env, RESET, None)
         text = reset(**accepted_kwargs(reset, row)) if reset is not None else None
-        return env, self.calls.wait(text) if inspect.isawaitable(text) else text
+        return env, self.calls.awaited(text) if inspect.isawaitable(text) else text
 
     def _functions(self, env: Any) -> dict[str, Callable[..., Any]]:
         """The tools by name: the functions, and ``env``'s methods bound to it."""

@@ -8,6 +8,7 @@ import asyncio
 import json
 import platform
 import string
+import time
 
 import openai
 import pytest
@@ -47,7 +48,8 @@ def chat_tokenizer(template: str = TEMPLATE) -> PreTrainedTokenizerFast:
 
 class Script:
     """Generation by script: the i-th request's completion is ``replies[i]`` (sampled as plain
-    characters, then the EOS); it records every prompt it was given."""
+    characters, then the EOS; cut at the request's max new tokens, the EOS first); it records
+    every prompt it was given."""
 
     def __init__(self, tok, replies: list[str]) -> None:
         self.tok, self.replies, self.prompts = tok, list(replies), []
@@ -58,7 +60,8 @@ class Script:
             self.prompts.append(pending.prompt_ids)
             text = self.replies.pop(0)
             ids = self.tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-            out.append(([*ids, self.tok.eos_token_id][: pending.max_new_tokens], True))
+            sampled = [*ids, self.tok.eos_token_id][: pending.max_new_tokens]
+            out.append((sampled, sampled[-1] == self.tok.eos_token_id))
         return out
 
 
@@ -70,7 +73,9 @@ def serve(tok, replies, agent, budget=400):
         log = endpoint.open("e", budget)
 
         async def run():
-            client = openai.AsyncOpenAI(base_url=endpoint.base_url("e"), api_key="k", max_retries=0)
+            client = openai.AsyncOpenAI(
+                base_url=endpoint.base_url("e"), api_key=endpoint.api_key, max_retries=0
+            )
             try:
                 return await agent(client)
             finally:
@@ -171,6 +176,71 @@ def test_a_call_past_the_episodes_budget_is_answered_empty_and_the_episode_is_cu
     assert log.chains[0].budget_hit
 
 
+def test_an_edited_reply_that_spends_the_budget_leaves_its_call_answered_empty_and_counted():
+    tok = chat_tokenizer()
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "2+3?"}]
+        cut = await client.chat.completions.create(model="p", messages=messages, max_tokens=3)
+        # The agent writes on where the policy's reply was cut: its words, not the policy's, and
+        # more of them than the episode's budget has left.
+        edited = {
+            "role": "assistant",
+            "content": cut.choices[0].message.content + "is 5, as I checked twice.",
+        }
+        return await client.chat.completions.create(model="p", messages=[*messages, edited, USER])
+
+    last, log, prompts = serve(tok, ["It is 5"], agent, budget=30)
+    assert len(prompts) == 1 and last.choices[0].message.content == ""
+    assert [len(c.calls) for c in log.chains] == [1] and log.chains[0].budget_hit
+    assert log.dropped() == 1  # answered, in no chain: counted
+
+
+def test_calls_sent_at_once_from_one_history_fork_the_chain_and_the_later_is_counted():
+    tok = chat_tokenizer()
+    script = Script(tok, ["5", "yes", "no"])
+
+    def generate(batch):
+        # The second call is sampled only once the third came too (in its batch, or waiting): both
+        # were read against the chain as the first call left it.
+        deadline = time.monotonic() + 10
+        while (
+            len(script.prompts) + len(batch) == 2
+            and endpoint.requests.empty()
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.005)
+        return script(batch)
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "2+3?"}]
+        reply = await client.chat.completions.create(model="p", messages=messages)
+        messages += [reply.choices[0].message, {"role": "user", "content": "sure?"}]
+        await asyncio.gather(
+            *(client.chat.completions.create(model="p", messages=messages) for _ in range(2))
+        )
+
+    with AgentEndpoint(tok) as endpoint:
+        log = endpoint.open("e", 400)
+
+        async def run():
+            async with openai.AsyncOpenAI(
+                base_url=endpoint.base_url("e"), api_key=endpoint.api_key
+            ) as client:
+                await agent(client)
+
+        endpoint.serve(endpoint.run(run()), generate)
+    assert [len(c.calls) for c in log.chains] == [2, 1]
+    for chain in log.chains:  # each call extends the one before it, never a sibling
+        assert all(b.prompt_ids[: len(a.ids)] == a.ids for a, b in zip(chain.calls, chain.calls[1:]))
+    ids, sampled = log.episode().tokens(0)
+    assert tok.decode([t for t, s in zip(ids, sampled) if s]) in (
+        "5<|im_end|>yes<|im_end|>",
+        "5<|im_end|>no<|im_end|>",
+    )
+    assert log.dropped() == 1
+
+
 def test_the_requests_of_every_running_episode_are_sampled_in_one_batch():
     tok = chat_tokenizer()
     batches = []
@@ -184,7 +254,9 @@ def test_the_requests_of_every_running_episode_are_sampled_in_one_batch():
             endpoint.open(str(k), 10)
 
         async def one(k):
-            client = openai.AsyncOpenAI(base_url=endpoint.base_url(str(k)), api_key="k", max_retries=0)
+            client = openai.AsyncOpenAI(
+                base_url=endpoint.base_url(str(k)), api_key=endpoint.api_key, max_retries=0
+            )
             try:
                 return await client.chat.completions.create(model="p", messages=[USER])
             finally:

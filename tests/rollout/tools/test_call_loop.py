@@ -5,6 +5,7 @@ and resets are awaited; the answers keep the order the calls were written."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -13,7 +14,8 @@ from test_function_tools import GREEDY, TurnEngine, call, chat_tokenizer, sample
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.tools import CALL_FORMATS
 from forge_lightning.rollout.tools.call_loop import CallLoop
-from forge_lightning.rollout.tools.calls import Job
+from forge_lightning.rollout.tools.calls import Job, Outcome
+from forge_lightning.run.user_code import warn_thread_abandoned
 
 
 def nap(seconds: float, tag: str) -> str:
@@ -92,7 +94,7 @@ def test_at_most_max_parallel_calls_run_at_once():
     start = time.monotonic()
     outcomes = CallLoop(max_parallel=2, timeout=5.0).run(jobs)
     elapsed = time.monotonic() - start
-    assert [text for text, _, _ in outcomes] == ["0", "1", "2", "3", "4", "5"]
+    assert [outcome.text for outcome in outcomes] == ["0", "1", "2", "3", "4", "5"]
     assert 0.6 <= elapsed < 1.1  # three waves of two: all at once 0.2 s, one after another 1.2 s
 
 
@@ -101,10 +103,56 @@ def test_each_call_has_its_own_time_limit_from_when_it_starts():
     jobs.insert(1, Job(nap, {"seconds": 3.0, "tag": "never"}, "nap"))
     start = time.monotonic()
     outcomes = CallLoop(max_parallel=1, timeout=0.3).run(jobs)
-    # One at a time: the last waited ~0.75 s for its turn, past the limit, and still ran.
-    assert outcomes == [("0", True, False), ("error: nap took longer than 0.3s", False, False),
-                        ("1", True, False), ("2", True, False)]  # fmt: skip
+    # One at a time: the last waited ~0.75 s for its turn, past the limit, and still ran. The
+    # abandoned call's thread sleeps on (in this process: no sandbox).
+    late = Outcome("error: nap took longer than 0.3s", False, False, abandoned=True)
+    assert outcomes == [("0", True, False, False), late, ("1", True, False, False), ("2", True, False, False)]
     assert time.monotonic() - start < 1.5
+
+
+async def blocks(seconds: float) -> str:
+    """Blocks its event loop: a sync sleep inside a coroutine.
+
+    Args:
+        seconds: how long.
+    """
+    time.sleep(seconds)
+    return "late"
+
+
+def test_an_async_tool_that_blocks_its_loop_times_out_without_holding_the_other_calls():
+    finished: list[float] = []
+
+    async def quick(tag: str) -> str:
+        await asyncio.sleep(0.1)
+        finished.append(time.monotonic())
+        return tag
+
+    jobs = [Job(blocks, {"seconds": 5.0}, "blocks"), Job(quick, {"tag": "row 2"}, "quick")]
+    start = time.monotonic()
+    outcomes = CallLoop(timeout=1.0).run(jobs)
+    elapsed = time.monotonic() - start
+    assert outcomes == [Outcome("error: blocks took longer than 1s", False, False, abandoned=True),
+                        Outcome("row 2", True, False)]  # fmt: skip
+    assert elapsed < 2.5, f"{elapsed:.2f}s: the blocked loop was waited for (5 s)"
+    assert finished[0] - start < 1.0, "the other row's call waited behind the blocked loop"
+
+
+def test_an_abandoned_call_in_this_process_is_counted_and_warned_about_once(caplog):
+    tok = chat_tokenizer()
+    engine = TurnEngine(tok, [call("blocks", seconds=5.0), "done."])
+    run = sampler(tok, [blocks], engine, timeout=1.0)
+    warn_thread_abandoned.cache_clear()  # once per process: from this test's first call on
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="forge_lightning.run.user_code"):
+        rollout = run(tiny(tok), ["Q"], GREEDY, 2)  # two rows, each blocked 5 s
+    assert time.monotonic() - start < 2.5  # the rows' calls timed out side by side
+    assert rollout.tool_stats["tool_threads_abandoned"].tolist() == [1, 1]
+    assert rollout.tool_stats["tool_errors"].tolist() == [1, 1]
+    entry = rollout.facts()["tool_calls"][0][0]
+    assert entry["result"] == "error: blocks took longer than 1s" and entry["abandoned"] is True
+    warned = [r.getMessage() for r in caplog.records if "keeps running" in r.getMessage()]
+    assert len(warned) == 1 and "sandbox: process" in warned[0] and "tool_threads_abandoned" in warned[0]
 
 
 async def refuses(x: int) -> int:
