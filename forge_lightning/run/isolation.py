@@ -89,18 +89,29 @@ def probe() -> str:
     why = seccomp.supported()
     if why is not None:
         raise SandboxUnavailable(f"sandbox: process needs a socket filter: {why}")
-    check = [sys.executable, "-I", "-S", seccomp.__file__]  # pid 1 of its namespace, no sockets
+    drop_to = UNPRIVILEGED if os.geteuid() == 0 else None
+    parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    program = (
+        f"import sys; sys.path.insert(0, {parent!r}); "
+        f"from forge_lightning.run.isolation import check_inside; check_inside({drop_to!r})"
+    )
     try:
-        done = started(check, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        done = started(
+            [sys.executable, "-I", "-S", "-c", program],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         err = done.communicate(timeout=60)[1]
     except (OSError, subprocess.TimeoutExpired) as error:
-        err = repr(error)
+        err, failed = repr(error), True
     else:
-        err = err if done.returncode == 0 else err or f"exited with code {done.returncode}"
-    if err:
+        failed = done.returncode != 0
+    if failed:
         raise SandboxUnavailable(
             "sandbox: process needs user, pid, network and mount namespaces (unshare "
-            f"{' '.join(namespaces())}) and a seccomp filter, which failed here: {err.strip()[-500:]}"
+            f"{' '.join(namespaces())}), a seccomp filter and, under root, a call's process as nobody "
+            f"reaching Python; here: {(err or 'it failed').strip()[-500:]}"
         )
     who = "nobody" if os.geteuid() == 0 else "the trainer's own user"
     _probed.append(
@@ -108,6 +119,56 @@ def probe() -> str:
         f"{limit}; calls run as {who}"
     )
     return _probed[0]
+
+
+def check_inside(drop_to: int | None) -> None:
+    """The probe's program (:func:`probe`), the first process of a worker's namespaces: what a
+    worker does to itself before its first task (it waits for its user map, puts Python back for
+    ``drop_to``, installs the socket filter), checked; then a call's process, as ``drop_to``,
+    starts an interpreter. Exits with a message where one fails."""
+    import socket
+
+    mapped()
+    if os.getpid() != 1:
+        sys.exit(f"the worker is not the first process of its pid namespace (pid {os.getpid()})")
+    if drop_to is not None:
+        expose(python_installation(), drop_to)
+    seccomp.deny_sockets()
+    try:
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM).close()
+    except PermissionError:
+        pass
+    else:
+        sys.exit("a socket was made under the socket filter")
+    left, right = socket.socketpair()
+    left.send(b"x")
+    if right.recv(1) != b"x":
+        sys.exit("a socket pair does not work under the socket filter")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            enter_call(2, drop_to)
+            subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], check=True)
+        except BaseException as err:
+            print(f"a call's process (as {drop_to}) could not start Python: {err!r}", file=sys.stderr)
+            os._exit(1)
+        os._exit(0)
+    if os.waitpid(pid, 0)[1] != 0:
+        sys.exit(1)
+
+
+def python_installation() -> list[str]:
+    """The folders of Python's installation: its prefixes, the interpreter's folder, its
+    site-packages (the user's too) and this package's own folder (an editable install imports it
+    through a finder, from a folder that need not be on ``sys.path``)."""
+    import site
+
+    executable = os.path.realpath(sys.executable)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # forge_lightning/
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(executable), package}
+    paths.update(site.getsitepackages())
+    paths.add(site.getusersitepackages())
+    return sorted(os.path.realpath(path) for path in paths)
 
 
 def namespaces() -> list[str]:

@@ -85,20 +85,6 @@ def serve() -> None:
         answers.send_bytes(json.dumps([call, kind, value]).encode())
 
 
-def python_installation() -> list[str]:
-    """The folders of Python's installation: its prefixes, the interpreter's folder, its
-    site-packages (the user's too) and this package's own folder (an editable install imports it
-    through a finder, from a folder that need not be on ``sys.path``)."""
-    import site
-
-    executable = os.path.realpath(sys.executable)
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # forge_lightning/
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(executable), package}
-    paths.update(site.getsitepackages())
-    paths.add(site.getusersitepackages())
-    return sorted(os.path.realpath(path) for path in paths)
-
-
 def _answer(
     message: bytes, scratch: str, limits: dict[str, Any], lifeline_fd: int, episodes: Episodes
 ) -> tuple[str, Any]:
