@@ -154,7 +154,8 @@ class GRPOLightningModule(pl.LightningModule):
         gradient_accumulation_steps: batches per optimizer step.
         max_grad_norm: clip the gradient's total norm to this before each step; None disables.
         warmup_steps: optimizer steps of linear warmup.
-        lr_schedule: ``cosine`` to zero at the last step (Forge's) or ``constant`` after the warmup.
+        lr_schedule: ``cosine`` to zero at the last step (Forge's), ``linear`` to zero (TRL's), or
+            ``constant`` after the warmup.
         max_consecutive_bad_steps: non-finite gradients skip the step; this many in a row stop.
         dynamic_sampling: train on informative groups only, sampling rounds until a step has enough
             (DAPO; see training/dynamic_sampling.py); ``gradient_accumulation_steps`` then counts
@@ -219,7 +220,8 @@ class GRPOLightningModule(pl.LightningModule):
         environment_factory: a class, or a function returning an environment (or its import path),
             made once per completion (tools/environments.py): ``reset(**row)`` starts its episode
             (text it returns joins the prompt), ``get_reward()`` (or ``reward()``) scores it
-            (EnvironmentReward, the reward when ``reward`` is None), its other public methods are
+            (EnvironmentReward: the reward when ``reward`` is None, else one more reward beside
+            it, TRL's rule), its other public methods are
             tools; or a mapping name -> factory, a row's ``environment`` field picking its own. Sync
             rollouts only (HF generate or vLLM).
         sandbox: ``thread``: rewards and tools run in the trainer's process (a timeout abandons the
@@ -304,7 +306,7 @@ class GRPOLightningModule(pl.LightningModule):
         gradient_accumulation_steps: int = 4,
         max_grad_norm: float | None = 1.0,
         warmup_steps: int = 0,
-        lr_schedule: Literal["cosine", "constant"] = "cosine",
+        lr_schedule: Literal["cosine", "linear", "constant"] = "cosine",
         max_consecutive_bad_steps: int = 3,
         # -- dynamic sampling (DynamicSamplingSettings)
         dynamic_sampling: bool = False,

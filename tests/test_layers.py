@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("settings",),  # the module's settings and the parts built from them
     ("callbacks",),  # Lightning callbacks around the module
     ("module",),  # GRPOLightningModule
-    ("compat", "cli", "bench", "examples", "testing"),  # the entry points; the test kit for users' code
+    # the entry points (TRL's interface among them); the test kit for users' code
+    ("compat", "cli", "bench", "examples", "testing", "trl"),
     ("__init__", "__main__"),  # the package's own names
 ]
 

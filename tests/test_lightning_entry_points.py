@@ -5,6 +5,7 @@ loaded, and ``fast_dev_run`` writing nothing."""
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -49,12 +50,45 @@ def test_checkpoint_files_are_named_for_the_step_they_hold_when_validating_mid_r
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("save_last", [None, True])
+def test_the_end_message_names_a_checkpoint_a_resume_finds(
+    save_last, tmp_path, module, trainer, loader, capsys
+):
+    grpo = module(gradient_accumulation_steps=1, kl_beta=0.0, max_new_tokens=4)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", save_last=save_last
+    )  # Lightning's default, or save_last
+    fit = trainer(
+        tmp_path, max_steps=2, callbacks=[ckpt, RewardLogger(logging_steps=1)], enable_checkpointing=True
+    )
+    fit.fit(grpo, loader(RECORDS))
+    summary = capsys.readouterr().out.split("Training finished at step 2.")[1]
+    if save_last:
+        assert f"checkpoints  {tmp_path / 'ckpt'}  (resume with --ckpt_path last)" in summary
+        assert (tmp_path / "ckpt" / "last.ckpt").is_file()
+        return
+    assert not (tmp_path / "ckpt" / "last.ckpt").exists() and "--ckpt_path last" not in summary
+    named = re.search(r"ckpt_path=(\S+);", summary).group(1)
+    assert torch.load(named, weights_only=True)["global_step"] == 2  # the newest, which exists
+
+
+@pytest.mark.integration
 def test_predict_returns_each_prompts_greedy_completion(tmp_path, module, trainer, loader):
     grpo = module(max_new_tokens=4)
     batches = trainer(tmp_path).predict(grpo, loader(RECORDS, batch_size=2))
     assert [len(batch) for batch in batches] == [2, 1]
     trainer(tmp_path).validate(grpo, loader(RECORDS, batch_size=2))
     # Greedy: the completions validation scores.
+    assert [c for batch in batches for c in batch] == [s["completion"] for s in grpo.validation_samples]
+
+
+@pytest.mark.integration
+def test_predict_with_the_datamodule_completes_its_validation_prompts(tmp_path, module, trainer):
+    grpo = module(max_new_tokens=4)
+    data = PromptDataModule(source="mock", val_max_samples=3, val_batch_size=2)
+    batches = trainer(tmp_path).predict(grpo, datamodule=data)
+    assert [len(batch) for batch in batches] == [2, 1]  # the validation prompts, val_batch_size a batch
+    trainer(tmp_path).validate(grpo, datamodule=data)
     assert [c for batch in batches for c in batch] == [s["completion"] for s in grpo.validation_samples]
 
 

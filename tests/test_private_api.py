@@ -47,6 +47,15 @@ def test_lightning_cli_still_builds_subcommand_parsers_through_the_overridden_me
     assert list(inspect.signature(LightningCLI._prepare_subcommand_parser).parameters) == list(ours)
 
 
+def test_jsonargparse_still_orders_a_unions_types_for_a_value_in_one_function():
+    # nested_flags_keep_single_values (cli/forge_cli.py) wraps it while the CLI parses.
+    from jsonargparse import _typehints
+
+    parameters = inspect.signature(_typehints.sort_subtypes_for_union).parameters
+    assert list(parameters) == ["subtypes", "val", "prev_val", "append"]
+    assert all(hasattr(_typehints, n) for n in ("NestedArg", "sequence_origin_types", "get_typehint_origin"))
+
+
 def test_jsonargparse_options_can_be_found_retyped_and_parsed_unvalidated(tmp_path):
     parser = ArgumentParser()
     parser.add_argument("--model", type=str | dict | None, default=None)

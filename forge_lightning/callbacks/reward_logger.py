@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
@@ -226,7 +226,7 @@ def run_summary(trainer: pl.Trainer, records: list[dict[str, Any]], log: Path) -
     for callback in trainer.checkpoint_callbacks:
         folder = getattr(callback, "dirpath", None)
         if folder:
-            lines.append(f"  checkpoints  {folder}  (resume with --ckpt_path last)")
+            lines.append(f"  checkpoints  {folder}  ({resume_hint(callback)})")
     for callback in trainer.callbacks:
         if isinstance(callback, HFCheckpoint) and callback.save_final:
             final = output_dir(trainer, callback.output_dir) / "final"
@@ -235,6 +235,23 @@ def run_summary(trainer: pl.Trainer, records: list[dict[str, Any]], log: Path) -
         if isinstance(logger, TensorBoardLogger):
             lines.append(f"  tensorboard  tensorboard --logdir {Path(logger.save_dir) / (logger.name or '')}")
     return "\n".join(lines)
+
+
+def resume_hint(callback: Checkpoint) -> str:
+    """How to resume from what the ModelCheckpoint ``callback`` wrote: ``--ckpt_path last`` finds
+    only a ``last.ckpt``, which it writes with ``save_last`` (the CLI's does); without one, the
+    checkpoint it kept, by its path (Lightning's default ModelCheckpoint keeps the newest)."""
+    last = getattr(callback, "last_model_path", "")
+    if last and Path(last).is_file():
+        return "resume with --ckpt_path last"
+    kept = getattr(callback, "best_model_path", "")
+    if not kept or not Path(kept).is_file():
+        return "none written"
+    which = "newest" if getattr(callback, "monitor", None) is None else "best"
+    return (
+        f"resume from the {which} with ckpt_path={kept}; there is no last.ckpt for ckpt_path 'last' "
+        "unless ModelCheckpoint(save_last=True)"
+    )
 
 
 def _short_names(report: dict[str, float]) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""Lightning's count of stepped batches, the step its loggers and callbacks log at: kept equal to
-the optimizer steps in a fit (:class:`OptimizerStepAxis`), and set to the evaluated weights' step
-for ``trainer.validate`` (:class:`EvaluationLogStep`)."""
+"""Lightning's count of stepped batches, the step its loggers and callbacks log at: kept on the
+module's optimizer-step axis in a fit (:class:`OptimizerStepAxis`), and set to the evaluated
+weights' step for ``trainer.validate`` (:class:`EvaluationLogStep`)."""
 
 from __future__ import annotations
 
@@ -26,25 +26,36 @@ def set_stepped_batches(trainer: pl.Trainer, count: int) -> None:
 
 class OptimizerStepAxis(Callback):
     """Keeps Lightning's count of stepped batches, the step its callbacks log at
-    (``LearningRateMonitor``, ``DeviceStatsMonitor``), equal to the optimizer steps taken.
+    (``LearningRateMonitor``, ``DeviceStatsMonitor``), on the module's axis: during a batch it is
+    the number of the optimizer step the batch works towards (the steps taken, plus one), the step
+    whose ``train/*`` the module logs at that step.
 
     Under automatic optimization Lightning counts a batch only when it ends an optimizer step.
     Under manual optimization it cannot tell and counts every batch, so with gradient accumulation
     or ``steps_per_generation`` (several steps in one batch) those callbacks logged against
-    batches while the module's ``train/*`` go to the loggers at ``global_step``: two x-axes, and a
-    learning-rate curve that disagreed with ``train/lr``. After each batch this sets the count to
-    what Lightning's own would be: at the next batch's start (where ``LearningRateMonitor`` logs
-    the rate the next step uses) it is ``global_step``. A checkpoint keeps the count as Lightning
-    expects at a batch's end, so a resume restores it the same way. The module adds it to every
-    fit; under automatic optimization it does nothing.
+    batches while the module's ``train/*`` go to the loggers at ``global_step``: two x-axes. And
+    ``LearningRateMonitor`` logs, at a batch's start, the rate the batch's next step uses: at the
+    steps taken so far it showed the next step's rate, where ``train/lr`` shows the rate the step
+    logged used. So at a fit's start this sets the count to 1 (a resume's comes back from its
+    checkpoint) and after each batch to what makes it, at the next batch's start, the step that
+    batch takes next: every point of either curve at step n is the rate optimizer step n used
+    (with ``steps_per_generation`` S, the monitor logs a batch's first step and ``train/lr`` its
+    last, on one curve). A checkpoint keeps the count as Lightning expects at a batch's end, so a
+    resume restores it the same way. The module adds it to every fit; under automatic optimization
+    it does nothing.
     """
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:  # before a resume's checkpoint restores the count
+            set_stepped_batches(trainer, trainer.global_step + 1)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         if pl_module.automatic_optimization:
             return
         # Lightning adds one after this hook (every batch, under manual optimization).
-        set_stepped_batches(trainer, trainer.global_step - 1)
+        set_stepped_batches(trainer, trainer.global_step)
 
 
 class EvaluationLogStep:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import re
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,9 @@ from typing_extensions import override
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger, SignalGuard, SignalGuardError
 from forge_lightning.callbacks.defaults import refuse_automatic_optimization_settings
+from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.rewards.resume import reward_on_resume
 from forge_lightning.run.folder import RunFolder, RunFolderError, remove_untracked_checkpoints
 from forge_lightning.run.preemption import EXIT_CODE
 from forge_lightning.run.resume import check_resume_settings
@@ -122,7 +126,10 @@ class ForgeCLI(LightningCLI):
         if isinstance(args, (dict, Namespace)):
             return super().parse_arguments(parser, args)
         self._args = args  # read again for the settings the user gave (_parse_ckpt_path)
-        refuse_foreign_settings(list(sys.argv[1:] if args is None else args), GRPOLightningModule)
+        given = list(sys.argv[1:] if args is None else args)
+        refuse_foreign_settings(given, GRPOLightningModule)
+        # A misspelt --data.<name> would otherwise be a 9-line error about the --data Union's types.
+        refuse_foreign_settings(given, PromptDataModule, section="data", every=True)
         self.config = parse_unvalidated(parser, args)
         subcommand = self.config.get("subcommand")
         trainer = (self.config[subcommand] if subcommand else self.config)["trainer"]
@@ -156,7 +163,7 @@ class ForgeCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except ValueError as err:
-            raise SystemExit(f"{self.subcommand or 'fit'}: {err}") from None
+            raise SystemExit(f"{self.subcommand or 'fit'}: {one_line_error(str(err))}") from None
 
     @override
     def before_fit(self) -> None:
@@ -229,7 +236,12 @@ class ForgeCLI(LightningCLI):
         if data_state and hasattr(self.datamodule, "resume_changes"):
             data_changes = self.datamodule.resume_changes(data_state)
         try:  # one error naming every change, the module's and the data's
-            check_resume_settings(saved.get("hyper_parameters", {}), self.model.hparams, data_changes)
+            # A served reward's URL (and its other changeable_on_resume arguments) may move: warned
+            # once, when the module loads the checkpoint (training/run_state.py), not here too.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                hparams = reward_on_resume(saved.get("hyper_parameters", {}), self.model.hparams)
+            check_resume_settings(hparams, self.model.hparams, data_changes)
         except ValueError as err:
             raise SystemExit(f"fit: {err}") from None
         return saved
@@ -296,6 +308,26 @@ class ForgeCLI(LightningCLI):
             if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
                 callback.dirpath = str(root / "checkpoints")
         return trainer
+
+
+# jsonargparse's error for a value no type of a Union setting takes (model.reward, data): the
+# subtypes, each one's error, and the value, in 10 to 40 lines.
+_UNION_ERROR = "Does not validate against any of the Union subtypes"
+
+
+def one_line_error(message: str) -> str:
+    """``message``, or where it is jsonargparse's Union error whose only error that is not a type
+    mismatch is one line (what a class named in the config refused, e.g. RewardModel's), that line."""
+    if not message.startswith(_UNION_ERROR):
+        return message
+    lines = message.splitlines()
+    errors = [(k, line[len("  - ") :]) for k, line in enumerate(lines) if line.startswith("  - ")]
+    said = [(k, text) for k, text in errors if not text.startswith("Expected a ")]
+    if len(said) != 1:
+        return message
+    k, text = said[0]
+    continued = k + 1 < len(lines) and lines[k + 1].startswith("    ")
+    return message if continued else text
 
 
 _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :class:`~a.b.C` and friends
@@ -403,8 +435,39 @@ def read_as_string(action: argparse.Action) -> bool:
 def parse_unvalidated(parser: LightningArgumentParser, args: Any, defaults: bool = True) -> Any:
     """``parse_args`` without the validation (jsonargparse's private ``_skip_validation`` keyword),
     for a config that is validated once the loggers have their folders; ``defaults=False``: only
-    what the config files and the command line set."""
-    return parser.parse_args(args, defaults=defaults, _skip_validation=True)
+    what the config files and the command line set. A nested flag changes a single value in place
+    (:func:`nested_flags_keep_single_values`)."""
+    with nested_flags_keep_single_values():
+        return parser.parse_args(args, defaults=defaults, _skip_validation=True)
+
+
+@contextlib.contextmanager
+def nested_flags_keep_single_values() -> Iterator[None]:
+    """While parsing, a nested flag (``--model.reward.init_args.url X``) on a setting that is one
+    class (not a list) sets that class's argument. For a ``list[X] | X`` setting (``model.reward``)
+    jsonargparse tries the list first, and its list takes a nested flag by wrapping the value in a
+    list of one: another setting, which a resume refuses. Its private ``sort_subtypes_for_union``
+    moves the list types first for a list's nested flag; here they go last for any other value's.
+    Checked on jsonargparse 4.53.0; nothing changes where jsonargparse has no such function."""
+    from jsonargparse import _typehints
+
+    original = getattr(_typehints, "sort_subtypes_for_union", None)
+    if original is None:
+        yield
+        return
+
+    def ordered(subtypes: Any, val: Any, prev_val: Any, append: bool) -> Any:
+        subtypes = original(subtypes, val, prev_val, append)
+        if isinstance(val, _typehints.NestedArg) and not append and not isinstance(prev_val, list | None):
+            sequences = _typehints.sequence_origin_types
+            subtypes = sorted(subtypes, key=lambda t: _typehints.get_typehint_origin(t) in sequences)
+        return subtypes
+
+    _typehints.sort_subtypes_for_union = ordered
+    try:
+        yield
+    finally:
+        _typehints.sort_subtypes_for_union = original
 
 
 _UNSET = object()

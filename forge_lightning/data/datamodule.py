@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from forge_lightning.data.arithmetic import DEFAULT_VARIANT, VARIANTS, generate
 from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock
-from forge_lightning.data.readers import load_prompts, require_in_memory
+from forge_lightning.data.readers import load_prompts, local_prompt_field, require_in_memory
 from forge_lightning.data.sampler import EpochShuffleSampler
 from forge_lightning.run.resume import changed_settings
 
@@ -84,9 +84,9 @@ def _batched_prompts(value: Any) -> list[Any]:
 
 
 class PromptDataModule(L.LightningDataModule):
-    """Prompts for GRPO: train from the train split, validation from the test split. GSM8K's by
-    default; any prompt dataset with ``prompt_field`` (a local JSON-lines/parquet/CSV folder or
-    file, or a hub dataset by name).
+    """Prompts for GRPO: train from the train split, validation (and ``trainer.predict``) from the
+    test split. GSM8K's by default; any prompt dataset with ``prompt_field`` (a local
+    JSON-lines/parquet/CSV folder or file, or a hub dataset by name).
 
     Args:
         source: "hub" downloads ``openai/gsm8k``; "local" reads ``path``; "mock" uses the 20
@@ -108,7 +108,9 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
         prompt_field: read rows of any dataset instead of GSM8K's: this field is the prompt (text,
             or a conversation as a list of ``{"role", "content"}`` messages, which goes through the
-            chat template as it is); every other field goes to the rewards under its name.
+            chat template as it is); every other field goes to the rewards under its name. None:
+            GSM8K's ``question``/``answer``, or with source="local" rows that have a ``prompt``
+            field and no ``question``, that field.
         reference_field: with ``prompt_field``, a field to give the rewards as ``references`` (and
             the ``val/accuracy`` check); None: a field named ``reference`` is that already.
         dataset: with source="hub" (the default), rows other than the hub's GSM8K: a hub
@@ -197,12 +199,15 @@ class PromptDataModule(L.LightningDataModule):
             self._train = records["train"][: self.max_samples]
             self._val = records[self.val_part][: self.val_max_samples]
             return
-        if self.prompt_field is not None:
+        prompt_field = self.prompt_field
+        if prompt_field is None and self.source == "local":
+            prompt_field = local_prompt_field(self.path, "train")  # a `prompt` field, not GSM8K's
+        if prompt_field is not None:
             self._train, self._val = (
                 load_prompts(
                     split,
                     limit,
-                    prompt_field=self.prompt_field,
+                    prompt_field=prompt_field,
                     reference_field=self.reference_field,
                     path=self.path,
                     dataset=self.dataset,
@@ -267,6 +272,12 @@ class PromptDataModule(L.LightningDataModule):
     @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._loaded(self._val), self.val_batch_size, None)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """What ``trainer.predict`` completes: the validation prompts (``val_split``'s, up to
+        ``val_max_samples``), ``val_batch_size`` a batch, in order."""
+        return self.val_dataloader()
 
     @property
     def train_size(self) -> int:

@@ -93,6 +93,25 @@ def file_rows(file: Path) -> Iterator[tuple[str, Any]]:
     return readers.get(file.suffix, _jsonl_rows)(file)
 
 
+def local_prompt_field(path: str | Path, split: str) -> str | None:
+    """The field that is the prompt of a local file's rows where no ``prompt_field`` is set, read
+    from its first row: None (GSM8K's ``question``, with ``answer``) where it has a ``question``,
+    ``"prompt"`` where it has a ``prompt`` field instead; with both, None and a warning that says
+    so. None too where the first row cannot be read (the GSM8K reader then says why)."""
+    file = resolve_local_file(path, split)
+    first = next((row for _, row in file_rows(file)), None)
+    if not isinstance(first, dict) or "prompt" not in first:
+        return None
+    if "question" in first:
+        warnings.warn(
+            f"{file}: its rows have both a 'question' and a 'prompt' field; reading 'question' (GSM8K's, "
+            "with 'answer'). To read 'prompt' instead, set data.prompt_field to prompt",
+            stacklevel=2,
+        )
+        return None
+    return "prompt"
+
+
 def hub_rows(name: str, config: str | None, split: str, what: str, offline: str) -> Iterator[tuple[str, Any]]:
     """Rows of a hub dataset; a failure to load says ``what`` could not be, and ``offline`` what to do."""
     try:

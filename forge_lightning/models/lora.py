@@ -8,6 +8,7 @@ needed. ``peft`` is imported only when an adapter is built or loaded (``pip inst
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 from collections.abc import Iterator
@@ -34,7 +35,8 @@ class LoraSettings:
         alpha: scaling numerator; the update is multiplied by ``alpha / r``.
         dropout: dropout on the adapter's input during training.
         target_modules: module names (or a regex) that get an adapter; ``all-linear`` takes every
-            linear layer except the output head.
+            linear layer except the output head; None: PEFT's default for the architecture (as
+            ``LoraConfig`` without ``target_modules``; ``q_proj`` and ``v_proj`` for Llama).
         merge_on_save: besides the adapter, ``HFCheckpoint`` writes the merged full model to
             ``<checkpoint>/merged/``, loadable without peft.
     """
@@ -42,7 +44,7 @@ class LoraSettings:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
-    target_modules: list[str] | str = "all-linear"
+    target_modules: list[str] | str | None = "all-linear"
     merge_on_save: bool = False
 
     def __post_init__(self) -> None:
@@ -52,13 +54,72 @@ class LoraSettings:
             raise ValueError(f"peft.alpha must be > 0, got {self.alpha!r}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"peft.dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.target_modules:
+        if self.target_modules is not None and not self.target_modules:
             raise ValueError("peft.target_modules must name at least one module (or 'all-linear')")
 
 
-def lora_settings(value: LoraSettings | dict[str, Any] | None) -> LoraSettings | None:
-    """``value`` as LoraSettings: a dict of its fields (as a checkpoint keeps them) is accepted."""
-    return LoraSettings(**value) if isinstance(value, dict) else value
+# PEFT's LoraConfig fields -> ours. Its other fields are taken at PEFT's defaults only (the adapter
+# apply_lora builds), task_type as CAUSAL_LM (or unset), and PEFT's bookkeeping (what
+# get_peft_model or from_pretrained write into a config) as whatever it holds.
+PEFT_NAMES = {"r": "r", "lora_alpha": "alpha", "lora_dropout": "dropout", "target_modules": "target_modules"}
+_PEFT_IGNORED = ("task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path")
+_PEFT_IGNORED += ("revision", "inference_mode")
+
+
+def lora_settings(value: LoraSettings | dict[str, Any] | Any | None) -> LoraSettings | None:
+    """``value`` as LoraSettings: a dict of its fields (as a checkpoint keeps them), or PEFT's
+    ``LoraConfig`` (TRL's ``peft_config``) as an object or a dict of its fields (``lora_alpha``,
+    ``lora_dropout``, ``task_type``...; ``merge_on_save`` may join them), its names made ours."""
+    if value is None or isinstance(value, LoraSettings):
+        return value
+    ours = {field.name for field in dataclasses.fields(LoraSettings)}
+    if isinstance(value, dict) and set(value) <= ours:
+        return LoraSettings(**value)
+    if isinstance(value, dict):
+        given = {name: setting for name, setting in value.items() if name != "merge_on_save"}
+        try:
+            config = import_peft().LoraConfig(**given)
+        except TypeError as err:
+            raise ValueError(
+                f"peft: {err}; a dict takes LoraSettings' fields ({', '.join(sorted(ours))}) or "
+                "PEFT LoraConfig's (lora_alpha, lora_dropout, ...), not both"
+            ) from None
+        return _from_peft(config, merge_on_save=bool(value.get("merge_on_save", False)))
+    if type(value).__module__.startswith("peft.") and hasattr(value, "peft_type"):
+        return _from_peft(value)
+    kind = type(value).__name__
+    raise TypeError(f"peft must be LoraSettings, PEFT's LoraConfig or a dict of either's fields, got {kind}")
+
+
+def _from_peft(config: Any, merge_on_save: bool = False) -> LoraSettings:
+    """PEFT's ``LoraConfig`` as LoraSettings; a field set to what this adapter cannot be is refused
+    by name (another task than a causal LM's, another PEFT method, DoRA, biases, ...)."""
+    kind = getattr(config.peft_type, "value", config.peft_type)
+    if kind != "LORA":
+        raise ValueError(
+            f"peft: PEFT's {type(config).__name__} ({kind}) is not taken here: LoRA only (LoraConfig)"
+        )
+    task = getattr(config.task_type, "value", config.task_type)
+    if task not in (None, "CAUSAL_LM"):
+        raise ValueError(
+            f"peft: task_type {task!r} is not taken here: the policy is a causal LM that GRPO samples "
+            "from, so its adapter's task_type is CAUSAL_LM"
+        )
+    default, taken = type(config)(), (*PEFT_NAMES, *_PEFT_IGNORED)
+    changed = [
+        f"{field.name}={getattr(config, field.name)!r}"
+        for field in dataclasses.fields(config)
+        if field.name not in taken and getattr(config, field.name) != getattr(default, field.name)
+    ]
+    if changed:
+        raise ValueError(
+            f"peft: LoraConfig's {', '.join(changed)} not taken here: the adapter is LoRA's r, lora_alpha, "
+            "lora_dropout and target_modules, its other fields at PEFT's defaults"
+        )
+    modules = config.target_modules
+    settings = {ours: getattr(config, name) for name, ours in PEFT_NAMES.items()}
+    settings["target_modules"] = sorted(modules) if isinstance(modules, (set, frozenset)) else modules
+    return LoraSettings(**settings, merge_on_save=merge_on_save)
 
 
 def import_peft() -> ModuleType:

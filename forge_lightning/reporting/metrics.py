@@ -91,16 +91,21 @@ def logged_name(key: str) -> str:
 
 # Logged as running totals (the module adds each step's count): a report takes the latest.
 RUNNING_TOTALS = ("num_tokens",)
+# The learning rate: a batch's and a report's is its last optimizer step's, the rate the
+# optimizer used at the step it is logged at (with steps_per_generation a batch takes several),
+# never an average of rates no step used. LearningRateMonitor logs the same rate at that step
+# (callbacks/step_axis.py).
+LATEST_KEYS = ("lr",)
 
 
 def window_values(window: list[dict[str, float]]) -> dict[str, float]:
     """One report of several optimizer steps' logged metrics: each mean's mean over the steps
-    that have it, each counter's total, each running total's latest value."""
+    that have it, each counter's total, each running total's and the learning rate's latest value."""
     out: dict[str, float] = {}
     for key in dict.fromkeys(k for metrics in window for k in metrics):
         values = [m[key] for m in window if key in m]
         name = key.split("/", 1)[-1]
-        if name in RUNNING_TOTALS:
+        if name in RUNNING_TOTALS or name in LATEST_KEYS:
             out[key] = values[-1]
         elif name in COUNT_KEYS:
             out[key] = sum(values)
@@ -137,6 +142,8 @@ class RunningMetrics(nn.Module):
         value = value.detach().float().reshape(-1)
         if key.startswith("rewards/"):
             value = value[~value.isnan()]  # a component's None ("not applicable") counts nowhere
+        if key in LATEST_KEYS:
+            table[key].reset()  # the latest value alone (every rank updates it alike)
         table[key].update(value.to(table[key].device))
 
     def add(self, values: Mapping[str, Tensor | float]) -> None:

@@ -39,6 +39,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.models.loading import EMBEDDED, ModelLoadError, _embedded_cache, ensure_pad_token
 from forge_lightning.rewards.calls import BaseReward, RewardOutput
+from forge_lightning.rewards.setting import is_causal_lm
 from forge_lightning.rollout.types import left_pad, left_padded_positions
 from forge_lightning.run.fileio import folder_fingerprint
 
@@ -216,6 +217,8 @@ def _load(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTok
             "give a folder or hub id of a sequence classifier with one label"
         )
     _refuse_missing_folder(spec)
+    if Path(spec).expanduser().is_dir() and is_causal_lm(Path(spec).expanduser()):
+        raise ValueError(f"RewardModel: {spec!r} is a causal LM (a policy), not {_WANTED}")
     source = _embedded_cache() if spec == EMBEDDED else spec
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
@@ -232,9 +235,17 @@ def _load(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTok
         raise ValueError(
             f"RewardModel: {spec!r} has no trained score head (its weights lack "
             f"{', '.join(sorted(missing))}, which would start random): it is a causal LM or a base "
-            "model, not a reward model"
+            f"model, not {_WANTED}"
         )
     return model, tokenizer
+
+
+# What RewardModel takes, and what scores with a causal LM instead: said where a model is refused.
+_WANTED = (
+    "a sequence classifier: give a model with a trained classification head and one label "
+    "(AutoModelForSequenceClassification, num_labels=1), or have a causal LM judge each completion "
+    "with JudgeReward(model=..., template=...)"
+)
 
 
 def _refuse_missing_folder(spec: str) -> None:

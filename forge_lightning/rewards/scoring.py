@@ -247,14 +247,16 @@ def score_groups(
     reward_timeout: float | None = None,
     extras: dict[str, Any] | None = None,
     sandbox: Sandbox | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, dict[str, Tensor], int]:
     """Score a rollout's G completions per prompt, each seeing its prompt's batch values and its
     own facts (:meth:`Rollout.facts`: ``completion_ids``, ``completion_lengths``, ``truncated``),
     and ``extras``, given whole to every call (TRL's trainer_state and log_metric:
     extras.RewardExtras.arguments); ``sandbox``: where the rewards run (:func:`score`).
 
-    Returns the total rewards ``(P*G,)``, each component's ``(P*G,)`` (on the rollout's device)
-    and the number of samples whose reward raised (scored 0 under ``on_error="zero"``).
+    Returns the total rewards ``(P*G,)``, each component's ``(P*G,)`` (on the rollout's device,
+    as ``dtype``: float64 keeps each score as the reward returned it) and the number of samples
+    whose reward raised (scored 0 under ``on_error="zero"``).
     """
     group_size = rollout.group_size
     repeated = {key: [v for v in values for _ in range(group_size)] for key, values in batch_kwargs.items()}
@@ -271,7 +273,7 @@ def score_groups(
     )
 
     def as_tensor(values: list[float]) -> Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=rollout.prompt_ids.device)
+        return torch.tensor(values, dtype=dtype, device=rollout.prompt_ids.device)
 
     components = {name: as_tensor(v) for name, v in scored.components.items()}
     return as_tensor(scored.total), components, scored.num_errors

@@ -45,7 +45,7 @@ def _why_not_a_reward(value: str) -> str:
         return f"{CALLABLE_REWARD}; got the string {value!r}, which names no function, folder or hub id"
     what = (
         "a causal LM (a policy), not a reward model, which is a sequence classifier with one label"
-        if _is_causal_lm(Path(value))
+        if is_causal_lm(Path(value))
         else "a model folder or hub id, not a reward"
     )
     return (
@@ -55,7 +55,7 @@ def _why_not_a_reward(value: str) -> str:
     )
 
 
-def _is_causal_lm(folder: Path) -> bool:
+def is_causal_lm(folder: Path) -> bool:
     """Whether ``folder`` holds a model whose config names a ``...ForCausalLM`` architecture."""
     try:
         config = json.loads((folder / "config.json").read_text())

@@ -41,12 +41,13 @@ CUT_SHARE = 0.25
 
 class RoundCut(StoppingCriteria):
     """The tools' stop (``inner``: rows at a call) for one ``generate`` call, which also ends the
-    whole call (``cut``) once ``CUT_SHARE`` of the rows that have not ended (an EOS) wait."""
+    whole call (``cut``) once ``CUT_SHARE`` of the rows that have not ended (an EOS after no
+    call) wait."""
 
     def __init__(self, inner: StoppingCriteria, eos_ids: Sequence[int]) -> None:
         self.inner, self.eos = inner, torch.tensor(sorted(eos_ids))
         self.waiting: Tensor | None = None  # (B,) bool, rows stopped at a call
-        self.ended: Tensor | None = None  # (B,) bool, rows that wrote an EOS
+        self.ended: Tensor | None = None  # (B,) bool, rows that wrote an EOS with no call before it
         self.cut = False
 
     def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs) -> Tensor:
@@ -55,8 +56,8 @@ class RoundCut(StoppingCriteria):
         if self.waiting is None:
             self.waiting = torch.zeros_like(at_call)
             self.ended = torch.zeros_like(at_call)
+        self.waiting |= at_call  # a turn that ends with its calls waits (function tools' EOS)
         self.ended |= torch.isin(last, self.eos) & ~self.waiting
-        self.waiting |= at_call
         going = int((~self.ended).sum())
         if self.waiting.any() and int(self.waiting.sum()) >= CUT_SHARE * going:
             self.cut = True
@@ -86,8 +87,9 @@ class ToolRolloutSampler:
             tools = CalculatorTools(tools, sampler.tokenizer)
         self.tools = tools
         self.max_tool_calls = max_tool_calls
-        # An engine that cannot stop rows at a call still works: each row is cut at its first call
-        # below; it just samples tokens that are thrown away.
+        # An engine that cannot stop rows at a call still works: a calculator row is cut at its
+        # first call below (it just samples tokens that are thrown away); a function tool's turn
+        # ends at its EOS on every engine.
         parameters = inspect.signature(sampler.generator.generate).parameters
         self._engine_stops = "stopping_criteria" in parameters
         # HF generate also hands back its KV cache, so that a round goes on from the last one's.
@@ -257,7 +259,7 @@ class ToolRolloutSampler:
         """The tools' stop for a ``generate`` of the rows ``episodes`` whose input is ``start`` wide."""
         enabled = [e.calls < self.max_tool_calls for e in episodes]
         prior, segments = [len(e.ids) for e in episodes], [e.segment for e in episodes]
-        return self.tools.stop(start, prior, enabled, segments)
+        return self.tools.stop(start, prior, enabled, segments, self.sampler.eos_ids)
 
     def _take(
         self,

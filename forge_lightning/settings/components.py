@@ -24,7 +24,7 @@ from forge_lightning.models.policy import training_policy
 from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.reporting.reporter import StepReporter
 from forge_lightning.rewards.calls import refuse_outside_sandbox, sandboxed
-from forge_lightning.rewards.environment import EnvironmentReward
+from forge_lightning.rewards.environment import EnvironmentReward, with_environment_score
 from forge_lightning.rewards.library import (
     CompositeReward,
     GSM8KAnswerReward,
@@ -126,12 +126,10 @@ def build_components(
 ) -> Components:
     """Everything the module holds that its ``settings`` decide, around the reward ``stored``
     holds (an environment that scores its episodes, TRL's ``get_reward``, is the reward when none
-    is given), the ``tools``, the ``accuracy`` check (GSM8K's if None) and sampled evaluation's
-    ``answer_key``. The reward's components and the tools are each tracked as a metric."""
-    # An environment that scores its episodes (TRL's get_reward) is the reward when none is set;
-    # so is an agent's return value (rollout/agents/runner.py's AgentOutcome).
-    scored = stored.reward_object is None and (tools.scored or settings.tools.agent is not None)
-    reward = EnvironmentReward() if scored else stored.reward_fn
+    is given, and one more reward beside one that is), the ``tools``, the ``accuracy`` check
+    (GSM8K's if None) and sampled evaluation's ``answer_key``. The reward's components and the
+    tools are each tracked as a metric."""
+    reward = run_reward(stored, tools, settings.tools.agent)
     accuracy = accuracy if accuracy is not None else GSM8KAnswerReward()
     rewards = {"reward": reward, "accuracy check": accuracy}
     sandbox = user_code_sandbox(settings.sandbox, rewards, tools.functions, tools.factory)
@@ -178,6 +176,18 @@ def build_components(
         reward, accuracy, sandbox, step, evaluator, sampling, greedy, scorer, source, plan,
         train_metrics, val_metrics, reporter,
     )  # fmt: skip
+
+
+def run_reward(stored: StoredArguments, tools: StoredTools, agent: str | None) -> RewardFn:
+    """The run's reward: the one set (GSM8K's answer check where none is), with its environments'
+    score joined where each scores its episodes (TRL's rule, rewards/environment.py); with none
+    set, that score alone, or an agent's return value (its AgentOutcome), named for the agent's
+    function (``train/rewards/<function>``)."""
+    if stored.reward_object is None and agent is not None:
+        return EnvironmentReward(name=str(agent).rpartition(".")[2])
+    if stored.reward_object is None and tools.scored:
+        return EnvironmentReward()
+    return with_environment_score(stored.reward_fn) if tools.scored else stored.reward_fn
 
 
 def optimizer_config(

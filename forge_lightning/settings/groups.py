@@ -154,8 +154,9 @@ class OptimizerSettings(_Group):
     """clip the gradient's total norm to this before each step; None disables."""
     warmup_steps: int = 0
     """optimizer steps of linear warmup."""
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    """``cosine`` to zero at the last step (Forge's) or ``constant`` after the warmup."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """``cosine`` to zero at the last step (Forge's), ``linear`` to zero (TRL's), or ``constant``
+    after the warmup."""
     max_consecutive_bad_steps: int = 3
     """non-finite gradients skip the step; this many in a row stop."""
 

@@ -3,9 +3,8 @@
 It sits where a generation engine sits (rollout/engines/base.py's ``GenerationBackend``), so the
 rest is the package's own: the tool sampler (rollout/tool_sampler.py) reads the calls a turn
 wrote in its format, runs the tools, appends their answers as the chat template's ``tool`` turn
-and asks for the next turn, which is the script's next. It cannot stop a row at a call, so, as
-for any such engine, the sampler cuts a turn at its first call: a turn's text after the call is
-dropped, as a model stopped there never writes it.
+and asks for the next turn, which is the script's next. Each turn ends with the EOS, where the
+sampler reads it whole: every call it wrote runs (up to ``max_tool_calls``), as in a real run.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ class _Row:
     def kept_in(self, ids: list[int]) -> int:
         """How much of what this row wrote ``ids`` (a later round's input) goes on with after the
         row's input: 0 where it does not start with that input and at least one written token. A
-        row that goes on holds its turn up to the call (the sampler drops the rest), then the answer."""
+        row that goes on holds its turn, then the answer."""
         n = len(self.input)
         if len(ids) <= n or ids[:n] != self.input:
             return 0

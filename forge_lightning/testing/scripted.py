@@ -11,8 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias
 
+import torch
+
 from forge_lightning.data.datamodule import collate_records, split_batch
-from forge_lightning.rewards.environment import EnvironmentReward
+from forge_lightning.rewards.environment import EnvironmentReward, with_environment_score
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
 from forge_lightning.rewards.library import RewardFn, as_reward, require_arguments
 from forge_lightning.rewards.scoring import score_groups
@@ -95,10 +97,12 @@ def scripted_rollout(
             fields reach the reward (``reference`` as ``references=``) and an environment's ``reset``.
         completions: the G completions of every prompt, or a mapping prompt text (a
             conversation's last user message) -> its own; each a text or its turns (:data:`Turns`).
-            A turn ends at its first call; the text the model writes after reading the result is
-            the next turn.
-        reward: a reward, or a list of them (their CompositeReward); None: the environment's
-            ``get_reward`` where it has one, else no scoring.
+            A turn that calls tools may write several calls: all of them run (up to
+            ``max_tool_calls``), and the text the model writes after reading their results is the
+            next turn.
+        reward: a reward, or a list of them (their CompositeReward), with the environment's
+            ``get_reward`` joined as one more where it has one (as in a run); None: that score
+            alone, else no scoring.
         tools, environment_factory, call_format, system_prompt, max_new_tokens, max_tool_calls,
         tool_timeout, on_reward_error: as the module's settings of those names.
         policy: the tokenizer (its chat template) and model; None: :func:`tiny_policy`.
@@ -123,8 +127,10 @@ def scripted_rollout(
         return ScriptedRollout(_samples(tokenizer, texts, rollout), rollout)
     require_arguments(reward, reward_arguments(fields, calls is not None))
     extras = RewardExtras(global_step=0, epoch=0.0, max_steps=None)
+    # float64: each score as the reward returned it (a training step's float32 would make 0.2
+    # 0.20000000298).
     total, components, errors = score_groups(
-        reward, texts, rollout, fields, on_reward_error, extras=extras.arguments()
+        reward, texts, rollout, fields, on_reward_error, extras=extras.arguments(), dtype=torch.float64
     )
     samples = _samples(tokenizer, texts, rollout)
     for i, sample in enumerate(samples):
@@ -134,12 +140,14 @@ def scripted_rollout(
 
 
 def _reward(reward: RewardFn | Sequence[RewardFn] | None, calls: FunctionTools | None) -> RewardFn | None:
-    """The reward to score with: the one given (a list as its CompositeReward), or, where none is
-    given, the environments' score where each has one (as in a run), else None."""
-    if reward is not None:
-        return as_reward(reward)
+    """The reward to score with, as in a run: the one given (a list as its CompositeReward), with
+    the environments' score joined where each has one (TRL's rule); that score alone where none is
+    given; else None."""
     environments = calls.environments.values() if calls is not None else ()
-    return EnvironmentReward() if environments and all(map(score_name, environments)) else None
+    scored = bool(environments) and all(map(score_name, environments))
+    if reward is not None:
+        return with_environment_score(as_reward(reward)) if scored else as_reward(reward)
+    return EnvironmentReward() if scored else None
 
 
 def _group(completions: Sequence[Turns] | Mapping[str, Sequence[Turns]], prompt: Prompt) -> list[list[str]]:

@@ -1,4 +1,4 @@
-"""The optimizer side of a step: AdamW with a cosine or constant schedule, the schedule's length,
+"""The optimizer side of a step: AdamW with a cosine, linear or constant schedule, the schedule's length,
 and the guard that skips steps whose gradient is not finite."""
 
 from __future__ import annotations
@@ -10,12 +10,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+from transformers import (
+    get_constant_schedule_with_warmup,
+    get_cosine_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+)
 
 from forge_lightning.run.fit import FitShape
 from forge_lightning.training.context import Reduce, StepContext
 
-LR_SCHEDULES = ("cosine", "constant")
+LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
 def adamw_with_schedule(
@@ -28,11 +32,14 @@ def adamw_with_schedule(
     schedule: str = "cosine",
     fused: bool = False,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """AdamW with ``warmup_steps`` of linear warmup, then either a cosine decay that reaches zero
-    at ``total_steps`` (``cosine``) or the peak rate to the end (``constant``)."""
+    """AdamW with ``warmup_steps`` of linear warmup, then a cosine (``cosine``) or straight-line
+    (``linear``, TRL's default) decay that reaches zero at ``total_steps``, or the peak rate to the
+    end (``constant``)."""
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=fused)
     if schedule == "cosine":
         scheduler = get_cosine_schedule_with_warmup(optimizer, warmup_steps, max(total_steps, 1))
+    elif schedule == "linear":
+        scheduler = get_linear_schedule_with_warmup(optimizer, warmup_steps, max(total_steps, 1))
     elif schedule == "constant":
         scheduler = get_constant_schedule_with_warmup(optimizer, warmup_steps)
     else:
@@ -271,7 +278,7 @@ def rescale_schedule(scheduler: Any, learning_rate: float, total_steps: int | No
         warnings.warn(
             f"the learning-rate schedule is sized for this run's {length}, not the checkpoint's: at step "
             f"{step} it continues at {rates[0]:g} instead of {expected:g} (a longer trainer.max_steps "
-            "stretches the cosine from here on). To keep the checkpoint's schedule, resume with its "
+            "stretches the decay from here on). To keep the checkpoint's schedule, resume with its "
             "trainer.max_steps; to train on at the peak rate, with --model.lr_schedule constant",
             stacklevel=2,
         )

@@ -95,6 +95,28 @@ def test_local_source_reads_train_and_test_files(tmp_path: Path) -> None:
     assert [r for b in dm.val_dataloader() for r in b["reference"]] == ["0", "1", "2"]
 
 
+def test_local_rows_with_a_prompt_field_and_no_question_are_read_by_it(tmp_path: Path) -> None:
+    rows = [{"prompt": f"What is {i} + 1?", "reference": str(i + 1), "level": i} for i in range(3)]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = PromptDataModule(source="local", path=str(tmp_path / "tasks.jsonl"), val_batch_size=3)
+    dm.setup("fit")
+    [batch] = list(dm.val_dataloader())  # a single file serves both splits, in file order
+    assert batch == {"prompt": [r["prompt"] for r in rows], "reference": ["1", "2", "3"], "level": [0, 1, 2]}
+    assert dm.train_size == 3
+
+
+def test_local_rows_with_both_question_and_prompt_are_gsm8ks_and_say_so(tmp_path: Path) -> None:
+    row = {"question": "Two and two?", "answer": "2 + 2 = 4\n#### 4", "prompt": "ignored"}
+    (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "test.jsonl").write_text(json.dumps(row) + "\n")
+    dm = PromptDataModule(source="local", path=str(tmp_path))
+    said = r"train.jsonl: its rows have both a 'question' and a 'prompt' field; reading 'question'"
+    with pytest.warns(UserWarning, match=rf"{said}.*set data.prompt_field to prompt"):
+        dm.setup("fit")
+    [batch] = list(dm.val_dataloader())
+    assert batch["reference"] == ["4"] and "Problem: Two and two?" in batch["prompt"][0]
+
+
 def test_local_source_on_real_gsm8k(gsm8k_dir: Path) -> None:
     dm = PromptDataModule(source="local", path=str(gsm8k_dir), max_samples=None, val_max_samples=10)
     dm.setup("fit")

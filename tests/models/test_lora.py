@@ -23,7 +23,7 @@ from forge_lightning.models.loading import load_model
 from forge_lightning.models.lora import LoraSettings, apply_lora, has_adapter
 from forge_lightning.module import GRPOLightningModule
 
-pytest.importorskip("peft")
+peft = pytest.importorskip("peft")
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PROMPTS = [{"prompt": f"q{i}"} for i in range(3)]
@@ -288,3 +288,43 @@ def test_peft_section_of_a_yaml_config_parses_and_trains(tiny_model_dir, tmp_pat
 def test_bad_lora_settings_fail_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"peft.{field}"):
         LoraSettings(**{field: value})
+
+
+def peft_lora_config(as_dict: bool, **fields: Any) -> Any:
+    """PEFT's LoraConfig as TRL's ``peft_config`` takes it, or the dict of the same fields."""
+    return fields if as_dict else peft.LoraConfig(**fields)
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["LoraConfig", "dict"])
+def test_peft_loraconfig_is_taken_as_peft_with_its_names_made_ours(as_dict):
+    config = peft_lora_config(
+        as_dict,
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.1,
+        target_modules=["v_proj", "q_proj"],
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    grpo = lora_module(peft=config)
+    ours = LoraSettings(r=4, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"])
+    assert grpo.hparams.peft == asdict(ours)  # the checkpoint keeps our names
+    grpo.configure_model()
+    built = grpo.model.peft_config["default"]
+    assert (built.r, built.lora_alpha, built.lora_dropout) == (4, 8, 0.1)
+    assert built.target_modules == {"q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["LoraConfig", "dict"])
+def test_a_peft_config_for_another_task_or_adapter_is_refused_by_name(as_dict):
+    with pytest.raises(ValueError, match=r"^peft: task_type 'SEQ_CLS' is not taken here: .*CAUSAL_LM$"):
+        lora_module(peft=peft_lora_config(as_dict, r=4, lora_alpha=8, task_type="SEQ_CLS"))
+    with pytest.raises(ValueError, match=r"^peft: LoraConfig's bias='all', use_dora=True not taken here"):
+        lora_module(peft=peft_lora_config(as_dict, r=4, task_type="CAUSAL_LM", bias="all", use_dora=True))
+
+
+def test_a_peft_config_without_target_modules_keeps_pefts_default_for_the_architecture():
+    grpo = lora_module(peft=peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM"))
+    assert grpo.hparams.peft["target_modules"] is None
+    grpo.configure_model()
+    assert grpo.model.peft_config["default"].target_modules == {"q_proj", "v_proj"}  # PEFT's for Llama

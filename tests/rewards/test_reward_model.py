@@ -136,12 +136,36 @@ def test_a_causal_lm_and_two_labels_are_refused(tmp_path):
     lm = tmp_path / "lm"
     make_model(len(tok)).save_pretrained(lm)
     tok.save_pretrained(lm)
-    with pytest.raises(ValueError, match=r"no trained score head \(its weights lack score.weight"):
+    with pytest.raises(ValueError, match=r"is a causal LM \(a policy\), not a sequence classifier"):
         RewardModel(str(lm))
     with pytest.raises(ValueError, match=r"no trained score head"):
         RewardModel(f"random:{lm}")
     with pytest.raises(ValueError, match=r"num_labels=2; a reward model gives one score"):
         RewardModel(classifier(tok, num_labels=2), tokenizer=tok)
+
+
+def test_a_config_naming_a_causal_lm_as_a_reward_model_is_one_line_that_says_what_to_use(
+    tmp_path, tiny_model_dir
+):
+    from forge_lightning.cli.forge_cli import build_cli
+
+    lm = tmp_path / "lm"
+    make_model(len(make_tokenizer())).save_pretrained(lm)  # a LlamaForCausalLM
+    config = tmp_path / "reward_model.yaml"
+    config.write_text(
+        f"model:\n  reward:\n    class_path: forge_lightning.rewards.RewardModel\n"
+        f"    init_args:\n      model: {lm}\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    args = ["--config", str(root / "configs" / "smoke.yaml"), "--config", str(config)]
+    args += [f"--model.model={tiny_model_dir}", f"--trainer.default_root_dir={tmp_path / 'out'}"]
+    with pytest.raises(SystemExit) as exit_:
+        build_cli(args, run=False)
+    assert str(exit_.value.code) == (
+        f"fit: RewardModel: '{lm}' is a causal LM (a policy), not a sequence classifier: give a model "
+        "with a trained classification head and one label (AutoModelForSequenceClassification, "
+        "num_labels=1), or have a causal LM judge each completion with JudgeReward(model=..., template=...)"
+    )
 
 
 def test_batch_normalisation_comes_after_the_whole_batch_even_when_retried_one_by_one(rm_dir):

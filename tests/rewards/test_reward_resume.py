@@ -147,3 +147,29 @@ def test_a_fit_resumes_with_its_judge_moved_and_refuses_another_template(
     assert len(moved.requests) == 4  # the resumed step's group was judged by the moved server
     with pytest.raises(ValueError, match=r"JudgeReward whose template changed since the checkpoint"):
         fit(moved.url, template="Grade {completion}", steps=3)
+
+
+@pytest.mark.integration
+def test_the_command_line_resumes_with_the_servers_url_moved(serve, tiny_model_dir, tiny_overrides, tmp_path):
+    from forge_lightning.cli.forge_cli import build_cli
+
+    async def lengths(body, n):
+        return [len(c) % 3 for c in body["completions"]]
+
+    first, moved = serve(lengths), serve(lengths)
+    config = tmp_path / "remote.yaml"  # the reward as a YAML names it
+    reward = {"class_path": "forge_lightning.rewards.RemoteReward", "init_args": {"url": first.url}}
+    config.write_text(yaml.safe_dump({"model": {"reward": reward}}))
+    args = ["fit", "--config", str(ROOT / "configs" / "smoke.yaml"), "--config", str(config)]
+    args += [*tiny_overrides(tiny_model_dir, tmp_path / "run"), "--checkpoint.every_n_train_steps=1"]
+    build_cli([*args, "--trainer.max_steps=1"])
+    with pytest.warns(UserWarning) as warned:
+        cli = build_cli(
+            [*args, "--ckpt_path=last", "--trainer.max_steps=2", f"--model.reward.init_args.url={moved.url}"]
+        )
+    said = [str(w.message) for w in warned if "url changed" in str(w.message)]  # once, not per check
+    assert len(said) == 1 and said[0].startswith(
+        f"resumed with the RemoteReward's url changed: '{first.url}'"
+    )
+    assert f"-> '{moved.url}'" in said[0]
+    assert cli.trainer.global_step == 2 and len(first.requests) == len(moved.requests) == 1

@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
+from forge_lightning.rewards.environment import EnvironmentReward, with_environment_score
 from forge_lightning.rewards.library import (
     BaseReward,
     CompositeReward,
@@ -164,6 +165,29 @@ def test_composite_names_are_unique_and_respect_given_names() -> None:
     )
     assert composite.names == ["FormatReward", "FormatReward_2", "has_digit", "mine"]
     assert component_names(composite) == composite.names
+
+
+class Scored:
+    def __init__(self, score: float) -> None:
+        self.score = score
+
+    def get_reward(self) -> float:
+        return self.score
+
+
+def test_an_environments_score_joins_a_reward_set_weighted_as_the_mean_of_the_others() -> None:
+    alone = with_environment_score(has_digit)
+    assert alone.names == ["has_digit", "EnvironmentReward"] and alone.weights == [0.5, 0.5]
+    envs = [Scored(1.0), Scored(0.0)]
+    assert alone(["p", "p"], ["a1", "b1"], environments=envs).scores == [1.0, 0.5]
+    weighted = with_environment_score(CompositeReward([(has_digit, 3.0), (FormatReward(bool), 1.0, "ok")]))
+    assert weighted.names == ["has_digit", "ok", "EnvironmentReward"]
+    assert weighted.weights == [0.5, pytest.approx(1 / 6), pytest.approx(1 / 3)]  # 3 : 1 : 2
+    # Named among the rewards, it keeps the weight given there (0: left out).
+    chosen = CompositeReward([(has_digit, 1.0), (EnvironmentReward(), 0.0)])
+    assert with_environment_score(chosen) is chosen
+    only = EnvironmentReward()
+    assert with_environment_score(only) is only
 
 
 @pytest.mark.parametrize("weights", [(1.0, -1.0), (0.0, 0.0), (math.nan, 1.0)])

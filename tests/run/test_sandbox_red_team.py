@@ -31,8 +31,8 @@ from transformers import PreTrainedTokenizerFast
 
 from forge_lightning.examples.code_execution import passes_tests
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.rollout.tools.calls import CUT_MARK, Job, called, tool_text
 from forge_lightning.rewards.scoring import score
+from forge_lightning.rollout.tools.calls import CUT_MARK, Job, called, tool_text
 from forge_lightning.run.sandbox import ForgedAnswer, Sandbox, SandboxCallError, SandboxLimits, SandboxRaised
 from forge_lightning.run.sandbox_process import WorkerProcess
 from forge_lightning.run.sandbox_worker import run_python

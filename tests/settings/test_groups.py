@@ -208,10 +208,10 @@ def test_hparams_without_the_newer_settings_build_with_their_defaults():
 
 
 # The Lightning side: the module, its callbacks and the applications that drive a Trainer (the
-# CLI, and the benchmark, whose step timer is a Lightning callback). Below them a collaborator
-# takes its settings group and plain values (run/fit.py's FitShape, training/context.py's
-# StepContext), never the flat hyperparameters or the Trainer.
-LIGHTNING_SIDE = ("module.py", "callbacks", "cli", "bench")
+# CLI, TRL's interface, and the benchmark, whose step timer is a Lightning callback). Below them a
+# collaborator takes its settings group and plain values (run/fit.py's FitShape,
+# training/context.py's StepContext), never the flat hyperparameters or the Trainer.
+LIGHTNING_SIDE = ("module.py", "callbacks", "cli", "trl", "bench")
 HIDDEN = {"hp", "hparams", "trainer"}
 
 

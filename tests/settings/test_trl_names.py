@@ -1,7 +1,7 @@
-"""TRL's GRPOConfig names: each refused with its pointer in Python, on the command line and in a
-config file; "did you mean" for our own misspelled; the migration table in notebooks/guide.ipynb is
-the package's; and, in a virtual environment with trl==1.16.0, every name and stated default is
-TRL's own."""
+"""TRL's GRPOTrainer and GRPOConfig names: each refused with its pointer in Python, on the command
+line and in a config file; the ones TRL users set most say where each lives here; "did you mean" for
+our own misspelled; the migration table in notebooks/guide.ipynb is the package's; and, in a virtual
+environment with trl==1.16.0, every name and stated default is TRL's own."""
 
 from __future__ import annotations
 
@@ -16,13 +16,23 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from forge_lightning import GRPOConfig
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
 from forge_lightning.cli.forge_cli import build_cli
 from forge_lightning.data import PromptDataModule
+from forge_lightning.grpo.surrogates import clipped_surrogate
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.settings.trl_names import TRL_DEFAULTS, TRL_NAMES, did_you_mean, migration_table, pointer
+from forge_lightning.settings.trl_names import (
+    TRL_CONFIG_NAMES,
+    TRL_DEFAULTS,
+    TRL_NAMES,
+    TRL_TRAINER_NAMES,
+    did_you_mean,
+    migration_table,
+    pointer,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -46,10 +56,11 @@ GROUPS = {
 
 @pytest.mark.parametrize("name", list(TRL_NAMES))
 def test_every_trl_name_is_refused_in_python_with_its_pointer(name):
-    said = pointer(name)
+    said = pointer(name, python=True)
     with pytest.raises(TypeError) as refused:
         GRPOLightningModule(**{name: 1})
     assert str(refused.value) == f"GRPOLightningModule got an unexpected keyword argument {name!r}: {said}"
+    assert "\n" not in said and said.endswith("`from forge_lightning.trl import GRPOConfig, GRPOTrainer`")
     fields = [f for f in parameters(GRPOConfig) if f != "self"]
     if name not in fields:  # Forge's config shares a few of TRL's names (seed, save_steps, ...)
         with pytest.raises(TypeError, match=f"^GRPOConfig got an unexpected keyword argument {name!r}: "):
@@ -75,11 +86,70 @@ def test_the_pointers_read_as_the_issue_writes_them():
     assert pointer("group_size") is None  # ours, not TRL's
 
 
+# What TRL users set most: (where it is set in Python, the flag, what the pointer says of it).
+WHERE_THEY_LIVE = {
+    "reward_funcs": ("GRPOLightningModule(reward=...)", "--model.reward", "CompositeReward"),
+    "train_dataset": ("PromptDataModule(dataset=...)", "--data.dataset", 'prompt_field="prompt"'),
+    "eval_dataset": ("PromptDataModule(dataset=...)", "--data.dataset", "`val_split` split"),
+    "args": ("has no counterpart here", "has no counterpart here", "Coming from TRL"),
+    "processing_class": ("GRPOLightningModule(tokenizer=...)", "--model.tokenizer", ""),
+    "peft_config": ("GRPOLightningModule(peft=...)", "--model.peft", "PEFT's `LoraConfig` as it is"),
+    "warmup_ratio": ("GRPOLightningModule(warmup_steps=...)", "--model.warmup_steps", "optimizer steps"),
+    "save_strategy": ("HFCheckpoint(save_steps=...)", "--hf_checkpoint.save_steps", "`save_steps=0`"),
+    "save_steps": ("HFCheckpoint(save_steps=...)", "--hf_checkpoint.save_steps", ""),
+    "report_to": ("L.Trainer(logger=...)", "--trainer.logger", '`report_to="none"` is `logger=False`'),
+    "use_cpu": ("L.Trainer(accelerator=...)", "--trainer.accelerator", 'accelerator="cpu"'),
+    "logging_steps": ("RewardLogger(logging_steps=...)", "--reward_logger.logging_steps", ""),
+    "num_train_epochs": ("L.Trainer(max_epochs=...)", "--trainer.max_epochs", ""),
+    "per_device_train_batch_size": (
+        "PromptDataModule(prompts_per_step=...)",
+        "--data.prompts_per_step",
+        "prompts",
+    ),
+    "output_dir": ("L.Trainer(default_root_dir=...)", "--trainer.default_root_dir", ""),
+    "bf16": ("L.Trainer(precision=...)", "--trainer.precision", 'precision="bf16-mixed"'),
+    "seed": ("L.seed_everything(...)", "--seed_everything", ""),
+    "lr_scheduler_type": ("GRPOLightningModule(lr_schedule=...)", "--model.lr_schedule", "`cosine`"),
+    "reward_weights": ("GRPOLightningModule(reward=...)", "--model.reward", "(fn, weight, name)"),
+    "delta": ("GRPOLightningModule(clip_ratio_c=...)", "--model.clip_ratio_c", "two-sided"),
+}
+
+
+@pytest.mark.parametrize("name", list(WHERE_THEY_LIVE))
+def test_the_trl_names_users_set_most_say_where_each_lives_here(name):
+    python, flag, said = WHERE_THEY_LIVE[name]
+    with pytest.raises(TypeError) as refused:
+        GRPOLightningModule(**{name: object()})
+    message = str(refused.value)
+    assert "\n" not in message and python in message and said in message, message
+    assert "from forge_lightning.trl import GRPOConfig, GRPOTrainer" in message
+    with pytest.raises(SystemExit) as refused:
+        build_cli(["fit", "--config", str(SMOKE), f"--model.{name}", "x"], run=False)
+    assert refused.value.code.startswith(f"fit: TRL's `{name}` ")
+    assert flag in refused.value.code and said in refused.value.code, refused.value.code
+
+
+@pytest.mark.parametrize("eps_high", [0.2, 0.28])
+def test_trls_delta_is_clip_ratio_c(eps_high):
+    # TRL's two-sided GRPO term (grpo_trainer.py: coef_1 clamped at delta, then PPO's min) against
+    # the dual clip clip_ratio_c is: the same values and gradients where delta > 1 + epsilon_high.
+    delta, eps_low = 2.0, 0.2
+    ratio = torch.tensor([0.5, 0.9, 1.1, 1.5, 1.9, 2.5, 4.0] * 2, dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([1.0] * 7 + [-1.5] * 7, dtype=torch.float64)
+    coef_1 = torch.clamp(ratio, max=delta)
+    trl = -torch.min(coef_1 * advantages, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantages)
+    ours = clipped_surrogate(ratio, advantages, eps_low, eps_high, dual_clip=delta)
+    torch.testing.assert_close(ours, trl)
+    (trl_grad,) = torch.autograd.grad(trl.sum(), ratio)
+    (our_grad,) = torch.autograd.grad(ours.sum(), ratio)
+    torch.testing.assert_close(our_grad, trl_grad)
+
+
 def test_every_pointer_names_a_setting_that_exists_and_no_trl_name_is_ours():
     ours = set(parameters(GRPOLightningModule))
     for name, target in TRL_NAMES.items():
         assert name not in ours, f"{name} is a setting here: it needs no pointer"
-        if target is None or target == "seed_everything":
+        if target is None or "." not in target:  # the command's own: --seed_everything, --ckpt_path
             continue
         group, setting = target.split(".")
         assert setting in parameters(GROUPS[group]), target
@@ -179,7 +249,14 @@ TRL_FIELDS = textwrap.dedent(
             fields[f.name] = f.default_factory()
         else:
             fields[f.name] = "<required>"
-    print(json.dumps({"version": trl.__version__, "fields": fields, "inherited": inherited}, default=repr))
+    try:
+        import inspect
+        from trl import GRPOTrainer
+        trainer = list(inspect.signature(GRPOTrainer.__init__).parameters)
+    except Exception:
+        trainer = None
+    found = {"version": trl.__version__, "fields": fields, "inherited": inherited, "trainer": trainer}
+    print(json.dumps(found, default=repr))
     """
 )
 
@@ -192,8 +269,11 @@ def test_every_trl_name_and_default_is_trls_own():
     found = json.loads(done.stdout.splitlines()[-1])
     assert found["version"] == TRL_VERSION
     fields = found["fields"]
-    missing = [name for name in TRL_NAMES if name not in fields]
+    missing = [name for name in TRL_CONFIG_NAMES if name not in fields]
     assert not missing, f"not GRPOConfig fields of trl {TRL_VERSION}: {missing}"
+    if found["trainer"] is not None:  # GRPOTrainer imports where its own requirements do
+        missing = [name for name in TRL_TRAINER_NAMES if name not in found["trainer"]]
+        assert not missing, f"not GRPOTrainer arguments of trl {TRL_VERSION}: {missing}"
     for name, trl_default, _, _ in TRL_DEFAULTS:
         assert fields[name] == trl_default, (name, fields[name])
     # Every name GRPOConfig adds to transformers' TrainingArguments is ours too, or has a pointer.

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from forge_lightning.rollout.tools import CALL_FORMATS
 from forge_lightning.testing import scripted_rollout, tiny_model, tiny_policy, tiny_tokenizer
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -92,14 +93,26 @@ def test_a_call_in_the_script_runs_the_tool_and_the_model_reads_its_result():
     assert first.tool_calls == [
         {"name": "add", "arguments": {"a": 2, "b": 3}, "result": "5", "ok": True, "truncated": False}
     ]
-    assert first.tool_text == "<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
-    assert first.sampled == call("add", a=2, b=3) + "It is 5.<|im_end|>"
-    assert first.transcript == call("add", a=2, b=3) + first.tool_text + "It is 5.<|im_end|>"
+    assert first.tool_text == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert first.sampled == call("add", a=2, b=3) + "<|im_end|>It is 5.<|im_end|>"  # it ended its turn
+    assert first.transcript == call("add", a=2, b=3) + "<|im_end|>" + first.tool_text + "It is 5.<|im_end|>"
     assert first.messages[1] == {"role": "tool", "name": "add", "content": "5"}
     assert out[1].tool_calls == [] and out[1].completion == "I guess 6."
     # The loss weighs the policy's tokens only: the tool's answer is in the completion, not the loss.
     mask = out.rollout.loss_mask()[0]
-    assert int(mask.sum()) == len(first.sampled.replace("<|im_end|>", "")) + 1
+    assert int(mask.sum()) == len(first.sampled.replace("<|im_end|>", "")) + 2
+
+
+@pytest.mark.parametrize("call_format", ["hermes", "llama3_json", "qwen3_coder"])
+def test_every_call_of_a_scripted_turn_runs(call_format):
+    fmt = CALL_FORMATS[call_format]()
+    calls = fmt.write("add", {"a": 2, "b": 3}), fmt.write("add", {"a": 4, "b": 5})
+    turn = "; ".join(calls) if call_format == "llama3_json" else "".join(calls)
+    CALLS.clear()
+    out = scripted_rollout(["Q"], [[turn, "5 and 9."]], tools=[add], call_format=call_format)
+    assert sorted(CALLS, key=str) == [{"a": 2, "b": 3}, {"a": 4, "b": 5}]
+    assert [c["result"] for c in out[0].tool_calls] == ["5", "9"]
+    assert [m["role"] for m in out[0].messages] == ["assistant", "tool", "tool", "assistant"]
 
 
 def test_each_completion_follows_its_own_script_after_the_same_call():
@@ -128,6 +141,28 @@ def test_an_environment_per_completion_is_reset_with_its_row_and_scores_it():
     assert out[0].environment is not out[1].environment
     prompt = tiny_tokenizer().decode(out.rollout.prompt_ids[0][out.rollout.prompt_mask[0].bool()])
     assert "The counter is at 10." in prompt and '"name": "increment"' in prompt
+
+
+def test_an_environments_score_joins_the_reward_set_equally_weighted():
+    def finished(prompts, responses):
+        return [float(r.endswith("done")) for r in responses]
+
+    script = [[call("increment", by=2), "done"], "nothing"]
+    out = scripted_rollout(
+        [{"prompt": "Count", "start": 1}], script, environment_factory=Counter, reward=finished
+    )
+    assert out[0].components == {"finished": 1.0, "EnvironmentReward": 3.0}
+    assert out.rewards == [2.0, 0.5]  # (1 + 3) / 2 and (0 + 1) / 2
+
+
+def test_rewards_come_back_as_the_reward_returned_them():
+    def tenths(prompts, responses):
+        return [0.2, 0.1]
+
+    out = scripted_rollout(["Q"], ["a", "b"], reward=[tenths, tenths])
+    assert out.rewards == [0.2, 0.1] and out[0].reward == 0.2  # not float32's 0.20000000298
+    assert out[1].components == {"tenths": 0.1, "tenths_2": 0.1}
+    assert all(type(r) is float for r in out.rewards)
 
 
 def test_a_list_of_rewards_is_scored_by_component_and_a_trl_style_one_gets_the_messages():

@@ -52,9 +52,15 @@ def test_constant_holds_the_peak_after_warmup():
     assert lr[2:] == [pytest.approx(1e-3)] * 8
 
 
+def test_linear_warms_up_then_falls_in_a_straight_line_to_zero():
+    lr = rates("linear")
+    assert lr[:3] == [0.0, pytest.approx(5e-4), pytest.approx(1e-3)]
+    assert lr[3:] == [pytest.approx(1e-3 * (10 - s) / 8) for s in range(3, 10)]
+
+
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="lr_schedule"):
-        rates("linear")
+        rates("polynomial")
 
 
 def restored(total: int, schedule: str = "cosine", from_total: int = 4, steps: int = 4):

@@ -246,26 +246,40 @@ class Recorded(Logger):
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    ("settings", "batch_size"), [({"steps_per_generation": 3}, 3), ({"gradient_accumulation_steps": 2}, 1)]
+    ("settings", "batch_size", "starts", "ends"),
+    [
+        ({"steps_per_generation": 2}, 2, [1, 3, 5], [2, 4, 6]),
+        ({"steps_per_generation": 3}, 3, [1, 4], [3, 6]),
+        ({"gradient_accumulation_steps": 2}, 1, [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]),
+        ({}, 1, [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]),
+    ],
 )
-def test_learning_rate_monitor_counts_optimizer_steps_as_train_lr_does(
-    tmp_path, module, trainer, loader, settings, batch_size
+def test_learning_rate_monitor_and_train_lr_show_the_rate_each_step_used(
+    tmp_path, module, trainer, loader, settings, batch_size, starts, ends
 ):
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     grpo = module(**{"gradient_accumulation_steps": 1, **settings}, lr_schedule="cosine", warmup_steps=0)
     grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+    used: list[float] = []  # the rate each optimizer step used, read as it steps
+
+    class Rates(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pl_module.optimizers().optimizer.register_step_pre_hook(
+                lambda optimizer, *_: used.append(optimizer.param_groups[0]["lr"])
+            )
+
     logger = Recorded()
     fit = trainer(
-        tmp_path, callbacks=[LearningRateMonitor()], logger=logger, log_every_n_steps=1, max_steps=6
+        tmp_path, callbacks=[LearningRateMonitor(), Rates()], logger=logger, log_every_n_steps=1, max_steps=6
     )
-    fit.fit(grpo, loader(RECORDS[:3] * 2, batch_size=batch_size))
-    steps = [step for step, _ in logger.series("train/lr")]
-    assert steps == ([3, 6] if batch_size == 3 else [1, 2, 3])  # optimizer steps (3 batches of 2 above)
-    # Lightning's convention: at each batch's start, the optimizer steps taken so far and the rate
-    # the next step uses (train/lr at step n: the rate step n used, averaged over n's report).
+    fit.fit(grpo, loader(RECORDS[:3] * 4, batch_size=batch_size))
     cosine = [1e-3 * 0.5 * (1 + math.cos(math.pi * n / 6)) for n in range(6)]
-    taken = [0, 3] if batch_size == 3 else [0, 1, 2]
-    logged = logger.series("lr-AdamW")  # once per batch: a step's batches repeat its point
-    assert sorted({step for step, _ in logged}) == taken  # before: batches, 0, 1 (0 to 5 above)
-    assert dict(logged) == {n: pytest.approx(cosine[n]) for n in taken}
+    assert used == pytest.approx(cosine)  # step n used cosine[n - 1]
+    # One curve: at step n, each logs the rate optimizer step n used. The monitor reads it at a
+    # batch's start (its first step), train/lr at the batch's end (its last step).
+    monitor, train = dict(logger.series("lr-AdamW")), dict(logger.series("train/lr"))
+    assert sorted(monitor) == starts and sorted(train) == ends
+    assert monitor == {n: pytest.approx(used[n - 1]) for n in starts}
+    assert train == {n: pytest.approx(used[n - 1]) for n in ends}
+    assert all(monitor[n] == pytest.approx(train[n]) for n in set(monitor) & set(train))

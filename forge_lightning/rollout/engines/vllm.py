@@ -16,7 +16,8 @@ log-probs are the sampler's, weighed against the trainer's recomputation (grpo.g
 top_p/top_k. The engine runs in the training
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, weights loaded through ``LLM.apply_model``).
 Tool-using rollouts (rollout/tool_sampler.py) sample with it too: it does not stop a row at a call,
-so each round's rows are cut at their first call there and read whole again in the next round.
+so each round's rows are cut at their first calculator call there (a function-calling turn ends at
+its EOS anyway) and read whole again in the next round.
 
 Tested on CPU against a fake engine with ``vllm.LLM``'s interface only; the real engine, and several
 training processes with one engine each (``distributed_executor_backend="external_launcher"``),

@@ -76,8 +76,9 @@ class Answer:
 class ToolProtocol(Protocol):
     """One kind of tool, as the sampler drives it.
 
-    ``names``: the tools' names (one metric each). ``calls_before_eos``: whether a call may end
-    the policy's turn (a function call then an end-of-turn token); the calculator's cannot.
+    ``names``: the tools' names (one metric each). ``calls_before_eos``: whether the policy's turn
+    is read for calls at its end-of-turn token (function calls: every call of the turn runs
+    then); the calculator's calls end mid-turn instead, where ``may_end_a_call`` says.
     """
 
     names: list[str]
@@ -104,10 +105,16 @@ class ToolProtocol(Protocol):
         ...
 
     def stop(
-        self, start: int, prior: Sequence[int], enabled: Sequence[bool], segments: Sequence[int]
+        self,
+        start: int,
+        prior: Sequence[int],
+        enabled: Sequence[bool],
+        segments: Sequence[int],
+        eos_ids: Sequence[int],
     ) -> StoppingCriteria:
-        """The stop for one ``generate`` call: ``start`` the input's width, per row ``prior``
-        completion tokens in the input, whether it may call (``enabled``), and its turn's start."""
+        """The stop for one ``generate`` call, True for each row that waits for a tool: ``start``
+        the input's width, per row ``prior`` completion tokens in the input, whether it may call
+        (``enabled``), and its turn's start; ``eos_ids`` the tokens that end a turn."""
         ...
 
     def answer(self, calls: Sequence[tuple[Episode, Any]]) -> list[Answer]:

@@ -271,7 +271,12 @@ class CalculatorTools:
         return self.tail.expression(completion)
 
     def stop(
-        self, start: int, prior: Sequence[int], enabled: Sequence[bool], segments: Sequence[int]
+        self,
+        start: int,
+        prior: Sequence[int],
+        enabled: Sequence[bool],
+        segments: Sequence[int],
+        eos_ids: Sequence[int],
     ) -> CalculatorStop:
         return CalculatorStop(self.tail, start, prior, enabled)
 

@@ -1,7 +1,9 @@
-"""Where a function call ends in the policy's tokens, for every call format: at the format's
-closing text (``</tool_call>``), whatever the tokenizer merges it with, or, for a format without
-one (Llama's JSON), with the policy's turn, at its end-of-turn token. :class:`CallStop` stops a
-``generate`` row there."""
+"""Where the policy's function calls end, for every call format: with its turn, at the
+end-of-turn token (an EOS) it samples; the turn is then read whole, and every call it wrote runs.
+A model may write several calls in one turn (``<tool_call>...</tool_call><tool_call>...``), and
+only the end of the turn says it has written them all: a turn is never cut at its first call
+(TRL's and vLLM's rule). :class:`CallStop` marks the rows of a ``generate`` call whose turn ended
+holding calls, so that a round can end once enough rows wait for a tool."""
 
 from __future__ import annotations
 
@@ -15,67 +17,48 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.rollout.tools.parsers import CallFormat
 
-# Tokens of a row's tail decoded to look for the end of a call, beyond the stop string's characters.
-TAIL_MARGIN = 8
-
 
 class CallEnds:
-    """The end of a call in ``format`` as ``tokenizer``'s tokens show it."""
+    """The calls of a turn in ``format``, read from ``tokenizer``'s tokens at the turn's end."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, format: CallFormat) -> None:
         self.tokenizer, self.format = tokenizer, format
-        pieces = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], skip_special_tokens=False)
-        stop = format.stop
-        # Where a call ends with its turn (no stop text), no token ends one mid-turn.
-        self.ends_call = torch.tensor([bool(stop) and stop[-1] in piece for piece in pieces])  # (V,)
-
-    def may_end_a_call(self, token: int) -> bool:
-        """Whether a call can end at ``token``: only then is the tail looked at."""
-        return 0 <= token < len(self.ends_call) and bool(self.ends_call[token])
-
-    def ends_with_call(self, tail: Sequence[int]) -> bool:
-        """Whether ``tail`` (a row's last tokens) ends a call: its text ends with the format's stop
-        string, or its last token completes one. A tokenizer may merge the stop's last characters
-        with the next call's first (``</tool_call><tool_call>`` written with a ``><`` token): the
-        call ends there all the same. A format whose calls end with the turn has none mid-turn."""
-        stop = self.format.stop
-        if stop is None:
-            return False
-        tail = list(tail[-(len(stop) + TAIL_MARGIN) :])
-        text = self.tokenizer.decode(tail, skip_special_tokens=True)
-        if text.rstrip().endswith(stop):
-            return True
-        before = self.tokenizer.decode(tail[:-1], skip_special_tokens=True)
-        return text.count(stop) > before.count(stop)
 
     def call_in(self, turn: Sequence[int]) -> str | None:
-        """The text of the policy's ``turn`` (its tokens so far) when it ends with a call. A call
-        that ends with its turn (Llama's JSON) is read at the end-of-turn token, the turn whole."""
+        """The text of the policy's ``turn`` (its tokens before the end-of-turn token) when it
+        holds a call: the whole turn, which holds all of them."""
         turn = list(turn)
         if not turn:
             return None
-        if self.format.stop is None:
-            text = self.tokenizer.decode(turn, skip_special_tokens=True)
-            return text if self.format.ends_with_call(text) else None
-        return self.tokenizer.decode(turn, skip_special_tokens=True) if self.ends_with_call(turn) else None
+        text = self.tokenizer.decode(turn, skip_special_tokens=True)
+        return text if self.format.has_calls(text) else None
 
 
 class CallStop(StoppingCriteria):
-    """Stops each row of a ``generate`` call whose turn ends with a call (the format's stop
-    string). ``start``: the input's width; ``prior[i]``: row ``i``'s tokens of the current turn in
-    the input already; ``enabled[i]`` False for a row that may make no more calls."""
+    """Stops each row of a ``generate`` call whose turn ended (its last token one of ``eos_ids``)
+    holding calls. ``start``: the input's width; ``prior[i]``: row ``i``'s tokens of the current
+    turn in the input already; ``enabled[i]`` False for a row that may make no more calls."""
 
-    def __init__(self, ends: CallEnds, start: int, prior: Sequence[int], enabled: Sequence[bool]) -> None:
+    def __init__(
+        self,
+        ends: CallEnds,
+        start: int,
+        prior: Sequence[int],
+        enabled: Sequence[bool],
+        eos_ids: Sequence[int],
+    ) -> None:
         self.ends, self.start, self.prior, self.enabled = ends, start, list(prior), list(enabled)
+        self.eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+        # Each row's turn is read once, at its end: a finished row's padding may be the EOS again.
+        self.read: dict[int, bool] = {}
 
     def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs: Any) -> Tensor:
-        stop = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # (B,)
-        last = input_ids[:, -1].cpu().clamp(0, len(self.ends.ends_call) - 1)
-        for row in self.ends.ends_call[last].nonzero().flatten().tolist():
-            if self.enabled[row]:
-                width = min(
-                    len(self.ends.format.stop) + TAIL_MARGIN,
-                    self.prior[row] + input_ids.shape[1] - self.start,
-                )
-                stop[row] = width > 0 and self.ends.ends_with_call(input_ids[row, -width:].tolist())
-        return stop
+        stop = torch.zeros(input_ids.shape[0], dtype=torch.bool)  # (B,)
+        ended = torch.isin(input_ids[:, -1].cpu(), self.eos)  # (B,)
+        for row in ended.nonzero().flatten().tolist():
+            if self.enabled[row] and row not in self.read:
+                width = self.prior[row] + input_ids.shape[1] - self.start  # the turn, its EOS included
+                turn = input_ids[row, -width:-1].tolist() if width > 1 else []
+                self.read[row] = self.ends.call_in(turn) is not None
+            stop[row] = self.read.get(row, False)
+        return stop.to(input_ids.device)

@@ -60,10 +60,32 @@ def environment_named(factories: Mapping[Any, Any], row: Mapping[str, Any]) -> s
     return name
 
 
+# What an environment factory must be, said where one is not.
+WHAT_A_FACTORY_IS = (
+    "it must be a class, or a function that takes no arguments and returns an environment (an object "
+    "whose public methods are its tools; reset(**row) and get_reward() optional)"
+)
+
+
 def environment_class(factory: Callable[[], Any]) -> type:
     """The class of the environments ``factory`` makes: a class is its own; a function is called
-    once and its instance's class read."""
-    return factory if inspect.isclass(factory) else type(factory())
+    once and its instance's class read. ValueError (:data:`WHAT_A_FACTORY_IS`) for a function that
+    needs arguments, and for a built-in class or value (``os.getcwd`` makes a str): no environment."""
+    name = f"environment_factory {getattr(factory, '__name__', repr(factory))}"
+    if inspect.isclass(factory):
+        cls, said = factory, f"is the built-in {factory.__name__}"
+    else:
+        try:
+            inspect.signature(factory).bind()
+        except TypeError:
+            raise ValueError(f"{name} takes arguments: {WHAT_A_FACTORY_IS}") from None
+        except ValueError:  # no signature to read (some built-ins): calling it says
+            pass
+        made = factory()
+        cls, said = type(made), f"returned {type(made).__name__} {made!r:.60}"
+    if cls.__module__ == "builtins":
+        raise ValueError(f"{name} {said}, not an environment: {WHAT_A_FACTORY_IS}")
+    return cls
 
 
 def environment_type(env: Any) -> type:

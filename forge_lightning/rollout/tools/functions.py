@@ -4,14 +4,15 @@
 A function tool is what TRL and transformers take: type hints and a Google-style docstring, from
 which ``transformers.utils.get_json_schema`` builds its schema. The chat template shows the
 schemas where it renders ``tools``; where it ignores them, they go into the system message
-(:data:`TOOLS_SYSTEM_PROMPT`). The calls are read from the policy's turn in a :mod:`tool-call
-format <forge_lightning.rollout.tools.parsers>` (every call a turn wrote, up to the completion's
-``max_tool_calls``); the calls of every row that waits for a tool run at once (tools/call_loop.py)
-and each result goes back as a ``tool`` message, whose tokens are the template's delta: the
-conversation rendered with those messages (and the cue for the next assistant turn) less its
-rendering up to the end of the assistant's text. Every rendering gets the module's
-``chat_template_kwargs``. The template must be prefix-stable (each message rendered after the
-earlier ones leaves them unchanged); that is checked once, when the tools are built.
+(:data:`TOOLS_SYSTEM_PROMPT`). The calls are read in a :mod:`tool-call format
+<forge_lightning.rollout.tools.parsers>` at the end of the policy's turn (its end-of-turn token):
+every call the turn wrote, up to the completion's ``max_tool_calls``; the calls of every row that
+waits for a tool run at once (tools/call_loop.py) and each result goes back as a ``tool``
+message, whose tokens are the template's delta: the conversation rendered with those messages
+(and the cue for the next assistant turn) less its rendering up to the end of the assistant's
+text. Every rendering gets the module's ``chat_template_kwargs``. The template must be
+prefix-stable (each message rendered after the earlier ones leaves them unchanged); that is
+checked once, when the tools are built.
 
 With several environments (``environment_factory`` a mapping name -> factory), each row's
 ``environment`` field picks its own (TRL's pattern): its prompt shows the functions and that
@@ -196,16 +197,22 @@ class FunctionTools:
         return ids.to(device), mask.to(device)
 
     def may_end_a_call(self, token: int) -> bool:
-        return self.ends.may_end_a_call(token)
+        return False  # a turn's calls are read at its end, never mid-turn
 
     def call_at(self, episode: Episode, completion: Sequence[int]) -> str | None:
-        """The text of the policy's turn when it ends with a call (parsed when answered)."""
+        """The text of the policy's turn (``completion`` up to its end-of-turn token) when it holds
+        calls (every one of them parsed when answered)."""
         return self.ends.call_in(completion[episode.segment :])
 
     def stop(
-        self, start: int, prior: Sequence[int], enabled: Sequence[bool], segments: Sequence[int]
+        self,
+        start: int,
+        prior: Sequence[int],
+        enabled: Sequence[bool],
+        segments: Sequence[int],
+        eos_ids: Sequence[int],
     ) -> StoppingCriteria:
-        return CallStop(self.ends, start, [p - s for p, s in zip(prior, segments)], enabled)
+        return CallStop(self.ends, start, [p - s for p, s in zip(prior, segments)], enabled, eos_ids)
 
     def answer(self, turns: Sequence[tuple[Episode, str]]) -> list[Answer]:
         """Run the calls of every turn at once (tools/call_loop.py; those past a completion's

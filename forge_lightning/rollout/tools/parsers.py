@@ -8,7 +8,9 @@
 - ``qwen3_coder``: Qwen3-Coder's XML ``<tool_call><function=name><parameter=key>value</parameter>
   </function></tool_call>``, each value text read by its parameter's type in the tool's schema.
 
-The text parsed is what the model sampled: it is read as JSON or text, never run. Whatever is
+A turn is read at its end (the end-of-turn token it samples), whole: every call it wrote, in
+every format, runs (up to the completion's ``max_tool_calls``). The text parsed is what the model
+sampled: it is read as JSON or text, never run. Whatever is
 wrong with a call (no JSON, an unknown name, arguments that do not fit the function) becomes an
 error message the model reads back as the tool's result.
 """
@@ -31,12 +33,10 @@ class ParsedCall:
 
 
 class CallFormat(Protocol):
-    """A tool-call format: ``stop``, the text a call ends with where the turn may go on after it
-    (None: a call ends with the policy's turn, at its end-of-turn token), the text a call begins
-    with (``begins``), a call as the model is told to write one (``example``), and how the text
-    of the policy's turn becomes its calls (each, or the message saying what is wrong with it)."""
+    """A tool-call format: the text a call begins with (``begins``), a call as the model is told
+    to write one (``example``), and how the text of the policy's turn, read whole at its end (its
+    end-of-turn token), becomes its calls (each, or the message saying what is wrong with it)."""
 
-    stop: str | None
     example: str
     begins: str  # the text a call starts with; "" where the whole turn is the call
 
@@ -44,8 +44,8 @@ class CallFormat(Protocol):
         """A call of ``name`` as this format writes it (what the model would sample)."""
         ...
 
-    def ends_with_call(self, text: str) -> bool:
-        """Whether the policy's turn ``text`` ends with a call, read whole (at its end)."""
+    def has_calls(self, text: str) -> bool:
+        """Whether the policy's turn ``text``, read whole at its end, holds a call."""
         ...
 
     def parse(self, text: str) -> list[ParsedCall | str]: ...
@@ -76,7 +76,6 @@ class HermesToolCalls:
     """Hermes' and Qwen's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: every
     complete call of the turn, in order (a model may write several in a row)."""
 
-    stop = "</tool_call>"
     begins = "<tool_call>"
     example = '<tool_call>{"name": "the tool\'s name", "arguments": {"argument": "value"}}</tool_call>'
     _block = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -87,8 +86,8 @@ class HermesToolCalls:
     def write(self, name: str, arguments: dict[str, Any]) -> str:
         return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
-    def ends_with_call(self, text: str) -> bool:
-        return text.rstrip().endswith(self.stop)
+    def has_calls(self, text: str) -> bool:
+        return self._block.search(text) is not None
 
     def parse(self, text: str) -> list[ParsedCall | str]:
         blocks = self._block.findall(text)
@@ -100,10 +99,9 @@ class HermesToolCalls:
 class Llama3JsonToolCalls:
     """Llama 3.1/3.2's JSON tool calls: the policy's turn is the call, ``{"name": ...,
     "parameters": {...}}`` (vLLM's ``llama3_json``), after an optional ``<|python_tag|>``;
-    several calls are joined by ``;``. A call ends with the turn: there is no closing text, so
-    the end-of-turn token (``<|eot_id|>``, ``<|eom_id|>``) is the stop."""
+    several calls are joined by ``;``. The calls end with the turn, at its end-of-turn token
+    (``<|eot_id|>``, ``<|eom_id|>``)."""
 
-    stop = None
     begins = ""
     example = '{"name": "the tool\'s name", "parameters": {"argument": "value"}} as the whole reply'
     _tag = "<|python_tag|>"
@@ -115,7 +113,7 @@ class Llama3JsonToolCalls:
     def write(self, name: str, arguments: dict[str, Any]) -> str:
         return json.dumps({"name": name, "parameters": arguments})
 
-    def ends_with_call(self, text: str) -> bool:
+    def has_calls(self, text: str) -> bool:
         return self._call.match(self._body(text)) is not None
 
     def _body(self, text: str) -> str:
@@ -142,7 +140,6 @@ class Qwen3CoderToolCalls:
     the turn in order. A value is text: it is read as its parameter's type in the tool's schema
     says (a string as it is, anything else as JSON; text that is not JSON stays text)."""
 
-    stop = "</tool_call>"
     begins = "<tool_call>"
     example = (
         "<tool_call>\n<function=the tool's name>\n<parameter=argument>\nvalue\n</parameter>\n"
@@ -168,8 +165,8 @@ class Qwen3CoderToolCalls:
         )
         return f"<tool_call>\n<function={name}>\n{shown}</function>\n</tool_call>"
 
-    def ends_with_call(self, text: str) -> bool:
-        return text.rstrip().endswith(self.stop)
+    def has_calls(self, text: str) -> bool:
+        return self._block.search(text) is not None
 
     def parse(self, text: str) -> list[ParsedCall | str]:
         blocks = self._block.findall(text)

@@ -18,7 +18,7 @@ from test_endpoint import chat_tokenizer, serve
 from forge_lightning.cli.forge_cli import build_cli
 from forge_lightning.examples import calculator_agent
 from forge_lightning.rewards.environment import EnvironmentReward
-from forge_lightning.rewards.library import CompositeReward
+from forge_lightning.rewards.library import CompositeReward, component_names
 from forge_lightning.rollout.agents.runner import AgentRunner
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
@@ -128,6 +128,15 @@ def test_the_agents_return_value_is_the_score_where_the_reward_reads_it(module):
     assert reads_agent_score(CompositeReward([(EnvironmentReward(), 1.0), (other, 1.0)]))
 
 
+def test_an_agents_score_is_logged_under_the_agents_name(module):
+    grpo = module(agent="forge_lightning.examples.calculator_agent.agent", reward=None)
+    assert component_names(grpo.reward) == ["agent"]  # train/rewards/agent, not .../EnvironmentReward
+    assert (
+        "rewards/agent" in grpo.train_metrics.means
+        and "rewards/EnvironmentReward" not in grpo.train_metrics.means
+    )
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
@@ -172,4 +181,5 @@ def test_a_fit_runs_the_example_agent_for_one_step(tmp_path, tiny_overrides):
     build_cli(args)
     (record,) = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
     assert record["step"] == 1 and record["turns"] >= 1
+    assert "rewards/agent" in record and "rewards/EnvironmentReward" not in record
     assert (out / "final" / "config.json").is_file()

@@ -64,7 +64,7 @@ def qwen_coder_tokenizer():
 
 
 # Each family: its tokenizer, its format, what begins a tool turn in its template, and what the
-# tools add after a call of 2 + 3 (the policy ended Llama's call with its end-of-turn token).
+# tools add after a call of 2 + 3 (the policy ended its turn with its end-of-turn token).
 FAMILIES = {
     "llama3.1": (
         llama_tokenizer,
@@ -76,7 +76,7 @@ FAMILIES = {
         qwen_coder_tokenizer,
         "qwen3_coder",
         "<tool_response>",
-        "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n",
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<|im_end|>\n<|im_start|>assistant\n",
     ),
 }
 
@@ -118,8 +118,8 @@ def test_the_llama_parser_reads_every_call_of_the_turn():
     good, bad = parser.parse('{"name": "a", "parameters": {}} {"name": "b", "parameters": {"x": 1,}}')
     assert good == ParsedCall("a", {}) and bad.startswith("the call is not valid JSON")
     assert parser.parse("It is 5.")[0].startswith("no call found")
-    assert parser.ends_with_call(' {"name": "a", "parameters": {}}')
-    assert not parser.ends_with_call("It is {5}.") and not parser.ends_with_call('{"answer": 5}')  # no call
+    assert parser.has_calls(' {"name": "a", "parameters": {}}')
+    assert not parser.has_calls("It is {5}.") and not parser.has_calls('{"answer": 5}')  # no call
 
 
 def test_the_qwen3_coder_parser_reads_each_value_by_its_schemas_type():
@@ -150,15 +150,33 @@ def echo(text: str) -> str:
     return text
 
 
-def test_a_qwen3_coder_call_ends_at_its_closing_tag_token():
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_familys_turn_of_two_calls_runs_both(family):
+    make, call_format, marker, _ = FAMILIES[family]
+    tok = make()
+    fmt = CALL_FORMATS[call_format]()
+    calls = fmt.write("add", {"a": 1, "b": 2}), fmt.write("add", {"a": 3, "b": 4})
+    turn = "; ".join(calls) if call_format == "llama3_json" else "\n".join(calls)
+    engine = TurnEngine(tok, written(tok, [turn, "3 and 7."]), marker)
+    SEEN.clear()
+    rollout = sampler(tok, [add], engine, call_format=call_format)(tiny(tok), ["Q"], GREEDY, 1)
+    assert sorted(SEEN, key=str) == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    assert [c["result"] for c in rollout.facts()["tool_calls"][0]] == ["3", "7"]
+    assert split(tok, rollout, 0)[1].count(marker) == 2  # a result each
+
+
+def test_a_qwen3_coder_turn_is_read_at_its_end_not_at_its_closing_tag_token():
     tok = qwen_coder_tokenizer()
     tools = FunctionTools(tok, [add], call_format="qwen3_coder")
     call = ids_of(tok, tools.format.write("add", {"a": 2, "b": 3}))
     assert call[-1] == tok.convert_tokens_to_ids("</tool_call>")  # one token, as the model writes it
-    row = torch.tensor([call])
-    assert CallStop(tools.ends, 0, [0], [True])(row, None).tolist() == [True]  # generate stops here
-    assert CallStop(tools.ends, 0, [0], [True])(row[:, :-1], None).tolist() == [False]
-    assert CallStop(tools.ends, 0, [0], [False])(row, None).tolist() == [False]  # no calls left
+    eos = [tok.eos_token_id]
+    stop = lambda row, enabled=True: CallStop(tools.ends, 0, [0], [enabled], eos)(  # noqa: E731
+        torch.tensor([row]), None
+    ).tolist()
+    assert stop(call) == [False]  # another call may follow
+    assert stop([*call, *eos]) == [True]  # generate stops here: the turn ended with its call
+    assert stop([*call, *eos], enabled=False) == [False]  # no calls left
 
 
 def test_a_llama_call_ends_with_its_turn_and_never_mid_turn():
@@ -166,8 +184,9 @@ def test_a_llama_call_ends_with_its_turn_and_never_mid_turn():
     tools = FunctionTools(tok, [add], call_format="llama3_json")
     call = ids_of(tok, tools.format.write("add", {"a": 2, "b": 3}))
     # Nothing stops generate mid-turn: the JSON may go on, and only the end-of-turn token ends it.
-    assert not tools.ends.ends_call.any()
-    assert CallStop(tools.ends, 0, [0], [True])(torch.tensor([call]), None).tolist() == [False]
+    eos = [tok.eos_token_id]
+    assert CallStop(tools.ends, 0, [0], [True], eos)(torch.tensor([call]), None).tolist() == [False]
+    assert CallStop(tools.ends, 0, [0], [True], eos)(torch.tensor([call + eos]), None).tolist() == [True]
     # At the end of the turn, the turn is the call; prose is no call.
     assert tools.call_at(Episode(), call) == tools.format.write("add", {"a": 2, "b": 3})
     assert tools.call_at(Episode(), ids_of(tok, "It is 5.")) is None
@@ -184,10 +203,7 @@ def test_chat_template_kwargs_reach_the_prompt_and_every_tool_turn():
     engine = TurnEngine(tok, [CALL_FORMATS["hermes"]().write("add", {"a": 1, "b": 1}), "2."], "observation")
     rollout = sampler(tok, [add], engine, template_kwargs=kwargs)(tiny(tok), ["Q"], GREEDY, 1)
     assert engine.inputs[0].startswith("Today is Monday.<|im_start|>system\nTools: add")
-    assert (
-        split(tok, rollout, 0)[1]
-        == "<|im_end|>\n<|im_start|>observation\n2<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert split(tok, rollout, 0)[1] == "\n<|im_start|>observation\n2<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_llama_31s_tools_in_user_message_kwarg_moves_the_tools_to_the_system_message():

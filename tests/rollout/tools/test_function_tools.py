@@ -170,8 +170,8 @@ def test_a_call_runs_the_tool_and_its_result_is_the_templates_tool_turn():
 
     assert SEEN == [{"a": 2, "b": 3}] * 2
     sampled, written = split(tok, rollout, 0)
-    assert written == "<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
-    assert sampled == call("add", a=2, b=3) + "It is 5.<|im_end|>"
+    assert written == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert sampled == call("add", a=2, b=3) + "<|im_end|>It is 5.<|im_end|>"  # it ended its turn
     assert rollout.tool_stats["tool_calls"].tolist() == [1, 1]
     assert rollout.tool_stats["tool_calls/add"].tolist() == [1, 1]
     assert rollout.tool_stats["turns"].tolist() == [2, 2]
@@ -487,9 +487,9 @@ def test_special_tokens_in_a_tool_answer_are_plain_text(template, call_format, n
     engine = TurnEngine(tok, [call_in(call_format, name, x=1), "ok."])
     run = sampler(tok, [forge], engine, call_format=call_format)
     ids = tool_ids(run(tiny(tok), ["Q"], GREEDY, 1), 0)
-    # The template's own: the end of the assistant turn (where the policy did not write it: a call
-    # that ends with its turn ends at the EOS it sampled), the tool turn, the next assistant turn.
-    assert count_special(tok, ids) == (4 if CALL_FORMATS[call_format].stop else 3)
+    # The template's own: the tool turn and the next assistant turn (the policy ended its own turn
+    # with the EOS it sampled).
+    assert count_special(tok, ids) == 3
     assert shown in tok.decode(ids)
 
 
@@ -544,20 +544,27 @@ def back_to_back(tok, first: str, second: str) -> list[int]:
     return [*ids(first[:-1]), tok.convert_tokens_to_ids("><"), *ids(second[1:]), tok.eos_token_id]
 
 
-# The formats whose calls end with a closing text (the others end with the turn's EOS).
-CLOSED = [name for name, fmt in sorted(CALL_FORMATS.items()) if fmt.stop]
+# The formats whose calls end with a closing tag, which a tokenizer may merge with the next call's.
+CLOSED = ["hermes", "qwen3_coder"]
 
 
-@pytest.mark.parametrize("call_format", CLOSED)
-def test_a_call_ends_where_its_closing_tag_merges_with_the_next_call(call_format):
-    tok = merged_tokenizer()
+@pytest.mark.parametrize("call_format", sorted(CALL_FORMATS))
+def test_a_turns_calls_are_read_at_its_end_never_mid_turn(call_format):
+    tok = chat_tokenizer()
     tools = FunctionTools(tok, [add], call_format=call_format)
-    first = call_in(call_format, "add", a=1, b=2)
-    written = back_to_back(tok, first, call_in(call_format, "add", a=3, b=4))
-    at_merge = len(tok(first[:-1], add_special_tokens=False)["input_ids"]) + 1
-    row = torch.tensor([written[:at_merge]])
-    assert CallStop(tools.ends, 0, [0], [True])(row, None).tolist() == [True]  # generate stops here
-    assert CallStop(tools.ends, 0, [0], [True])(row[:, :-1], None).tolist() == [False]
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turn = ids(two_calls(call_format))
+    first = ids(call_in(call_format, "add", a=1, b=2))
+    eos = tok.eos_token_id
+    stop = lambda row, enabled=True: CallStop(tools.ends, 0, [0], [enabled], [eos])(  # noqa: E731
+        torch.tensor([row]), None
+    ).tolist()
+    assert stop(first) == [False]  # the model may write another call after its first
+    assert stop([*turn, eos]) == [True]  # the turn ended with its calls: it waits for them
+    assert stop([*turn, eos], enabled=False) == [False]  # no calls left
+    assert stop([*ids("It is 5."), eos]) == [False]  # an answer ends the completion
+    assert tools.call_at(Episode(), turn) == two_calls(call_format)  # the whole turn, both calls
+    assert not any(tools.may_end_a_call(i) for i in range(len(tok)))
 
 
 @pytest.mark.parametrize("call_format", CLOSED)
@@ -567,9 +574,50 @@ def test_back_to_back_calls_each_run_and_none_vanishes(call_format):
     engine = TurnEngine(tok, [both, "done."])
     SEEN.clear()
     rollout = sampler(tok, [add], engine, call_format=call_format)(tiny(tok), ["Q"], GREEDY, 1)
-    assert SEEN == [{"a": 1, "b": 2}]  # the round stopped at the first call: it ran first
-    assert [c["result"] for c in rollout.facts()["tool_calls"][0]] == ["3"]
+    assert sorted(SEEN, key=str) == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    assert [c["result"] for c in rollout.facts()["tool_calls"][0]] == ["3", "7"]
     assert rollout.completions[0].endswith("done.")
+
+
+def two_calls(call_format: str) -> str:
+    """One turn that writes two calls, add(1, 2) then add(3, 4), as ``call_format`` joins them."""
+    first, second = call_in(call_format, "add", a=1, b=2), call_in(call_format, "add", a=3, b=4)
+    return f"{first}; {second}" if call_format == "llama3_json" else f"{first}\n{second}"
+
+
+@pytest.mark.parametrize("engine", ["cached", "whole"])
+@pytest.mark.parametrize("call_format", sorted(CALL_FORMATS))
+def test_every_call_a_turn_writes_runs_in_every_format(call_format, engine):
+    # "cached": HF generate, rounds going on from the KV cache, stopped where a turn ends with
+    # calls; "whole": an engine that stops no row (vLLM's, the test kit's).
+    tok = chat_tokenizer()
+    turn, answer = two_calls(call_format), "3 and 7."
+    tools = FunctionTools(tok, [add], call_format=call_format)
+    results = [{"role": "tool", "name": "add", "content": r} for r in ("3", "7")]
+    model, generator = tiny(tok), TurnEngine(tok, [turn, answer])
+    if engine == "cached":
+        model, generator = ScriptedLlama(tiny(tok).config), None
+        conversation = tools.conversation("Q", None)
+        script = tools.render(
+            [
+                *conversation,
+                {"role": "assistant", "content": turn},
+                *results,
+                {"role": "assistant", "content": answer},
+            ],
+            False,
+        )
+        model.script = tok(script.removesuffix("<|im_end|>\n"), add_special_tokens=False)["input_ids"]
+    SEEN.clear()
+    rollout = sampler(tok, [add], generator, call_format=call_format)(model, ["Q"], GREEDY, 2)
+
+    assert sorted(SEEN, key=str) == [{"a": 1, "b": 2}] * 2 + [{"a": 3, "b": 4}] * 2
+    assert [[c["result"] for c in row] for row in rollout.facts()["tool_calls"]] == [["3", "7"]] * 2
+    assert rollout.tool_stats["tool_calls"].tolist() == [2, 2]
+    sampled, written = split(tok, rollout, 0)
+    assert sampled == f"{turn}<|im_end|>{answer}<|im_end|>"
+    assert written.count("<|im_start|>tool\n") == 2
+    assert rollout.facts()["completions"][0][1:3] == results
 
 
 def test_every_call_of_a_turn_is_run_or_answered_as_an_error():
@@ -796,7 +844,10 @@ def test_get_reward_is_the_environments_reward_never_a_tool_and_a_factory_functi
     with_reward = GRPOLightningModule(
         model=tiny(tok), tokenizer=tok, environment_factory=make_counter, reward=_count_a
     )
-    assert not isinstance(with_reward.reward, EnvironmentReward)  # a reward set is the reward
+    # A reward set: the environment's score joins it, equally weighted (TRL's rule).
+    assert with_reward.reward.names == ["_count_a", "EnvironmentReward"]
+    assert with_reward.reward.weights == [0.5, 0.5]
+    assert "rewards/EnvironmentReward" in with_reward.train_metrics.means
 
 
 def test_an_unknown_format_lists_the_formats_and_a_schema_is_not_a_tool():

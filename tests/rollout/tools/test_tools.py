@@ -387,7 +387,7 @@ class CallsAtLengths:
     def call_at(self, episode, completion):
         return "at" if len(completion) in self.lengths else None
 
-    def stop(self, start, prior, enabled, segments):
+    def stop(self, start, prior, enabled, segments, eos_ids):
         lengths = self.lengths
 
         class AtLength(StoppingCriteria):
