@@ -1,6 +1,7 @@
-"""Where the modules of the flat layout (one folder, before the package took its layer folders)
-live now: each old import path keeps working, so that configs, checkpoints (a reward or callback
-stored by import path) and users' own imports written against it still load.
+"""Where the modules of the flat layout (one folder, before the package took its layer folders),
+and those moved between folders since, live now: each old import path keeps working, so that
+configs, checkpoints (a reward or callback stored by import path) and users' own imports written
+against it still load.
 
 An old module path is the new module itself (one object under two names: a monkeypatch or an
 ``isinstance`` through either agrees), except where a split sent some of its names elsewhere: then
@@ -23,7 +24,7 @@ _P = "forge_lightning."
 
 # old module path -> its new home, or the homes its names now have (searched in order)
 MOVED: dict[str, str | tuple[str, ...]] = {
-    "async_rollout": "rollout.engines.async_worker",
+    "async_rollout": "rollout.async_worker",
     "backward": "training.loss_passes",
     "bench_references": "bench.references",
     "checkpoint_io": ("run.checkpoint_io", "training.run_state"),
@@ -70,6 +71,8 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "validation_ranks": "evaluation.ranks",
     "vllm_backend": "rollout.engines.vllm",
     "weight_ring": "rollout.engines.weight_ring",
+    # Moved within the layered layout: the worker runs episode runners, above the engines.
+    "rollout.engines.async_worker": "rollout.async_worker",
 }
 
 # The packages that took the path of a module of the flat layout: they offer its names (lazy_exports).

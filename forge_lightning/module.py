@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Literal
+from functools import partial
+from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -30,24 +29,12 @@ from forge_lightning.data.gsm8k import extract_answer
 from forge_lightning.evaluation.ranks import owned_samples
 from forge_lightning.evaluation.sampled import TrainingRandomState, batch_sizes, run_seed, sampling_seed
 from forge_lightning.evaluation.validation import NO_TEST_STEP
-from forge_lightning.grpo import (
-    AdvantageEstimator,
-    AdvantageScale,
-    ImportanceSampling,
-    KLEstimator,
-    LossSettings,
-    LossType,
-)
+from forge_lightning.grpo import LossSettings
 from forge_lightning.models.loading import ensure_pad_token
 from forge_lightning.models.lora import LoraSettings
 from forge_lightning.reporting.metrics import StepRecord
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
-from forge_lightning.rewards.library import (
-    PolicyContext,
-    RewardArgument,
-    require_arguments,
-    share_policy_context,
-)
+from forge_lightning.rewards.library import RewardArgument, require_arguments
 from forge_lightning.rollout.agents.runner import AgentRunner
 from forge_lightning.rollout.engines.base import GenerationBackend
 from forge_lightning.rollout.sampler import RolloutSampler
@@ -55,330 +42,82 @@ from forge_lightning.rollout.sources import TrainingBatch
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools.stored import EnvironmentArgument, ToolsArgument, stored_tools
 from forge_lightning.run.checkpoint_io import refuse_unstored_objects
+from forge_lightning.settings import components
 from forge_lightning.settings.checks import validate_hparams
-from forge_lightning.settings.components import (
-    build_components,
-    optimizer_config,
-    policy,
-    prepare_rollouts,
-    stored_arguments,
-)
-from forge_lightning.settings.groups import GRPOSettings, check_generation_budget
+from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME, GRPOSettings, check_generation_budget
+from forge_lightning.settings.preflight import data_longest, module_preflight
+from forge_lightning.settings.signature import documented_settings, save_settings, settings_signature
 from forge_lightning.settings.trl_names import pointing_at_settings
 from forge_lightning.training.adjustments import CHECKPOINT_KEY, Adjustments, scale_learning_rate
 from forge_lightning.training.loss_passes import ReferenceSource
 from forge_lightning.training.optim import rescale_schedule
-from forge_lightning.training.peak_memory import memory_limit
-from forge_lightning.training.preflight import (
-    Engine,
-    WorstCase,
-    data_longest_prompt,
-    filler_token,
-    longest_prompt,
-    optimizer_state_bytes,
-    run_preflight,
-    training_prompts,
-)
-from forge_lightning.training.preflight_advice import check_preflight
 from forge_lightning.training.run_state import load_run_state, save_run_state
 
 
+@documented_settings
 class GRPOLightningModule(pl.LightningModule):
     """GRPO fine-tuning of a HuggingFace causal LM, with manual optimization.
 
-    Each ``training_step`` samples ``group_size`` completions per prompt, scores them, turns the
+    Each ``training_step`` samples a group of completions per prompt, scores them, turns the
     scores into group-relative advantages and backpropagates the clipped surrogate loss with a KL
-    pull toward the frozen reference (which a ``ReferenceModel`` callback provides). The optimizer
-    steps every ``gradient_accumulation_steps`` batches and at the end of an epoch, so
-    ``trainer.global_step`` counts optimizer steps.
+    pull toward the frozen reference (a ``ReferenceModel`` callback's). The optimizer steps every
+    accumulation's worth of batches and at an epoch's end: ``trainer.global_step`` counts its steps.
 
-    Args are listed by group, as the settings are typed in ``self.settings`` (a
-    :class:`~forge_lightning.settings.groups.GRPOSettings`): the field of each group's dataclass in
-    settings/groups.py says what its setting does in full. The model, the reward, the tokenizer,
-    LoRA, the tools, the accuracy check and the answer key are not settings of a group.
+    The objects it is given come first; every setting after them is a keyword declared once in
+    settings/groups/ (type, default, range, resume rule and the help below), typed in
+    ``self.settings`` (a :class:`~forge_lightning.settings.groups.GRPOSettings`).
 
     Args:
         model: a spec (``embedded``, hub id, folder, ``.gguf``, ``random:...``; models/loading.py) or
             a built HF LM.
-        reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``; GSM8K's if None.
-            A list of them (TRL's ``reward_funcs``) is their equally weighted CompositeReward. One
-            given by import path (functions, classes, their lists) is stored in the checkpoint.
+        reward: a reward object or any ``(prompts, responses, **kwargs) -> list[float]``, or a list
+            of them (their equally weighted CompositeReward); GSM8K's if None. One given by import
+            path (functions, classes, their lists) is stored in the checkpoint.
         tokenizer: required when ``model`` is an object; loaded with the spec otherwise.
         peft: train a LoRA adapter (lora.LoraSettings or a dict of its fields); None trains every weight.
-        group_size: completions per prompt (G), at least 2.
-        max_new_tokens: longest completion, in tokens.
-        temperature: sampling temperature; the loss scores at it too (``forge``: at 1).
-        top_p: nucleus sampling mass.
-        top_k: sample among the k likeliest tokens; 0 disables it.
-        min_p: drop tokens below this share of the likeliest one's probability; 0 disables it.
-        repetition_penalty: HF's and vLLM's penalty on tokens already in the sequence; 1 disables it.
-        stop: strings that end a completion (training and validation), the mask running through
-            the token that completes the first; the reward's text ends with it.
-        generation_kwargs: more settings for the engine, by its own names (``GenerationConfig``
-            fields for HF, ``vllm.SamplingParams`` for vLLM); keys the module sets itself and
-            unknown ones are refused by name (rollout/engines/generation_settings.py).
-        max_prompt_length: longer prompts are cut from the left, or refused (``prompt_truncation``);
-            None: the model's context length less ``max_new_tokens``.
-        prompt_truncation: ``left`` (with a warning) or ``error``.
-        use_chat_template: prompts through the tokenizer's chat template; None: when it has one.
-        system_prompt: system message for the chat template.
-        chat_template_kwargs: more variables for the chat template (``enable_thinking``), given to
-            every rendering of prompts and tool turns.
-        loss_type: ``grpo``, ``dapo``, ``dr_grpo``, ``forge``, ``cispo`` or ``sapo`` (see
-            grpo.LossSettings).
-        clip_epsilon: the ratio's clip range, in (0, 1) (see grpo.LossSettings).
-        clip_epsilon_high: a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``.
-        kl_beta: weight of the KL penalty toward the reference; 0 needs no reference.
-        importance_sampling_level: ``token`` ratios, or one per completion (``sequence``, GSPO).
-        kl_estimator: ``k1``, ``k2`` or ``k3`` (grpo.LossSettings gives each one's gradient).
-        clip_ratio_c: dual clip's cap on a term with A < 0, in units of -A (> 1); None: off.
-        sapo_temperature_pos: ``sapo``'s gate temperature where A > 0.
-        sapo_temperature_neg: ``sapo``'s gate temperature where A < 0.
-        entropy_coef: weight of the entropy bonus taken off the loss; 0: none.
-        kl_in_reward: ``kl_beta`` x the KL taken off each reward, not added to the loss.
-        advantage_scale: divide centred rewards by the group's std, the batch's, or nothing.
-        advantage_estimator: ``grpo``, ``rloo`` or ``reinforce_pp`` (with ``advantage_scale: none``).
-        mask_truncated_completions: a completion cut off at ``max_new_tokens`` (no EOS) gets no
-            policy or KL weight, and is left out of the loss's normaliser; it still counts in its
-            group's reward statistics (as in TRL and DAPO).
-        num_iterations: optimizer passes over each rollout (mu); above 1 needs accumulation 1.
-        steps_per_generation: optimizer steps each batch's generation feeds (S).
-        use_engine_logprobs: the old policy's log-probs from the engine's scores, not a forward.
-        behav_imp_weight_cap: async: the cap of the default correction (> 1; None).
-        rollout_correction: ``mask`` (MIS) or ``truncate`` (TIS) by the sampler's log-probs; None: off.
-        rollout_correction_level: ``token``, or ``sequence``: one weight per completion, from
-            the mean log-ratio over its model tokens.
-        rollout_correction_cap: the cap of ``w`` (> 1; TRL's 3).
-        learning_rate: AdamW's peak learning rate.
-        weight_decay: AdamW's weight decay.
-        gradient_accumulation_steps: batches per optimizer step.
-        max_grad_norm: clip the gradient's total norm to this before each step; None disables.
-        warmup_steps: optimizer steps of linear warmup.
-        lr_schedule: ``cosine`` to zero at the last step (Forge's), ``linear`` to zero (TRL's), or
-            ``constant`` after the warmup.
-        max_consecutive_bad_steps: non-finite gradients skip the step; this many in a row stop.
-        dynamic_sampling: train on informative groups only, sampling rounds until a step has enough
-            (DAPO; see training/dynamic_sampling.py); ``gradient_accumulation_steps`` then counts
-            informative prompts.
-        max_sampling_rounds: with dynamic sampling, the rounds after which a step trains on what it has.
-        generation_backend: ``hf`` (the policy's ``generate``) or ``vllm`` (GPU; see rollout/engines/vllm.py).
-        vllm_gpu_memory_utilization: the share of GPU memory the vLLM engine may take.
-        rollout_precision: sample with a copy of the policy in ``int8`` (torchao's weight-only) or
-            ``bf16``, remade after every optimizer step (rollout/engines/quantized.py); needs
-            ``rollout_correction``. None: the policy itself.
-        rollout_mode: ``sync``, or ``async``: a worker process samples while the trainer trains.
-        max_staleness: async: optimizer steps a rollout may lag the weights it trains (k >= 0).
-        rollout_worker_threads: async: the worker's CPU threads, the trainer the rest; None: half.
-        rollout_device: async: the worker's device (None: the CPU). ``cuda:N`` is another GPU,
-            ``cuda`` the trainer's own (with ``rollout_memory_fraction``); the weights go device
-            to device (rollout/engines/weight_ring.py).
-        rollout_memory_fraction: async: the GPU memory share the worker may take.
-        train_micro_batch_size: completions per forward/backward (None: all); same gradient, less memory.
-        train_micro_batch_tokens: the most tokens per forward/backward of the loss, padding included
-            (None: by ``train_micro_batch_size``). The completions, longest first, are packed into
-            balanced micro-batches under it, with prefix sharing as whole groups or single rows,
-            whichever runs fewer tokens (rollout/micro_batches.py), each of at most
-            ``train_micro_batch_size`` rows when that is set. Same gradient, fewer padded tokens
-            (``perf/padding_fraction``).
-        prefix_sharing: each prompt's forward once per group, its keys/values shared by the G completions.
-        logprob_chunk_size: rows per chunk of the float32 log-softmax; None for no chunks. Where
-            ``lm_head_chunk_size`` applies, its chunks are the log-softmax's.
-        lm_head_chunk_size: positions per chunk through the LM head (None: all at once). The
-            log-probs and entropies are taken from the decoder's hidden states a chunk at a time,
-            so one chunk's logits exist at a time, in the training backward too
-            (grpo/linear_log_probs.py); same values and gradients. Models it does not fit
-            (models/lm_head.py) take their own forward.
-        gradient_checkpointing: trade compute for activation memory in the training forward.
-        model_dtype: the dtype a model spec is loaded in. ``float32`` (the default) keeps the weights
-            and the AdamW state in full precision under ``bf16-mixed``/``16-mixed`` (autocast computes
-            in half precision), also when the checkpoint is stored in bf16, as most of the hub is;
-            ``auto`` keeps the checkpoint's dtype; ``bfloat16`` / ``float16`` train half-precision
-            weights, which a small learning rate barely moves (a warning says so).
-        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice.
-        max_generation_tokens: the most tokens one batch's generation may hold, counted as its rows
-            x (``max_prompt_length``, 0 when unset, + new tokens): a training batch (prompts per
-            step x ``group_size`` rows) or a sampled validation batch (``val_batch_size`` x
-            ``val_num_generations`` rows) over it is refused before any step.
-        on_reward_error: ``raise`` names the failing reward and sample; ``zero`` scores it 0 and counts it.
-        reward_timeout: seconds a reward call may take; a longer one is abandoned and its batch
-            fails as under ``on_reward_error``; None waits for ever (under ``sandbox: process``, 60 s).
-        calculator: completions may call an inline calculator, ``annotation`` (GSM8K's ``<<48/2=``)
-            or ``plain`` (``41 + 29 =``); its answers are read, not trained on (rollout/tool_sampler.py).
-        max_tool_calls: with tools, the calls one completion may make.
-        tool_call_format: how a completion writes a call: ``hermes``, ``llama3_json`` or ``qwen3_coder``.
-        tool_timeout: seconds a tool call may take before it is abandoned and answered with an error
-            (an ``async def`` one too, even where it blocks its event loop); under ``sandbox:
-            thread`` its thread runs on, counted in ``tool_threads_abandoned``.
-        max_tool_result_chars: the characters of a tool's result the model reads; a longer one is
-            cut before it is rendered, marked as cut and counted (``tool_results_cut``).
-        max_parallel_tool_calls: the tool calls that run at once (``async def`` ones are awaited).
-        agent: an OpenAI-SDK ``async def agent(client, row) -> float`` by import path (rollout/agents/).
-        agent_timeout: seconds an agent's episode may take; a longer one fails.
-        tools: typed functions with docstrings (or their import paths) a completion may call in the
-            ``tool_call_format``; each result comes back as the chat template's ``tool`` message
-            (tools/functions.py). Stored by import path: a lambda or local function is refused.
+        tools: typed functions with docstrings (or their import paths) a completion may call, each
+            result coming back as the chat template's ``tool`` message (tools/functions.py).
         environment_factory: a class, or a function returning an environment (or its import path),
-            made once per completion (tools/environments.py): ``reset(**row)`` starts its episode
-            (text it returns joins the prompt), ``get_reward()`` (or ``reward()``) scores it
-            (EnvironmentReward: the reward when ``reward`` is None, else one more reward beside
-            it, TRL's rule), its other public methods are
-            tools; or a mapping name -> factory, a row's ``environment`` field picking its own. Sync
-            rollouts only (HF generate or vLLM).
-        sandbox: ``thread``: rewards and tools run in the trainer's process (a timeout abandons the
-            call's thread); ``process``: in sandboxed worker processes (run/sandbox.py), each call
-            killed with everything it started past its timeout (60 s where None); refused at the
-            start where the machine cannot isolate. A RewardModel stays in process. An
-            environment lives in one worker's process for its whole episode (its tools and its
-            score are called there; episodes share the workers).
-        sandbox_memory_mb: ``process``: the address space a call may add to its worker's, in MiB.
-        sandbox_cpu_seconds: ``process``: the CPU seconds of one call.
-        sandbox_workers: ``process``: worker processes, so calls that may run at once (an
-            episode's among them).
-        sandbox_env: ``process``: the names of the trainer's environment variables that cross
-            into the workers (an API key a reward needs); no other variable does.
-        val_num_generations: completions sampled per validation prompt (n) for val/mean@n, pass@k
-            and maj@k; 0: greedy only.
-        val_temperature: temperature of the sampled validation completions.
-        val_top_p: nucleus mass of the sampled validation completions.
-        val_max_new_tokens: longest validation completion, greedy and sampled (and predict's);
-            None: ``max_new_tokens``.
+            made once per completion, or a mapping name -> factory (tools/environments.py: its
+            ``reset``, its score, its tools). Sync rollouts only.
         accuracy: the check behind ``val/accuracy`` (a reward scoring 1 when right); GSM8K's if None.
-        answer_key: what a sampled completion votes for in maj@k (GSM8K's extracted number by
-            default), ``completion -> hashable``, None for no answer. None logs no maj@k.
-        preflight: first a worst-case step, weights unchanged (training/preflight.py): stop, with
-            sized suggestions, where its peak memory is over ``preflight_memory_gb``.
-        preflight_memory_gb: GiB the preflight's peak CPU RSS (GPU: allocated) may reach; None: all of it.
+        answer_key: what a sampled completion votes for in maj@k, ``completion -> hashable`` (GSM8K's
+            extracted number by default); None logs no maj@k.
     """
 
     # TRL's names (num_generations, beta, ...) and close misspellings get a pointer to the setting
     # here instead of Python's bare TypeError (settings/trl_names.py).
     @pointing_at_settings
+    @settings_signature(
+        after={"tools": ("tools", "environment_factory"), "validation": ("accuracy", "answer_key")}
+    )
     def __init__(
         self,
-        # -- the policy, its reward and tokenizer
         model: str | PreTrainedModel = "embedded",
         reward: RewardArgument | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         peft: LoraSettings | None = None,
-        # -- sampling (SamplingSettings)
-        group_size: int = 8,
-        max_new_tokens: int = 512,
-        temperature: float = 0.9,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        stop: list[str] | None = None,
-        generation_kwargs: dict[str, Any] | None = None,
-        # -- prompts (PromptSettings)
-        max_prompt_length: int | None = None,
-        prompt_truncation: Literal["left", "error"] = "left",
-        use_chat_template: bool | None = None,
-        system_prompt: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        # -- the loss (grpo.LossSettings)
-        loss_type: LossType = "grpo",
-        clip_epsilon: float = 0.2,
-        clip_epsilon_high: float | None = None,
-        kl_beta: float = 0.01,
-        importance_sampling_level: ImportanceSampling = "token",
-        kl_estimator: KLEstimator = "k3",
-        clip_ratio_c: float | None = None,
-        sapo_temperature_pos: float = 1.0,
-        sapo_temperature_neg: float = 1.05,
-        entropy_coef: float = 0.0,
-        kl_in_reward: bool = False,
-        # -- advantages (AdvantageSettings)
-        advantage_scale: AdvantageScale = "group",
-        advantage_estimator: AdvantageEstimator = "grpo",
-        mask_truncated_completions: bool = False,
-        # -- off-policy passes and corrections (OffPolicySettings)
-        num_iterations: int = 1,
-        steps_per_generation: int = 1,
-        use_engine_logprobs: bool = False,
-        behav_imp_weight_cap: float | None = 5.0,
-        rollout_correction: Literal["mask", "truncate"] | None = None,
-        rollout_correction_level: Literal["token", "sequence"] = "token",
-        rollout_correction_cap: float | None = 3.0,
-        # -- the optimizer (OptimizerSettings)
-        learning_rate: float = 5e-6,
-        weight_decay: float = 0.0,
-        gradient_accumulation_steps: int = 4,
-        max_grad_norm: float | None = 1.0,
-        warmup_steps: int = 0,
-        lr_schedule: Literal["cosine", "linear", "constant"] = "cosine",
-        max_consecutive_bad_steps: int = 3,
-        # -- dynamic sampling (DynamicSamplingSettings)
-        dynamic_sampling: bool = False,
-        max_sampling_rounds: int = 4,
-        # -- the engine and the rollout worker (EngineSettings)
-        generation_backend: Literal["hf", "vllm"] = "hf",
-        vllm_gpu_memory_utilization: float = 0.3,
-        rollout_precision: Literal["int8", "bf16"] | None = None,
-        rollout_mode: Literal["sync", "async"] = "sync",
-        max_staleness: int = 1,
-        rollout_worker_threads: int | None = None,
-        rollout_device: str | None = None,
-        rollout_memory_fraction: float | None = None,
-        # -- memory (MemorySettings)
-        train_micro_batch_size: int | None = None,
-        train_micro_batch_tokens: int | None = None,
-        prefix_sharing: bool = True,
-        logprob_chunk_size: int | None = 8,
-        lm_head_chunk_size: int | None = 256,
-        gradient_checkpointing: bool = False,
-        model_dtype: Literal["float32", "auto", "bfloat16", "float16"] = "float32",
-        attn_implementation: str | None = None,
-        max_generation_tokens: int = 2**20,
-        # -- reward calls (RewardSettings)
-        on_reward_error: Literal["raise", "zero"] = "raise",
-        reward_timeout: float | None = None,
-        # -- tools (ToolSettings)
-        calculator: Literal["annotation", "plain"] | None = None,
-        max_tool_calls: int = 4,
-        tool_call_format: str = "hermes",
-        tool_timeout: float | None = 10.0,
-        max_tool_result_chars: int = 10_000,
-        max_parallel_tool_calls: int = 16,
-        agent: str | None = None,
-        agent_timeout: float | None = 600.0,
+        *,
         tools: ToolsArgument = None,
         environment_factory: EnvironmentArgument = None,
-        # -- where rewards and tools run (SandboxSettings)
-        sandbox: Literal["thread", "process"] = "thread",
-        sandbox_memory_mb: int = 2048,
-        sandbox_cpu_seconds: int = 60,
-        sandbox_workers: int = 2,
-        sandbox_env: list[str] | None = None,
-        # -- validation (ValidationSettings)
-        val_num_generations: int = 0,
-        val_temperature: float = 1.0,
-        val_top_p: float = 1.0,
-        val_max_new_tokens: int | None = None,
         accuracy: Callable[..., Any] | None = None,
         answer_key: Callable[[str], Any] | None = extract_answer,
-        # -- a worst-case first step (PreflightSettings)
-        preflight: bool = False,
-        preflight_memory_gb: float | None = None,
+        **settings: Any,
     ) -> None:
-        super().__init__()
-        # save_hyperparameters reads these arguments from this frame: stored as plain data.
-        stored = stored_arguments(model, tokenizer, reward, peft)
-        peft, reward = stored.peft, stored.reward
+        pl.LightningModule.__init__(self)  # not super(): save_hyperparameters would read this frame
         self.tools = stored_tools(tools, environment_factory)
-        tools, environment_factory = self.tools.tools, self.tools.environment_factory
-        self.save_hyperparameters(ignore=["tokenizer", "accuracy", "answer_key", *stored.unstored])
+        stored = components.stored_arguments(model, tokenizer, reward, peft, self.tools)
+        save_settings(self, GRPOLightningModule.__init__, stored.hparams, settings, stored.ignored)
         validate_hparams(self.hparams)
         self.automatic_optimization = False
         self.model_spec = model if isinstance(model, str) else None
         self.model: PreTrainedModel | None = None if isinstance(model, str) else model
         self.tokenizer = ensure_pad_token(tokenizer) if tokenizer is not None else None
-        self._use_chat_template = use_chat_template
         # The flat hyperparameters as typed settings groups, and what is built from them, once: the
         # rollout source (where and when rollouts are sampled), the plan (what each batch trains,
         # when the optimizer steps), the step, the evaluator, the reporter (what loggers get).
         self.settings = GRPOSettings.from_hparams(self.hparams)
-        parts = build_components(self.settings, stored, self.tools, accuracy, answer_key)
+        parts = components.build_components(self.settings, stored, self.tools, accuracy, answer_key)
         self.reward, self.accuracy = parts.reward, parts.accuracy
         self.step, self.evaluator = parts.step, parts.evaluator
         self.sampling, self.greedy, self.scorer = parts.sampling, parts.greedy, parts.scorer
@@ -403,10 +142,10 @@ class GRPOLightningModule(pl.LightningModule):
     def configure_model(self) -> None:
         precision = None if self._trainer is None else str(self.trainer.precision)
         spec, mesh, peft = self.model_spec, self.device_mesh, self.hparams.peft
-        self.model, self.tokenizer = policy(
+        self.model, self.tokenizer = components.policy(
             self.model, self.tokenizer, spec, mesh, precision, self.settings, peft
         )
-        prepare_rollouts(
+        components.prepare_rollouts(
             self.rollout_source, self.tokenizer, self.model, self.settings, self.tools,
             self.use_chat_template, self.scorer.temperature, self.sandbox, self.reward,
         )  # fmt: skip
@@ -415,7 +154,7 @@ class GRPOLightningModule(pl.LightningModule):
     # set before the fit (a custom engine, a wrapped sampler) is the one it uses.
     @property
     def generator(self) -> GenerationBackend | None:
-        """The engine that samples the rollouts (the async worker under ``rollout_mode: async``)."""
+        """The engine that samples the rollouts (the worker process under asynchronous rollouts)."""
         return self.rollout_source.engine
 
     @generator.setter
@@ -516,9 +255,8 @@ class GRPOLightningModule(pl.LightningModule):
 
     @property
     def use_chat_template(self) -> bool:
-        if self._use_chat_template is not None:
-            return self._use_chat_template
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        setting = self.settings.prompts.use_chat_template  # None: when the tokenizer has one
+        return setting if setting is not None else bool(getattr(self.tokenizer, "chat_template", None))
 
     @override
     def on_fit_start(self) -> None:
@@ -526,13 +264,13 @@ class GRPOLightningModule(pl.LightningModule):
         self.plan.check_fit(fit)
         check_generation_budget(self.settings, *batch_sizes(fit))  # before any step
         self.rollout_source.on_fit_start(fit, self.model, sharded=self.device_mesh is not None)
-        self._share_policy_context()
+        components.share_policy(self.reward, self.accuracy, self.device, self.settings.prompts)
         self._random_state.save(self.device)  # the sanity check's validation leaves it as it was
 
     @override
     def on_train_start(self) -> None:
         # A resumed run's optimizer and schedule come back with the checkpoint's learning rate;
-        # a new --model.learning_rate takes effect from here on (and on_load_checkpoint said so),
+        # a new peak learning rate takes effect from here on (and on_load_checkpoint said so),
         # times the factor a CollapseGuard set, which the checkpoint's schedule already has.
         scheduler = self.lr_schedulers()
         if scheduler is not None:
@@ -545,30 +283,16 @@ class GRPOLightningModule(pl.LightningModule):
             self._preflight()
 
     def _preflight(self) -> None:
-        """The worst-case first step (training/preflight.py): stop now if it does not fit."""
-        s, context = self.settings, step_context(self)
+        """The worst-case first step (settings/preflight.py): the fit ends now if it does not fit."""
         prompts = batch_sizes(fit_shape(self.trainer))[0] or 1
-        setting = s.prompts.max_prompt_length
-        longest = longest_prompt(setting, None if setting is not None else self._data_longest_prompt())
-        case = WorstCase(longest, s.sampling.max_new_tokens, prompts, s.sampling.group_size)
         worker = self.rollout_source.runs_a_worker  # its memory is the worker process's
-        engine = None if worker else Engine(self.generator, self.sampling, s.engine.generation_backend)
-        token = filler_token(self.model.config.vocab_size, self.tokenizer.all_special_ids)
-        limit = memory_limit(s.preflight.preflight_memory_gb, self.device)
-        state = optimizer_state_bytes(self.model, self.optimizers().state)
-        passes = self.step.loss_passes
-        with self.trainer.precision_plugin.train_step_context():  # autocast, as in training_step
-            report = run_preflight(self.model, passes, engine, case, token, context, limit, state)
-        check_preflight(report, case, s.memory.gradient_checkpointing, context)
-        rank_zero_info(report.summary())
-
-    def _data_longest_prompt(self) -> int | None:
-        """The training data's longest prompt in tokens, as the sampler encodes it (cut at the
-        model's context less max_new_tokens); None where the data cannot be read ahead."""
-        prompts = training_prompts(self.trainer.train_dataloader)
-        if prompts is None or not isinstance(self.sampler, RolloutSampler):
-            return None
-        return data_longest_prompt(prompts, lambda chunk: self.sampler.encode(chunk, torch.device("cpu"))[1])
+        engine = None if worker else (self.generator, self.sampling)
+        read_ahead = partial(data_longest, self.trainer.train_dataloader, self.sampler)
+        module_preflight(
+            self.settings, self.model, self.tokenizer.all_special_ids, self.step.loss_passes, engine, prompts,
+            read_ahead, self.optimizers().state, self.trainer.precision_plugin.train_step_context(),
+            self.device, step_context(self),
+        )  # fmt: skip
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -607,14 +331,9 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_validation_start(self) -> None:
-        # The loaders are known now.
+        # The loaders are known now; validate without fit: a reward model moves to the policy's device.
         check_generation_budget(self.settings, *batch_sizes(fit_shape(self.trainer)))
-        self._share_policy_context()  # validate without fit: a reward model moves to the policy's device
-
-    def _share_policy_context(self) -> None:
-        context = PolicyContext(self.device, self.hparams.system_prompt)
-        share_policy_context(self.reward, context)
-        share_policy_context(self.accuracy, context)
+        components.share_policy(self.reward, self.accuracy, self.device, self.settings.prompts)
 
     @override
     def on_validation_end(self) -> None:
@@ -655,7 +374,9 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         total, sharded = self.plan.total_steps(fit_shape(self.trainer)), self.device_mesh is not None
-        return optimizer_config(self.model, self.settings.optimizer, total, self.trainer.precision, sharded)
+        return components.optimizer_config(
+            self.model, self.settings.optimizer, total, self.trainer.precision, sharded
+        )
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> GRPOLightningModule:
@@ -674,7 +395,8 @@ class GRPOLightningModule(pl.LightningModule):
         self._checkpoint_step = checkpoint.get("global_step")
         # Resuming a fit checks and restores the run; validate or load_from_checkpoint may use other settings.
         resumed = fit_shape(self.trainer) if self._fitting else None
-        load_run_state(checkpoint, resumed, self.hparams, self.reporter, self.rollout_source, self.reward)
+        parts = self.reporter, self.rollout_source, self.reward
+        load_run_state(checkpoint, resumed, self.hparams, *parts, CHANGEABLE_ON_RESUME)
         if resumed is not None:  # a resumed fit trains on with the changes made midway
             self._use_adjustments(Adjustments.from_state(checkpoint.get(CHECKPOINT_KEY)))
 

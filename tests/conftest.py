@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny Llama and a character tokenizer built in the test, no network."""
+"""Shared fixtures: a tiny Llama and a character tokenizer built in the test, no network; the
+helpers they are built from live in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -8,34 +9,23 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import asyncio  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
-import string  # noqa: E402
 import subprocess  # noqa: E402
-import threading  # noqa: E402
-from collections.abc import Awaitable, Callable  # noqa: E402
 from multiprocessing.process import BaseProcess  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from aiohttp import web  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from helpers import rewards  # noqa: E402
+from helpers.engines import CalculatorCalls, FixedCompletions  # noqa: E402
+from helpers.gradients import exact_settings, gradient_spy, other_reference  # noqa: E402
+from helpers.models import make_model, make_tokenizer  # noqa: E402
+from helpers.sandbox import skip_unless_sandbox_isolates  # noqa: E402
+from helpers.server import Handler, LocalServer  # noqa: E402
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-# A 2-layer Llama seeded with ``seed``; ``overrides`` replace any of its LlamaConfig fields.
-from forge_lightning.testing import tiny_model as make_model  # noqa: E402
-
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
-CHARS = list(string.ascii_letters + string.digits + " .,:;?!+-*/=()$%#\n'\"<>")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
 
 
 # -- test tiers: `pytest -m unit` is the fast loop -----------------------------------------------
@@ -110,32 +100,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 _DONE = pytest.StashKey[set]()
 
 
-def make_tokenizer(chat_template: bool = False) -> PreTrainedTokenizerFast:
-    """One token per character; pad is the EOS, as in SmolLM2."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<eos>", pad_token="<eos>", bos_token="<bos>", unk_token="<unk>"
-    )
-    if chat_template:
-        tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def skip_unless_sandbox_isolates() -> None:
-    """Skip the test, with the probe's reason, where the machine cannot isolate sandboxed workers
-    (run/isolation.py's probe: unshare, Landlock, a pids bound), as the GPU tests are without a GPU."""
-    from forge_lightning.run import isolation
-    from forge_lightning.run.sandbox import SandboxUnavailable
-
-    try:
-        isolation.probe()
-    except SandboxUnavailable as err:
-        pytest.skip(f"this machine cannot isolate sandboxed workers: {err}")
-
-
 @pytest.fixture
 def tokenizer() -> PreTrainedTokenizerFast:
     return make_tokenizer()
@@ -190,17 +154,22 @@ def gsm8k_dir() -> Path:
     return GSM8K_DIR
 
 
+@pytest.fixture
+def isolating_machine(request):
+    """A test that starts sandboxed workers (marked integration) runs where the machine can isolate
+    them (run/isolation.py's probe: unshare, Landlock, a pids bound); elsewhere it is skipped with
+    the probe's reason, as the GPU tests are without a GPU. The refusal itself is tested on every machine
+    (run/test_sandbox.py). A module asks for it with ``pytest.mark.usefixtures``."""
+    if "integration" in request.keywords:
+        skip_unless_sandbox_isolates()
+
+
 # -- shared factories, as fixtures: a test asks for the factory and calls it with its settings --
-
-
-def _count_a(prompts: list[str], responses: list[str]) -> list[float]:
-    """Fraction of 8 completion characters that are 'a': a task a random tiny model can learn."""
-    return [sum(ch == "a" for ch in r) / 8 for r in responses]
 
 
 @pytest.fixture
 def count_a():
-    return _count_a
+    return rewards.count_a
 
 
 @pytest.fixture
@@ -246,7 +215,7 @@ def module():
         defaults = dict(
             model=make_model(len(tok)),
             tokenizer=tok,
-            reward=_count_a,
+            reward=rewards.count_a,
             group_size=4,
             max_new_tokens=8,
             learning_rate=1e-3,
@@ -272,121 +241,6 @@ def tiny_overrides():
         ]
 
     return make
-
-
-def _varied(prompts: list[str], responses: list[str]) -> list[float]:
-    return [float(sum(map(ord, r)) % 5) for r in responses]
-
-
-class FixedCompletions:
-    """A generation engine whose completions depend on nothing but their prompt: however prompts
-    are split into batches, accumulation batches or ranks, each gets the same G completions
-    (of lengths 1 to ``max_new_tokens``, ending with EOS)."""
-
-    def __init__(self, vocab_size: int, eos: int) -> None:
-        self.vocab_size, self.eos = vocab_size, eos
-
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params) -> torch.Tensor:
-        rows = []
-        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
-            seed = sum(i * m for i, m in zip(ids, mask))
-            for j in range(group_size):
-                length = 1 + (seed + 3 * j) % params.max_new_tokens
-                body = [4 + (seed * 7 + j * 5 + k * 3) % (self.vocab_size - 4) for k in range(length - 1)]
-                rows.append([*body, self.eos])
-        width = max(len(r) for r in rows)
-        padded = [r + [self.eos] * (width - len(r)) for r in rows]
-        return torch.tensor(padded, device=prompt_ids.device)
-
-    def sync_weights(self, model) -> None:
-        pass
-
-
-class ScriptedAnswers:
-    """An engine answering each prompt from ``script`` (prompt text -> its answers; a call takes
-    the first ``group_size``), recording the sampling settings it was asked for."""
-
-    def __init__(self, tokenizer, script: dict[str, list[str]]) -> None:
-        self.tok, self.script, self.params = tokenizer, script, []
-
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params) -> torch.Tensor:
-        self.params.append(params)
-        rows = []
-        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
-            prompt = self.tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True)
-            for text in self.script[prompt][:group_size]:
-                rows.append([*self.tok(text, add_special_tokens=False)["input_ids"], self.tok.eos_token_id])
-        return torch.tensor(rows, device=prompt_ids.device)
-
-    def sync_weights(self, model) -> None:
-        pass
-
-
-class CalculatorCalls:
-    """An engine without stopping criteria whose completions call the inline calculator
-    (annotation style) depending on their prompt alone: a prompt with a space makes no call; any
-    other makes ``j`` calls in completion ``j`` of its group (one per round, each ``<<j+k=``),
-    then writes ``ok`` and ``j`` characters. The sampler cuts each round at its call, so ranks and
-    batches holding different prompts take different numbers of rounds."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tok = tokenizer
-
-    def continuation(self, prompt: str, done: str, j: int) -> str:
-        calls = done.count(">>")
-        if " " in prompt or calls >= j:
-            return " ok" + "ab"[j % 2] * j
-        return f"<<{j}+{calls}="
-
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params) -> torch.Tensor:
-        rows = []
-        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
-            text = self.tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True)
-            prompt, _, done = text.partition("#")
-            for j in range(group_size):
-                # Round 1 holds the bare prompt (the row's index in its group picks its script);
-                # later rounds carry it after the "#" the first round wrote.
-                index = j if not done else int(done[0])
-                head = f"#{index}" if not done else ""
-                new = self.tok(head + self.continuation(prompt, done, index), add_special_tokens=False)
-                rows.append([*new["input_ids"], self.tok.eos_token_id][: params.max_new_tokens])
-        width = max(len(r) for r in rows)
-        return torch.tensor(
-            [r + [self.tok.eos_token_id] * (width - len(r)) for r in rows], device=prompt_ids.device
-        )
-
-    def sync_weights(self, model) -> None:
-        pass
-
-
-def other_reference():
-    from forge_lightning.callbacks import ReferenceModel
-
-    class Other(ReferenceModel):
-        def _build(self, trainer, policy):
-            return make_model(policy.config.vocab_size, seed=5).to(policy.dtype).requires_grad_(False)
-
-    return Other()
-
-
-def exact_settings(**settings) -> dict:
-    """The settings of the gradient-equivalence runs: a seeded tiny policy, fixed completions."""
-    torch.manual_seed(1)
-    tok = make_tokenizer()
-    # float64, so that sums taken in another order agree to far below the tolerances checked
-    defaults = dict(model=make_model(len(tok)).double(), tokenizer=tok, reward=_varied, max_new_tokens=6)
-    defaults.update(kl_beta=0.05, max_grad_norm=None, gradient_accumulation_steps=1, group_size=4)
-    return {**defaults, **settings}
-
-
-def gradient_spy(grads: list):
-    import lightning.pytorch as pl
-
-    class Grads(pl.Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            grads.extend(p.grad.clone() for p in pl_module.model.parameters())
-
-    return Grads()
 
 
 @pytest.fixture
@@ -423,50 +277,6 @@ def step_gradients(tmp_path, module, trainer, loader):
 # -- a real local HTTP server (rewards scored over HTTP): aiohttp on 127.0.0.1, an ephemeral port,
 # its event loop in a thread of the test
 
-# A handler gets the request's JSON body and the number of the request (0 for the first) and
-# returns the answer: a JSON-able value (HTTP 200), or a web.Response of its own.
-Handler = Callable[[Any, int], Awaitable[Any]]
-
-
-class LocalServer:
-    """One aiohttp app answering POSTs to ``path`` with ``handler``; ``requests`` holds each
-    request's JSON body and ``headers`` its headers, in order."""
-
-    def __init__(self, handler: Handler, path: str) -> None:
-        self.handler, self.requests, self.headers = handler, [], []
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}{path}"
-        app = web.Application()
-        app.router.add_post(path, self._answer)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.1)  # a stalled handler is cut at stop
-        self._run(self._start(sock))
-
-    async def _start(self, sock: socket.socket) -> None:
-        await self.runner.setup()
-        await web.SockSite(self.runner, sock).start()
-
-    async def _answer(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.requests.append(body)
-        self.headers.append(dict(request.headers))
-        answer = await self.handler(body, len(self.requests) - 1)
-        return answer if isinstance(answer, web.StreamResponse) else web.Response(text=json.dumps(answer))
-
-    def _run(self, coroutine: Awaitable[Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=10)
-
-    def stop(self) -> None:
-        """Close the server (its port then refuses connections) and end its thread; twice is once."""
-        if self.thread.is_alive():
-            self._run(self.runner.cleanup())
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
-            self.loop.close()
-
 
 @pytest.fixture
 def serve():
@@ -480,29 +290,3 @@ def serve():
     yield start
     for server in servers:
         server.stop()
-
-
-def mixed_rollout(
-    vocab_size: int, ends: list[int], prompt_lengths: list[int], group_size: int, seed: int = 0
-):
-    """A rollout of random tokens whose completion ``i`` ends with an EOS (id 1) at column
-    ``ends[i] - 1`` (none where ``ends[i]`` is the width, ``max(ends)``): completions of mixed
-    lengths, and left-padded prompts of ``prompt_lengths`` tokens."""
-    from forge_lightning.rollout.types import Rollout, completion_mask
-
-    generator = torch.Generator().manual_seed(seed)
-    width, prompt_width = max(ends), max(prompt_lengths)
-    completions = torch.randint(4, vocab_size, (len(ends), width), generator=generator)
-    for row, end in enumerate(ends):
-        if end < width:
-            completions[row, end - 1] = 1
-    prompt_mask = torch.tensor([[0] * (prompt_width - n) + [1] * n for n in prompt_lengths])
-    prompt_ids = torch.randint(4, vocab_size, prompt_mask.shape, generator=generator) * prompt_mask
-    return Rollout(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        completion_ids=completions,
-        completion_mask=completion_mask(completions, [1]),
-        group_size=group_size,
-        completions=[""] * len(ends),
-    )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 
 from forge_lightning import ExactMatchReward, GRPOConfig, GRPOTrainer
 from forge_lightning.rewards.library import BaseReward, RewardOutput

@@ -1,6 +1,6 @@
 """The package's folders are layers, and a layer imports only the layers below it.
 
-Read from the source with the import graph of test_imports.py (every import counts: under
+Read from the source with the import graph of helpers/import_graph.py (every import counts: under
 ``if TYPE_CHECKING:``, inside functions). On top of that order, the two rules a reader relies on
 are checked by name: ``grpo/`` (the math) imports nothing of the package, and ``rollout/`` (prompts
 in, a Rollout out) imports neither ``training/`` nor ``callbacks/``. And the callbacks read the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from test_imports import ROOT, _write, import_graph
+from helpers.import_graph import ROOT, import_graph, write_tree
 
 # Bottom to top. A module may import its own folder and the folders of lower layers, nothing else:
 # an import between two folders of one layer, or upwards, is an arrow back up.
@@ -104,7 +104,7 @@ def test_callbacks_read_the_module_through_protocols_not_probes():
 
 
 def test_the_layer_check_fails_on_an_import_upwards_across_a_layer_and_into_a_forbidden_folder(tmp_path):
-    root = _write(
+    root = write_tree(
         tmp_path / "pkg",
         {
             "__init__.py": "",

@@ -10,10 +10,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 
 from forge_lightning.callbacks import ReferenceModel
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.rollout.engines.base import Completions, EngineCapabilities, GenerationRequest
 from forge_lightning.rollout.sampler import encode_prompts
 from forge_lightning.rollout.types import completion_mask
 
@@ -288,9 +289,11 @@ def test_step_reports_entropy_and_each_reward_components_spread(tmp_path, module
 class CutOff:
     """Every completion runs to max_new_tokens without an EOS."""
 
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params):
-        rows = prompt_ids.shape[0] * group_size
-        return 4 + torch.arange(rows * params.max_new_tokens).view(rows, -1) % 20
+    capabilities = EngineCapabilities()
+
+    def generate(self, model, request: GenerationRequest) -> Completions:
+        rows = request.prompt_ids.shape[0] * request.group_size
+        return Completions(4 + torch.arange(rows * request.params.max_new_tokens).view(rows, -1) % 20)
 
     def sync_weights(self, model) -> None:
         pass

@@ -11,7 +11,7 @@ from datetime import timedelta
 import datasets
 import pytest
 import torch
-from conftest import make_model
+from helpers.models import make_model
 from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer

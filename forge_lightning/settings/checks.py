@@ -1,168 +1,49 @@
 """Range checks for the module's settings, shared by the module and the Forge-style GRPOConfig.
 
 Each setting is checked once: the loss's own settings by :class:`~forge_lightning.grpo.LossSettings`
-(built here from the same values), LoRA's by :class:`~forge_lightning.models.lora.LoraSettings`, every
-other one by ``RULES``.
+(built from the same values), LoRA's by :class:`~forge_lightning.models.lora.LoraSettings`, every
+other one by the range its declaration gives (``RULES``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from forge_lightning.grpo import ADVANTAGE_ESTIMATORS, ADVANTAGE_SCALES, LossSettings, scales_itself
-from forge_lightning.rollout.engines.generation_settings import SAMPLING_RULES, check_engine_logprob_kwargs
-from forge_lightning.rollout.engines.registry import ENGINES
-from forge_lightning.training.optim import LR_SCHEDULES
+from forge_lightning.grpo import ADVANTAGE_ESTIMATORS, scales_itself
+from forge_lightning.rollout.engines.generation_settings import check_engine_logprob_kwargs
+from forge_lightning.settings.declare import Rule, check_value
+from forge_lightning.settings.groups import (
+    DEFAULT_BEHAV_IMP_WEIGHT_CAP,
+    LOSS_FIELDS,
+    MODEL_DTYPES,
+    loss_settings,
+)
+from forge_lightning.settings.groups import RULES as MODULE_RULES
 
 log = logging.getLogger(__name__)
 
-MODEL_DTYPES = ("float32", "auto", "bfloat16", "float16")
+__all__ = ["LOSS_FIELDS", "MODEL_DTYPES", "RULES", "check_setting", "loss_settings", "validate_hparams"]
 
 
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and v >= 1
 
 
-# The arguments of apply_chat_template the rollouts set themselves (chat_template_kwargs may not).
-_SET_BY_US = frozenset(
-    {"conversation", "tools", "tokenize", "add_generation_prompt", "continue_final_message"}
-)
-
-
-def _parsers() -> Any:
-    # Here, not at the top: the tools package imports transformers, which this module does not.
-    from forge_lightning.rollout.tools import parsers
-
-    return parsers
-
-
-# field -> (predicate, the allowed range in words, or a function that says it when asked)
-RULES: dict[str, tuple[Callable[[Any], bool], str | Callable[[], str]]] = {
-    "group_size": (lambda v: isinstance(v, int) and v >= 2, "an integer >= 2"),
-    "temperature": (lambda v: v > 0, "> 0"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    "min_p": SAMPLING_RULES["min_p"],
-    "repetition_penalty": SAMPLING_RULES["repetition_penalty"],
-    "stop": (_optional(SAMPLING_RULES["stop"][0]), "None or " + SAMPLING_RULES["stop"][1]),
-    "max_new_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "learning_rate": (lambda v: v > 0, "> 0"),
-    "weight_decay": (lambda v: v >= 0, ">= 0"),
-    "gradient_accumulation_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "max_grad_norm": (_optional(lambda v: v > 0), "None or > 0"),
-    "warmup_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    "lr_schedule": (lambda v: v in LR_SCHEDULES, f"one of {LR_SCHEDULES}"),
-    "advantage_scale": (lambda v: v in ADVANTAGE_SCALES, f"one of {ADVANTAGE_SCALES}"),
-    "advantage_estimator": (lambda v: v in ADVANTAGE_ESTIMATORS, f"one of {ADVANTAGE_ESTIMATORS}"),
-    "num_iterations": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "train_micro_batch_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
-    "train_micro_batch_tokens": (
-        _optional(lambda v: isinstance(v, int) and v >= 1),
-        "None or an integer >= 1",
-    ),
-    "max_prompt_length": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
-    "prompt_truncation": (lambda v: v in ("left", "error"), "'left' or 'error'"),
-    "on_reward_error": (lambda v: v in ("raise", "zero"), "'raise' or 'zero'"),
-    "max_consecutive_bad_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "reward_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
-    "model_dtype": (lambda v: v in MODEL_DTYPES, f"one of {MODEL_DTYPES}"),
-    "generation_backend": (lambda v: v in ENGINES, lambda: " or ".join(map(repr, ENGINES))),
-    "vllm_gpu_memory_utilization": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "rollout_precision": (_optional(lambda v: v in ("int8", "bf16")), "None, 'int8' or 'bf16'"),
-    "logprob_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
-    "lm_head_chunk_size": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
-    "max_sampling_rounds": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "num_train_epochs": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+# setting -> (predicate, the allowed range in words): the module's, read from their declarations
+# (settings/groups/), and GRPOConfig's and the callbacks' own.
+RULES: dict[str, Rule] = {
+    **MODULE_RULES,
+    "num_train_epochs": (_count, "an integer >= 1"),
     "save_steps": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    "logging_steps": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "rollout_mode": (lambda v: v in ("sync", "async"), "'sync' or 'async'"),
-    "max_staleness": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    "rollout_worker_threads": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
-    "calculator": (_optional(lambda v: v in ("annotation", "plain")), "None, 'annotation' or 'plain'"),
-    "max_tool_calls": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    "tool_call_format": (
-        lambda v: v in _parsers().CALL_FORMATS,
-        lambda: f"one of {_parsers().format_names()} (tools/parsers.py's CALL_FORMATS)",
-    ),
-    "tool_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
-    "max_tool_result_chars": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "max_parallel_tool_calls": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "chat_template_kwargs": (
-        _optional(
-            lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v) and not set(v) & _SET_BY_US
-        ),
-        f"None or a dict of the template's variables by name, none of {sorted(_SET_BY_US)}",
-    ),
-    "sandbox": (lambda v: v in ("thread", "process"), "'thread' or 'process'"),
-    "sandbox_memory_mb": (lambda v: isinstance(v, int) and v >= 64, "an integer >= 64 (MiB)"),
-    "sandbox_cpu_seconds": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "sandbox_workers": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "sandbox_env": (
-        _optional(lambda v: isinstance(v, (list, tuple)) and all(isinstance(n, str) and n for n in v)),
-        "None or a list of environment variables' names",
-    ),
-    "agent": (_optional(lambda v: isinstance(v, str) and "." in v), "None or an import path (pkg.module.fn)"),
-    "agent_timeout": (_optional(lambda v: v > 0), "None or > 0 (seconds)"),
-    "val_num_generations": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    "val_temperature": (lambda v: v > 0, "> 0"),
-    "val_top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "val_max_new_tokens": (_optional(lambda v: isinstance(v, int) and v >= 1), "None or an integer >= 1"),
-    "max_generation_tokens": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "steps_per_generation": (lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    "rollout_correction": (_optional(lambda v: v in ("mask", "truncate")), "None, 'mask' or 'truncate'"),
-    "rollout_correction_level": (lambda v: v in ("token", "sequence"), "'token' or 'sequence'"),
-    "rollout_correction_cap": (_optional(lambda v: v > 1), "None or > 1"),
-    "preflight_memory_gb": (_optional(lambda v: v > 0), "None or > 0 (GiB)"),
+    "logging_steps": (_count, "an integer >= 1"),
 }
-
-
-# Settings of the loss, passed to LossSettings (which checks them) under the same names.
-LOSS_FIELDS = (
-    "loss_type",
-    "clip_epsilon",
-    "clip_epsilon_high",
-    "kl_beta",
-    "importance_sampling_level",
-    "kl_estimator",
-    "clip_ratio_c",
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
-    "entropy_coef",
-    "kl_in_reward",
-    "behav_imp_weight_cap",
-)
-# The async worker's default correction (AReaL's: masked at behav_imp_weight_cap, token level,
-# only for a rollout sampled by older weights) until rollout_correction names one.
-DEFAULT_BEHAV_IMP_WEIGHT_CAP = 5.0
-
-
-def loss_settings(values: Mapping[str, Any]) -> LossSettings:
-    """The loss settings among ``values`` (``max_new_tokens`` is dr_grpo's constant). With
-    ``rollout_correction`` set, its mode, level and cap make the correction weight; else the
-    async worker's ``behav_imp_weight_cap`` (masked, token level)."""
-    picked = {name: values[name] for name in LOSS_FIELDS if name in values}
-    if values.get("rollout_correction") is not None:
-        picked["behav_imp_weight_cap"] = values.get("rollout_correction_cap", 3.0)
-        picked["rollout_correction"] = values["rollout_correction"]
-        picked["rollout_correction_level"] = values.get("rollout_correction_level", "token")
-    return LossSettings(**picked, max_completion_length=values.get("max_new_tokens"))
 
 
 def check_setting(field: str, value: Any) -> None:
     """Raise ValueError naming ``field`` when ``value`` is outside its range in ``RULES``."""
-    allowed, words = RULES[field]
-    words = words() if callable(words) else words
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{field} must be finite ({words}), got {value!r}")
-    try:
-        ok = bool(allowed(value))
-    except TypeError:
-        ok = False
-    if isinstance(value, bool) or not ok:
-        raise ValueError(f"{field} must be {words}, got {value!r}")
+    check_value(field, value, RULES[field])
 
 
 def validate_hparams(values: Mapping[str, Any]) -> None:

@@ -2,7 +2,7 @@
 ``configure_model``, its optimizer in ``configure_optimizers``).
 
 The flat hyperparameters (``--model.<name>``: the CLI's, the config's and the checkpoint's
-record) become typed settings groups (settings/groups.py), and the collaborators the module holds
+record) become typed settings groups (settings/groups/), and the collaborators the module holds
 are built from those here: the log-prob scorer, the loss passes, the rollout source, the step
 plan, the metrics and their reporter, the sampled evaluation, the prompt format and the tools.
 The layers below (rollout/, training/, evaluation/, models/) cannot import the groups
@@ -28,6 +28,7 @@ from forge_lightning.rewards.environment import EnvironmentReward, with_environm
 from forge_lightning.rewards.library import (
     CompositeReward,
     GSM8KAnswerReward,
+    PolicyContext,
     RewardArgument,
     RewardFn,
     as_reward,
@@ -35,6 +36,7 @@ from forge_lightning.rewards.library import (
     load_reward,
     reward_name,
     reward_spec,
+    share_policy_context,
 )
 from forge_lightning.rollout.agents.runner import AgentRunner, load_agent
 from forge_lightning.rollout.engines.base import SamplingParams
@@ -70,10 +72,23 @@ VALIDATION_KEYS = ("accuracy", "reward", "completion_length", "truncated_fractio
 class StoredArguments:
     """The constructor's arguments as ``save_hyperparameters`` must see them, and the reward built."""
 
+    model: Any  # the spec, or the model given
     peft: dict[str, Any] | None  # the LoRA settings as a dict
     reward: Any  # the reward's spec (plain data), None for one that has none
     reward_object: Any  # the reward, loaded from its spec or given; None for GSM8K's default
     unstored: list[str]  # the arguments given as objects, which no checkpoint can store
+    tools: StoredTools  # the tools and environment factories, by import path and as objects
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        """The objects as the hyperparameters keep them (plain data), by argument name."""
+        tools = {"tools": self.tools.tools, "environment_factory": self.tools.environment_factory}
+        return {"model": self.model, "reward": self.reward, "peft": self.peft, **tools}
+
+    @property
+    def ignored(self) -> list[str]:
+        """The arguments the hyperparameters leave out: those no checkpoint can store."""
+        return ["tokenizer", "accuracy", "answer_key", *self.unstored]
 
     @property
     def reward_fn(self) -> RewardFn:
@@ -82,7 +97,7 @@ class StoredArguments:
 
 
 def stored_arguments(
-    model: Any, tokenizer: Any, reward: RewardArgument | None, peft: LoraSettings | None
+    model: Any, tokenizer: Any, reward: RewardArgument | None, peft: LoraSettings | None, tools: StoredTools
 ) -> StoredArguments:
     """Lightning checkpoints load with weights_only=True, which refuses custom classes: the
     hyperparameters keep the LoRA settings as a dict (load_from_checkpoint passes it back), and the
@@ -95,7 +110,9 @@ def stored_arguments(
     spec = reward_spec(reward_object)
     unstored = ["model"] if model is not None and not isinstance(model, str) else []
     unstored += ["reward"] if reward_object is not None and spec is None else []
-    return StoredArguments(None if lora is None else asdict(lora), spec, reward_object, unstored)
+    return StoredArguments(
+        model, None if lora is None else asdict(lora), spec, reward_object, unstored, tools
+    )
 
 
 @dataclass
@@ -422,3 +439,10 @@ def reads_agent_score(reward: RewardFn | None) -> bool:
         return True
     parts = reward.rewards if isinstance(reward, CompositeReward) else [reward]
     return any(isinstance(part, EnvironmentReward) for part in parts)
+
+
+def share_policy(reward: RewardFn, accuracy: RewardFn, device: Any, prompts: PromptSettings) -> None:
+    """Tell the rewards (a reward model among them) the policy's device and system prompt."""
+    context = PolicyContext(device, prompts.system_prompt)
+    share_policy_context(reward, context)
+    share_policy_context(accuracy, context)

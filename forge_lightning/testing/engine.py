@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import Completions, EngineCapabilities, GenerationRequest
 
 
 @dataclass
@@ -56,22 +55,25 @@ class ScriptedEngine:
         self.tokenizer, self.scripts = tokenizer, [[list(turns) for turns in group] for group in scripts]
         self.rows: list[_Row] = []  # the last round's
 
-    def generate(
-        self, model, prompt_ids: Tensor, prompt_mask: Tensor, group_size: int, params: SamplingParams
-    ) -> Tensor:
+    # Each turn ends with the EOS, where the tool sampler reads it whole: no stop rule is needed.
+    capabilities = EngineCapabilities()
+
+    def generate(self, model, request: GenerationRequest) -> Completions:
         """Completion ids ``(N*group_size, Lc)``, right-padded: each row's next scripted turn."""
+        self.capabilities.check(request, type(self).__name__)
+        prompt_ids, prompt_mask, group_size = request.prompt_ids, request.prompt_mask, request.group_size
         inputs = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         rows = self._continued(inputs) if group_size == 1 else None
         if rows is None:
             rows = self._started(inputs, group_size)
         out = []
         for row in rows:
-            row.written = self._turn(row)[: params.max_new_tokens]
+            row.written = self._turn(row)[: request.params.max_new_tokens]
             out.append(row.written)
         self.rows = rows
         width = max(len(ids) for ids in out)
         padded = [ids + [self.tokenizer.pad_token_id] * (width - len(ids)) for ids in out]
-        return torch.tensor(padded, dtype=torch.long, device=prompt_ids.device)
+        return Completions(torch.tensor(padded, dtype=torch.long, device=prompt_ids.device))
 
     def sync_weights(self, model) -> None:
         pass

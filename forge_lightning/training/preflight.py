@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from forge_lightning.rollout.engines.base import GenerationBackend, SamplingParams
+from forge_lightning.rollout.engines.base import GenerationBackend, GenerationRequest, SamplingParams
+from forge_lightning.rollout.engines.legacy import as_engine
 from forge_lightning.rollout.types import Rollout
 from forge_lightning.training.context import StepContext
 from forge_lightning.training.loss_passes import LossPasses
@@ -230,7 +231,8 @@ def _generate(model: PreTrainedModel, engine: Engine, case: WorstCase, token: in
     full = {FULL_LENGTH.get(engine.name, FULL_LENGTH["hf"]): case.new_tokens}
     params = replace(engine.sampling, stop=(), extra={**(engine.sampling.extra or {}), **full})
     prompts = torch.full((case.prompts, case.prompt_length), token, dtype=torch.long, device=device)
-    engine.backend.generate(model, prompts, torch.ones_like(prompts), case.group_size, params)
+    request = GenerationRequest(prompts, torch.ones_like(prompts), case.group_size, params)
+    as_engine(engine.backend).generate(model, request)
 
 
 def _train_one_micro_batch(

@@ -4,7 +4,7 @@ asynchronous rollouts in flight; and what a resume checks and restores of them."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from forge_lightning.rewards.library import reward_parts
@@ -43,15 +43,16 @@ def load_run_state(
     reporter: StepReporter,
     rollouts: RolloutSource,
     reward: Any,
+    changeable: Collection[str],
 ) -> None:
     """Restore what :func:`save_run_state` added (``on_load_checkpoint``); ``resumed``: the fit that
     resumes from ``checkpoint`` (its settings checked against the checkpoint's, and
     the run's state restored), None outside fit; ``current``: the module's flat hyperparameters,
-    compared with those the checkpoint holds."""
+    compared with those the checkpoint holds, where the names ``changeable`` may differ."""
     if resumed is not None:
         # A served reward's URL may change (warned), its other scoring arguments not (named).
         saved = reward_on_resume(checkpoint.get("hyper_parameters", {}), current)
-        check_resume({**checkpoint, "hyper_parameters": saved}, current, resumed.recorded())
+        check_resume({**checkpoint, "hyper_parameters": saved}, current, resumed.recorded(), changeable)
         check_reward_models(checkpoint.get("forge_reward_models", []), reward_parts(reward))
         reporter.tokens_trained = float(checkpoint.get("forge_tokens_trained", 0.0))
         if "forge_async" in checkpoint:

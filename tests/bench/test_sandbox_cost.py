@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import skip_unless_sandbox_isolates
+from helpers.sandbox import skip_unless_sandbox_isolates
 
 from forge_lightning.bench import sandbox_cost
 

@@ -9,14 +9,14 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import CHAT_TEMPLATE, make_model, make_tokenizer
+from helpers.models import CHAT_TEMPLATE, make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
 
 import forge_lightning.rollout.logprobs as logprobs_module
 import forge_lightning.training.loss_passes as backward_module
 from forge_lightning.bench import throughput as bench
 from forge_lightning.reporting.profiler import PHASES, PhaseProfiler
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
 from forge_lightning.rollout.logprobs import LogProbScorer, completion_log_probs
 from forge_lightning.rollout.sampler import encode_prompts
@@ -164,7 +164,8 @@ def test_generation_runs_each_prompt_once_and_decodes_as_plain_generate_does():
         lambda _, args, kw: batch_sizes.append(kw["input_ids"].shape[0]), with_kwargs=True
     )
     greedy = SamplingParams(max_new_tokens=6, greedy=True)
-    ours = HFGenerate(tok.pad_token_id, [EOS]).generate(model, prompt_ids, prompt_mask, GROUP, greedy)
+    request = GenerationRequest(prompt_ids, prompt_mask, GROUP, greedy)
+    ours = HFGenerate(tok.pad_token_id, [EOS]).generate(model, request).ids
     hook.remove()
     assert batch_sizes[0] == 2  # the prompts' forward: once per prompt, not once per completion
     plain = model.generate(

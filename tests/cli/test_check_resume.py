@@ -16,7 +16,7 @@ from forge_lightning.cli.forge_cli import build_cli, main
 
 TESTS = Path(__file__).resolve().parents[1]
 
-# A sync run with accumulation: its reward (tests/faults.py) varies among the tiny model's samples.
+# A sync run with accumulation: its reward (tests/helpers/faults.py) varies among the tiny model's samples.
 CONFIG = """
 seed_everything: 7
 trainer:
@@ -27,7 +27,7 @@ trainer:
   limit_val_batches: 0
 model:
   model: {model}
-  reward: faults.distinct_characters
+  reward: helpers.faults.distinct_characters
   group_size: 4
   max_new_tokens: 6
   learning_rate: 0.01
@@ -42,7 +42,7 @@ data:
 
 @pytest.fixture
 def config(tiny_model_dir, tmp_path, monkeypatch) -> Path:
-    """The config's file; its runs import tests/faults.py."""
+    """The config's file; its runs import tests/helpers/faults.py."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     path = tmp_path / "accumulation.yaml"
     path.write_text(CONFIG.format(model=tiny_model_dir))
@@ -82,7 +82,13 @@ def test_a_config_with_accumulation_resumes_exactly_at_every_hard_moment(config,
 @pytest.mark.integration
 def test_a_resume_that_skips_the_rng_restore_fails_at_its_first_difference(config, tmp_path, capsys):
     # faults.SkipRngRestore leaves the resumed process's RNG as it starts instead of the checkpoint's.
-    args = ["--config", str(config), "--trainer.callbacks+=faults.SkipRngRestore", "--workdir", str(tmp_path)]
+    args = [
+        "--config",
+        str(config),
+        "--trainer.callbacks+=helpers.faults.SkipRngRestore",
+        "--workdir",
+        str(tmp_path),
+    ]
     assert check(*args) == 1
     out = capsys.readouterr().out
     fail = [line for line in out.splitlines() if line.startswith("FAIL: ")]

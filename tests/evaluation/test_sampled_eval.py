@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -12,11 +13,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import ScriptedAnswers, _varied, make_model, make_tokenizer
+from helpers.engines import ScriptedAnswers
+from helpers.models import make_model, make_tokenizer
+from helpers.rewards import varied
 
 from forge_lightning.callbacks import RewardLogger
 from forge_lightning.evaluation.sampled import majority_at, pass_at_k, prompt_metrics, report_ks
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import EngineCapabilities, SamplingParams
 
 
 def brute_pass(right: list[bool], k: int) -> float:
@@ -199,7 +202,7 @@ def test_a_fit_trains_the_same_with_or_without_sampled_validations(trainer, load
         grpo = GRPOLightningModule(
             model=make_model(len(tok)),
             tokenizer=tok,
-            reward=_varied,
+            reward=varied,
             group_size=2,
             max_new_tokens=4,
             learning_rate=1e-3,
@@ -233,16 +236,17 @@ def test_a_reference_the_accuracy_check_cannot_read_names_the_accuracy_setting(
 
 def test_the_sampled_evaluation_settings_may_change_on_resume():
     from forge_lightning.run.resume import resume_differences
+    from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME
 
     saved = {"val_num_generations": 0, "val_temperature": 1.0, "val_top_p": 1.0, "val_max_new_tokens": None}
     now = {"val_num_generations": 8, "val_temperature": 0.6, "val_top_p": 0.95, "val_max_new_tokens": 64}
-    fixed, changeable = resume_differences(saved, now)
+    fixed, changeable = resume_differences(saved, now, CHANGEABLE_ON_RESUME)
     assert fixed == [] and len(changeable) == 4
 
 
 @pytest.mark.integration
 def test_with_tools_the_samples_run_the_tool_loop_and_keep_their_calls(module, trainer, loader, tmp_path):
-    from conftest import CalculatorCalls
+    from helpers.engines import CalculatorCalls
 
     grpo = module(calculator="annotation", val_num_generations=3, max_new_tokens=12)
     grpo.generator = CalculatorCalls(grpo.tokenizer)
@@ -261,15 +265,16 @@ def test_under_ddp_each_prompt_counts_once_and_rank_0_writes_every_answer(tmp_pa
     import subprocess
     import sys
 
-    from ddp_validation import validate
+    from helpers.ddp_validation import validate
 
     tests = Path(__file__).resolve().parents[1]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     done = subprocess.run(
-        [*torchrun, str(tests / "ddp_validation.py"), str(tmp_path / "ddp")],
+        [*torchrun, str(tests / "helpers" / "ddp_validation.py"), str(tmp_path / "ddp")],
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tests)},
     )
     assert done.returncode == 0, done.stderr[-4000:]
     one = validate(tmp_path / "one", devices=1)
@@ -307,7 +312,9 @@ class CountingGenerate:
     def __init__(self) -> None:
         self.calls = 0
 
-    def generate(self, *args, **kwargs):
+    capabilities = EngineCapabilities()
+
+    def generate(self, model, request):
         self.calls += 1
         raise AssertionError("sampled before the budget check")
 

@@ -11,9 +11,9 @@ import os
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 
-from forge_lightning.rollout.engines.async_worker import RolloutWorker, WorkerSettings
+from forge_lightning.rollout.async_worker import RolloutWorker, WorkerSettings
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import encode_prompts

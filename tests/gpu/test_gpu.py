@@ -9,11 +9,11 @@ import os
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 from transformers import AutoModelForCausalLM
 
 from forge_lightning.callbacks import HFCheckpoint
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
 from forge_lightning.rollout.logprobs import completion_log_probs
 from forge_lightning.rollout.sampler import encode_prompts
@@ -83,9 +83,8 @@ def test_prefilled_cuda_generation_equals_plain_generate():
     prompt_ids, prompt_mask = encode_prompts(tok, ["ab", "hello there"], use_chat_template=False)
     prompt_ids, prompt_mask = prompt_ids.to(DEVICE), prompt_mask.to(DEVICE)
     greedy = SamplingParams(8, greedy=True)
-    ours = HFGenerate(tok.pad_token_id, [tok.eos_token_id]).generate(
-        model, prompt_ids, prompt_mask, 3, greedy
-    )
+    request = GenerationRequest(prompt_ids, prompt_mask, 3, greedy)
+    ours = HFGenerate(tok.pad_token_id, [tok.eos_token_id]).generate(model, request).ids
     plain = model.generate(
         input_ids=prompt_ids.repeat_interleave(3, 0),
         attention_mask=prompt_mask.repeat_interleave(3, 0),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import make_model
+from helpers.models import make_model
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from forge_lightning.models.lm_head import plain_head_weight

@@ -12,7 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
 

@@ -84,11 +84,11 @@ def test_learning_notebook_final_runs_learn_the_format(tmp_path, monkeypatch):
     length = next(values for label, values in rows.items() if "`completion_length`" in label)
     assert all(100 < float(v) <= 160 for v in length[::2])  # the start runs into the 160-token cap
 
-    # What the notebook and README conclude: both seeds meet every bar.
-    [bars] = tables(cells["final-bars"])
-    assert bars[0] == ["bar", "seed 7", "seed 42"] and len(bars) == 4
-    assert all(cell.endswith("(met)") for row in bars[1:] for cell in row[1:])
-    assert stdout(cells["final-bars"]).count("every check met: True") == 2
+    # What the notebook and README conclude: both seeds meet every threshold.
+    [thresholds] = tables(cells["final-thresholds"])
+    assert thresholds[0] == ["threshold", "seed 7", "seed 42"] and len(thresholds) == 4
+    assert all(cell.endswith("(met)") for row in thresholds[1:] for cell in row[1:])
+    assert stdout(cells["final-thresholds"]).count("every check met: True") == 2
 
     [attempts] = tables(cells["attempts"])
     final_rows = [row for row in attempts[1:] if row[0] == "17"]
@@ -250,8 +250,8 @@ def test_arithmetic_notebook_final_runs_raise_held_out_accuracy_and_smoke_learns
     base = {b: evals[f"base_heldout_{b}"]["val/accuracy"] for b in (96, 256)}
     for budget in (96, 256):
         assert abl_evals[f"async_heldout_{budget}"]["val/accuracy"] >= base[budget] + 0.20
-    printed = stdout(cells["async-bar"])
-    assert printed.count("meets the +0.20 bar") == 2
+    printed = stdout(cells["async-threshold"])
+    assert printed.count("meets the +0.20 threshold") == 2
     async_log = [
         json.loads(line) for line in (ablation / "async" / "training_log.jsonl").read_text().splitlines()
     ]
@@ -285,9 +285,9 @@ def test_tools_notebook_recomputes_held_out_accuracy_and_meets_every_bar(tmp_pat
         assert float(row[2]) == pytest.approx(sum(a["correct"] for a in answers) / 200, abs=5e-4)
         assert float(row[2]) == pytest.approx(evals[f"heldout-{label}"]["accuracy"], abs=5e-4)
     # What the guide says: every check of the table is met.
-    [bars] = tables(cells["bars"])
-    assert len(bars) == 7 and all(row[3] == "met" for row in bars[1:])
-    assert "every check met: True" in stdout(cells["bars"])
+    [checks] = tables(cells["checks"])
+    assert len(checks) == 7 and all(row[3] == "met" for row in checks[1:])
+    assert "every check met: True" in stdout(cells["checks"])
     assert has_png(cells["curves"]) and (tmp_path / "tools_curves.png").is_file()
     # Every command it prints gives each flag once (--config files aside), at the value that ran.
     printed = stdout(cells["system-probe"]).split("\n")
@@ -321,7 +321,7 @@ def test_chains_notebook_tables_every_evaluation_and_attempt_from_its_files(tmp_
             assert float(row[2]) == pytest.approx(evals[label]["accuracy"], abs=5e-4)
             calls = sum(len(a.get("tool_calls") or []) for a in answers) / 200
             assert row[3 if cell == "heldout" else 5] == f"{calls:.2f}"  # 0.955 prints 0.95: not a tolerance
-            if label in ("gsm8k-base", "gsm8k-b0"):  # the "base, B0 and trained, with pass@8"
+            if label in ("gsm8k-base", "gsm8k-b0"):  # the table gives both a pass@8
                 assert row[3] != "-", label
             if cell == "gsm8k" and row[3] != "-":  # pass@8: from this run's samples or its own sampled one's
                 sampled = multistep / "evals" / f"{label}_pass8.jsonl"
@@ -384,7 +384,7 @@ def test_throughput_notebook_tables_the_generation_lines_and_their_bars(tmp_path
     lines = [json.loads(line) for line in GENERATION_BENCH.read_text().splitlines() if line.strip()]
     cells = execute("throughput.ipynb", monkeypatch, tmp_path)
 
-    runs, bars, commands = tables(cells["generation-table"])
+    runs, thresholds, commands = tables(cells["generation-table"])
     assert len(runs) == len(lines) + 1 and len(commands) == 5
     for row, line in zip(runs[1:], lines):
         assert float(row[2]) == pytest.approx(line["completion_tokens_per_s"], abs=0.05)
@@ -397,7 +397,7 @@ def test_throughput_notebook_tables_the_generation_lines_and_their_bars(tmp_path
     rounds = [by_round[k] for k in sorted(by_round)]
     s4_over_s1 = [tps(r, (4, 1, False)) / tps(r, (1, 1, False)) for r in rounds]
     engine_over_p4 = [tps(r, (4, 1, True)) / tps(r, (1, 4, False)) for r in rounds]
-    for row, values in zip(bars[1:], (s4_over_s1, engine_over_p4)):
+    for row, values in zip(thresholds[1:], (s4_over_s1, engine_over_p4)):
         assert row[1] == ", ".join(f"{v:.2f}" for v in values)
         assert row[-1] == "True"  # the guide says both ratios reach their thresholds (medians over rounds)
 

@@ -134,7 +134,7 @@ def test_a_run_with_a_reward_list_reruns_from_its_saved_config(tiny_model_dir, t
 
     first = tmp_path / "first"
     smoke = CONFIG.parent / "smoke.yaml"
-    rewards = "--model.reward=[conftest._count_a, conftest._varied]"
+    rewards = "--model.reward=[helpers.rewards.count_a, helpers.rewards.varied]"
     build_cli(
         [
             "fit",
@@ -146,8 +146,11 @@ def test_a_run_with_a_reward_list_reruns_from_its_saved_config(tiny_model_dir, t
         ]
     )
     (saved,) = first.rglob("config.yaml")
-    assert yaml.safe_load(saved.read_text())["model"]["reward"] == ["conftest._count_a", "conftest._varied"]
+    assert yaml.safe_load(saved.read_text())["model"]["reward"] == [
+        "helpers.rewards.count_a",
+        "helpers.rewards.varied",
+    ]
     again = tmp_path / "again"
     build_cli(["fit", "--config", str(saved), f"--trainer.default_root_dir={again}"])
     (record,) = [json.loads(line) for line in (again / "training_log.jsonl").read_text().splitlines()]
-    assert {"rewards/_count_a", "rewards/_varied"} <= set(record)
+    assert {"rewards/count_a", "rewards/varied"} <= set(record)

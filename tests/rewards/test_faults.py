@@ -11,11 +11,15 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 
 from forge_lightning.data import PromptDataModule, load_gsm8k
 from forge_lightning.models.loading import ModelLoadError, load_model
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import (
+    Completions,
+    EngineCapabilities,
+    GenerationRequest,
+)
 
 
 def test_missing_dataset_path_fails_before_training(tmp_path):
@@ -158,10 +162,10 @@ def test_immediate_eos_completions_train_without_dividing_by_zero(tmp_path, modu
     eos = grpo.tokenizer.eos_token_id
 
     class AlwaysEOS:
-        def generate(
-            self, model, prompt_ids, prompt_mask, group_size, params: SamplingParams
-        ) -> torch.Tensor:
-            return torch.full((prompt_ids.shape[0] * group_size, 3), eos)
+        capabilities = EngineCapabilities()
+
+        def generate(self, model, request: GenerationRequest) -> Completions:
+            return Completions(torch.full((request.prompt_ids.shape[0] * request.group_size, 3), eos))
 
         def sync_weights(self, model) -> None:
             pass

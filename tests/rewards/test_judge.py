@@ -7,13 +7,14 @@ import re
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 
 from forge_lightning.rewards import JudgeReward, read_score, require_arguments
 from forge_lightning.rewards.http import RewardServerError
 from forge_lightning.rewards.judge import DEFAULT_TEMPLATE
 from forge_lightning.rewards.reward_model import PolicyContext
 from forge_lightning.rewards.scoring import score
+from forge_lightning.rollout.engines.base import Completions, EngineCapabilities, GenerationRequest
 from forge_lightning.rollout.engines.hf import HFGenerate
 
 TEMPLATE = "Q: {prompt}\nA: {completion}\nRight answer: {references}\nScore:"
@@ -150,10 +151,12 @@ class ScriptedJudge:
     def __init__(self, tokenizer) -> None:
         self.tok, self.batches = tokenizer, []
 
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params):
+    capabilities = EngineCapabilities()
+
+    def generate(self, model, request: GenerationRequest) -> Completions:
         texts = [
             self.tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True)
-            for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())
+            for ids, mask in zip(request.prompt_ids.tolist(), request.prompt_mask.tolist())
         ]
         self.batches.append(texts)
         rows = [
@@ -161,7 +164,7 @@ class ScriptedJudge:
             for t in texts
         ]
         width = max(map(len, rows))
-        return torch.tensor([r + [self.tok.eos_token_id] * (width - len(r)) for r in rows])
+        return Completions(torch.tensor([r + [self.tok.eos_token_id] * (width - len(r)) for r in rows]))
 
 
 def test_a_local_judge_gives_the_number_the_yes_and_counts_the_unreadable_reply():

@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from forge_lightning.module import GRPOLightningModule

@@ -13,6 +13,7 @@ from forge_lightning.rewards import CompositeReward, JudgeReward, RemoteReward, 
 from forge_lightning.rewards.resume import reward_on_resume
 from forge_lightning.run.resume import check_resume_settings
 from forge_lightning.run.specs import to_spec
+from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,14 +29,14 @@ def hparams(reward) -> dict:
 
 def resumed(saved: dict, current: dict) -> None:
     """A resume's checks of the module's settings, as training/run_state.py makes them."""
-    check_resume_settings(reward_on_resume(saved, current), current)
+    check_resume_settings(reward_on_resume(saved, current), current, changeable=CHANGEABLE_ON_RESUME)
 
 
 def test_a_moved_server_is_accepted_with_a_warning():
     saved = hparams(RemoteReward("http://10.0.0.1:8000/score"))
     current = hparams(RemoteReward("http://10.0.0.2:9000/score", timeout=5.0))
     with pytest.raises(ValueError, match="model.reward"):  # the whole-setting comparison alone refuses it
-        check_resume_settings(saved, current)
+        check_resume_settings(saved, current, changeable=CHANGEABLE_ON_RESUME)
     with pytest.warns(UserWarning) as warned:
         resumed(saved, current)
     messages = [str(w.message) for w in warned]
@@ -78,7 +79,9 @@ def test_inside_a_composite_reward_the_same_rules_hold():
 
 def test_other_rewards_are_compared_whole_as_before():
     with pytest.raises(ValueError, match="model.reward"):
-        resumed({"reward": "forge_lightning.rewards.GSM8KAnswerReward"}, {"reward": "conftest._count_a"})
+        resumed(
+            {"reward": "forge_lightning.rewards.GSM8KAnswerReward"}, {"reward": "helpers.rewards.count_a"}
+        )
 
 
 @pytest.mark.parametrize(

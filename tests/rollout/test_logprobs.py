@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_model, mixed_rollout
+from helpers.models import make_model
+from helpers.rollouts import mixed_rollout
 
 from forge_lightning.models.lora import LoraSettings, apply_lora
 from forge_lightning.rollout.logprobs import LogProbScorer

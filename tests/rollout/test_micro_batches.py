@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import mixed_rollout
+from helpers.rollouts import mixed_rollout
 
 from forge_lightning.rollout.micro_batches import padding_fraction, plan_micro_batches
 

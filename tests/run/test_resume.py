@@ -31,7 +31,7 @@ trainer:
       init_args: {{logging_steps: 1}}
 model:
   model: {model}
-  reward: faults.kill_on_call
+  reward: helpers.faults.kill_on_call
   group_size: 4
   max_new_tokens: 6
   learning_rate: 0.01
@@ -192,7 +192,9 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, 
 def test_resume_with_dynamic_sampling_after_a_kill_in_a_steps_second_round(tiny_model_dir, tmp_path):
     def config(name: str) -> tuple[Path, Path]:
         out, path = run_dir(tmp_path, name, tiny_model_dir)
-        text = path.read_text().replace("reward: faults.kill_on_call", "reward: faults.flat_on_odd_calls")
+        text = path.read_text().replace(
+            "reward: helpers.faults.kill_on_call", "reward: helpers.faults.flat_on_odd_calls"
+        )
         path.write_text(text.replace("  kl_beta: 0.05\n", "  kl_beta: 0.05\n  dynamic_sampling: true\n"))
         return out, path
 
@@ -295,7 +297,7 @@ reward_logger:
   logging_steps: 1
 model:
   model: {model}
-  reward: faults.kill_on_call
+  reward: helpers.faults.kill_on_call
   group_size: 4
   max_new_tokens: 6
   learning_rate: 0.01
@@ -370,7 +372,9 @@ def test_resume_with_the_difficulty_curriculum_drops_what_the_uninterrupted_run_
 ):
     def config(name: str) -> tuple[Path, Path]:
         out, path = run_dir(tmp_path, name, tiny_model_dir)
-        text = path.read_text().replace("reward: faults.kill_on_call", "reward: faults.solved_below_13")
+        text = path.read_text().replace(
+            "reward: helpers.faults.kill_on_call", "reward: helpers.faults.solved_below_13"
+        )
         text = text.replace(
             "      init_args: {logging_steps: 1}\n", "      init_args: {logging_steps: 1}\n" + CURRICULUM
         )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from forge_lightning.callbacks import HFCheckpoint
@@ -38,7 +38,7 @@ trainer:
       init_args: {{logging_steps: 1}}
 {extra_callbacks}model:
   model: {model}
-  reward: faults.{reward}
+  reward: helpers.faults.{reward}
   group_size: 4
   max_new_tokens: 6
   learning_rate: 0.01
@@ -239,10 +239,12 @@ def test_resume_refuses_another_reward_and_loading_needs_none(run):
     from forge_lightning.module import GRPOLightningModule
 
     out = run()
-    with pytest.raises(SystemExit, match=r"reward: 'faults.kill_on_call' -> 'faults.flat_on_odd_calls'"):
+    with pytest.raises(
+        SystemExit, match=r"reward: 'helpers.faults.kill_on_call' -> 'helpers.faults.flat_on_odd_calls'"
+    ):
         run("--ckpt_path", "last", reward="flat_on_odd_calls", steps=3)
     assert steps_logged(out) == [1, 2]
-    import faults
+    from helpers import faults
 
     loaded = GRPOLightningModule.load_from_checkpoint(out / "checkpoints" / "last.ckpt")
     assert loaded.reward is faults.kill_on_call  # the checkpoint holds it by import path
@@ -410,7 +412,7 @@ def test_an_update_that_makes_weights_non_finite_stops_before_any_checkpoint(
 
 @pytest.mark.integration
 def test_sigterm_finishes_the_optimizer_step_saves_and_exits_143(run, tmp_path):
-    callbacks = "    - class_path: faults.TermAtBatch\n      init_args: {batch: 2}\n"
+    callbacks = "    - class_path: helpers.faults.TermAtBatch\n      init_args: {batch: 2}\n"
     # Build the config file, then run it in a subprocess (the signal goes to that process).
     with pytest.raises(SystemExit):
         run("--print_config", steps=3, accumulation=2, callbacks=callbacks)

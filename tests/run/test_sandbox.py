@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import time
 
-import hostile
 import pytest
-from conftest import skip_unless_sandbox_isolates
+from helpers import hostile
+from helpers.sandbox import processes_naming
 
 from forge_lightning.rewards.library import BaseReward, CompositeReward, RewardModel
 from forge_lightning.rewards.scoring import score
@@ -23,18 +23,8 @@ from forge_lightning.run.sandbox import (
     SandboxUnavailable,
 )
 
-
-def processes_naming(token: str) -> list[int]:
-    """The pids of this machine's processes whose command line holds ``token``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if token.encode() in f.read():
-                    found.append(int(entry))
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
-            continue
-    return found
+# A test that starts sandboxed workers runs where the machine can isolate them (conftest.py).
+pytestmark = pytest.mark.usefixtures("isolating_machine")
 
 
 def gone_within(pids: list[int], seconds: float) -> bool:
@@ -42,16 +32,6 @@ def gone_within(pids: list[int], seconds: float) -> bool:
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in pids):
         time.sleep(0.01)
     return not any(os.path.exists(f"/proc/{pid}") for pid in pids)
-
-
-@pytest.fixture(autouse=True)
-def isolating_machine(request):
-    """A test that starts sandboxed workers (marked integration) runs where the machine can isolate
-    them (run/isolation.py's probe: unshare, Landlock, a pids bound); elsewhere it is skipped with
-    the probe's reason, as the GPU tests are without a GPU. The refusal itself is tested below on
-    every machine."""
-    if "integration" in request.keywords:
-        skip_unless_sandbox_isolates()
 
 
 @pytest.fixture
@@ -186,7 +166,7 @@ def test_the_module_refuses_at_its_start_what_cannot_run_in_its_sandbox(module):
 
     with pytest.raises(ValueError, match="environment_factory takes importable functions and classes"):
         module(environment_factory=Local, sandbox="process")
-    assert module(environment_factory="hostile.Counter", sandbox="process").sandbox is not None
+    assert module(environment_factory="helpers.hostile.Counter", sandbox="process").sandbox is not None
     assert module(reward=hostile.counts, sandbox="process").sandbox.worker_pids() == []  # none yet
 
 
@@ -196,10 +176,11 @@ def wants_log_metric(prompts, responses, log_metric):
 
 def test_a_resumed_run_may_move_its_rewards_into_the_sandbox_or_out():
     from forge_lightning.run.resume import resume_differences
+    from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME
 
     saved = {"sandbox": "thread", "sandbox_workers": 2, "sandbox_memory_mb": 2048, "sandbox_cpu_seconds": 60}
     current = {"sandbox": "process", "sandbox_workers": 4, "sandbox_memory_mb": 512, "sandbox_cpu_seconds": 5}
-    fixed, changeable = resume_differences(saved, current)
+    fixed, changeable = resume_differences(saved, current, CHANGEABLE_ON_RESUME)
     assert fixed == [] and len(changeable) == 4
 
 

@@ -20,24 +20,26 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-import hostile
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_model
-from test_sandbox import isolating_machine, processes_naming  # noqa: F401 (an autouse fixture)
+from helpers import hostile
+from helpers.models import make_model
+from helpers.sandbox import processes_naming
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from forge_lightning.examples.code_execution import passes_tests
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.scoring import score
+from forge_lightning.rollout.engines.base import Completions, EngineCapabilities, GenerationRequest
 from forge_lightning.rollout.tools.calls import CUT_MARK, Job, called, tool_text
 from forge_lightning.run.sandbox import ForgedAnswer, Sandbox, SandboxCallError, SandboxLimits, SandboxRaised
 from forge_lightning.run.sandbox_process import WorkerProcess
 from forge_lightning.run.sandbox_worker import run_python
 
-pytestmark = pytest.mark.integration
+# Where the machine cannot isolate sandboxed workers these tests are skipped (conftest.py).
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("isolating_machine")]
 
 WORKER = "forge_lightning.run.sandbox_worker"
 
@@ -178,15 +180,17 @@ class TurnEngine:
     def __init__(self, tok, turns: list[str]) -> None:
         self.tok, self.turns = tok, turns
 
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params):
+    capabilities = EngineCapabilities()
+
+    def generate(self, model, request: GenerationRequest) -> Completions:
         rows = []
-        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+        for ids, mask in zip(request.prompt_ids.tolist(), request.prompt_mask.tolist()):
             text = self.tok.decode([i for i, m in zip(ids, mask) if m])
             turn = self.turns[min(text.count("<|im_start|>tool"), len(self.turns) - 1)]
             new = self.tok(turn, add_special_tokens=False)["input_ids"]
-            rows += [[*new, self.tok.eos_token_id][: params.max_new_tokens]] * group_size
+            rows += [[*new, self.tok.eos_token_id][: request.params.max_new_tokens]] * request.group_size
         width = max(len(r) for r in rows)
-        return torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows])
+        return Completions(torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows]))
 
     def sync_weights(self, model) -> None:
         pass

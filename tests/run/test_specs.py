@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import _count_a, _varied
+from helpers.rewards import count_a, varied
 
 from forge_lightning.examples.rewards import has_answer_line
 from forge_lightning.rewards.library import (
@@ -24,8 +24,8 @@ from forge_lightning.run.specs import from_spec, is_spec, to_spec
 
 
 def test_an_importable_function_is_its_import_path_and_comes_back_as_itself():
-    assert to_spec(_count_a) == "conftest._count_a"
-    assert from_spec("conftest._count_a", Callable[..., Any]) is _count_a
+    assert to_spec(count_a) == "helpers.rewards.count_a"
+    assert from_spec("helpers.rewards.count_a", Callable[..., Any]) is count_a
 
 
 def test_an_instance_is_its_class_path_and_its_init_args():
@@ -59,10 +59,10 @@ def test_a_composite_reward_keeps_its_components_weights_and_names():
     assert back.names == ["correct", "FormatReward"] and back.weights == [0.75, 0.25]
     assert reward_spec(back) == spec
     # A list of rewards, with weights or without, as given to the module.
-    assert reward_spec([_count_a, _varied]) == ["conftest._count_a", "conftest._varied"]
-    assert load_reward(["conftest._count_a", "conftest._varied"]) == [_count_a, _varied]
-    weighted = load_reward(reward_spec([(_count_a, 2.0), _varied]))
-    assert weighted.rewards == [_count_a, _varied] and weighted.weights == pytest.approx([2 / 3, 1 / 3])
+    assert reward_spec([count_a, varied]) == ["helpers.rewards.count_a", "helpers.rewards.varied"]
+    assert load_reward(["helpers.rewards.count_a", "helpers.rewards.varied"]) == [count_a, varied]
+    weighted = load_reward(reward_spec([(count_a, 2.0), varied]))
+    assert weighted.rewards == [count_a, varied] and weighted.weights == pytest.approx([2 / 3, 1 / 3])
 
 
 def local_reward_factory() -> Callable[..., Any]:
@@ -84,7 +84,7 @@ class _NoAttributes:
         local_reward_factory(),
         _NoAttributes(2.0),
         torch.zeros(2),
-        [_count_a, lambda p, r: r],
+        [count_a, lambda p, r: r],
         CompositeReward([(lambda p, r: [0.0] * len(r), 1.0)]),
     ],
     ids=["lambda", "local function", "init args unknown", "tensor", "list with a lambda", "composite"],
@@ -94,12 +94,14 @@ def test_what_has_no_import_path_has_no_spec(obj):
 
 
 def test_specs_are_plain_data_and_building_one_leaves_it_as_it_was():
-    spec = ["conftest._count_a"]
+    spec = ["helpers.rewards.count_a"]
     assert is_spec(spec) and is_spec({"class_path": "x.Y", "init_args": {"a": [1, None]}})
-    assert not is_spec([_count_a]) and not is_spec({"a": torch.zeros(1)})
+    assert not is_spec([count_a]) and not is_spec({"a": torch.zeros(1)})
     load_reward(spec)
-    assert spec == ["conftest._count_a"]  # a checkpoint's hyperparameters are not rewritten
-    with pytest.raises(ValueError, match="cannot build an object from its stored form 'conftest.nothing'"):
-        from_spec("conftest.nothing", Callable[..., Any])
+    assert spec == ["helpers.rewards.count_a"]  # a checkpoint's hyperparameters are not rewritten
+    with pytest.raises(
+        ValueError, match="cannot build an object from its stored form 'helpers.rewards.nothing'"
+    ):
+        from_spec("helpers.rewards.nothing", Callable[..., Any])
     with pytest.raises(TypeError, match="reward must be a callable .* or the import path of one"):
-        load_reward("conftest.nothing")
+        load_reward("helpers.rewards.nothing")

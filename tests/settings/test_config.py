@@ -7,86 +7,10 @@ below shows each one reaches them.
 from __future__ import annotations
 
 import pytest
+from helpers.settings import BAD
 
 from forge_lightning import GRPOConfig, HFCheckpoint, RewardLogger
 from forge_lightning.settings.checks import LOSS_FIELDS, RULES, validate_hparams
-
-# One value outside the range of every field, the module's, the loss's and GRPOConfig's own.
-BAD = {
-    "group_size": 1,
-    "temperature": 0.0,
-    "top_p": 1.5,
-    "top_k": -1,
-    "min_p": 1.0,
-    "repetition_penalty": 0.0,
-    "stop": [""],
-    "max_new_tokens": 0,
-    "learning_rate": 0.0,
-    "weight_decay": -0.1,
-    "gradient_accumulation_steps": 0,
-    "max_grad_norm": 0.0,
-    "warmup_steps": -1,
-    "lr_schedule": "step",
-    "advantage_scale": "rank",
-    "advantage_estimator": "ppo",
-    "num_iterations": 0,
-    "train_micro_batch_size": 0,
-    "max_prompt_length": 0,
-    "prompt_truncation": "right",
-    "on_reward_error": "ignore",
-    "max_consecutive_bad_steps": 0,
-    "reward_timeout": 0.0,
-    "model_dtype": "float64",
-    "generation_backend": "sglang",
-    "vllm_gpu_memory_utilization": 1.5,
-    "logprob_chunk_size": 0,
-    "lm_head_chunk_size": 0,
-    "train_micro_batch_tokens": 0,
-    "num_train_epochs": 0,
-    "save_steps": -1,
-    "logging_steps": 0,
-    "loss_type": "ppo",
-    "clip_epsilon": 1.0,
-    "clip_epsilon_high": -0.1,
-    "kl_beta": -0.01,
-    "importance_sampling_level": "group",
-    "kl_estimator": "k4",
-    "clip_ratio_c": 1.0,
-    "sapo_temperature_pos": 0.0,
-    "sapo_temperature_neg": -1.0,
-    "entropy_coef": -0.01,
-    "kl_in_reward": "yes",
-    "max_sampling_rounds": 0,
-    "rollout_mode": "threads",
-    "max_staleness": -1,
-    "rollout_worker_threads": 0,
-    "behav_imp_weight_cap": 1.0,
-    "calculator": "python",
-    "max_tool_calls": -1,
-    "tool_call_format": "xml",
-    "tool_timeout": 0.0,
-    "max_tool_result_chars": 0,
-    "max_parallel_tool_calls": 0,
-    "chat_template_kwargs": {"tools": []},
-    "sandbox": "docker",
-    "sandbox_memory_mb": 32,
-    "sandbox_cpu_seconds": 0,
-    "sandbox_workers": 0,
-    "sandbox_env": "OPENAI_API_KEY",  # one name, not a list of them
-    "agent": "calculator_agent",
-    "agent_timeout": 0.0,
-    "val_num_generations": -1,
-    "val_temperature": 0.0,
-    "val_top_p": 0.0,
-    "val_max_new_tokens": 0,
-    "max_generation_tokens": 0,
-    "steps_per_generation": 0,
-    "rollout_correction": "clip",
-    "rollout_precision": "int4",
-    "rollout_correction_level": "batch",
-    "rollout_correction_cap": 1.0,
-    "preflight_memory_gb": 0.0,
-}
 
 
 def test_every_checked_field_has_a_bad_value_here():
@@ -207,11 +131,16 @@ def test_a_setting_that_is_not_finite_is_refused(field, value):
 
 def test_a_resume_refuses_another_reward_and_one_it_cannot_compare():
     from forge_lightning.run.resume import check_resume_settings
+    from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME
 
     saved = {"group_size": 4, "reward": "faults.kill_on_call"}
     with pytest.raises(ValueError, match=r"reward: 'faults.kill_on_call' -> 'faults.term_on_call'"):
-        check_resume_settings(saved, {"group_size": 4, "reward": "faults.term_on_call"})
+        check_resume_settings(
+            saved, {"group_size": 4, "reward": "faults.term_on_call"}, changeable=CHANGEABLE_ON_RESUME
+        )
     # This run's reward has no import path (so its hyperparameters hold none): not the stored one.
     with pytest.raises(ValueError, match=r"reward: 'faults.kill_on_call' -> an object with no import path"):
-        check_resume_settings(saved, {"group_size": 4})
-    check_resume_settings({"group_size": 4}, {"group_size": 4, "reward": "a.b"})  # an older checkpoint
+        check_resume_settings(saved, {"group_size": 4}, changeable=CHANGEABLE_ON_RESUME)
+    check_resume_settings(
+        {"group_size": 4}, {"group_size": 4, "reward": "a.b"}, changeable=CHANGEABLE_ON_RESUME
+    )  # an older checkpoint

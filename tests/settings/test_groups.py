@@ -1,4 +1,4 @@
-"""The module's settings as typed groups (settings/groups.py): each group checks its own fields with
+"""The module's settings as typed groups (settings/groups/): each group checks its own fields with
 the rules and messages of settings/checks.py, ``GRPOSettings.from_hparams`` gives back every flat
 setting, a missing key takes the module's default, and below the module no function takes the
 flat mapping."""
@@ -11,7 +11,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
-from test_config import BAD
+from helpers.settings import BAD
 
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.settings.checks import LOSS_FIELDS, RULES, loss_settings, validate_hparams

@@ -250,8 +250,8 @@ def test_readme_example_test_passes_with_the_kits_fixtures(tmp_path, monkeypatch
         "--rootdir",
         str(tmp_path),
     ]
-    # The inner session imports its own conftest.py: the suite's ``conftest`` module (which test
-    # modules import from) and sys.path are put back after it (monkeypatch's undo).
+    # The inner session imports its own conftest.py: the suite's ``conftest`` module (whose fixtures
+    # the tests use) and sys.path are put back after it (monkeypatch's undo).
     monkeypatch.setattr(sys, "path", list(sys.path))
     for name in ("conftest", "test_example"):
         if name in sys.modules:

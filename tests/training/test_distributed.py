@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 from safetensors.torch import load_file
 
 from forge_lightning.module import GRPOLightningModule
@@ -155,11 +155,17 @@ def test_sharding_refuses_what_it_cannot_do(settings, tensor_parallel, message):
 
 
 def ddp_gradients(tmp_path: Path, *mode: str) -> None:
-    """Run tests/ddp_gradients.py on two gloo processes, writing into ``tmp_path``."""
+    """Run tests/helpers/ddp_gradients.py on two gloo processes, writing into ``tmp_path``."""
     tests = Path(__file__).resolve().parents[1]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     done = subprocess.run(
-        [*torchrun, str(tests / "ddp_gradients.py"), str(tmp_path), str(tmp_path / "runs"), *mode],
+        [
+            *torchrun,
+            str(tests / "helpers" / "ddp_gradients.py"),
+            str(tmp_path),
+            str(tmp_path / "runs"),
+            *mode,
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -172,7 +178,7 @@ def ddp_gradients(tmp_path: Path, *mode: str) -> None:
 def test_ddp_dynamic_sampling_with_ranks_out_of_step_matches_one_batch_of_the_informative(
     tmp_path, step_gradients
 ):
-    from ddp_gradients import DYNAMIC_RECORDS, flat_or_live
+    from helpers.ddp_gradients import DYNAMIC_RECORDS, flat_or_live
 
     # Round 1: rank 0 has nothing to train (a zero-weight backward keeps DDP in step), rank 1 one
     # group; round 2: one group each; 3 of the 2 x 1 x 1 needed: the step takes all three.
@@ -189,7 +195,7 @@ def test_ddp_dynamic_sampling_with_ranks_out_of_step_matches_one_batch_of_the_in
 def test_ddp_curriculum_dropping_a_ranks_only_group_matches_one_batch_of_the_other_ranks(
     tmp_path, step_gradients
 ):
-    from ddp_gradients import RECORDS
+    from helpers.ddp_gradients import RECORDS
 
     # Rank 0's one prompt is remembered as always solved: it trains nothing (its zero-weight
     # backward joins rank 1's all-reduce), and the step is rank 1's group alone.
@@ -231,7 +237,7 @@ def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_pa
 def test_ddp_step_gradient_of_each_lever_equals_one_process_holding_both_ranks_rollouts(
     tmp_path, step_gradients
 ):
-    from ddp_gradients import LEVERS
+    from helpers.ddp_gradients import LEVERS
 
     # reinforce_pp's std is of both ranks' rewards (gathered), rloo's and kl_in_reward's advantages
     # and the loss types' normalisers are over both ranks' rollouts, as in the one process.
@@ -246,7 +252,7 @@ def test_ddp_step_gradient_of_each_lever_equals_one_process_holding_both_ranks_r
 
 @pytest.mark.integration
 def test_ddp_tool_rollouts_with_ranks_taking_different_rounds_match_one_batch(tmp_path, step_gradients):
-    from ddp_gradients import TOOL_SETTINGS
+    from helpers.ddp_gradients import TOOL_SETTINGS
 
     # Rank 0's completions call the calculator up to twice (three generate rounds), rank 1's never.
     ddp_gradients(tmp_path, "tools")

@@ -8,7 +8,7 @@ import random
 
 import lightning.pytorch as pl
 import pytest
-from conftest import make_model
+from helpers.models import make_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_step import COMPLETIONS, PROMPTS, a_batch, optimizer_of
+from helpers.steps import COMPLETIONS, PROMPTS, a_batch, optimizer_of
 
 from forge_lightning.grpo import group_advantages
 from forge_lightning.rollout.sources import TrainingBatch

@@ -7,7 +7,8 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from conftest import make_model, mixed_rollout
+from helpers.models import make_model
+from helpers.rollouts import mixed_rollout
 
 from forge_lightning.grpo import LossSettings
 from forge_lightning.rollout.logprobs import LogProbScorer

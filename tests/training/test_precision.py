@@ -7,7 +7,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 from safetensors.torch import load_file
 
 from forge_lightning.module import GRPOLightningModule
@@ -21,7 +21,7 @@ def bf16_folder(tmp_path):
     return folder
 
 
-def _varied(prompts, responses):
+def varied(prompts, responses):
     return [float(len(set(r)) % 3) for r in responses]
 
 
@@ -41,7 +41,7 @@ def test_a_bf16_checkpoint_under_bf16_mixed_trains_full_precision_weights(
 ):
     pl.seed_everything(0, verbose=False)
     grpo = GRPOLightningModule(
-        model=str(bf16_folder), reward=_varied, model_dtype=model_dtype, group_size=4, max_new_tokens=6,
+        model=str(bf16_folder), reward=varied, model_dtype=model_dtype, group_size=4, max_new_tokens=6,
         learning_rate=5e-6, gradient_accumulation_steps=1, kl_beta=0.0,
     )  # fmt: skip
     fit = trainer(tmp_path, precision="bf16-mixed", max_steps=3)
@@ -66,7 +66,7 @@ def test_the_reference_is_kept_in_the_compute_dtype_and_the_first_kl_is_near_zer
 
     pl.seed_everything(0, verbose=False)
     grpo = GRPOLightningModule(
-        model=str(bf16_folder), reward=_varied, group_size=4, max_new_tokens=6, learning_rate=5e-6,
+        model=str(bf16_folder), reward=varied, group_size=4, max_new_tokens=6, learning_rate=5e-6,
         gradient_accumulation_steps=1, kl_beta=0.1,
     )  # fmt: skip
     trainer(tmp_path, precision="bf16-mixed", max_steps=1, callbacks=[Look()]).fit(

@@ -7,10 +7,15 @@ import re
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 
 from forge_lightning.grpo import LossSettings
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import (
+    Completions,
+    EngineCapabilities,
+    GenerationRequest,
+    SamplingParams,
+)
 from forge_lightning.rollout.engines.hf import HFGenerate
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.training.context import StepContext
@@ -38,9 +43,13 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[tuple[int, ...], int, SamplingParams]] = []
 
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params) -> torch.Tensor:
-        self.calls.append((tuple(prompt_ids.shape), group_size, params))
-        return torch.full((prompt_ids.shape[0] * group_size, params.max_new_tokens), 5)
+    capabilities = EngineCapabilities()
+
+    def generate(self, model, request: GenerationRequest) -> Completions:
+        self.calls.append((tuple(request.prompt_ids.shape), request.group_size, request.params))
+        return Completions(
+            torch.full((request.prompt_ids.shape[0] * request.group_size, request.params.max_new_tokens), 5)
+        )
 
     def sync_weights(self, model) -> None:
         pass
@@ -181,7 +190,7 @@ def test_adams_state_to_come_is_two_copies_of_each_trainable_weight_without_stat
 
 def test_out_of_gpu_memory_in_the_worst_case_is_the_preflight_stop():
     class OutOfMemory(RecordingEngine):
-        def generate(self, *args) -> torch.Tensor:
+        def generate(self, model, request) -> Completions:
             torch.rand(3)  # drawn from the RNG before it failed
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 

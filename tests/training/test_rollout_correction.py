@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import FixedCompletions, _varied
+from helpers.engines import FixedCompletions
+from helpers.rewards import varied
 
 from forge_lightning.grpo import group_advantages
+from forge_lightning.rollout.engines.base import Completions, EngineCapabilities, GenerationRequest
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.types import Rollout, completion_mask
 
@@ -30,15 +33,21 @@ class NoisyScores(FixedCompletions):
         self.noise: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
 
-    def generate_with_logprobs(self, model, prompt_ids, prompt_mask, group_size, params):
-        ids = self.generate(model, prompt_ids, prompt_mask, group_size, params)
+    capabilities = EngineCapabilities(logprobs=True)
+
+    def generate(self, model, request: GenerationRequest) -> Completions:
+        ids = super().generate(model, replace(request, logprobs=False)).ids
+        if not request.logprobs:
+            return Completions(ids)
         mask = completion_mask(ids, [self.eos])
-        rollout = Rollout(prompt_ids, prompt_mask, ids, mask, group_size, completions=[])
+        rollout = Rollout(
+            request.prompt_ids, request.prompt_mask, ids, mask, request.group_size, completions=[]
+        )
         rows, cols = torch.meshgrid(torch.arange(ids.shape[0]), torch.arange(ids.shape[1]), indexing="ij")
         wave = 0.5 * torch.sin(7.0 * rows + 3.0 * cols) - 1.3 * (rows % 4 == 0)
         self.noise = wave.to(torch.float64) * mask
         self.mask = mask.bool()
-        return ids, self.scorer.log_probs_no_grad(model, rollout) + self.noise
+        return Completions(ids, logp=self.scorer.log_probs_no_grad(model, rollout) + self.noise)
 
 
 def expected_metrics(noise: torch.Tensor, mask: torch.Tensor, mode: str, level: str) -> dict[str, float]:
@@ -60,7 +69,7 @@ def expected_metrics(noise: torch.Tensor, mask: torch.Tensor, mode: str, level: 
 
 def fit_once(tmp_path, module, trainer, loader, **settings):
     pl.seed_everything(1)
-    grpo = module(kl_beta=0.0, gradient_accumulation_steps=1, reward=_varied, **settings)
+    grpo = module(kl_beta=0.0, gradient_accumulation_steps=1, reward=varied, **settings)
     grpo.generator = NoisyScores(len(grpo.tokenizer), grpo.tokenizer.eos_token_id, grpo.scorer.temperature)
     grpo.model.double()
     fit = trainer(tmp_path, max_steps=1)
@@ -144,16 +153,18 @@ class PolicyScored:
         self.sampler_logp = self.policy_logp = self.mask = None
         self.syncs = 0
 
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params):
-        return self.engine.generate(model, prompt_ids, prompt_mask, group_size, params)
+    capabilities = EngineCapabilities(logprobs=True)
 
-    def generate_with_logprobs(self, model, prompt_ids, prompt_mask, group_size, params):
-        ids, logp = self.engine.generate_with_logprobs(model, prompt_ids, prompt_mask, group_size, params)
-        mask = completion_mask(ids, [self.eos])
-        rollout = Rollout(prompt_ids, prompt_mask, ids, mask, group_size, completions=[])
-        self.policy_logp = self.scorer.log_probs_no_grad(model, rollout)
-        self.sampler_logp, self.mask = logp, mask.bool()
-        return ids, logp
+    def generate(self, model, request: GenerationRequest) -> Completions:
+        out = self.engine.generate(model, request)
+        if request.logprobs:
+            mask = completion_mask(out.ids, [self.eos])
+            rollout = Rollout(
+                request.prompt_ids, request.prompt_mask, out.ids, mask, request.group_size, completions=[]
+            )
+            self.policy_logp = self.scorer.log_probs_no_grad(model, rollout)
+            self.sampler_logp, self.mask = out.logp, mask.bool()
+        return out
 
     def sync_weights(self, model) -> None:
         self.syncs += 1

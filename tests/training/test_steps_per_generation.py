@@ -9,13 +9,17 @@ import re
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import FixedCompletions, _varied, exact_settings, make_model, other_reference
+from helpers.engines import FixedCompletions
+from helpers.gradients import exact_settings, other_reference
+from helpers.models import make_model
+from helpers.rewards import varied
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger
 from forge_lightning.grpo import group_advantages, grpo_loss
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.rollout.engines.base import EngineCapabilities
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.training.plan import Pass, generation_shares, take_share
 
@@ -63,7 +67,7 @@ def test_two_steps_of_one_generation_equal_two_hand_built_steps_on_its_halves(
     hand.configure_model()
     prompts = [r["prompt"] for r in RECORDS[:2]]
     rollout = hand.sampler(hand.model, prompts, hand.sampling, 4)
-    rewards = torch.tensor(_varied([], rollout.completions))
+    rewards = torch.tensor(varied([], rollout.completions))
     advantages = group_advantages(rewards, 4)
     scorer = LogProbScorer(temperature=hand.scorer.temperature)
     reference = make_model(len(hand.tokenizer), seed=5).double()
@@ -137,7 +141,9 @@ def test_generation_shares_split_by_whole_groups_in_order():
 class NoGeneration:
     """An engine that fails if asked: a refusal meant to come before any generation came after one."""
 
-    def generate(self, *args, **kwargs):
+    capabilities = EngineCapabilities()
+
+    def generate(self, model, request):
         raise AssertionError("generated before the refusal")
 
     def sync_weights(self, model) -> None:

@@ -5,7 +5,7 @@ in-memory ones by the test (``models/loading.py``'s hub loader, test-only)."""
 from __future__ import annotations
 
 import pytest
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 
 from forge_lightning.testing import tiny_policy
 

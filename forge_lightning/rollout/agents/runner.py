@@ -34,7 +34,7 @@ from transformers import PreTrainedModel
 from forge_lightning.models.sharding import is_sharded
 from forge_lightning.rollout.agents.assemble import AgentOutcome, episodes_rollout
 from forge_lightning.rollout.agents.endpoint import AgentEndpoint, Pending
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.types import Prompt, Rollout, completion_mask, left_pad
 from forge_lightning.run.user_code import is_async, trl_kwargs
@@ -190,13 +190,10 @@ class AgentRunner:
         alike = all(p == prompts[0] for p in prompts)
         ids, mask = left_pad(prompts[:1] if alike else prompts, self.tokenizer.pad_token_id)
         room = max(p.max_new_tokens for p in batch)
-        out = self.sampler.generator.generate(
-            model,
-            ids.to(device),
-            mask.to(device),
-            len(batch) if alike else 1,
-            replace(params, max_new_tokens=room),
+        request = GenerationRequest(
+            ids.to(device), mask.to(device), len(batch) if alike else 1, replace(params, max_new_tokens=room)
         )
+        out = self.sampler.generator.generate(model, request).ids
         ends = completion_mask(out, self.sampler.eos_ids).sum(dim=1).tolist()
         results = []
         for row, pending, end in zip(out.tolist(), batch, ends):

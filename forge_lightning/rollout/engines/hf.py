@@ -25,7 +25,13 @@ from forge_lightning.models.hf_compat import (
     supports_shared_prefix,
 )
 from forge_lightning.models.sharding import is_sharded
-from forge_lightning.rollout.engines.base import Completions, EngineOptions, SamplingParams
+from forge_lightning.rollout.engines.base import (
+    Completions,
+    EngineCapabilities,
+    EngineOptions,
+    GenerationRequest,
+    SamplingParams,
+)
 from forge_lightning.rollout.types import completion_mask
 
 
@@ -80,80 +86,36 @@ class HFGenerate:
         self.eos_token_ids = list(eos_token_ids)
         self.tokenizer = tokenizer
 
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-        stopping_criteria: Sequence[StoppingCriteria] | None = None,
-    ) -> Tensor:
-        """Completions ``(P*G, Lc)``; ``stopping_criteria`` (a tool call: rollout/tool_sampler.py) and stop
-        strings may end rows early, each stopped row then padded with the pad token like a finished
-        one: :meth:`generate_with_ends` says where such rows end."""
-        return self._generate(
-            model, prompt_ids, prompt_mask, group_size, params, scores=False, stopping=stopping_criteria
-        )[0]
+    capabilities = EngineCapabilities(logprobs=True, stop_strings=True, stop_rule=True, continues=True)
 
-    def generate_with_ends(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-        logprobs: bool = False,
-    ) -> Completions:
-        """The completions, each row's end where stop strings may have cut it (None without
-        stop strings: every row ends at its first EOS), and with ``logprobs`` the log-prob each
-        token was sampled with (see :meth:`generate_with_logprobs`)."""
-        stop = self._stop_strings(params, prompt_ids.shape[1])
-        stopping = [] if stop is None else [stop]
-        ids, scores = self._generate(model, prompt_ids, prompt_mask, group_size, params, logprobs, stopping)
-        ends = None if stop is None else completion_ends(ids, self.eos_token_ids, stop.ends)
-        return Completions(ids, ends, sampled_logprobs(ids, scores) if logprobs else None)
+    def generate(self, model: PreTrainedModel, request: GenerationRequest) -> Completions:
+        """Completions ``(P*G, Lc)`` of ``request``: its stop rule (a tool call:
+        rollout/tool_sampler.py) and stop strings may end rows early, each stopped row then padded
+        with the pad token like a finished one; with stop strings ``ends`` says where each row
+        ends (None without: every row ends at its first EOS).
 
-    def generate_continuing(
-        self,
-        model: PreTrainedModel,
-        input_ids: Tensor,
-        input_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-        stopping_criteria: Sequence[StoppingCriteria],
-        cache: Any = None,
-        logprobs: bool = False,
-    ) -> tuple[Tensor, Any, Tensor | None]:
-        """:meth:`generate` for a caller that comes back to the same rows with a few more tokens
-        each (rollout/tool_sampler.py): returns the whole sequences ``(B, L)``, the KV cache of their
-        first ``cache.get_seq_length()`` columns and (``logprobs``) the log-prob each new token
-        was sampled with, ``(B, L - input width)`` (see :meth:`generate_with_logprobs`), else None.
-        Given a ``cache`` of a previous call (rows selected, ``group_size`` 1), only the columns
-        of ``input_ids`` past it go through the model; ``input_mask`` may hold zeros anywhere (a
-        row's padding after a stop)."""
-        groups = group_size if cache is None else 1
+        ``request.logprobs``: the log-prob each token was sampled with, from the scores
+        ``generate`` sampled from (after its temperature, top-k/top-p/min-p cut and repetition
+        penalty): with those off, the policy's log-probs at ``params.temperature``, without
+        another forward. ``request.continuing``: for a caller that comes back to the same rows with
+        a few more tokens each, the KV cache of the first ``cache.get_seq_length()`` columns of the
+        whole sequences (the input, then the new tokens); given a ``request.cache`` of a previous
+        call (rows selected), only the input's columns past it go through the model."""
+        r = request
+        width = r.prompt_ids.shape[1]
+        stop = self._stop_strings(r.params, width)
+        stopping = [*r.stop_rule, *([] if stop is None else [stop])]
+        groups = r.group_size if r.cache is None else 1
         out = self._generate(
-            model, input_ids, input_mask, groups, params, logprobs, stopping_criteria, cache=cache, full=True
+            model, r.prompt_ids, r.prompt_mask, groups, r.params, r.logprobs, stopping, r.cache
         )
-        logp = sampled_logprobs(out.sequences[:, input_ids.shape[1] :], out.scores) if logprobs else None
-        return out.sequences, output_cache(out), logp
-
-    def generate_with_logprobs(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> tuple[Tensor, Tensor]:
-        """Completions and the log-prob each token was sampled with, from the scores ``generate``
-        sampled from (after its temperature, top-k/top-p/min-p cut and repetition penalty): with
-        those off, the policy's log-probs at ``params.temperature``, without another forward.
-        Stop strings end rows as in :meth:`generate_with_ends`, which also says where."""
-        out = self.generate_with_ends(model, prompt_ids, prompt_mask, group_size, params, logprobs=True)
-        assert out.logp is not None
-        return out.ids, out.logp
+        ids = out.sequences[:, width:]
+        return Completions(
+            ids,
+            ends=None if stop is None else completion_ends(ids, self.eos_token_ids, stop.ends),
+            logp=sampled_logprobs(ids, out.scores) if r.logprobs else None,
+            cache=output_cache(out) if r.continuing else None,
+        )
 
     def _generate(
         self,
@@ -163,16 +125,11 @@ class HFGenerate:
         group_size: int,
         params: SamplingParams,
         scores: bool,
-        stopping: Sequence[StoppingCriteria] | None = None,
+        stopping: Sequence[StoppingCriteria],
         cache: Any = None,
-        full: bool = False,
     ) -> Any:
-        """The completions and the scores (``full``: ``generate``'s whole output); ``cache``
-        covers the first columns of ``prompt_ids`` (generate_continuing). Stop strings are added
-        to ``stopping`` here unless the caller passed its own :class:`StopStrings`."""
-        stopping = list(stopping or [])
-        if params.stop and not any(isinstance(s, StopStrings) for s in stopping):
-            stopping.append(self._stop_strings(params, prompt_ids.shape[1]))
+        """``model.generate``'s whole output (sequences, and with ``scores`` the scores) stopped by
+        ``stopping``; ``cache`` covers the first columns of ``prompt_ids``."""
         was_training = model.training
         # Gradient checkpointing switches the KV cache off; generation without a cache is
         # quadratic, so checkpointing is paused while sampling and restored afterwards.
@@ -191,7 +148,7 @@ class HFGenerate:
                 else:
                     inputs = self._prefilled_inputs(model, prompt_ids, prompt_mask, group_size)
                 repeats = group_size if inputs is None else 1
-                out = model.generate(
+                return model.generate(
                     **(inputs or {"input_ids": prompt_ids, "attention_mask": prompt_mask}),
                     generation_config=self._config(params, repeats, scores),
                     stopping_criteria=StoppingCriteriaList(stopping),
@@ -204,9 +161,6 @@ class HFGenerate:
             if checkpointing:
                 set_checkpointing(model, True)
             model.train(was_training)
-        if full:
-            return out
-        return out.sequences[:, prompt_ids.shape[1] :], tuple(out.scores or ()) if scores else ()
 
     def _stop_strings(self, params: SamplingParams, start: int) -> StopStrings | None:
         """The stop-string criterion of a ``generate`` whose input is ``start`` wide; None without."""

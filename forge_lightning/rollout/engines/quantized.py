@@ -6,7 +6,7 @@ The copy's log-probs differ from the policy's, so a run needs ``rollout_correcti
 (``behav_logp``), the trainer scores the completions with the policy, and the correction weighs
 each token by the gap (``train/sampler_kl``). Validation samples with the copy too. Under
 ``rollout_mode: async`` the worker makes the copy of each weight version it loads
-(async_worker.py).
+(rollout/async_worker.py).
 
 ``int8``: every ``nn.Linear`` weight in int8, one scale per output channel, the activations
 left in float (torchao's weight-only int8; the LM head included, a tied head untied in the

@@ -43,7 +43,13 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.models.lora import merged_weights as policy_weights
-from forge_lightning.rollout.engines.base import Completions, EngineOptions, SamplingParams
+from forge_lightning.rollout.engines.base import (
+    Completions,
+    EngineCapabilities,
+    EngineOptions,
+    GenerationRequest,
+    SamplingParams,
+)
 from forge_lightning.rollout.engines.generation_settings import check_generation_kwargs, vllm_fields
 
 # (policy, tokenizer, gpu_memory_utilization) -> an object shaped like ``vllm.LLM``: ``generate``,
@@ -85,46 +91,19 @@ class VLLMGenerate:
         self.engine_factory = engine_factory or colocated_llm
         self.engine: Any = None
 
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> Tensor:
-        """Completion ids ``(P*G, Lc)``, groups contiguous, right-padded with the pad token."""
-        return self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs=False).ids
+    # vLLM cannot take an HF stopping criterion (a tool call: the tool sampler cuts its rows) nor
+    # hand back a cache.
+    capabilities = EngineCapabilities(logprobs=True, stop_strings=True)
 
-    def generate_with_ends(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-        logprobs: bool = False,
-    ) -> Completions:
-        """The completions, each one's length (the tokens vLLM returned for it: through its EOS or
-        the token that completed its stop string), and with ``logprobs`` their log-probs."""
-        return self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs)
-
-    def generate_with_logprobs(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> tuple[Tensor, Tensor]:
-        """Completion ids ``(P*G, Lc)`` and the engine's log-prob of each sampled token ``(P*G, Lc)``.
-
-        The log-probs are of the temperature-scaled distribution (vLLM's ``processed_logprobs``),
-        the quantity the loss computes; padding positions hold 0.
-        """
-        out = self._sample(model, prompt_ids, prompt_mask, group_size, params, logprobs=True)
-        assert out.logp is not None
-        return out.ids, out.logp
+    def generate(self, model: PreTrainedModel, request: GenerationRequest) -> Completions:
+        """Completion ids ``(P*G, Lc)``, groups contiguous, right-padded with the pad token; each
+        one's length (the tokens vLLM returned for it: through its EOS or the token that completed
+        its stop string), and with ``request.logprobs`` the engine's log-prob of each sampled token
+        ``(P*G, Lc)``: of the temperature-scaled distribution (vLLM's ``processed_logprobs``), the
+        quantity the loss computes; padding positions hold 0."""
+        self.capabilities.check(request, type(self).__name__)
+        r = request
+        return self._sample(model, r.prompt_ids, r.prompt_mask, r.group_size, r.params, r.logprobs)
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         """Load the policy's current weights into the engine (a no-op before it exists)."""

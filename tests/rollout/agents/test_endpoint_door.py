@@ -5,19 +5,15 @@ process posting a chain of calls to an episode leaves that episode's training da
 
 from __future__ import annotations
 
-import platform
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from test_endpoint import USER, Script, chat_tokenizer
-from test_runner import runner
+from helpers.agents import USER, Script, chat_tokenizer, runner
 
 from forge_lightning.rollout.agents.endpoint import AgentEndpoint
 from forge_lightning.rollout.engines.base import SamplingParams
-
-platform.processor()  # the openai client's uname -p, before any test (see test_endpoint.py)
 
 KEY = "0-1"  # an episode's key as the runner names them: prompt 0, its second episode
 REQUEST = {"model": "p", "messages": [USER]}

@@ -6,39 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import platform
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model
-from test_endpoint import chat_tokenizer, serve
+from helpers.agents import chat_tokenizer, runner, serve
+from helpers.models import make_model
 
 from forge_lightning.cli.forge_cli import build_cli
 from forge_lightning.examples import calculator_agent
 from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rewards.library import CompositeReward, component_names
-from forge_lightning.rollout.agents.runner import AgentRunner
 from forge_lightning.rollout.engines.base import SamplingParams
-from forge_lightning.rollout.engines.hf import HFGenerate
-from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.settings.components import reads_agent_score
-
-platform.processor()  # the openai client's uname -p, before any test (see test_endpoint.py)
 
 ROOT = Path(__file__).resolve().parents[3]
 PARAMS = SamplingParams(max_new_tokens=200)
 USAGE: dict[str, list[int]] = {}  # row prompt -> the completion tokens the endpoint reported
-
-
-def runner(agent, scored_by_agent: bool = True) -> tuple[AgentRunner, object, object]:
-    tok = chat_tokenizer()
-    eos = [tok.eos_token_id]
-    sampler = RolloutSampler(tok, HFGenerate(tok.pad_token_id, eos, tok), eos, PromptFormat(True))
-    model = make_model(len(tok), eos_token_id=1, pad_token_id=0)
-    return AgentRunner(sampler, agent, scored_by_agent), tok, model
 
 
 async def two_calls(client, row):

@@ -13,10 +13,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_model
+from helpers.models import make_model
 
 from forge_lightning.callbacks import RewardLogger
-from forge_lightning.rollout.engines.async_worker import (
+from forge_lightning.rollout.async_worker import (
     RolloutWorker,
     WeightRing,
     WorkerSettings,
@@ -196,7 +196,7 @@ def test_the_worker_exits_when_its_trainer_is_killed(tmp_path):
     script.write_text(
         "import os, signal, sys\n"
         f"sys.path[:0] = [{str(TESTS)!r}, {str(Path(__file__).resolve().parent)!r}]\n"
-        "from conftest import make_model, make_tokenizer\n"
+        "from helpers.models import make_model, make_tokenizer\n"
         "from test_async_rollout import worker_for\n"
         "if __name__ == '__main__':\n"
         "    tok = make_tokenizer()\n"
@@ -330,7 +330,7 @@ def test_a_failing_fit_stops_the_worker(tmp_path, module, trainer, loader):
 
 
 def test_worker_threads_split_the_trainers(module):
-    from forge_lightning.rollout.engines.async_worker import split_threads
+    from forge_lightning.rollout.async_worker import split_threads
 
     assert split_threads(2, None) == (1, 1)
     assert split_threads(16, 4) == (12, 4)

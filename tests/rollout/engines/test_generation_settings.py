@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FixedCompletions, make_model, make_tokenizer
+from helpers.engines import FixedCompletions
+from helpers.models import make_model, make_tokenizer
 from transformers import LlamaForCausalLM
 
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.engines.generation_settings import (
     HF_OWNED,
     MAX_STOP_STRINGS,
@@ -152,10 +153,9 @@ def test_engine_logprobs_follow_the_stop_and_score_the_sampled_tokens():
     assert rollout.old_logp.shape == rollout.completion_ids.shape
     kept = rollout.old_logp[rollout.completion_mask.bool()]
     assert (kept > -1e-3).all() and (kept <= 0).all()  # each token the model all but surely writes
-    ids, logp = HFGenerate(tok.pad_token_id, [tok.eos_token_id], tok).generate_with_logprobs(
-        model, rollout.prompt_ids, rollout.prompt_mask, 2, params
-    )
-    assert torch.equal(ids, rollout.completion_ids)
+    request = GenerationRequest(rollout.prompt_ids, rollout.prompt_mask, 2, params, logprobs=True)
+    out = HFGenerate(tok.pad_token_id, [tok.eos_token_id], tok).generate(model, request)
+    assert torch.equal(out.ids, rollout.completion_ids)
 
 
 def test_stop_strings_without_a_tokenizer_are_refused():
@@ -168,7 +168,7 @@ def test_stop_strings_without_a_tokenizer_are_refused():
 def test_an_engine_that_does_not_report_ends_is_refused_for_stop_strings():
     tok = make_tokenizer()
     engine = FixedCompletions(len(tok), tok.eos_token_id)
-    with pytest.raises(ValueError, match="generate_with_ends"):
+    with pytest.raises(ValueError, match="stop_strings"):
         sampler(tok, engine)(make_model(len(tok)), ["x"], SamplingParams(4, stop=("=",)), 2)
 
 

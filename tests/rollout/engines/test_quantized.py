@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.engines.quantized import QuantizedGenerate
 from forge_lightning.rollout.engines.registry import generation_backend
 from forge_lightning.rollout.logprobs import LogProbScorer
@@ -21,7 +21,10 @@ def sample(engine, model, tok):
     """Two prompts x 3 completions with the engine's log-probs, and the policy's own for them."""
     batch = tok(["ab", "bca"], return_tensors="pt", padding=True, padding_side="left")
     torch.manual_seed(0)
-    ids, logp = engine.generate_with_logprobs(model, batch.input_ids, batch.attention_mask, 3, PARAMS)
+    out = engine.generate(
+        model, GenerationRequest(batch.input_ids, batch.attention_mask, 3, PARAMS, logprobs=True)
+    )
+    ids, logp = out.ids, out.logp
     mask = completion_mask(ids, [tok.eos_token_id])
     rollout = Rollout(batch.input_ids, batch.attention_mask, ids, mask, 3, completions=[])
     policy = LogProbScorer(temperature=PARAMS.temperature).log_probs_no_grad(model, rollout)

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from forge_lightning.bench import throughput as bench
 from forge_lightning.grpo import grpo_loss
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate
 from forge_lightning.rollout.engines.vllm import VLLMGenerate, colocated_llm, import_vllm, policy_weights
 from forge_lightning.rollout.sources import TrainingBatch
@@ -157,9 +157,15 @@ def test_sampling_settings_map_onto_vllm_sampling_params():
     engines: list[FakeLLM] = []
     gen = backend(engines)
     ids = torch.tensor([[5, 6], [7, 8]])
-    gen.generate(make_model(60), ids, torch.ones_like(ids), 3, SamplingParams(5, 0.7, top_p=0.9, top_k=0))
-    gen.generate(make_model(60), ids, torch.ones_like(ids), 3, SamplingParams(5, 0.7, top_k=20))
-    gen.generate(make_model(60), ids, torch.ones_like(ids), 1, SamplingParams(5, 0.7, top_k=20, greedy=True))
+    gen.generate(
+        make_model(60),
+        GenerationRequest(ids, torch.ones_like(ids), 3, SamplingParams(5, 0.7, top_p=0.9, top_k=0)),
+    )
+    gen.generate(
+        make_model(60), GenerationRequest(ids, torch.ones_like(ids), 3, SamplingParams(5, 0.7, top_k=20))
+    )
+    greedy = SamplingParams(5, 0.7, top_k=20, greedy=True)
+    gen.generate(make_model(60), GenerationRequest(ids, torch.ones_like(ids), 1, greedy))
 
     (_, sampled), (_, top_k), (_, greedy) = engines[0].requests
     first = vars(sampled[0])
@@ -182,7 +188,7 @@ def test_prompts_reach_the_engine_without_their_left_padding():
     engines: list[FakeLLM] = []
     ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    backend(engines).generate(make_model(60), ids, mask, 2, SamplingParams(4))
+    backend(engines).generate(make_model(60), GenerationRequest(ids, mask, 2, SamplingParams(4)))
     prompts, _ = engines[0].requests[0]
     assert prompts == [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8, 9, 10]}]
 
@@ -191,7 +197,9 @@ def test_completions_come_back_right_padded_with_groups_contiguous_and_ending_at
     gen = backend()
     a = gen.tokenizer.convert_tokens_to_ids("a")
     ids = torch.tensor([[5, 6], [7, 8]])
-    completions = gen.generate(make_model(60), ids, torch.ones_like(ids), 4, SamplingParams(4))
+    completions = gen.generate(
+        make_model(60), GenerationRequest(ids, torch.ones_like(ids), 4, SamplingParams(4))
+    ).ids
     pad = gen.pad_token_id
     group = [
         [a, EOS, pad, pad],
@@ -207,9 +215,10 @@ def test_completions_come_back_right_padded_with_groups_contiguous_and_ending_at
 def test_engine_logprobs_are_the_sampled_tokens_log_probs_padded_with_zero():
     gen = backend()
     ids = torch.tensor([[5, 6]])
-    completions, logp = gen.generate_with_logprobs(
-        make_model(60), ids, torch.ones_like(ids), 2, SamplingParams(4)
+    out = gen.generate(
+        make_model(60), GenerationRequest(ids, torch.ones_like(ids), 2, SamplingParams(4), logprobs=True)
     )
+    completions, logp = out.ids, out.logp
     assert logp.shape == completions.shape and logp.dtype == torch.float32
     assert logp.tolist() == [[TOKEN_LOGP, TOKEN_LOGP, 0.0], [TOKEN_LOGP] * 3]
 
@@ -221,7 +230,7 @@ def test_engine_is_built_once_and_gets_the_policy_weights_first():
     gen.sync_weights(policy)  # before the first rollout there is no engine: nothing to do
     ids = torch.tensor([[5, 6]])
     for _ in range(2):
-        gen.generate(policy, ids, torch.ones_like(ids), 2, SamplingParams(3))
+        gen.generate(policy, GenerationRequest(ids, torch.ones_like(ids), 2, SamplingParams(3)))
     assert len(engines) == 1
     (loaded,) = engines[0].model.loads
     assert loaded.keys() == dict(policy.named_parameters()).keys()

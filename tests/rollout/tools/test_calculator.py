@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from helpers.models import make_model, make_tokenizer
 
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import (
+    Completions,
+    EngineCapabilities,
+    GenerationRequest,
+    SamplingParams,
+)
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import InlineCalculator
@@ -135,14 +140,16 @@ class OneCall:
     def __init__(self, tokenizer, call: str) -> None:
         self.tok, self.call = tokenizer, call
 
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params) -> torch.Tensor:
+    capabilities = EngineCapabilities()
+
+    def generate(self, model, request: GenerationRequest) -> Completions:
         rows = []
-        for row, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+        for row, mask in zip(request.prompt_ids.tolist(), request.prompt_mask.tolist()):
             text = self.tok.decode([i for i, m in zip(row, mask) if m], skip_special_tokens=True)
             new = " done" if text[-1] in "0123456789?" else f"{self.call} = 1 then"
-            rows += [[*ids(self.tok, new), self.tok.eos_token_id]] * group_size
+            rows += [[*ids(self.tok, new), self.tok.eos_token_id]] * request.group_size
         width = max(len(r) for r in rows)
-        return torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows])
+        return Completions(torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows]))
 
     def sync_weights(self, model) -> None:
         pass

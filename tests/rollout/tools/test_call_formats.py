@@ -10,17 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_function_tools import (
-    GREEDY,
-    SEEN,
-    TOOL_TEMPLATE,
-    TurnEngine,
-    add,
-    chat_tokenizer,
-    sampler,
-    split,
-    tiny,
-)
+from helpers.engines import TurnEngine
+from helpers.tools import GREEDY, SEEN, TOOL_TEMPLATE, add, chat_tokenizer, sampler, split, tiny
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 

@@ -9,7 +9,8 @@ import logging
 import time
 
 import pytest
-from test_function_tools import GREEDY, TurnEngine, call, chat_tokenizer, sampler, tiny
+from helpers.engines import TurnEngine
+from helpers.tools import GREEDY, call, chat_tokenizer, sampler, tiny
 
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.tools import CALL_FORMATS

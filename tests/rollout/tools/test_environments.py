@@ -4,23 +4,16 @@ on its own environment, and a row naming an unknown one is refused with the name
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from test_function_tools import (
-    GREEDY,
-    Counter,
-    TrlCounter,
-    TurnEngine,
-    add,
-    call,
-    chat_tokenizer,
-    make_counter,
-    sampler,
-    tiny,
-)
+from helpers.engines import TurnEngine
+from helpers.tools import GREEDY, Counter, TrlCounter, add, call, chat_tokenizer, make_counter, sampler, tiny
 
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.environment import EnvironmentReward
+from forge_lightning.rollout.engines.base import Completions, GenerationRequest
 
 
 class Doubler:
@@ -58,14 +51,15 @@ class Script(TurnEngine):
         super().__init__(tok, [])
         self.by_environment = by_environment
 
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params):
+    def generate(self, model, request: GenerationRequest) -> Completions:
         rows = []
-        for ids, mask in zip(prompt_ids, prompt_mask):
+        for ids, mask in zip(request.prompt_ids, request.prompt_mask):
             text = self.tok.decode(ids[mask.bool()])
             self.turns = next(turns for key, turns in self.by_environment.items() if key in text)
-            rows += super().generate(model, ids[None], mask[None], group_size, params).tolist()
+            row = replace(request, prompt_ids=ids[None], prompt_mask=mask[None])
+            rows += super().generate(model, row).ids.tolist()
         width = max(map(len, rows))
-        return torch.tensor([row + [self.tok.pad_token_id] * (width - len(row)) for row in rows])
+        return Completions(torch.tensor([row + [self.tok.pad_token_id] * (width - len(row)) for row in rows]))
 
 
 ENVIRONMENTS = {"counter": Counter, "doubler": Doubler}
@@ -105,7 +99,7 @@ def test_several_environments_are_stored_by_import_path_and_score_the_run():
     )
     assert grpo.hparams.environment_factory == {
         "doubler": "test_environments.Doubler",
-        "trl": "test_function_tools.make_counter",
+        "trl": "helpers.tools.make_counter",
     }
     assert grpo.tools.environments == {"doubler": Doubler, "trl": TrlCounter}
     assert grpo.tools.names == ["double", "increment"]
@@ -158,11 +152,11 @@ def test_several_environments_are_set_from_the_command_line_by_import_path(
     from forge_lightning.cli.forge_cli import build_cli
 
     smoke = Path(__file__).resolve().parents[3] / "configs" / "smoke.yaml"
-    mapping = "{doubler: test_environments.Doubler, counter: test_function_tools.Counter}"
+    mapping = "{doubler: test_environments.Doubler, counter: helpers.tools.Counter}"
     flag = f"--model.environment_factory={mapping}"
     cli = build_cli(["--config", str(smoke), *tiny_overrides(tiny_model_dir, tmp_path), flag], run=False)
     assert cli.model.tools.factory == {"doubler": Doubler, "counter": Counter}
     assert cli.model.hparams.environment_factory == {
         "doubler": "test_environments.Doubler",
-        "counter": "test_function_tools.Counter",
+        "counter": "helpers.tools.Counter",
     }

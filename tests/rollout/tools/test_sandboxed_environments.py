@@ -9,11 +9,12 @@ import json
 import os
 
 import pytest
-import sticky
 import torch
-from conftest import skip_unless_sandbox_isolates
-from test_function_tools import GREEDY, TurnEngine, call, chat_tokenizer, sampler, tiny
-from test_tools import ScriptedLlama
+from helpers import sticky
+from helpers.engines import TurnEngine
+from helpers.models import ScriptedLlama
+from helpers.sandbox import skip_unless_sandbox_isolates
+from helpers.tools import GREEDY, call, chat_tokenizer, sampler, tiny
 
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.environment import EnvironmentReward
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(autouse=True)
 def isolating_machine():
-    """Skipped, with the probe's reason, where the machine cannot isolate workers (test_sandbox.py)."""
+    """Skipped, with the probe's reason, where the machine cannot isolate workers (helpers/sandbox.py)."""
     skip_unless_sandbox_isolates()
 
 

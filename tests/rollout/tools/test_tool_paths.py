@@ -12,11 +12,11 @@ import pickle
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
-from test_function_tools import GREEDY, TurnEngine, add, call, chat_tokenizer, tiny
-from test_tools import CallsAtLengths, ScriptedLlama, scripted, tool_sampler
+from helpers.engines import TurnEngine
+from helpers.models import ScriptedLlama, make_model, make_tokenizer, scripted
+from helpers.tools import GREEDY, CallsAtLengths, add, call, chat_tokenizer, tiny, tool_sampler
 
-from forge_lightning.rollout.engines.async_worker import (
+from forge_lightning.rollout.async_worker import (
     Finished,
     InFlight,
     restored_in_flight,

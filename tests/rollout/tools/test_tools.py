@@ -7,18 +7,22 @@ import json
 
 import pytest
 import torch
-from conftest import CalculatorCalls, make_model, make_tokenizer
-from transformers import LlamaForCausalLM, StoppingCriteria
+from helpers.engines import CalculatorCalls
+from helpers.models import make_model, make_tokenizer, scripted
+from helpers.tools import CallsAtLengths, tool_sampler
 
 from forge_lightning.callbacks import RewardLogger
 from forge_lightning.grpo import LossSettings, grpo_loss, loss_normalizer
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import (
+    Completions,
+    EngineCapabilities,
+    GenerationRequest,
+    SamplingParams,
+)
 from forge_lightning.rollout.engines.hf import HFGenerate
-from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import CalculatorError, InlineCalculator, safe_eval
-from forge_lightning.rollout.tools.base import Answer
 from forge_lightning.rollout.tools.calculator import CalculatorStop, CalculatorTail
 
 GREEDY = SamplingParams(max_new_tokens=40, greedy=True)
@@ -86,41 +90,6 @@ def test_a_numbered_list_item_is_not_part_of_the_expression():
     assert calc.trigger("so 1.5 * 4 =") == "1.5 * 4"
 
 
-class ScriptedLlama(LlamaForCausalLM):
-    """A tiny Llama pushed hard towards writing ``script`` (token ids from the prompt's first
-    token on, then EOS): the logit of the script's token at each position gets +40. The next token
-    depends on the position alone, so a round that resumes after a tool's answer picks the script
-    up where the answer ends."""
-
-    script: list[int] = []
-
-    def forward(self, input_ids=None, attention_mask=None, **kwargs):
-        if attention_mask is None:  # no padding (generate leaves the mask out): positions follow the cache
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            past = 0 if cache is None else cache.get_seq_length()
-            attention_mask = torch.ones(input_ids.shape[0], past + input_ids.shape[1], dtype=torch.long)
-        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        script = torch.tensor([*self.script, self.config.eos_token_id], device=out.logits.device)
-        positions = (attention_mask.cumsum(dim=-1) - 1)[:, -out.logits.shape[1] :]  # (B, T)
-        following = script[(positions + 1).clamp(0, len(script) - 1)]
-        out.logits = out.logits + 40.0 * torch.nn.functional.one_hot(following, out.logits.shape[-1])
-        return out
-
-
-def scripted(tokenizer, text: str, seed: int = 0) -> ScriptedLlama:
-    torch.manual_seed(seed)
-    model = ScriptedLlama(make_model(len(tokenizer)).config)
-    model.script = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return model
-
-
-def tool_sampler(tokenizer, generator=None, style="annotation", max_tool_calls=4) -> ToolRolloutSampler:
-    eos = [tokenizer.eos_token_id]
-    generator = generator or HFGenerate(tokenizer.pad_token_id, eos)
-    base = RolloutSampler(tokenizer, generator, eos, PromptFormat(use_chat_template=False))
-    return ToolRolloutSampler(base, InlineCalculator(style), max_tool_calls)
-
-
 def spans(rollout, row: int) -> tuple[str, str]:
     """Row ``row``'s sampled text and the tools' text, each decoded from its own tokens."""
     tok = make_tokenizer()
@@ -157,14 +126,9 @@ def test_the_round_stop_is_the_calculators_not_a_later_eos():
     model = scripted(tok, "Q:<<2*3=7>> so 6")
     tail = CalculatorTail(InlineCalculator("annotation"), tok)
     prompt = torch.tensor([tok("Q:", add_special_tokens=False)["input_ids"]])
-    out = HFGenerate(tok.pad_token_id, [tok.eos_token_id]).generate(
-        model,
-        prompt,
-        torch.ones_like(prompt),
-        1,
-        GREEDY,
-        stopping_criteria=[CalculatorStop(tail, 2, [0], [True])],
-    )
+    stop = [CalculatorStop(tail, 2, [0], [True])]
+    request = GenerationRequest(prompt, torch.ones_like(prompt), 1, GREEDY, stop_rule=stop)
+    out = HFGenerate(tok.pad_token_id, [tok.eos_token_id]).generate(model, request).ids
     assert tok.decode(out[0].tolist(), skip_special_tokens=True) == "<<2*3="
 
 
@@ -176,15 +140,17 @@ class TextEngine:
     def __init__(self, tokenizer, continuation) -> None:
         self.tok, self.continuation, self.inputs = tokenizer, continuation, []
 
-    def generate(self, model, prompt_ids, prompt_mask, group_size, params):
+    capabilities = EngineCapabilities()
+
+    def generate(self, model, request: GenerationRequest) -> Completions:
         rows = []
-        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+        for ids, mask in zip(request.prompt_ids.tolist(), request.prompt_mask.tolist()):
             text = self.tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=True)
             self.inputs.append(text)
             new = self.tok(self.continuation(text), add_special_tokens=False)["input_ids"]
-            rows += [[*new, self.tok.eos_token_id][: params.max_new_tokens]] * group_size
+            rows += [[*new, self.tok.eos_token_id][: request.params.max_new_tokens]] * request.group_size
         width = max(len(r) for r in rows)
-        return torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows])
+        return Completions(torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows]))
 
     def sync_weights(self, model) -> None:
         pass
@@ -357,51 +323,17 @@ def test_accumulated_tool_batches_give_the_gradient_of_one_batch_holding_them(st
 
 def test_a_resumed_run_cannot_change_its_tool_settings():
     from forge_lightning.run.resume import check_resume_settings
+    from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME
 
     saved = {"calculator": "plain", "max_tool_calls": 4, "learning_rate": 1e-5}
     with pytest.raises(
         ValueError, match=r"(?s)model.calculator: 'plain' -> None.*model.max_tool_calls: 4 -> 2"
     ):
-        check_resume_settings(saved, {"calculator": None, "max_tool_calls": 2, "learning_rate": 1e-5})
-
-
-class CallsAtLengths:
-    """A tool protocol for checking the rounds' bookkeeping on a random model: a completion "calls"
-    whenever its length reaches one of ``lengths``, answered with 1 to 5 tokens (by the
-    completion's index), so that rows reach their next call at different times and some wait. Which tokens
-    are sampled does not matter, only how many."""
-
-    names, calls_before_eos = ["at"], False
-
-    def __init__(self, tokenizer, lengths: set[int]) -> None:
-        self.lengths = lengths
-        self.answers = [tokenizer(a)["input_ids"] for a in ("x", "xy", "xyz", "wxyz", "vwxyz")]
-
-    def begin(self, sampler, prompts, rows, group_size, device):
-        ids, mask = sampler.encode(prompts, device)
-        return ids, mask, list(range(len(prompts) * group_size))  # context: the completion's index
-
-    def may_end_a_call(self, token):
-        return True
-
-    def call_at(self, episode, completion):
-        return "at" if len(completion) in self.lengths else None
-
-    def stop(self, start, prior, enabled, segments, eos_ids):
-        lengths = self.lengths
-
-        class AtLength(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
-                written = [p + input_ids.shape[1] - start for p in prior]
-                return torch.tensor([on and n in lengths for on, n in zip(enabled, written)])
-
-        return AtLength()
-
-    def answer(self, calls):
-        entry = {"name": "at", "arguments": {}, "result": "", "ok": True}
-        return [
-            Answer(ids=list(self.answers[episode.context % 5]), ok=True, entry=entry) for episode, _ in calls
-        ]
+        check_resume_settings(
+            saved,
+            {"calculator": None, "max_tool_calls": 2, "learning_rate": 1e-5},
+            changeable=CHANGEABLE_ON_RESUME,
+        )
 
 
 @pytest.mark.parametrize("group_size", [1, 3])

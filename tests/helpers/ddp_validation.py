@@ -5,7 +5,8 @@ prompts 1 and 3 and a repeat of prompt 0, alone in rank 1's second batch. Rank 0
 metrics ``validate`` returned to ``OUT/metrics.json``; RewardLogger writes the answers under
 ``OUT/validation/``.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_validation.py OUT
+    PYTHONPATH=tests python -m torch.distributed.run --standalone --nproc_per_node=2 \
+        tests/helpers/ddp_validation.py OUT
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
-from conftest import ScriptedAnswers, _count_a, make_model, make_tokenizer
 from torch.utils.data import DataLoader
 
 from forge_lightning.callbacks import RewardLogger
 from forge_lightning.data.datamodule import collate_records
 from forge_lightning.module import GRPOLightningModule
+from helpers.engines import ScriptedAnswers
+from helpers.models import make_model, make_tokenizer
+from helpers.rewards import count_a
 
 # Each prompt's answers: the greedy completion is the first, the n = 4 samples all four.
 SCRIPT = {
@@ -37,7 +40,7 @@ def validate(out: Path, devices: int) -> dict[str, float]:
     """The metrics of one sampled validation of RECORDS (two per batch) on ``devices`` processes."""
     tok = make_tokenizer()
     grpo = GRPOLightningModule(
-        model=make_model(len(tok)), tokenizer=tok, reward=_count_a, max_new_tokens=3, val_num_generations=4
+        model=make_model(len(tok)), tokenizer=tok, reward=count_a, max_new_tokens=3, val_num_generations=4
     )
     grpo.generator = ScriptedAnswers(grpo.tokenizer, SCRIPT)
     trainer = pl.Trainer(

@@ -23,6 +23,10 @@ instead (:meth:`RolloutWorker.submit_episodes`): the worker runs the tool loop
 (rollout/tool_sampler.py) with tools it built itself from their import paths
 (``WorkerSettings.tools``, rollout/tools/recipe.py) and sends back the finished rollout, its calls
 and transcripts; no tool's state crosses between the processes.
+
+It sits beside the episode runners it runs and the scorer it scores with (rollout/logprobs.py),
+above the engines (rollout/engines/), which import nothing of it; its old path,
+``forge_lightning.rollout.engines.async_worker``, still imports (_moved.py).
 """
 
 from __future__ import annotations
@@ -42,7 +46,12 @@ import torch.multiprocessing as mp
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.engines.base import (
+    Completions,
+    EngineCapabilities,
+    GenerationRequest,
+    SamplingParams,
+)
 from forge_lightning.rollout.engines.hf import HFGenerate
 from forge_lightning.rollout.engines.quantized import low_precision_copy
 from forge_lightning.rollout.engines.weight_ring import (
@@ -335,23 +344,22 @@ class RolloutWorker:
         finished.trainer_wait_s = time.perf_counter() - started
         return finished
 
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        group_size: int,
-        params: SamplingParams,
-    ) -> Tensor:
+    # The worker hands back ids only (its log-probs are the pipeline's: submit); tool rounds in this
+    # process read each row whole again, cut at its call.
+    capabilities = EngineCapabilities()
+
+    def generate(self, model: PreTrainedModel, request: GenerationRequest) -> Completions:
         """Sample with the newest weights and wait (validation; the GenerationBackend call). The
         worker starts here, from ``model``, when nothing started it before."""
+        self.capabilities.check(request, type(self).__name__)
         if not self.running:
             self.start(model, self.version)
+        r = request
         # A sampled draw takes its seed from the caller's RNG: sampled evaluation forks and seeds
         # that per batch, so the worker's samples follow (seed, step, batch) as in-process ones do.
-        seed = 0 if params.greedy else int(torch.randint(2**31 - 1, ()).item())
-        ticket = self.submit(prompt_ids, prompt_mask, group_size, params, seed=seed, logprobs=False)
-        return self.collect(ticket).completion_ids.to(prompt_ids.device)
+        seed = 0 if r.params.greedy else int(torch.randint(2**31 - 1, ()).item())
+        ticket = self.submit(r.prompt_ids, r.prompt_mask, r.group_size, r.params, seed=seed, logprobs=False)
+        return Completions(self.collect(ticket).completion_ids.to(r.prompt_ids.device))
 
     def close(self) -> None:
         """Stop the worker (waits a few seconds, then kills it)."""
@@ -471,14 +479,11 @@ def _sampled(
     policy's log-probs (the engine's where its temperature is the loss's; else scored again)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = job.prompt_ids.to(device), job.prompt_mask.to(device)
-    args = (model, prompt_ids, prompt_mask, job.group_size, job.params)
     # The sampling scores are the loss's distribution when both take one temperature.
     from_scores = job.logprobs and job.params.temperature == settings.scoring_temperature
-    behav = None
-    if from_scores:
-        completion_ids, behav = engine.generate_with_logprobs(*args)
-    else:
-        completion_ids = engine.generate(*args)
+    request = GenerationRequest(prompt_ids, prompt_mask, job.group_size, job.params, logprobs=from_scores)
+    out = engine.generate(model, request)
+    completion_ids, behav = out.ids, out.logp
     if job.logprobs and not from_scores:
         rollout = Rollout(
             prompt_ids=prompt_ids,

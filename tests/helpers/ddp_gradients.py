@@ -3,7 +3,7 @@ saves the step's gradient (after DDP's all-reduce, before the optimizer) to ``OU
 With ``dynamic``, one step with dynamic sampling where the ranks gather their informative groups
 in different rounds (rank 0's first prompt is uninformative), saved to ``OUT/dynamic.pt``. With
 ``tools``, one step of calculator rollouts where rank 0's completions take up to three rounds and
-rank 1's one (conftest.CalculatorCalls), saved to ``OUT/tools-<loss>.pt``. The default mode also
+rank 1's one (helpers.engines.CalculatorCalls), saved to ``OUT/tools-<loss>.pt``. The default mode also
 runs each loss type with ``steps_per_generation`` 2 on two prompts per rank (the rank's record
 first, then another), saving the first of its two steps' gradients to ``OUT/spg-<loss>.pt``, and
 ``grpo`` with micro-batches by a token budget under which rank 0 makes 2 and rank 1 makes 4
@@ -14,8 +14,8 @@ DifficultyCurriculum that remembers rank 0's prompt as always solved: rank 0 dro
 and trains nothing, rank 1 its own; saved to ``OUT/curriculum.pt``, with each rank's curriculum
 history after the step in ``OUT/curriculum-history-<rank>.pt``.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_gradients.py \
-        OUT ROOT [dynamic|tools|levers|curriculum]
+    PYTHONPATH=tests python -m torch.distributed.run --standalone --nproc_per_node=2 \
+        tests/helpers/ddp_gradients.py OUT ROOT [dynamic|tools|levers|curriculum]
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from conftest import CalculatorCalls, FixedCompletions, exact_settings, gradient_spy, other_reference
 from torch.utils.data import DataLoader
 
 from forge_lightning.callbacks.curriculum import DifficultyCurriculum, prompt_keys
 from forge_lightning.data.datamodule import collate_records
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.sources import TrainingBatch
+from helpers.engines import CalculatorCalls, FixedCompletions
+from helpers.gradients import exact_settings, gradient_spy, other_reference
 
 RECORDS = [{"prompt": "ab"}, {"prompt": "abc d"}]
 # The second prompt of each rank's generation with steps_per_generation 2 (trained in step 2).

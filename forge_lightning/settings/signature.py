@@ -1,0 +1,120 @@
+"""The module's signature and help, read from the settings' declarations (settings/groups/).
+
+GRPOLightningModule's ``__init__`` names only the objects it is given (the model, the reward,
+...) and takes every setting as a keyword; :func:`settings_signature` gives it the signature
+of all of them, each setting keyword-only with its declared type and default, in the groups'
+order, and :func:`documented_settings` adds each setting's help to the class's ``Args:``.
+LightningCLI (jsonargparse) reads both for the ``--model.<name>`` flags and their help, Lightning's
+``load_from_checkpoint`` and ``save_hyperparameters`` the signature, the guide's settings table
+both.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from typing import Any, TypeVar, get_type_hints
+
+from forge_lightning.settings.declare import setting_name
+from forge_lightning.settings.groups import DECLARED, declared_fields, setting_help
+
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T", bound=type)
+
+
+def setting_parameters(declared: Mapping[str, type] = DECLARED) -> list[inspect.Parameter]:
+    """Every setting ``declared`` (groups by name) as a keyword-only parameter, in their order."""
+    found = []
+    for kind in declared.values():
+        hints = get_type_hints(kind)
+        for item in fields(kind):
+            found.append(
+                inspect.Parameter(
+                    setting_name(item),
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=item.default,
+                    annotation=hints[item.name],
+                )
+            )
+    return found
+
+
+def setting_defaults(declared: Mapping[str, type] = DECLARED) -> dict[str, Any]:
+    """Every setting's default, by the module's name, in the signature's order."""
+    return {setting_name(item): item.default for _, item in declared_fields(declared)}
+
+
+def settings_signature(
+    after: Mapping[str, tuple[str, ...]], declared: Mapping[str, type] = DECLARED
+) -> Callable[[F], F]:
+    """Give ``__init__(self, <objects>, **settings)`` the signature of its objects and every
+    declared setting: its positional objects first, then each group's settings, a keyword-only
+    object after the group ``after`` names for it."""
+
+    def decorate(init: F) -> F:
+        own = inspect.signature(init, eval_str=True)
+        explicit = {name: p for name, p in own.parameters.items() if p.kind is not p.VAR_KEYWORD}
+        placed = {name for names in after.values() for name in names}
+        parameters = [p for name, p in explicit.items() if name not in placed]
+        for group, kind in declared.items():
+            parameters += setting_parameters({group: kind})
+            parameters += [explicit[name] for name in after.get(group, ())]
+        init.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
+        return init
+
+    return decorate
+
+
+def bound_settings(
+    owner: str, given: Mapping[str, Any], declared: Mapping[str, type] = DECLARED
+) -> dict[str, Any]:
+    """Every setting's value: ``given``'s, else its default; Python's TypeError for a keyword that
+    names no setting."""
+    defaults = setting_defaults(declared)
+    for name in given:
+        if name not in defaults:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {name!r}")
+    return {**defaults, **given}
+
+
+def settings_args(declared: Mapping[str, type] = DECLARED, width: int = 100) -> str:
+    """Each setting's help as a docstring's ``Args:`` entries (indented for a class body)."""
+    entries = [
+        textwrap.fill(
+            f"{name}: {text}",
+            width,
+            initial_indent=" " * 8,
+            subsequent_indent=" " * 12,
+            break_on_hyphens=False,
+        )
+        for name, text in setting_help(declared).items()
+    ]
+    return "\n".join(entries)
+
+
+def documented_settings(cls: T, declared: Mapping[str, type] = DECLARED) -> T:
+    """Add every setting's help to the ``Args:`` that ends ``cls``'s docstring."""
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + settings_args(declared) + "\n    "
+    return cls
+
+
+def save_settings(
+    module: Any,
+    init: Callable[..., Any],
+    objects: Mapping[str, Any],
+    given: Mapping[str, Any],
+    ignore: list[str],
+) -> None:
+    """``module.save_hyperparameters`` of ``objects`` (as plain data) and every setting (``given``'s,
+    else its default; Python's TypeError for a keyword that names none), in ``init``'s signature's
+    order, less ``ignore``: what LightningCLI gives, where it gives them
+    (its ``_instantiator`` with them), else these. Lightning reads an ``__init__``'s frame for its
+    arguments, which a ``**settings`` frame does not hold by name."""
+    values = {**objects, **bound_settings(type(module).__name__, given)}
+    order = [name for name in inspect.signature(init).parameters if name in values]
+    module.save_hyperparameters(ignore=list(ignore))
+    missing = {name: values[name] for name in order if name not in module.hparams and name not in ignore}
+    if missing:
+        module.save_hyperparameters(missing)
