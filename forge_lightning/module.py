@@ -383,6 +383,8 @@ class GRPOLightningModule(pl.LightningModule):
         """Lightning's ``load_from_checkpoint``, refusing to stand the default model or reward in for
         one the checkpoint could not store (an object): pass ``model=``/``tokenizer=``/``reward=``."""
         refuse_unstored_objects(checkpoint_path, kwargs)
+        # super() with its arguments: a bare super() puts __class__ in this frame, which Lightning's
+        # save_hyperparameters (2.4) would read as the module's __init__ frame.
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     @override

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.models import make_model
 from jsonargparse import ArgumentParser
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, Timer
 from lightning.pytorch.cli import LightningCLI
 
@@ -111,3 +111,17 @@ def test_an_evaluation_logs_outside_a_fit_at_the_count_of_stepped_batches(tmp_pa
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == 7
     step.restore(trainer)
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == 0
+
+
+def test_lightning_takes_the_hyperparameters_given_and_says_when_its_cli_gives_them():
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters_context
+
+    from forge_lightning.settings.signature import given_by_cli, given_hyperparameters
+
+    assert not given_by_cli()
+    with _given_hyperparameters_context({"group_size": 4}, "forge_lightning.module.GRPOLightningModule"):
+        assert given_by_cli()
+    module = LightningModule()
+    with given_hyperparameters({"group_size": 3}):
+        module.save_hyperparameters()
+    assert dict(module.hparams) == {"group_size": 3}

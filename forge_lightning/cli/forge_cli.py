@@ -449,11 +449,17 @@ def nested_flags_keep_single_values() -> Iterator[None]:
     jsonargparse tries the list first, and its list takes a nested flag by wrapping the value in a
     list of one: another setting, which a resume refuses. Its private ``sort_subtypes_for_union``
     moves the list types first for a list's nested flag; here they go last for any other value's.
-    Checked on jsonargparse 4.53.0; nothing changes where jsonargparse has no such function."""
+    Checked on jsonargparse 4.53.0; nothing changes where jsonargparse has no such function, or one
+    of another signature (4.40's takes no ``append``)."""
     from jsonargparse import _typehints
 
     original = getattr(_typehints, "sort_subtypes_for_union", None)
-    if original is None:
+    if original is None or list(inspect.signature(original).parameters) != [
+        "subtypes",
+        "val",
+        "prev_val",
+        "append",
+    ]:
         yield
         return
 

@@ -11,9 +11,10 @@ both.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar, get_type_hints
 
@@ -114,7 +115,33 @@ def save_settings(
     arguments, which a ``**settings`` frame does not hold by name."""
     values = {**objects, **bound_settings(type(module).__name__, given)}
     order = [name for name in inspect.signature(init).parameters if name in values]
+    if not given_by_cli():  # given here: else Lightning walks the callers' frames for an __init__'s
+        with given_hyperparameters({name: values[name] for name in order}):
+            module.save_hyperparameters(ignore=list(ignore))
+        module._hparams_name = None  # as a dict of them saved: loaded back as keywords
+        return
     module.save_hyperparameters(ignore=list(ignore))
     missing = {name: values[name] for name in order if name not in module.hparams and name not in ignore}
     if missing:
         module.save_hyperparameters(missing)
+
+
+def given_by_cli() -> bool:
+    """Whether LightningCLI's instantiator is giving the module its hyperparameters now (Lightning's
+    private ``_given_hyperparameters``)."""
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+
+    return _given_hyperparameters.get() is not None
+
+
+@contextlib.contextmanager
+def given_hyperparameters(values: dict[str, Any]) -> Iterator[None]:
+    """Give ``save_hyperparameters`` ``values`` as LightningCLI gives its own (no ``_instantiator``):
+    Lightning then reads no frame, where 2.4 fails on a caller's that uses ``super()``."""
+    from lightning.pytorch.core.mixins.hparams_mixin import _given_hyperparameters
+
+    token = _given_hyperparameters.set(values)
+    try:
+        yield
+    finally:
+        _given_hyperparameters.reset(token)
