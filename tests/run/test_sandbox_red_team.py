@@ -13,7 +13,6 @@ import os
 import pickle
 import shutil
 import socket
-import string
 import sys
 import tempfile
 import time
@@ -22,17 +21,15 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from helpers import hostile
+from helpers.engines import TurnEngine
 from helpers.models import make_model
 from helpers.sandbox import processes_naming
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from helpers.tools import chat_tokenizer
 
 from forge_lightning.examples.code_execution import passes_tests
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.scoring import score
-from forge_lightning.rollout.engines.base import Completions, EngineCapabilities, GenerationRequest
 from forge_lightning.rollout.tools.calls import CUT_MARK, Job, called, tool_text
 from forge_lightning.run.sandbox import ForgedAnswer, Sandbox, SandboxCallError, SandboxLimits, SandboxRaised
 from forge_lightning.run.sandbox_process import WorkerProcess
@@ -147,53 +144,6 @@ def test_run_python_refuses_to_run_a_program_outside_a_sandbox_worker(tmp_path):
 
 
 # -- a fit whose reward and tool hang -------------------------------------------------------------
-
-SPECIAL = ["<pad>", "<|im_end|>", "<|im_start|>", "<unk>"]
-CHARS = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def chat_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable character and ChatML's two special tokens (the EOS ends a turn)."""
-    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + CHARS)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        eos_token="<|im_end|>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        bos_token="<|im_start|>",
-    )
-    tok.chat_template = TEMPLATE
-    return tok
-
-
-class TurnEngine:
-    """Writes the policy's ``k``-th turn after ``k`` tool messages, then its end of turn."""
-
-    def __init__(self, tok, turns: list[str]) -> None:
-        self.tok, self.turns = tok, turns
-
-    capabilities = EngineCapabilities()
-
-    def generate(self, model, request: GenerationRequest) -> Completions:
-        rows = []
-        for ids, mask in zip(request.prompt_ids.tolist(), request.prompt_mask.tolist()):
-            text = self.tok.decode([i for i, m in zip(ids, mask) if m])
-            turn = self.turns[min(text.count("<|im_start|>tool"), len(self.turns) - 1)]
-            new = self.tok(turn, add_special_tokens=False)["input_ids"]
-            rows += [[*new, self.tok.eos_token_id][: request.params.max_new_tokens]] * request.group_size
-        width = max(len(r) for r in rows)
-        return Completions(torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows]))
-
-    def sync_weights(self, model) -> None:
-        pass
 
 
 def test_a_fit_whose_reward_and_tool_hang_finishes_and_counts_each_failure(tmp_path, trainer, loader, caplog):
