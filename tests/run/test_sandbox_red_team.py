@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -52,6 +53,12 @@ def listener():
     """A TCP socket listening on 127.0.0.1, and a function that says whether anyone connected."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
+    yield server.getsockname()[1], listening(server)
+    server.close()
+
+
+def listening(server: socket.socket) -> Callable[[], bool]:
+    """Make ``server`` (bound) listen; a function that says whether anyone connected since."""
     server.listen()
     server.setblocking(False)
 
@@ -62,8 +69,7 @@ def listener():
         except BlockingIOError:
             return False
 
-    yield server.getsockname()[1], connected
-    server.close()
+    return connected
 
 
 def hostile_programs(outside: Path, secret: Path, port: int) -> dict[str, str]:
@@ -267,7 +273,7 @@ def test_sockets_are_refused_in_the_sandbox_and_a_socket_pair_still_works(what, 
 
 
 @pytest.fixture
-def unix_listener(tmp_path_factory):
+def unix_listener():
     """A Unix socket, mode 0777, in a world-readable folder outside the sandbox's reach; a function
     that says whether anyone connected."""
     folder = Path(tempfile.mkdtemp(prefix="forge-red-team-"))
@@ -276,17 +282,7 @@ def unix_listener(tmp_path_factory):
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     path.chmod(0o777)
-    server.listen()
-    server.setblocking(False)
-
-    def connected() -> bool:
-        try:
-            server.accept()[0].close()
-            return True
-        except BlockingIOError:
-            return False
-
-    yield str(path), connected
+    yield str(path), listening(server)
     server.close()
     shutil.rmtree(folder, ignore_errors=True)
 
