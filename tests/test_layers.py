@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("grpo", "run"),  # the math; a run's files and checkpoints
     ("models", "data"),  # the policy model; the prompts
     ("rollout",),  # prompts in, a Rollout out: samplers, engines, tools
+    ("serving",),  # rollout servers: the wire format, the decode loop, the weight push
     ("rewards", "reporting"),  # scores of a rollout; what a step reports
     ("training", "evaluation"),  # one training batch; validation
     ("settings",),  # the module's settings and the parts built from them

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import lightning.pytorch as pl
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from forge_lightning.callbacks.preemption import save_last
 from forge_lightning.callbacks.protocols import RunsRollouts
 from forge_lightning.callbacks.reference import ReferenceModel
 from forge_lightning.callbacks.step_axis import OptimizerStepAxis
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
+from forge_lightning.serving.client import NoServerLeft
 
 
 def fit_callbacks(trainer: pl.Trainer | None, needs_reference: bool, worker: bool) -> list[pl.Callback]:
@@ -30,11 +33,17 @@ def fit_callbacks(trainer: pl.Trainer | None, needs_reference: bool, worker: boo
 
 
 class StopWorkerOnError(pl.Callback):
-    """Stops the asynchronous rollout worker when a fit fails (teardown stops it otherwise)."""
+    """Stops the asynchronous rollout worker (or the rollout servers the trainer started) when a
+    fit fails (teardown stops it otherwise). A fit whose rollout servers are all dead saves
+    ``last.ckpt`` first, to resume from once servers are back."""
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        if isinstance(exception, NoServerLeft):
+            saved = save_last(trainer)
+            where = ", ".join(map(str, saved)) if saved else "nothing (the trainer has no ModelCheckpoint)"
+            rank_zero_warn(f"no rollout server is left at step {trainer.global_step}: saved {where}")
         if isinstance(pl_module, RunsRollouts):
             pl_module.stop_rollout_worker()
 

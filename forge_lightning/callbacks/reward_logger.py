@@ -55,7 +55,9 @@ ASYNC_JSONL_KEYS = (
 CORRECTION_JSONL_KEYS = ("sampler_kl", "correction_weight_mean", "correction_masked_fraction")
 # Logged with tool-using rollouts only (rollout/tool_sampler.py).
 TOOL_JSONL_KEYS = ("tool_calls", "tool_errors", "turns", "tool_token_fraction", "tool_threads_abandoned")
-JSONL_KEYS += ASYNC_JSONL_KEYS + CORRECTION_JSONL_KEYS + TOOL_JSONL_KEYS
+# Logged with rollout servers only (serving/): the servers found dead, summed over the ranks.
+SERVER_JSONL_KEYS = ("server_failures",)
+JSONL_KEYS += ASYNC_JSONL_KEYS + CORRECTION_JSONL_KEYS + TOOL_JSONL_KEYS + SERVER_JSONL_KEYS
 
 
 class RewardLogger(Callback):

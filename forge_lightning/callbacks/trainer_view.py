@@ -45,6 +45,7 @@ def fit_shape(trainer: pl.Trainer) -> FitShape:
         val_batch_size=_setting(data, "val_batch_size"),
         train_loader_batch_size=_loader_batch(trainer.train_dataloader),
         val_loader_batch_size=_loader_batch(trainer.val_dataloaders),
+        root_dir=trainer.default_root_dir,
     )
 
 

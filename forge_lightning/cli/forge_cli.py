@@ -547,7 +547,8 @@ def _checkpoint_dirs(callbacks: list[Any]) -> list[str]:
 # The top-level help's last lines: the commands main() runs itself, before LightningCLI.
 OTHER_COMMANDS = (
     "check-resume --config X [overrides]: kill the config's run at its hard moments, resume it and "
-    "compare it with a straight run. plot LOG: draw a run's curves from its training_log.jsonl. "
+    "compare it with a straight run. serve --config X --port P: a rollout server for the config's "
+    "model (rollout_servers). plot LOG: draw a run's curves from its training_log.jsonl. "
     "(Each takes --help.)"
 )
 
@@ -583,12 +584,17 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: ``plot`` draws a run's curves, ``check-resume`` kills and
-    resumes a config's run (cli/check_resume.py), anything else goes to LightningCLI."""
+    resumes a config's run (cli/check_resume.py), ``serve`` runs a rollout server (cli/serve.py),
+    anything else goes to LightningCLI."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["plot"]:
         from forge_lightning.reporting.plot import main as plot_main  # matplotlib only when plotting
 
         plot_main(args[1:])
+    elif args[:1] == ["serve"]:
+        from forge_lightning.cli.serve import main as serve_main
+
+        serve_main(args[1:])
     elif args[:1] == ["check-resume"]:
         from forge_lightning.cli.check_resume import main as check_resume_main
 

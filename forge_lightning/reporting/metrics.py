@@ -71,7 +71,16 @@ PERF_KEYS = (
     "padding_fraction",
 )
 # ``groups_filtered``: groups a loop hook dropped (training/loop_hooks.py), logged when one may.
-COUNT_KEYS = ("reward_errors", "skipped_steps", "num_tokens", "empty_steps", "regenerated", "groups_filtered")
+# ``server_failures``: rollout servers found dead (serving/client.py), each by each rank that found it.
+COUNT_KEYS = (
+    "reward_errors",
+    "skipped_steps",
+    "num_tokens",
+    "empty_steps",
+    "regenerated",
+    "groups_filtered",
+    "server_failures",
+)
 # The loss statistics of a backward pass (add_micro_batch).
 LOSS_STATS = (
     "loss",

@@ -46,6 +46,7 @@ class FitShape:
     val_batch_size: int | None = None
     train_loader_batch_size: int | None = None
     val_loader_batch_size: int | None = None
+    root_dir: str | None = None  # the run folder (trainer.default_root_dir): what a run writes beside its log
 
     @property
     def step_limit(self) -> int | None:

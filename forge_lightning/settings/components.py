@@ -50,6 +50,8 @@ from forge_lightning.rollout.tools.environments import factories_by_name
 from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.rollout.tools.stored import StoredTools
 from forge_lightning.run.sandbox import Sandbox, SandboxLimits
+from forge_lightning.serving.processes import ServeConfig
+from forge_lightning.serving.sources import remote_rollouts
 from forge_lightning.settings.groups import (
     GRPOSettings,
     OptimizerSettings,
@@ -179,7 +181,7 @@ def build_components(
     )
     greedy = SamplingParams(settings.validation.max_new_tokens(s.max_new_tokens), greedy=True, stop=stop)
     passes = LossPasses(scorer, loss, settings.advantages.mask_truncated_completions)
-    source, plan = rollout_source(rollout_settings(settings, sampling)), step_plan(plan_settings(settings))
+    source, plan = rollouts(settings, sampling, stored.model, tools), step_plan(plan_settings(settings))
     reporter = StepReporter(train_metrics)  # its cadence handed over by module.report_every
     optimizer = settings.optimizer
     stepper = OptimizerStep(optimizer.max_grad_norm, optimizer.max_consecutive_bad_steps)
@@ -258,6 +260,44 @@ def rollout_settings(settings: GRPOSettings, sampling: SamplingParams) -> Rollou
         prefix_sharing=memory.prefix_sharing,
         logprob_chunk_size=memory.logprob_chunk_size,
     )
+
+
+def rollouts(
+    settings: GRPOSettings, sampling: SamplingParams, model: Any, tools: StoredTools
+) -> RolloutSource:
+    """The rollout source: sampling in this process, or on the ``rollout_servers`` (serving/), which
+    the servers the trainer starts run with the model settings here; ``model``: the spec or object."""
+    engine, source_settings = settings.engine, rollout_settings(settings, sampling)
+    if not engine.rollout_servers:
+        return rollout_source(source_settings)
+    asynchronous = engine.rollout_mode == "async"
+    if asynchronous:
+        refuse_async_on_servers(settings, tools)
+    memory = settings.memory
+    loading = {"model_dtype": memory.model_dtype, "attn_implementation": memory.attn_implementation}
+    threads = engine.rollout_worker_threads or 1  # each started server's, one unless told
+    serve = ServeConfig({name: value for name, value in loading.items() if value is not None}, threads)
+    spec = model if isinstance(model, str) else None
+    lag = engine.max_staleness if asynchronous else 0
+    return remote_rollouts(source_settings, engine.rollout_servers, serve, spec, engine.partial_rollouts, lag)
+
+
+def refuse_async_on_servers(settings: GRPOSettings, tools: StoredTools) -> None:
+    """What async rollouts on servers cannot do yet, refused by name: tool episodes (a server
+    samples completions), and a loss that scores at another temperature than the sampling one
+    (the servers' log-probs, the behaviour policy's, are those of the distribution they sampled)."""
+    if settings.tools.agent is not None or tool_recipe(settings.tools, None, tools) is not None:
+        raise ValueError(
+            "rollout_servers with rollout_mode='async' samples completions, not tool episodes: use "
+            "rollout_mode='sync' for a run with tools or an agent"
+        )
+    temperature = settings.sampling.temperature
+    scoring = settings.loss.scoring_temperature(temperature)
+    if scoring != temperature:
+        raise ValueError(
+            f"rollout_servers with rollout_mode='async' needs the loss to score at the sampling "
+            f"temperature ({temperature}), not {scoring}: use a loss that scores at it"
+        )
 
 
 def plan_settings(settings: GRPOSettings) -> PlanSettings:

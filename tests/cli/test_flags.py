@@ -24,6 +24,7 @@ ENTRIES = {
     "stop": ["A", "B", "C"],
     "tools": ["os.getcwd", "os.getpid", "os.getppid"],
     "sandbox_env": ["HOME", "PATH", "LANG"],
+    "rollout_servers": ["local:1", "node7:8000", "ray:2"],
 }
 
 

@@ -39,13 +39,17 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 CARRY = REPO / "tests" / "gpu" / "carry"
 # module -> the distribution whose wheel provides it: what the check imports beyond torch,
-# lightning, transformers, peft, tensorboard and torchmetrics (on the GPU image already).
+# lightning, transformers, peft, tensorboard and torchmetrics (on the GPU image already), and what
+# the ``forge-lightning serve`` process of test_rollout_server.py imports (the CLI package).
 NEEDED = {
     "pytest": "pytest",
     "iniconfig": "iniconfig",
     "pluggy": "pluggy",
     "pygments": "pygments",
     "packaging": "packaging",
+    "jsonargparse": "jsonargparse",
+    "docstring_parser": "docstring-parser",
+    "typeshed_client": "typeshed-client",
 }
 # SmolLM2's shapes (Llama architecture, tied embeddings, 49152-token vocabulary).
 # name: (hidden, intermediate, layers, attention heads, key/value heads)

@@ -64,6 +64,7 @@ BAD = {
     "sandbox_cpu_seconds": 0,
     "sandbox_workers": 0,
     "sandbox_env": "OPENAI_API_KEY",  # one name, not a list of them
+    "rollout_servers": ["local"],  # local:N, ray:N or host:port
     "agent": "calculator_agent",
     "agent_timeout": 0.0,
     "val_num_generations": -1,

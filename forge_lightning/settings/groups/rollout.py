@@ -9,6 +9,7 @@ from typing import Any, Literal
 from forge_lightning.rollout.engines.generation_settings import SAMPLING_RULES
 from forge_lightning.rollout.engines.registry import ENGINES
 from forge_lightning.rollout.engines.weight_ring import check_rollout_device
+from forge_lightning.serving.placement import ENTRIES_RULE
 from forge_lightning.settings.declare import (
     POSITIVE,
     SECONDS,
@@ -114,13 +115,24 @@ class EngineSettings(Group):
     max_staleness: int = setting(1, check=count(0))
     """async: optimizer steps a rollout may lag the weights it trains (k >= 0)."""
     rollout_worker_threads: int | None = setting(None, check=maybe_count(1), resume=True)
-    """async: the worker's CPU threads, the trainer the rest; None: half."""
+    """async: the worker's CPU threads, the trainer the rest; None: half. With ``rollout_servers``:
+    each server the trainer starts (``local:N``, ``ray:N``) runs this many; None: one."""
     rollout_device: str | None = setting(None, resume=True)
     """async: the worker's device (None: the CPU). ``cuda:N`` is another GPU, ``cuda`` the
     trainer's own (with ``rollout_memory_fraction``); the weights go device to device
     (rollout/engines/weight_ring.py)."""
     rollout_memory_fraction: float | None = setting(None, resume=True)
     """async: the GPU memory share the worker may take."""
+    rollout_servers: list[str] | None = setting(None, check=ENTRIES_RULE, resume=True)
+    """rollout servers that sample instead of this process (serving/): ``local:N`` (N
+    ``forge-lightning serve`` child processes), ``host:port`` (one you started; the trainer needs
+    its ``FORGE_LIGHTNING_SERVE_SECRET``) or ``ray:N`` (N Ray actors), in any mix. Each optimizer
+    step's weights are pushed to them; a server that dies is counted (``server_failures``) and its
+    prompts go to the others. None or empty: the engine in this process."""
+    partial_rollouts: bool = setting(False)
+    """with ``rollout_servers`` and async rollouts: weights that arrive while a completion is
+    sampled take over its next tokens (AReaL's interruptible generation), each token keeping the
+    version and log-prob it was sampled with for the loss's correction."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

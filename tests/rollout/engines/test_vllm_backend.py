@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.fake_vllm import EOS, TOKEN_LOGP, CalculatorLLM, FakeLLM, fake_vllm_module
 from helpers.models import make_model, make_tokenizer
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -31,98 +32,10 @@ from forge_lightning.rollout.types import completion_mask
 from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.training.context import StepContext
 
-EOS = 1
-TOKEN_LOGP = -0.25  # the log-prob the fake engine reports for every token it samples
-
-
-class FakeEngineModel:
-    """The model inside the engine: keeps a copy of every set of weights loaded into it."""
-
-    def __init__(self) -> None:
-        self.loads: list[dict[str, torch.Tensor]] = []
-
-    def load_weights(self, weights: Any) -> set[str]:
-        loaded = {name: tensor.detach().clone() for name, tensor in weights}
-        self.loads.append(loaded)
-        return set(loaded)
-
-
-class FakeLLM:
-    """``vllm.LLM``'s shape. Completion j of a prompt is j+1 copies of the token ``a``, then EOS,
-    or ``max_tokens`` copies without EOS when that is longer than the limit."""
-
-    def __init__(self, token: int) -> None:
-        self.token = token
-        self.model = FakeEngineModel()
-        self.requests: list[tuple[list[dict[str, list[int]]], list[Any]]] = []
-        self.prefix_cache_resets = 0
-
-    def generate(
-        self, prompts: list[dict[str, list[int]]], sampling_params: list[Any], use_tqdm: bool = True
-    ):
-        self.requests.append((prompts, sampling_params))
-        return [
-            SimpleNamespace(outputs=[self._completion(params, j) for j in range(params.n)])
-            for params in sampling_params
-        ]
-
-    def apply_model(self, func: Any) -> list[Any]:
-        return [func(self.model)]
-
-    def reset_prefix_cache(self) -> None:
-        self.prefix_cache_resets += 1
-
-    def _completion(self, params: Any, j: int) -> SimpleNamespace:
-        ids = [self.token] * (j + 1) + [EOS]
-        if len(ids) > params.max_tokens:
-            ids = [self.token] * params.max_tokens
-        return sample(ids, params)
-
-
-def sample(ids: list[int], params: Any) -> SimpleNamespace:
-    """A completion of ``ids`` as vLLM returns it, with ``TOKEN_LOGP`` for each token if asked."""
-    logprobs = None
-    if params.logprobs is not None:
-        # vLLM's shape: per position, a dict from token id to an object with .logprob.
-        logprobs = [
-            {t: SimpleNamespace(logprob=TOKEN_LOGP), t + 1: SimpleNamespace(logprob=-9.0)} for t in ids
-        ]
-    return SimpleNamespace(token_ids=ids, logprobs=logprobs)
-
-
-class CalculatorLLM(FakeLLM):
-    """A fake engine whose completions call the inline calculator: a prompt with no answer in it
-    gets ``<<2*3=9>> x`` (vLLM does not stop at the call: the tool sampler cuts the row there),
-    one that ends with the calculator's answer (``>>``) gets `` ok``; each then EOS."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        super().__init__(tokenizer.convert_tokens_to_ids("a"))
-        self.tok = tokenizer
-
-    def generate(
-        self, prompts: list[dict[str, list[int]]], sampling_params: list[Any], use_tqdm: bool = True
-    ):
-        self.requests.append((prompts, sampling_params))
-        written = [self.tok.decode(p["prompt_token_ids"]) for p in prompts]
-        return [
-            SimpleNamespace(outputs=[self._written(text, params) for _ in range(params.n)])
-            for text, params in zip(written, sampling_params)
-        ]
-
-    def _written(self, text: str, params: Any) -> SimpleNamespace:
-        ids = self.tok.encode(" ok" if text.endswith(">>") else "<<2*3=9>> x", add_special_tokens=False)
-        return sample([*ids, EOS][: params.max_tokens], params)
-
 
 @pytest.fixture(autouse=True)
 def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    built: list[dict[str, Any]] = []
-
-    def llm(**kwargs: Any) -> SimpleNamespace:
-        built.append(kwargs)
-        return SimpleNamespace(kwargs=kwargs)
-
-    module = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw), LLM=llm, built=built)
+    module = fake_vllm_module()
     monkeypatch.setitem(sys.modules, "vllm", module)
     return module
 

@@ -1,0 +1,106 @@
+"""Rank 0's weight push to every live rollout server at once, each over a group of its own.
+
+For each server: probe it (a short ``/health``), open its two-member gloo group the first time
+(``POST /weights/group`` while this side joins as rank 0), then post ``/weights/update`` while the
+tensors go, one by one, over that group (serving/weights.py's sender: both ends walk the
+parameters in one order). The servers are pushed concurrently, each in a thread of its own for
+the blocking collective, so a dead or slow server never holds another's push; a server whose
+probe, group or push fails is reported back to be marked dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from forge_lightning.serving.connection import Connection, EventLoop, Server, ServerDown, ServerError
+from forge_lightning.serving.served_weights import served_tensors
+from forge_lightning.serving.weights import TRAINER_RANK, WeightSender, open_group, open_store
+from forge_lightning.serving.wire import GroupCall, UpdateAnswer, UpdateCall
+
+# Seconds a collective with one server may wait on it: a server that stops mid-push costs this
+# (its own group's wait, never another's), not torch.distributed's default of 30 minutes.
+GROUP_TIMEOUT_S = 60.0
+
+
+class WeightPusher:
+    """The weight groups of this trainer (rank 0) with each server, opened on first use: one
+    store here (a free port), a group per server under a prefix of its own."""
+
+    def __init__(self, http: Connection, loop: EventLoop, timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        self.http, self.loop, self.timeout_s = http, loop, timeout_s
+        self.senders: dict[str, WeightSender] = {}
+        self.store: Any = None
+        self.opened = 0  # groups opened so far: each gets a prefix of its own
+
+    def push(self, model: PreTrainedModel, version: int, servers: list[Server]) -> list[tuple[Server, str]]:
+        """Push ``model``'s weights as ``version`` to ``servers``; those that failed, with why."""
+        results = self.loop.run(self._push_all(model, version, servers))
+        return [(s, str(r)) for s, r in zip(servers, results) if isinstance(r, ServerDown)]
+
+    async def _push_all(self, model: PreTrainedModel, version: int, servers: list[Server]) -> list[Any]:
+        pushes = (self._push(model, version, server) for server in servers)
+        results = await asyncio.gather(*pushes, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, ServerDown):
+                raise result
+        return results
+
+    async def _push(self, model: PreTrainedModel, version: int, server: Server) -> None:
+        await self.http.health(server)  # a dead server is found here, before any collective
+        try:
+            sender = self.senders.get(server.address) or await self._open(server)
+            update = UpdateCall(version=version, via="group")
+            answer = asyncio.ensure_future(
+                self.http.call(server, "POST", "/weights/update", update.to_json())
+            )
+            try:
+                await asyncio.to_thread(sender.send, served_tensors(model))
+            except BaseException:
+                answer.cancel()
+                raise
+            got = UpdateAnswer.from_json(await answer).version
+        except RuntimeError as err:  # the collective broke: the server went away mid-push
+            if isinstance(err, ServerError):
+                raise
+            self.senders.pop(server.address, None)
+            raise ServerDown(f"weight push: {err}".splitlines()[0]) from None
+        if got != version:
+            raise ServerError(f"rollout server {server.name} holds version {got} after a push of {version}")
+
+    async def _open(self, server: Server) -> WeightSender:
+        """This side of ``server``'s group (rank 0), opened while the server joins as rank 1."""
+        host = reachable_address(server.address)
+        if self.store is None:
+            self.store = open_store(host, 0, master=True, timeout_s=self.timeout_s)
+        self.opened += 1
+        call = GroupCall(host, self.store.port, f"server{self.opened}/", self.timeout_s)
+        specs = (await self.http.info(server)).parameters
+        joined = asyncio.ensure_future(self.http.call(server, "POST", "/weights/group", call.to_json()))
+        try:
+            group = await asyncio.to_thread(
+                open_group, host, self.store.port, call.prefix, TRAINER_RANK, self.timeout_s, self.store
+            )
+        except BaseException:
+            joined.cancel()
+            raise
+        await joined
+        self.senders[server.address] = sender = WeightSender(group, specs)
+        return sender
+
+    def close(self) -> None:
+        self.senders, self.store = {}, None
+
+
+def reachable_address(server_address: str) -> str:
+    """This machine's address as ``server_address`` (host:port) reaches it: the loopback for a
+    server here, else the address of the interface the route to it leaves by (no packet is sent)."""
+    host = server_address.rpartition(":")[0].strip("[]")
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]

@@ -1,0 +1,122 @@
+"""The rollout sources of a run whose rollouts are sampled by rollout servers (serving/):
+the synchronous and asynchronous sources of rollout/sources.py with a :class:`RemoteEngine` for
+their engine. They connect it when the fit starts (the servers get the weights the fit starts
+from, a resumed checkpoint's included), add each batch's ``server_failures`` to its metrics and
+end what was started when the fit ends, however it ends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
+from forge_lightning.rollout.sources import (
+    AsyncRollouts,
+    EpisodeRunner,
+    RolloutSettings,
+    RolloutSource,
+    SyncRollouts,
+    TrainingBatch,
+    TrainingLoop,
+    warn_when_the_end_drains_at_once,
+)
+from forge_lightning.run.fit import FitShape
+from forge_lightning.serving.client import RemoteEngine
+from forge_lightning.serving.placement import Placement
+from forge_lightning.serving.processes import ServeConfig
+
+
+def remote_rollouts(
+    settings: RolloutSettings,
+    servers: list[str],
+    serve: ServeConfig,
+    spec: str | None,
+    partial: bool,
+    lag: int,
+) -> RolloutSource:
+    """The source of ``settings.mode`` sampling on ``servers`` (placement.py's entries), which
+    started servers run with ``serve``; ``spec``: the module's model spec (None for a model given
+    as an object); ``partial``: partial rollouts; ``lag``: the versions a server may answer behind
+    the newest (async)."""
+    engine = RemoteEngine(Placement(servers, serve, spec), partial=partial)
+    engine.lag = lag
+    source = RemoteAsyncRollouts(settings) if settings.mode == "async" else RemoteSyncRollouts(settings)
+    source.engine = source.remote = engine
+    return source
+
+
+class RemoteSource:
+    """What both remote sources add to theirs (a mixin before the rollout/sources.py class)."""
+
+    remote: RemoteEngine
+
+    def prepare(
+        self,
+        tokenizer: Any,
+        model: PreTrainedModel,
+        eos: list[int],
+        prompts: PromptFormat,
+        scoring_temperature: float,
+        episodes: Callable[[RolloutSampler], EpisodeRunner],
+        tools: Any = None,
+    ) -> None:
+        self.remote.bind(tokenizer)
+        super().prepare(tokenizer, model, eos, prompts, scoring_temperature, episodes, tools)  # type: ignore[misc]
+
+    def connect(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
+        if sharded:
+            raise ValueError(
+                "rollout servers do not support FSDP yet (each weight push would gather every "
+                "parameter on every rank): use DDP or one device"
+            )
+        if fit.root_dir is not None:
+            self.remote.placement.folder = Path(fit.root_dir) / "servers"
+        self.remote.connect(model)
+
+    def counted(self, batches: Iterator[TrainingBatch]) -> Iterator[TrainingBatch]:
+        """``batches``, each with the servers found dead since the previous one."""
+        for batch in batches:
+            batch.metrics["server_failures"] = float(self.remote.take_failures())
+            yield batch
+
+    @property
+    def runs_a_worker(self) -> bool:
+        return True  # servers run: a failed fit must end them, and none of the trainer's memory samples
+
+
+class RemoteSyncRollouts(RemoteSource, SyncRollouts):
+    """Each batch sampled by the servers when it trains."""
+
+    def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
+        self.connect(fit, model, sharded)
+
+    def rollouts(
+        self, batch: TrainingBatch, loop: TrainingLoop, model: PreTrainedModel
+    ) -> Iterator[TrainingBatch]:
+        return self.counted(super().rollouts(batch, loop, model))
+
+    def close(self) -> None:
+        self.remote.close()
+
+
+class RemoteAsyncRollouts(RemoteSource, AsyncRollouts):
+    """Each batch handed to the servers, sampled from weights at most ``lag`` versions old and
+    trained that many optimizer steps later (rollout/sources.py's pipeline). Every trainer rank
+    runs its own pipeline, so DDP works as with one rank."""
+
+    def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
+        # Not the worker's: no thread split (the servers have their own), DDP allowed.
+        warn_when_the_end_drains_at_once(fit, self.remote.lag)
+        self.connect(fit, model, sharded)
+
+    def rollouts(
+        self, batch: TrainingBatch, loop: TrainingLoop, model: PreTrainedModel
+    ) -> Iterator[TrainingBatch]:
+        return self.counted(super().rollouts(batch, loop, model))
+
+    def close(self) -> None:
+        super().close()
+        self.remote.close()
