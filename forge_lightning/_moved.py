@@ -73,6 +73,17 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "weight_ring": "rollout.engines.weight_ring",
     # Moved within the layered layout: the worker runs episode runners, above the engines.
     "rollout.engines.async_worker": "rollout.async_worker",
+    # The sandbox, a package of its own (it was half of run/).
+    "run.episode_worker": "sandbox.episode_worker",
+    "run.isolation": "sandbox.isolation",
+    "run.landlock": "sandbox.landlock",
+    "run.sandbox": "sandbox.pool",
+    "run.sandbox_episodes": "sandbox.episode",
+    "run.sandbox_frames": "sandbox.frames",
+    "run.sandbox_process": "sandbox.process",
+    "run.sandbox_view": "sandbox.view",
+    "run.sandbox_worker": "sandbox.worker",
+    "run.seccomp": "sandbox.seccomp",
 }
 
 # The packages that took the path of a module of the flat layout: they offer its names (lazy_exports).

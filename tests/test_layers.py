@@ -19,7 +19,7 @@ from helpers.import_graph import ROOT, import_graph, write_tree
 # an import between two folders of one layer, or upwards, is an arrow back up.
 LAYERS: list[tuple[str, ...]] = [
     ("_moved",),  # where the old module paths lead
-    ("grpo", "run"),  # the math; a run's files and checkpoints
+    ("grpo", "run", "sandbox"),  # the math; a run's files and checkpoints; where user code runs
     ("models", "data"),  # the policy model; the prompts
     ("rollout",),  # prompts in, a Rollout out: samplers, engines, tools
     ("rewards", "reporting"),  # scores of a rollout; what a step reports

@@ -2,7 +2,7 @@
 :class:`BaseReward`), which keyword arguments each reward gets (its signature decides; TRL-style
 rewards get TRL's names), the arguments it cannot do without, time limits, the slow-call warning,
 a reward's own exits, ``async def`` rewards (awaited), the sandbox (``sandbox: process``: the call
-runs in a worker process, run/sandbox.py) and :func:`checked_scores`.
+runs in a worker process, sandbox/pool.py) and :func:`checked_scores`.
 
 The reward library and the entry points that take a whole, possibly composite, reward live in
 :mod:`forge_lightning.rewards`, which re-exports these names: import them from there.
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, TypeAlias
 
-from forge_lightning.run.sandbox import Sandbox, SandboxTimeout, refuse_unpicklable
 from forge_lightning.run.user_code import (
     CallTimeout,
     UserCodeExit,
@@ -33,6 +32,7 @@ from forge_lightning.run.user_code import (
     trl_kwargs,
     warn_thread_abandoned,
 )
+from forge_lightning.sandbox.pool import Sandbox, SandboxTimeout, refuse_unpicklable
 
 # The arguments that live in the trainer's process (a callable, the environments' objects): a
 # sandboxed reward that names one is refused at the start, one that takes **kwargs goes without.

@@ -36,9 +36,9 @@ from forge_lightning.rewards.calls import (
 from forge_lightning.rewards.extras import NOT_GIVEN, argument_advice
 from forge_lightning.rewards.reward_model import PolicyContext, RewardModel
 from forge_lightning.rewards.setting import CALLABLE_REWARD, refuse_strings
-from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.specs import Spec, from_spec, is_spec, to_spec
 from forge_lightning.run.user_code import accepted_kwargs, takes_completions, trl_kwargs
+from forge_lightning.sandbox.pool import Sandbox
 
 __all__ = [
     "SLOW_REWARD_SECONDS",

@@ -29,8 +29,8 @@ from forge_lightning.rewards.library import (
 )
 from forge_lightning.rewards.reward_model import batch_zscore
 from forge_lightning.rollout.types import Rollout
-from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.user_code import is_async
+from forge_lightning.sandbox.pool import Sandbox
 
 # The RewardOutput.metadata key of the samples a reward could not score ({index: why}).
 UNSCORED = "unscored"

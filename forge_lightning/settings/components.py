@@ -49,7 +49,7 @@ from forge_lightning.rollout.tools.calls import tool_text
 from forge_lightning.rollout.tools.environments import factories_by_name
 from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.rollout.tools.stored import StoredTools
-from forge_lightning.run.sandbox import Sandbox, SandboxLimits
+from forge_lightning.sandbox.pool import Sandbox, SandboxLimits
 from forge_lightning.settings.groups import (
     GRPOSettings,
     OptimizerSettings,

@@ -27,7 +27,7 @@ from forge_lightning.rewards.scoring import batch_advantages, score_groups
 from forge_lightning.rollout.sources import RolloutSource, TrainingBatch
 from forge_lightning.rollout.types import Rollout, warn_when_few_tokens_count
 from forge_lightning.run.preemption import sigterm_interrupts
-from forge_lightning.run.sandbox import Sandbox
+from forge_lightning.sandbox.pool import Sandbox
 from forge_lightning.training.context import StepContext
 from forge_lightning.training.dynamic_sampling import SamplingRounds
 from forge_lightning.training.loop_hooks import checked_keep, kept_groups, zero_dropped

@@ -54,8 +54,8 @@ from forge_lightning.rollout.tools.environments import (
 from forge_lightning.rollout.tools.parsers import CallFormat, ParsedCall, format_named
 from forge_lightning.rollout.tools.stored import tool_names
 from forge_lightning.rollout.types import Prompt, left_pad
-from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.user_code import accepted_kwargs, trl_kwargs
+from forge_lightning.sandbox.pool import Sandbox
 
 # The system message's text where the chat template does not render ``tools`` ({tools}: one JSON
 # schema a line; {call}: how the format writes a call). Appended to a system message the prompt has.
@@ -95,7 +95,7 @@ class FunctionTools:
             (:data:`CUT_MARK`) and counted (``tool_results_cut``).
         max_parallel: the calls (of all rows, and of one turn) that run at once.
         chat_template_kwargs: passed to every rendering of the chat template.
-        sandbox: where the function tools run (run/sandbox.py), and each episode's environment,
+        sandbox: where the function tools run (sandbox/pool.py), and each episode's environment,
             made in one worker's process and called there for the whole episode; None: in this
             process.
     """

@@ -32,14 +32,14 @@ from forge_lightning.examples.code_execution import passes_tests
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.scoring import score
 from forge_lightning.rollout.tools.calls import CUT_MARK, Job, called, tool_text
-from forge_lightning.run.sandbox import ForgedAnswer, Sandbox, SandboxCallError, SandboxLimits, SandboxRaised
-from forge_lightning.run.sandbox_process import WorkerProcess
-from forge_lightning.run.sandbox_worker import run_python
+from forge_lightning.sandbox.pool import ForgedAnswer, Sandbox, SandboxCallError, SandboxLimits, SandboxRaised
+from forge_lightning.sandbox.process import WorkerProcess
+from forge_lightning.sandbox.worker import run_python
 
 # Where the machine cannot isolate sandboxed workers these tests are skipped (conftest.py).
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("isolating_machine")]
 
-WORKER = "forge_lightning.run.sandbox_worker"
+WORKER = "forge_lightning.sandbox.worker"
 
 
 def tree(root: Path) -> dict[str, tuple[int, int]]:
@@ -179,7 +179,7 @@ def test_a_fit_whose_reward_and_tool_hang_finishes_and_counts_each_failure(tmp_p
             workers.extend(pl_module.sandbox.worker_pids())
 
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="forge_lightning.run.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="forge_lightning.sandbox.pool"):
         fit = trainer(tmp_path, max_steps=1, callbacks=[Workers()], limit_val_batches=0)
         fit.fit(grpo, loader([{"prompt": "Q", "tests": [{"input": "21", "output": "42"}]}]))
     wall = time.monotonic() - start

@@ -1,7 +1,7 @@
-"""What a sandbox worker may see of the trainer's machine (run/sandbox.py): the files it may read,
+"""What a sandbox worker may see of the trainer's machine (sandbox/pool.py): the files it may read,
 the folders it may only list, and the environment variables that cross into it.
 
-It reads Python's installation (run/isolation.py's :func:`python_installation`), the system's
+It reads Python's installation (sandbox/isolation.py's :func:`python_installation`), the system's
 folders and the user's own modules, no more: each module the prepared rewards, tools and
 environments are pickled by reference to (its top-level package's folder, or its file), and the
 trainer's other modules imported from the same import root (a module beside it). The import root
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from forge_lightning.run.isolation import python_installation
+from forge_lightning.sandbox.isolation import python_installation
 
 
 @dataclass(frozen=True)
