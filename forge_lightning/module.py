@@ -45,7 +45,7 @@ from forge_lightning.run.checkpoint_io import refuse_unstored_objects
 from forge_lightning.settings import components
 from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME, GRPOSettings, check_generation_budget
-from forge_lightning.settings.preflight import data_longest, module_preflight
+from forge_lightning.settings.module_preflight import data_longest, module_preflight
 from forge_lightning.settings.signature import documented_settings, save_settings, settings_signature
 from forge_lightning.settings.trl_names import pointing_at_settings
 from forge_lightning.training.adjustments import CHECKPOINT_KEY, Adjustments, scale_learning_rate
@@ -283,7 +283,7 @@ class GRPOLightningModule(pl.LightningModule):
             self._preflight()
 
     def _preflight(self) -> None:
-        """The worst-case first step (settings/preflight.py): the fit ends now if it does not fit."""
+        """The worst-case first step (settings/module_preflight.py): the fit ends now if it does not fit."""
         prompts = batch_sizes(fit_shape(self.trainer))[0] or 1
         worker = self.rollout_source.runs_a_worker  # its memory is the worker process's
         engine = None if worker else (self.generator, self.sampling)

@@ -1,6 +1,6 @@
 """Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging, the guards
 (signal, collapse) and the kill point that ``check-resume`` arms; :class:`RLLoopCallback`, the
-base of a callback that hooks into the RL loop (loop_hooks.py), and one such,
+base of a callback that hooks into the RL loop (rl_loop.py), and one such,
 :class:`DifficultyCurriculum` (curriculum.py).
 
 Each one works alone in a user's own ``Trainer``.
@@ -10,9 +10,9 @@ from forge_lightning.callbacks.collapse_guard import CollapseGuard
 from forge_lightning.callbacks.curriculum import DifficultyCurriculum
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.callbacks.kill_point import KillPoint
-from forge_lightning.callbacks.loop_hooks import RLLoopCallback
 from forge_lightning.callbacks.reference import ReferenceModel
 from forge_lightning.callbacks.reward_logger import RewardLogger
+from forge_lightning.callbacks.rl_loop import RLLoopCallback
 from forge_lightning.callbacks.signal_guard import SignalGuard, SignalGuardError
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
 

@@ -4,7 +4,7 @@ GRPO learns nothing from a group whose completions all pass or all fail (equal r
 advantages), yet such a group still costs its backward and, with ``kl_beta > 0``, pulls toward the
 reference. :class:`DifficultyCurriculum` remembers, per prompt, the pass rate of each of its last
 ``window`` groups and drops the prompts whose remembered groups all passed or all failed, through
-the RL loop's ``on_rewards_end`` filter (loop_hooks.py). Add it from a config::
+the RL loop's ``on_rewards_end`` filter (rl_loop.py). Add it from a config::
 
     trainer:
       callbacks:
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from forge_lightning.callbacks.loop_hooks import RLLoopCallback
+from forge_lightning.callbacks.rl_loop import RLLoopCallback
 from forge_lightning.rollout.sources import TrainingBatch
 
 

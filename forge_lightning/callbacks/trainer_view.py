@@ -12,7 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Timer
 
-from forge_lightning.callbacks.loop_hooks import TrainerHooks
+from forge_lightning.callbacks.rl_loop import TrainerHooks
 from forge_lightning.reporting.profiler import PhaseProfiler
 from forge_lightning.run.fit import FitShape, StepCadence
 from forge_lightning.training.context import StepContext
@@ -56,7 +56,7 @@ def max_time_set(callbacks: Sequence[pl.Callback]) -> bool:
 
 def step_context(module: pl.LightningModule) -> StepContext:
     """The loop around a training batch, as the step sees it: ``module``'s backward and gather,
-    and its trainer's reduce, step count, profiler, sizes and RL loop callbacks (loop_hooks.py)."""
+    and its trainer's reduce, step count, profiler, sizes and RL loop callbacks (rl_loop.py)."""
     trainer = module.trainer
     profiler = trainer.profiler
     return StepContext(

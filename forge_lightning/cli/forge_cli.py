@@ -32,10 +32,10 @@ from forge_lightning.callbacks import HFCheckpoint, RewardLogger, SignalGuard, S
 from forge_lightning.callbacks.defaults import refuse_automatic_optimization_settings
 from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.rewards.resume import reward_on_resume
+from forge_lightning.rewards.resume_changes import reward_on_resume
 from forge_lightning.run.folder import RunFolder, RunFolderError, remove_untracked_checkpoints
-from forge_lightning.run.preemption import EXIT_CODE
 from forge_lightning.run.resume import check_resume_settings
+from forge_lightning.run.signals import EXIT_CODE
 from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME
 from forge_lightning.settings.trl_names import refuse_foreign_settings
 from forge_lightning.training.preflight import PreflightError

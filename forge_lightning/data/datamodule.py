@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
 from forge_lightning.data.arithmetic import DEFAULT_VARIANT, VARIANTS, generate
+from forge_lightning.data.epoch_sampler import EpochShuffleSampler
 from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock
 from forge_lightning.data.readers import load_prompts, local_prompt_field, require_in_memory
-from forge_lightning.data.sampler import EpochShuffleSampler
 from forge_lightning.run.resume import changed_settings
 
 if TYPE_CHECKING:

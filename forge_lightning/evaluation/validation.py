@@ -7,12 +7,12 @@ from typing import Any
 from torch import Tensor
 
 from forge_lightning.reporting.metrics import RunningMetrics
+from forge_lightning.rewards.batch_scoring import score_groups
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
 from forge_lightning.rewards.library import require_arguments, reward_name
-from forge_lightning.rewards.scoring import score_groups
 from forge_lightning.rollout.sampler import prompt_text
 from forge_lightning.rollout.types import Rollout
-from forge_lightning.run.preemption import sigterm_interrupts
+from forge_lightning.run.signals import sigterm_interrupts
 
 # Lightning's own refusal (no test_step) says nothing of where the evaluation is.
 NO_TEST_STEP = (

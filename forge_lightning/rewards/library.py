@@ -8,8 +8,9 @@ it in a checkpoint and loading it back.
 A reward is a :class:`BaseReward` or any plain callable ``(prompts, responses, **kwargs)`` returning a
 :class:`RewardOutput` or a list of floats. Only the keyword arguments a reward's signature accepts are
 passed to it, so rewards that need ``references`` and rewards that do not can be mixed freely.
-:func:`forge_lightning.rewards.scoring.score` scores a batch with one. How one call is made and its output
-checked lives in :mod:`forge_lightning.rewards.calls`; its public names are importable from here too.
+:func:`forge_lightning.rewards.batch_scoring.score` scores a batch with one. How one call is made and
+its output checked lives in :mod:`forge_lightning.rewards.calls`; its public names are importable
+from here too.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class RemoteReward(BaseReward):
             (the key itself stays out of configs and checkpoints); None sends none.
     """
 
-    #: Arguments a resumed run may change (rewards/resume.py): they move the server or pace
+    #: Arguments a resumed run may change (rewards/resume_changes.py): they move the server or pace
     #: the requests, not the scores.
     changeable_on_resume: ClassVar[tuple[str, ...]] = (
         "url", "batch_size", "timeout", "retries", "backoff", "api_key_env",

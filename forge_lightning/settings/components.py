@@ -45,8 +45,8 @@ from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
 from forge_lightning.rollout.sources import RolloutSettings, RolloutSource, rollout_source
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
-from forge_lightning.rollout.tools.calls import tool_text
 from forge_lightning.rollout.tools.environments import factories_by_name
+from forge_lightning.rollout.tools.function_call import tool_text
 from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.rollout.tools.stored import StoredTools
 from forge_lightning.sandbox.pool import Sandbox, SandboxLimits

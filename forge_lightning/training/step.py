@@ -21,12 +21,12 @@ from transformers import PreTrainedModel
 
 from forge_lightning.reporting.metrics import RunningMetrics, StepRecord
 from forge_lightning.reporting.reporter import StepReporter
+from forge_lightning.rewards.batch_scoring import batch_advantages, score_groups
 from forge_lightning.rewards.calls import RewardFn
 from forge_lightning.rewards.extras import RewardExtras
-from forge_lightning.rewards.scoring import batch_advantages, score_groups
 from forge_lightning.rollout.sources import RolloutSource, TrainingBatch
 from forge_lightning.rollout.types import Rollout, warn_when_few_tokens_count
-from forge_lightning.run.preemption import sigterm_interrupts
+from forge_lightning.run.signals import sigterm_interrupts
 from forge_lightning.sandbox.pool import Sandbox
 from forge_lightning.training.context import StepContext
 from forge_lightning.training.dynamic_sampling import SamplingRounds

@@ -12,8 +12,8 @@ import pytest
 from helpers import hostile
 from helpers.sandbox import processes_naming
 
+from forge_lightning.rewards.batch_scoring import score
 from forge_lightning.rewards.library import BaseReward, CompositeReward, RewardModel
-from forge_lightning.rewards.scoring import score
 from forge_lightning.sandbox import isolation
 from forge_lightning.sandbox.pool import (
     Sandbox,

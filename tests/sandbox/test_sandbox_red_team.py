@@ -30,8 +30,8 @@ from helpers.tools import chat_tokenizer
 
 from forge_lightning.examples.code_execution import passes_tests
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.rewards.scoring import score
-from forge_lightning.rollout.tools.calls import CUT_MARK, Job, called, tool_text
+from forge_lightning.rewards.batch_scoring import score
+from forge_lightning.rollout.tools.function_call import CUT_MARK, Job, called, tool_text
 from forge_lightning.sandbox.pool import ForgedAnswer, Sandbox, SandboxCallError, SandboxLimits, SandboxRaised
 from forge_lightning.sandbox.process import WorkerProcess
 from forge_lightning.sandbox.worker import run_python

@@ -37,10 +37,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.rollout.control_tokens import encode_marked, mark_data
 from forge_lightning.rollout.sampler import RolloutSampler, prompt_messages
-from forge_lightning.rollout.tools.base import Answer, Episode
 from forge_lightning.rollout.tools.call_ends import CallEnds, CallStop
 from forge_lightning.rollout.tools.call_loop import MAX_PARALLEL_CALLS, CallLoop
-from forge_lightning.rollout.tools.calls import MAX_RESULT_CHARS, Job, Outcome, check_call, tool_schema
 from forge_lightning.rollout.tools.environments import (
     RESET,
     environment_named,
@@ -51,7 +49,15 @@ from forge_lightning.rollout.tools.environments import (
     refuse_async,
     sandboxed_environment,
 )
+from forge_lightning.rollout.tools.function_call import (
+    MAX_RESULT_CHARS,
+    Job,
+    Outcome,
+    check_call,
+    tool_schema,
+)
 from forge_lightning.rollout.tools.parsers import CallFormat, ParsedCall, format_named
+from forge_lightning.rollout.tools.protocol import Answer, Episode
 from forge_lightning.rollout.tools.stored import tool_names
 from forge_lightning.rollout.types import Prompt, left_pad
 from forge_lightning.run.user_code import accepted_kwargs, trl_kwargs
@@ -78,7 +84,7 @@ class EpisodeTools:
 
 
 class FunctionTools:
-    """Function tools and an environment's as a :class:`~forge_lightning.rollout.tools.base.ToolProtocol`.
+    """Function tools and an environment's as a :class:`~forge_lightning.rollout.tools.protocol.ToolProtocol`.
 
     Args:
         tokenizer: the policy's, with a chat template (prefix-stable; checked here).

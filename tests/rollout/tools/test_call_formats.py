@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerFast
 
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.tools import CALL_FORMATS, FunctionTools, ParsedCall
-from forge_lightning.rollout.tools.base import Episode
 from forge_lightning.rollout.tools.call_ends import CallStop
+from forge_lightning.rollout.tools.protocol import Episode
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CHARS = sorted(set(string.printable) - set("\t\r\x0b\x0c"))

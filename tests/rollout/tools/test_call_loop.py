@@ -15,7 +15,7 @@ from helpers.tools import GREEDY, call, chat_tokenizer, sampler, tiny
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.tools import CALL_FORMATS
 from forge_lightning.rollout.tools.call_loop import CallLoop
-from forge_lightning.rollout.tools.calls import Job, Outcome
+from forge_lightning.rollout.tools.function_call import Job, Outcome
 from forge_lightning.run.user_code import warn_thread_abandoned
 
 

@@ -17,8 +17,8 @@ from helpers.sandbox import skip_unless_sandbox_isolates
 from helpers.tools import GREEDY, call, chat_tokenizer, sampler, tiny
 
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.rewards.batch_scoring import score
 from forge_lightning.rewards.environment import EnvironmentReward
-from forge_lightning.rewards.scoring import score
 from forge_lightning.rollout.tools import FunctionTools
 from forge_lightning.sandbox.pool import Sandbox, SandboxLimits
 
