@@ -259,9 +259,9 @@ def step_gradients(tmp_path, module, trainer, loader):
         pl.seed_everything(1)
         grpo = module(**exact_settings(**settings))
         if fixed == "calculator":
-            grpo.generator = CalculatorCalls(grpo.tokenizer)
+            grpo.engine = CalculatorCalls(grpo.tokenizer)
         elif fixed:
-            grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+            grpo.engine = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
         grads: list[torch.Tensor] = []
         calls.append(len(calls))
         records = records or [{"prompt": "ab"}, {"prompt": "abc d"}]

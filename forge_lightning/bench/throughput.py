@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         waits = recording.waits[1:]
         result["trainer_wait_share"] = sum(w["rollout_wait_s"] for w in waits) / seconds
         result["worker_wait_share"] = sum(w["worker_wait_s"] for w in waits) / seconds
-        worker = module.generator.settings.threads
+        worker = module.engine.settings.threads
         result["settings"]["trainer_threads"] = split_threads(result["settings"]["threads"], worker)[0]
         result["settings"]["worker_threads"] = worker
     return result

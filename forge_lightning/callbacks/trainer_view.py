@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.trainer.states import TrainerFn
 
 from forge_lightning.callbacks.rl_loop import TrainerHooks
 from forge_lightning.reporting.profiler import PhaseProfiler
@@ -46,6 +47,11 @@ def fit_shape(trainer: pl.Trainer) -> FitShape:
         train_loader_batch_size=_loader_batch(trainer.train_dataloader),
         val_loader_batch_size=_loader_batch(trainer.val_dataloaders),
     )
+
+
+def fitting(trainer: pl.Trainer | None) -> bool:
+    """Whether ``trainer`` (None: none attached) runs a fit, not a validate or predict."""
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
 
 def max_time_set(callbacks: Sequence[pl.Callback]) -> bool:

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from forge_lightning.grpo import group_advantages, needs_batch
 from forge_lightning.rewards.calls import sandboxed
 from forge_lightning.rewards.library import (
     CompositeReward,
@@ -277,20 +276,3 @@ def score_groups(
 
     components = {name: as_tensor(v) for name, v in scored.components.items()}
     return as_tensor(scored.total), components, scored.num_errors
-
-
-def batch_advantages(
-    rewards: Tensor,
-    group_size: int,
-    scale: str,
-    world_size: int,
-    all_gather: Callable[[Tensor], Tensor],
-    estimator: str = "grpo",
-) -> Tensor:
-    """Group-relative advantages of the rewards ``(P*G,)`` by ``estimator``. ``scale="batch"``
-    and ``reinforce_pp`` take their std over every rank's groups of this training batch
-    (``all_gather``: the module's), all of its micro-batches and steps_per_generation shares
-    (later accumulation batches are not sampled yet)."""
-    gathered = needs_batch(scale, estimator) and world_size > 1
-    batch = all_gather(rewards).reshape(-1) if gathered else None
-    return group_advantages(rewards, group_size, scale=scale, batch_rewards=batch, estimator=estimator)

@@ -170,6 +170,14 @@ class RolloutSource:
         pass
 
     @property
+    def calls_tools(self) -> bool:
+        """Whether the episodes call tools (the rewards then get tool_calls, completions, environments)."""
+        from forge_lightning.rollout.agents.runner import AgentRunner  # noqa: PLC0415 (the worker needs neither)
+        from forge_lightning.rollout.tool_sampler import ToolRolloutSampler  # noqa: PLC0415
+
+        return isinstance(self.runner, ToolRolloutSampler | AgentRunner)
+
+    @property
     def runs_a_worker(self) -> bool:
         """Whether a worker process samples (a failed fit must stop it: callbacks/defaults.py)."""
         return False

@@ -63,7 +63,7 @@ from forge_lightning.settings.groups import (
 from forge_lightning.training.loss_passes import LossPasses
 from forge_lightning.training.optim import OptimizerStep, policy_optimizer
 from forge_lightning.training.plan import PlanSettings, StepPlan, step_plan
-from forge_lightning.training.step import StepSettings, TrainingStep
+from forge_lightning.training.step import BatchTrainer, StepSettings
 
 VALIDATION_KEYS = ("accuracy", "reward", "completion_length", "truncated_fraction")
 
@@ -122,7 +122,7 @@ class Components:
     reward: RewardFn  # the one given, an environment's score, or GSM8K's answer check
     accuracy: RewardFn  # validation's correctness check
     sandbox: Sandbox | None  # where rewards and tools run: None (this process's threads) or workers
-    step: TrainingStep  # what one training batch does
+    step: BatchTrainer  # what one training batch does
     evaluator: Evaluator  # what one validation batch does
     sampling: SamplingParams  # training's
     greedy: SamplingParams  # validation's and predict's
@@ -183,7 +183,7 @@ def build_components(
     reporter = StepReporter(train_metrics)  # its cadence handed over by module.report_every
     optimizer = settings.optimizer
     stepper = OptimizerStep(optimizer.max_grad_norm, optimizer.max_consecutive_bad_steps)
-    step = TrainingStep(
+    step = BatchTrainer(
         step_settings(settings), reward, passes, plan, stepper, reporter, train_metrics, source, sandbox
     )
     sampled = sampled_evaluation(settings.validation, settings.sampling, answer_key)

@@ -6,22 +6,27 @@ through ``context.backward`` -> the optimizer step where the plan says -> the ba
 The context's loop hooks (training/loop_hooks.py; Lightning callbacks in a fit) hear of the
 rollout, the rewards and the advantages as they are made; the rewards' hook may drop groups.
 
-:class:`TrainingStep` holds the collaborators the module built once from its settings and takes
-the loop around it as a :class:`~forge_lightning.training.context.StepContext` (backward, gather,
-reduce, world size, profile): it never sees a Trainer, so it runs in a test on a plain model.
+:class:`BatchTrainer` (first named ``TrainingStep``) holds the collaborators the module built
+once from its settings and takes the loop around it as a
+:class:`~forge_lightning.training.context.StepContext` (backward, gather, reduce, world size,
+profile): it never sees a Trainer, so it runs in a test on a plain model. :func:`batch_advantages`
+makes the batch's advantages, over every rank's groups where the estimator needs the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from forge_lightning._moved import renamed
+from forge_lightning.grpo import group_advantages, needs_batch
 from forge_lightning.reporting.metrics import RunningMetrics, StepRecord
 from forge_lightning.reporting.reporter import StepReporter
-from forge_lightning.rewards.batch_scoring import batch_advantages, score_groups
+from forge_lightning.rewards.batch_scoring import score_groups
 from forge_lightning.rewards.calls import RewardFn
 from forge_lightning.rewards.extras import RewardExtras
 from forge_lightning.rollout.sources import RolloutSource, TrainingBatch
@@ -49,7 +54,7 @@ class StepSettings:
     num_iterations: int  # passes over each rollout (mu)
 
 
-class TrainingStep:
+class BatchTrainer:
     """One training batch's rollout in, its gradient steps taken and its record out.
 
     Args:
@@ -173,3 +178,23 @@ class TrainingStep:
         self.metrics.add(metrics)
         if changed:
             self.rollouts.weights_updated(model)
+
+
+def batch_advantages(
+    rewards: Tensor,
+    group_size: int,
+    scale: str,
+    world_size: int,
+    all_gather: Callable[[Tensor], Tensor],
+    estimator: str = "grpo",
+) -> Tensor:
+    """Group-relative advantages of the rewards ``(P*G,)`` by ``estimator``. ``scale="batch"``
+    and ``reinforce_pp`` take their std over every rank's groups of this training batch
+    (``all_gather``: the module's), all of its micro-batches and steps_per_generation shares
+    (later accumulation batches are not sampled yet)."""
+    gathered = needs_batch(scale, estimator) and world_size > 1
+    batch = all_gather(rewards).reshape(-1) if gathered else None
+    return group_advantages(rewards, group_size, scale=scale, batch_rewards=batch, estimator=estimator)
+
+
+__getattr__ = renamed(__name__, {"TrainingStep": "BatchTrainer"})

@@ -85,9 +85,9 @@ def main(out: Path, root: Path, mode: str = "") -> None:
         pl.seed_everything(1)
         grpo = GRPOLightningModule(**exact_settings(**settings))
         if mode == "tools":
-            grpo.generator = CalculatorCalls(grpo.tokenizer)
+            grpo.engine = CalculatorCalls(grpo.tokenizer)
         else:
-            grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+            grpo.engine = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
         grads: list[torch.Tensor] = []
         curriculum = [solved_first_prompt()] if mode == "curriculum" else []
         trainer = pl.Trainer(

@@ -98,7 +98,7 @@ def test_a_reward_that_needs_a_key_the_batch_lacks_fails_before_any_generation(
         def generate(*args, **kwargs):
             raise AssertionError("generated before the check")
 
-        grpo.generator.generate = generate
+        grpo.engine.generate = generate
         with pytest.raises(ValueError, match=message):
             trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "q"}]))
     # With the key in the data, the same reward trains.

@@ -634,8 +634,8 @@ def test_a_reward_needing_a_tool_fact_in_a_run_without_tools_is_refused_before_g
 
     def counting_generations() -> None:
         real()
-        sample = grpo.sampler.__call__
-        grpo.sampler = lambda *args, **kwargs: generated.append(1) or sample(*args, **kwargs)
+        sample = grpo.episodes.__call__
+        grpo.episodes = lambda *args, **kwargs: generated.append(1) or sample(*args, **kwargs)
 
     grpo.configure_model = counting_generations
     settings = r"model\.tools, model\.environment_factory or model\.calculator"

@@ -171,7 +171,7 @@ def test_a_fit_whose_reward_and_tool_hang_finishes_and_counts_each_failure(tmp_p
         sandbox="process",
         sandbox_workers=2,
     )
-    grpo.generator = TurnEngine(tok, [call, "```python\nprint(int(input()) * 2)\n```"])
+    grpo.engine = TurnEngine(tok, [call, "```python\nprint(int(input()) * 2)\n```"])
     workers: list[int] = []
 
     class Workers(pl.Callback):

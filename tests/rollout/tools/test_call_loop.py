@@ -213,6 +213,6 @@ def test_max_parallel_tool_calls_is_a_module_setting_the_tools_get():
         model=tiny(tok), tokenizer=tok, tools=[nap], use_chat_template=True, max_parallel_tool_calls=3
     )
     grpo.configure_model()
-    assert grpo.sampler.tools.calls.max_parallel == 3
+    assert grpo.episodes.tools.calls.max_parallel == 3
     with pytest.raises(ValueError, match="max_parallel_tool_calls must be an integer >= 1"):
         GRPOLightningModule(model=tiny(tok), tokenizer=tok, tools=[nap], max_parallel_tool_calls=0)

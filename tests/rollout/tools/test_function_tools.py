@@ -571,7 +571,7 @@ def test_the_result_cap_is_a_module_setting_the_tools_get(tmp_path):
         model=tiny(tok), tokenizer=tok, tools=[add], use_chat_template=True, max_tool_result_chars=77
     )
     grpo.configure_model()
-    assert grpo.sampler.tools.max_result_chars == 77
+    assert grpo.episodes.tools.max_result_chars == 77
     with pytest.raises(ValueError, match="max_tool_result_chars must be an integer >= 1"):
         GRPOLightningModule(model=tiny(tok), tokenizer=tok, tools=[add], max_tool_result_chars=0)
 
