@@ -89,6 +89,7 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "run.seccomp": "sandbox.seccomp",
     # Renamed so that no two files of the package share a name.
     "callbacks.loop_hooks": "callbacks.rl_loop",
+    "callbacks.curriculum": "callbacks.settled_prompt_filter",
     "data.sampler": "data.epoch_sampler",
     "rewards.resume": "rewards.resume_changes",
     "rewards.scoring": ("rewards.batch_scoring", "training.step"),
