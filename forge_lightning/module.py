@@ -25,7 +25,6 @@ from forge_lightning.callbacks.publish import publish_step, publish_validation
 from forge_lightning.callbacks.step_axis import EvaluationLogStep
 from forge_lightning.callbacks.trainer_view import fit_shape, fitting, step_context
 from forge_lightning.data.datamodule import split_batch
-from forge_lightning.data.gsm8k import extract_answer
 from forge_lightning.evaluation.ranks import owned_samples
 from forge_lightning.evaluation.sampled import TrainingRandomState, batch_sizes, run_seed, sampling_seed
 from forge_lightning.evaluation.validation import NO_TEST_STEP
@@ -34,7 +33,7 @@ from forge_lightning.models.loading import ensure_pad_token
 from forge_lightning.models.lora import LoraSettings
 from forge_lightning.reporting.metrics import StepRecord
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
-from forge_lightning.rewards.library import RewardArgument, require_arguments
+from forge_lightning.rewards.library import GSM8KAnswerReward, RewardArgument, require_arguments
 from forge_lightning.rollout.engines.base import GenerationBackend
 from forge_lightning.rollout.sources import EpisodeRunner, TrainingBatch
 from forge_lightning.rollout.tools.stored import EnvironmentArgument, ToolsArgument, stored_tools
@@ -98,7 +97,7 @@ class GRPOLightningModule(pl.LightningModule):
         tools: ToolsArgument = None,
         environment_factory: EnvironmentArgument = None,
         accuracy: Callable[..., Any] | None = None,
-        answer_key: Callable[[str], Any] | None = extract_answer,
+        answer_key: Callable[[str], Any] | None = GSM8KAnswerReward.answer_key,
         **settings: Any,
     ) -> None:
         pl.LightningModule.__init__(self)  # not super(): save_hyperparameters would read this frame

@@ -222,6 +222,9 @@ class GSM8KAnswerReward(BaseReward):
     ("$1,800.00" matches "1800"), else 0.0. Needs ``references=`` at call time."""
 
     needs = ("references",)
+    # What a completion answers by this check's reading (its extracted number): the key maj@k
+    # votes by beside it, the module's default ``answer_key`` as this is its default accuracy.
+    answer_key = staticmethod(extract_answer)
 
     def __call__(
         self, prompts: list[str], responses: list[str], references: list[str] | None = None, **kwargs: Any
