@@ -274,7 +274,8 @@ def test_under_ddp_each_prompt_counts_once_and_rank_0_writes_every_answer(tmp_pa
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(tests)},
+        # the checkout under test, not an installed copy of the package
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])},
     )
     assert done.returncode == 0, done.stderr[-4000:]
     one = validate(tmp_path / "one", devices=1)
