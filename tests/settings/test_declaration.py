@@ -5,7 +5,6 @@ declared in one place shows up in all of them; and no setting's name is spread o
 
 from __future__ import annotations
 
-import ast
 import inspect
 import json
 import re
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 from jsonargparse import ArgumentParser
 
+from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.settings.checks import RULES, check_setting
 from forge_lightning.settings.declare import Group, check_value, setting, setting_name
@@ -32,6 +32,7 @@ from forge_lightning.settings.signature import (
     documented_settings,
     setting_parameters,
     settings_signature,
+    settings_table,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,17 +68,11 @@ class Probe:
 documented_settings(Probe, DECLARED_TOO)
 
 
-def guide_settings_table() -> Any:
-    """The guide's own ``settings_table`` (its Settings section's code cell), to run on a class."""
-    cell = next(
-        "".join(c["source"])
-        for c in json.loads(GUIDE.read_text())["cells"]
-        if "def settings_table" in "".join(c["source"])
-    )
-    functions = [node for node in ast.parse(cell).body if isinstance(node, ast.FunctionDef)]
-    namespace: dict[str, Any] = {"inspect": inspect}
-    exec(compile(ast.Module(body=functions, type_ignores=[]), str(GUIDE), "exec"), namespace)  # noqa: S102
-    return namespace["settings_table"]
+def guide_table(cell_id: str) -> str:
+    """The settings table the guide shows, as saved: the output of its code cell ``cell_id``."""
+    [cell] = [c for c in json.loads(GUIDE.read_text())["cells"] if c.get("id") == cell_id]
+    [output] = [o for o in cell["outputs"] if "text/markdown" in o.get("data", {})]
+    return "".join(output["data"]["text/markdown"])
 
 
 def test_a_setting_declared_in_one_place_becomes_a_flag_with_its_help_type_and_default():
@@ -102,12 +97,17 @@ def test_a_setting_declared_in_one_place_is_range_checked_and_its_resume_rule_re
 
 
 def test_a_setting_declared_in_one_place_is_listed_in_the_guides_table():
-    table = guide_settings_table()(Probe, "model")
+    table = settings_table(Probe, "model")
     row = next(line for line in table.splitlines() if line.startswith("| `--model.polish_rounds` |"))
     assert (
         row
         == "| `--model.polish_rounds` | `3` | rounds of polish each completion gets (a synthetic setting). |"
     )
+
+
+def test_the_guides_settings_tables_are_the_generated_ones():
+    assert guide_table("settings-table") == settings_table(GRPOLightningModule, "model")
+    assert guide_table("data-settings-table") == settings_table(PromptDataModule, "data")
 
 
 def test_an_unknown_keyword_is_pythons_type_error():
