@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 from forge_lightning.run.sandbox import Sandbox, SandboxTimeout, refuse_unpicklable
 from forge_lightning.run.user_code import (
@@ -45,6 +45,17 @@ class RewardOutput:
 
     scores: list[float]
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RewardCalls:
+    """How a reward is called, in training and validation alike: what its error does (``raise``
+    stops the run, ``zero`` scores its samples 0), the seconds a call may take (None: no limit),
+    and the sandbox it runs in (None: the trainer's threads)."""
+
+    on_error: Literal["raise", "zero"] = "raise"
+    timeout: float | None = None
+    sandbox: Sandbox | None = None
 
 
 class BaseReward(ABC):

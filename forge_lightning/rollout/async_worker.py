@@ -182,16 +182,19 @@ def split_threads(total: int, worker: int | None) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What the worker process needs besides the weights. ``device``: where it samples (None: the
-    CPU; ``"cuda"``: the trainer's GPU; ``"cuda:1"``: that one); ``memory_fraction``: the share of
-    a CUDA device's memory the worker's allocator may take, for sharing the trainer's GPU."""
+    """What the worker process needs besides the weights: the tokenizer's pad and end tokens, the
+    temperature the loss scores at, how it scores (each prompt's forward shared by its group, the
+    vocabulary in chunks of ``logprob_chunk_size`` rows), its CPU threads. ``device``: where it
+    samples (None: the CPU; ``"cuda"``: the trainer's GPU; ``"cuda:1"``: that one);
+    ``memory_fraction``: the share of a CUDA device's memory the worker's allocator may take, for
+    sharing the trainer's GPU."""
 
-    pad_token_id: int
-    eos_token_ids: tuple[int, ...]
-    scoring_temperature: float
-    prefix_sharing: bool
-    logprob_chunk_size: int | None
-    threads: int
+    pad_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    scoring_temperature: float = 1.0
+    prefix_sharing: bool = True
+    logprob_chunk_size: int | None = None
+    threads: int = 1
     device: str | None = None
     memory_fraction: float | None = None
     # A run with tools: the worker runs their loop, built back from ``tools`` (import paths, no
@@ -199,7 +202,7 @@ class WorkerSettings:
     tools: ToolRecipe | None = None
     tokenizer: Any = None
     prompts: PromptFormat | None = None
-    precision: str | None = None  # rollout_precision: sample with a copy in it (quantized.py)
+    precision: str | None = None  # sample with a copy of the weights in it (quantized.py)
 
     def __post_init__(self) -> None:
         check_rollout_device(self.device, self.memory_fraction)
