@@ -14,7 +14,7 @@ trained batch, inside ``training_step``, in this order and on every rank:
   with fewer micro-batches makes zero-weight backwards, so that every rank joins as many of DDP's
   all-reduces (the rule dynamic sampling follows).
 - ``on_advantages_end(trainer, pl_module, advantages, batch)``: its advantages ``(P*G,)``, made
-  of every group's rewards (``advantage_scale: batch`` takes its std over the dropped groups too),
+  of every group's rewards (the batch's std, where the advantages take it, is over the dropped groups too),
   then zero for the groups dropped.
 
 ``batch`` is the :class:`~forge_lightning.rollout.sources.TrainingBatch` the rollout came from: its

@@ -38,7 +38,7 @@ JSONL_KEYS = (
     "groups_dropped",
     "groups_filtered",  # groups a loop hook dropped (a curriculum), where a callback may
     "entropy",
-    "reward_errors",  # samples whose reward failed (scored 0 under on_reward_error zero)
+    "reward_errors",  # samples whose reward failed (scored 0 where the run says so)
     "num_tokens",
     "lr",
     "grad_norm",
@@ -73,7 +73,7 @@ class RewardLogger(Callback):
     report, rank zero's) and the samples table. On a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
     After each validation it writes rank zero's answers (prompt, completion, reference, reward,
-    correct, length, truncated; with ``val_num_generations``, the prompt's ``samples``) to
+    correct, length, truncated; with sampled validation, the prompt's ``samples``) to
     ``{output_dir}/validation/``: ``step-{global_step}.jsonl`` in a
     fit; for a ``validate``, ``validate-step-{step}-{model}.jsonl``, named for the checkpoint
     evaluated (its step and file name) or else the model spec (and no step), with ``-2``, ``-3``,

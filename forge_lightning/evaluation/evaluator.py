@@ -1,5 +1,5 @@
 """Validation of the policy, one batch at a time: each prompt's greedy completion (and, with
-``val_num_generations``, n sampled ones) scored into the validation metrics, and every answer
+sampled validation, n sampled ones) scored into the validation metrics, and every answer
 kept for the answers file. The module hands it each validation batch; it never sees a Trainer."""
 
 from __future__ import annotations

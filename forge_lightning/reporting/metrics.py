@@ -43,8 +43,8 @@ TRAIN_KEYS = (
     "correction_weight_mean",
     "correction_masked_fraction",
     # Tool-using rollouts (rollout/tool_sampler.py), per completion: calls, calls that failed, generate
-    # rounds, results cut to max_tool_result_chars, calls abandoned at tool_timeout whose threads run
-    # on in the trainer's process (sandbox: thread), and the share of the completion's tokens a tool
+    # rounds, results cut to their length cap, calls abandoned at their time limit whose threads run
+    # on in the trainer's process (a thread sandbox), and the share of the completion's tokens a tool
     # wrote; and ``tool_calls/<name>``, each tool's calls (RunningMetrics' ``tools``).
     "tool_calls",
     "tool_errors",

@@ -235,8 +235,8 @@ def invoke_reward(
     except UserCodeExit as err:
         raise RewardExit(
             f"reward {name!r} raised {err.__cause__!r} from its own code (no signal did): the run stops. A "
-            "reward that cannot score raises an Exception instead (model.on_reward_error decides "
-            "what then happens)"
+            "reward that cannot score raises an Exception instead (the run's rule for reward errors "
+            "decides what then happens: raise, or score 0)"
         ) from err.__cause__
 
 
@@ -279,7 +279,7 @@ def _call_within(call: Callable[[], Any], what: str, size: int, timeout: float) 
         return call_within(call, timeout, what)
     except CallTimeout:
         warn_thread_abandoned(
-            "reward", "reward_timeout", "under on_reward_error zero, their samples count in reward_errors"
+            "reward", "reward_timeout", "where errors score 0, their samples count in reward_errors"
         )
         raise RewardTimeout(
             f"{what} took longer than reward_timeout={timeout:g}s on {size} responses; the call was abandoned"

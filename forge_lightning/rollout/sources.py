@@ -386,13 +386,13 @@ def fit_ends_with(loop: TrainingLoop, batch_idx: int) -> bool:
     return last_epoch and batch_idx + 1 == loop.num_training_batches
 
 
-def warn_when_the_end_drains_at_once(fit: FitShape, max_staleness: int) -> None:
-    """A fit that ends on its epoch limit trains its last ``max_staleness`` steps in its last batch
+def warn_when_the_end_drains_at_once(fit: FitShape, staleness: int) -> None:
+    """A fit that ends on its epoch limit trains its last ``staleness`` steps in its last batch
     (the pipeline's first batches trained nothing), and a step-cadence callback sees only the last
     of them; ``max_steps`` hands no batch it cannot train one step a batch."""
-    if max_staleness > 0 and fit.step_limit is None:
+    if staleness > 0 and fit.step_limit is None:
         warnings.warn(
-            f"rollout_mode='async' with no trainer.max_steps: the fit's last {max_staleness + 1} "
+            f"rollout_mode='async' with no trainer.max_steps: the fit's last {staleness + 1} "
             "optimizer steps are taken in its last batch, so HFCheckpoint folders and "
             "ModelCheckpoint(every_n_train_steps) files of all but the last are not written; set "
             "trainer.max_steps (e.g. to the epochs' optimizer steps) to have every step seen",

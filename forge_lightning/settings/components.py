@@ -220,7 +220,7 @@ def optimizer_config(
         learning_rate=settings.learning_rate,
         weight_decay=settings.weight_decay,
         warmup_steps=settings.warmup_steps,
-        lr_schedule=settings.lr_schedule,
+        schedule=settings.lr_schedule,
         total_steps=total_steps,
         precision=precision,
         sharded=sharded,
@@ -381,7 +381,7 @@ def policy(
     memory = settings.memory
     return training_policy(
         model, tokenizer, spec, mesh, precision,
-        model_dtype=memory.model_dtype, attn_implementation=memory.attn_implementation, peft=peft,
+        dtype=memory.model_dtype, attention=memory.attn_implementation, peft=peft,
         gradient_checkpointing=memory.gradient_checkpointing, prefix_sharing=memory.prefix_sharing,
         generation_backend=settings.engine.generation_backend,
     )  # fmt: skip

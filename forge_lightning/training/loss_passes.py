@@ -33,10 +33,10 @@ class LossPasses:
     optimizer step, once it divides by the step's count (see grpo.backward_weight), has the
     gradient of the loss over all of the step's rollouts."""
 
-    def __init__(self, scorer: LogProbScorer, loss: LossSettings, mask_truncated_completions: bool) -> None:
+    def __init__(self, scorer: LogProbScorer, loss: LossSettings, mask_truncated: bool) -> None:
         self.scorer = scorer
         self.loss = loss
-        self.mask_truncated = mask_truncated_completions
+        self.mask_truncated = mask_truncated  # completions cut at the length cap weigh nothing
         self.count = torch.zeros(())  # the optimizer step's loss normaliser so far (grpo.step_count)
         # kl_in_reward: the rollout whose sampling-policy and reference log-probs rewards_with_kl
         # took, and those, for fixed_log_probs to reuse rather than run the forwards again.

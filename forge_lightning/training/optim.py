@@ -61,7 +61,7 @@ def policy_optimizer(
     learning_rate: float,
     weight_decay: float,
     warmup_steps: int,
-    lr_schedule: str,
+    schedule: str,
     total_steps: int,
     precision: str,
     sharded: bool,
@@ -76,7 +76,7 @@ def policy_optimizer(
         weight_decay=weight_decay,
         warmup_steps=warmup_steps,
         total_steps=total_steps,
-        schedule=lr_schedule,
+        schedule=schedule,
         fused=fused,
     )
 
@@ -178,8 +178,8 @@ class OptimizerStep:
     finite is skipped (``max_consecutive_bad_steps`` in a row stop the run), and a step that leaves
     a weight non-finite stops the run before a checkpoint saves it."""
 
-    def __init__(self, max_grad_norm: float | None, max_consecutive_bad_steps: int) -> None:
-        self.max_grad_norm = max_grad_norm
+    def __init__(self, clip_norm: float | None, max_consecutive_bad_steps: int) -> None:
+        self.clip_norm = clip_norm  # the gradient's total norm is clipped to it (None: not clipped)
         self.guard = NonFiniteGuard(max_consecutive_bad_steps)
 
     def __call__(
@@ -191,7 +191,7 @@ class OptimizerStep:
         grad_norm = normalise_and_clip(
             model.parameters(),
             context.world_size / count.clamp(min=1),
-            self.max_grad_norm,
+            self.clip_norm,
             context.loss_scale(),
         )
         if not self.guard.allows(grad_norm):

@@ -180,7 +180,7 @@ class HFGenerate:
             knobs: dict[str, Any] = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
             knobs = dict(
-                **(params.extra or {}),  # generation_kwargs: checked not to name the settings below
+                **(params.extra or {}),  # the extra keys: checked not to name the settings below
                 do_sample=True,
                 temperature=params.temperature,
                 top_p=params.top_p,
