@@ -22,8 +22,8 @@ trained batch, inside ``training_step``, in this order and on every rank:
 tensors and never changes them in place. A callback that filters on what it saw before keeps that
 in ``state_dict``/``load_state_dict``, so that a resumed fit filters as the uninterrupted one
 would (Lightning saves rank zero's: keep it the same on every rank, e.g. with
-``pl_module.all_gather``). With ``steps_per_generation`` S > 1 a batch must keep at least
-S x ``gradient_accumulation_steps`` groups (its generation's shares).
+``pl_module.all_gather``). Where one generation is split into S > 1 optimizer steps, a batch
+must keep at least S x (batches per step) groups (its generation's shares).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ ASYNC_JSONL_KEYS = (
     "rollout_wait_s",
     "worker_wait_s",
 )
-# Logged where the sampler's log-probs correct the loss (rollout_correction, async rollouts).
+# Logged where the sampler's log-probs correct the loss (the rollout correction, async rollouts).
 CORRECTION_JSONL_KEYS = ("sampler_kl", "correction_weight_mean", "correction_masked_fraction")
 # Logged with tool-using rollouts only (rollout/tool_sampler.py).
 TOOL_JSONL_KEYS = ("tool_calls", "tool_errors", "turns", "tool_token_fraction", "tool_threads_abandoned")

@@ -92,7 +92,7 @@ def logged_name(key: str) -> str:
 # Logged as running totals (the module adds each step's count): a report takes the latest.
 RUNNING_TOTALS = ("num_tokens",)
 # The learning rate: a batch's and a report's is its last optimizer step's, the rate the
-# optimizer used at the step it is logged at (with steps_per_generation a batch takes several),
+# optimizer used at the step it is logged at (a batch split into shares takes several),
 # never an average of rates no step used. LearningRateMonitor logs the same rate at that step
 # (callbacks/step_axis.py).
 LATEST_KEYS = ("lr",)

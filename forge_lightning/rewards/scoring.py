@@ -289,7 +289,7 @@ def batch_advantages(
 ) -> Tensor:
     """Group-relative advantages of the rewards ``(P*G,)`` by ``estimator``. ``scale="batch"``
     and ``reinforce_pp`` take their std over every rank's groups of this training batch
-    (``all_gather``: the module's), all of its micro-batches and steps_per_generation shares
+    (``all_gather``: the module's), all of its micro-batches and its generation's shares
     (later accumulation batches are not sampled yet)."""
     gathered = needs_batch(scale, estimator) and world_size > 1
     batch = all_gather(rewards).reshape(-1) if gathered else None

@@ -2,7 +2,7 @@
 
 AReaL's design on one machine. The worker holds its own copy of the policy and samples the
 prompts the trainer hands it, in order; the trainer trains on the rollouts as they come back,
-``max_staleness`` optimizer steps behind at most. After each optimizer step the trainer writes
+a given number of optimizer steps behind at most. After each optimizer step the trainer writes
 the new weights into a ring of copies on the worker's device
 (:class:`~forge_lightning.rollout.engines.weight_ring.WeightRing`), each tagged with its version,
 the number of weight updates before it. A rollout is sampled from exactly the version the trainer asked for,
@@ -11,7 +11,7 @@ run is repeatable, and a rollout's log-probs are those of its version.
 
 :class:`RolloutWorker` is a :class:`~forge_lightning.rollout.engines.base.GenerationBackend` (``generate``
 and ``sync_weights``, what validation and the sync path use) with two calls more, ``submit`` and
-``collect``, for the pipeline :class:`~forge_lightning.rollout.sources.AsyncRollouts` runs (``rollout_mode``).
+``collect``, for the pipeline :class:`~forge_lightning.rollout.sources.AsyncRollouts` runs.
 Inside the worker the sampling is :class:`~forge_lightning.rollout.engines.hf.HFGenerate`, the engine the
 synchronous path uses (``WorkerSettings.precision``: on a low-precision copy of each version,
 rollout/engines/quantized.py). The worker samples on the CPU by default, or on the CUDA GPU that
@@ -438,7 +438,7 @@ def _worker_main(
 
         sampler = RolloutSampler(settings.tokenizer, engine, settings.eos_token_ids, settings.prompts)
         runner = settings.tools.runner(sampler)
-    # The model that samples: the weights as loaded, or their low-precision copy (rollout_precision).
+    # The model that samples: the weights as loaded, or their low-precision copy (``precision``).
     loaded, policy = None, model
     idle_since = time.perf_counter()
     while True:

@@ -81,10 +81,10 @@ def policy_optimizer(
     )
 
 
-def total_optimizer_steps(
-    fit: FitShape, gradient_accumulation_steps: int, num_iterations: int, dynamic_sampling: bool = False
-) -> int:
-    """Optimizer steps of the whole fit: ``max_steps`` when set, else counted from the batches."""
+def total_optimizer_steps(fit: FitShape, accumulation: int, passes: int, dynamic: bool = False) -> int:
+    """Optimizer steps of the whole fit: ``max_steps`` when set, else counted from the batches
+    (``accumulation`` per step, ``passes`` steps per batch where more than one; a ``dynamic`` plan's
+    batches per step are not known)."""
     if fit.step_limit is not None:
         return fit.step_limit
     if fit.max_time_set:
@@ -95,7 +95,7 @@ def total_optimizer_steps(
             "give the schedule its length",
             stacklevel=2,
         )
-    if dynamic_sampling:
+    if dynamic:
         raise ValueError(
             "dynamic_sampling needs trainer.max_steps: how many batches an optimizer step takes is "
             "not known in advance, so the learning-rate schedule cannot be sized from the data"
@@ -105,9 +105,9 @@ def total_optimizer_steps(
         raise ValueError("the dataset has no length: set trainer.max_steps so the schedule has an end")
     epochs = max(fit.max_epochs or 1, 1)
     per_epoch = math.ceil(batches / epochs)
-    if num_iterations > 1:
-        return per_epoch * epochs * num_iterations
-    return math.ceil(per_epoch / gradient_accumulation_steps) * epochs
+    if passes > 1:
+        return per_epoch * epochs * passes
+    return math.ceil(per_epoch / accumulation) * epochs
 
 
 def gradient_norm(params: Iterable[Tensor]) -> Tensor:

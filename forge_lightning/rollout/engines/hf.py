@@ -264,5 +264,5 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | N
 
 
 def build(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], options: EngineOptions) -> HFGenerate:
-    """The policy's own ``generate`` (``generation_backend: hf``): needs nothing of ``options``."""
+    """The policy's own ``generate`` (the ``hf`` engine): needs nothing of ``options``."""
     return HFGenerate(tokenizer.pad_token_id, eos_ids, tokenizer)

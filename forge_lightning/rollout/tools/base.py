@@ -40,8 +40,8 @@ class Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)
     log: list[dict[str, Any]] = field(default_factory=list)
     max_calls: int | None = None
-    # The engine's log-prob of each token when the sampler asked for them (use_engine_logprobs,
-    # rollout_correction): a sampled token's as the engine reported it, 0 for a tool's token.
+    # The engine's log-prob of each token when the sampler asked for them (the old policy's, or the
+    # rollout correction's): a sampled token's as the engine reported it, 0 for a tool's token.
     logp: list[float] = field(default_factory=list)
 
     def add(self, ids: list[int], sampled: bool, logp: list[float] | None = None) -> None:
