@@ -1,4 +1,4 @@
-"""The KL estimators, and the KL penalty subtracted from the reward (``kl_in_reward``) rather than
+"""The KL estimators, and the KL penalty subtracted from the reward (LossSettings says when) rather than
 added to the loss."""
 
 from collections.abc import Callable

@@ -218,9 +218,9 @@ class RolloutWorker:
     and a worker whose trainer has gone (killed) stops by itself within a second.
     """
 
-    def __init__(self, settings: WorkerSettings, max_staleness: int) -> None:
+    def __init__(self, settings: WorkerSettings, staleness: int) -> None:
         self.settings = settings
-        self.max_staleness = max_staleness
+        self.staleness = staleness  # the most versions a rollout may lag: the ring holds one more
         self.version = 0  # the newest version written
         self.device: torch.device | None = None  # where the worker samples, once started
         self.process: Any = None
@@ -242,7 +242,7 @@ class RolloutWorker:
         self.device = resolved_rollout_device(self.settings.device, _device(model))
         context = mp.get_context("spawn")
         # On a GPU the ring's CUDA tensors reach the worker by IPC handle, through the Process args.
-        self._ring = WeightRing(model, slots=max(2, self.max_staleness + 1), device=self.device)
+        self._ring = WeightRing(model, slots=max(2, self.staleness + 1), device=self.device)
         self.version = version
         self._ring.write(model, version)
         self._requests, self._results = context.Queue(), context.Queue()
@@ -310,10 +310,10 @@ class RolloutWorker:
         if not self.running:
             raise RuntimeError("the rollout worker is not running: start() it first")
         version = self.version if version is None else version
-        if not self.version - self.max_staleness <= version <= self.version:
+        if not self.version - self.staleness <= version <= self.version:
             raise ValueError(
                 f"weights version {version} is outside the ring (newest {self.version}, "
-                f"max_staleness {self.max_staleness})"
+                f"lagging at most {self.staleness})"
             )
         self._tickets += 1
         job = Job(

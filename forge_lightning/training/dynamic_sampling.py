@@ -8,7 +8,7 @@ dropped. The optimizer steps once the informative groups gathered since the last
 rank, reach ``world_size x prompts per batch x batches per optimizer step``, or after
 ``max_sampling_rounds`` rounds (training then goes on with what there is, and says so), or at the
 end of the epoch. Surplus groups of the last round stay in that step; none is carried over. With
-``kl_beta > 0`` a dropped group also loses its KL gradient. A step with no informative group at all
+a KL penalty a dropped group also loses its KL gradient. A step with no informative group at all
 still calls ``optimizer.step()`` with every gradient None (AdamW then changes nothing, not even by
 weight decay) so that ``global_step`` and the schedule advance; it is counted in
 ``train/empty_steps``.

@@ -26,7 +26,7 @@ class Episode:
     after the latest answer), ``context`` (the protocol's own: the conversation; its
     ``environment``, if any, is the ``environments`` fact), ``messages`` (the finished assistant
     and tool turns) and ``log`` (one entry per call). ``max_calls``: the calls it may make in all
-    (the sampler's ``max_tool_calls``), which a turn of several calls must not run past."""
+    (the sampler's cap), which a turn of several calls must not run past."""
 
     ids: list[int] = field(default_factory=list)
     model: list[int] = field(default_factory=list)

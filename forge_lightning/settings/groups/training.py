@@ -205,7 +205,7 @@ class MemorySettings(Group):
     """``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice."""
     max_generation_tokens: int = setting(2**20, check=count(1), resume=True)
     """the most tokens one batch's generation may hold, counted as its rows x
-    (``max_prompt_length``, 0 when unset, + new tokens): a training batch (prompts per step x
+    (the longest prompt the settings allow, 0 when unset, + new tokens): a training batch (prompts per step x
     the group's rows) or a sampled validation batch (``val_batch_size`` x its samples per prompt
     rows) over it is refused before any step (check_generation_budget)."""
 
@@ -220,7 +220,7 @@ class PreflightSettings(Group):
     micro-batch) and stop with sized suggestions where its peak memory, with AdamW's state to
     come, is over ``preflight_memory_gb``. No optimizer step: the weights, gradients and RNG
     streams are left as they were, so the run takes the same steps as without. The longest prompt
-    is ``max_prompt_length``, else the training data's longest (read ahead, tokenised)."""
+    is the one the prompt settings allow, else the training data's longest (read ahead, tokenised)."""
     preflight_memory_gb: float | None = setting(
         None, check=(optional(lambda v: v > 0), "None or > 0 (GiB)"), resume=True
     )
