@@ -93,7 +93,8 @@ class RolloutSource:
     Args:
         sampling: how training's completions are sampled.
         group_size: completions per prompt.
-        engine: builds the engine, for a module that was given none (None: the source builds its own).
+        engine: builds the engine for a module that was given none (None: the source is given
+            its engine, or, AsyncRollouts, builds its worker).
         engine_logprobs: whether the engine's scores are kept as the old policy's log-probs.
         correction: whether the engine's scores are kept as the sampling policy's, for the
             loss's correction of the gap between the engine and the trainer.
@@ -119,6 +120,8 @@ class RolloutSource:
         self, tokenizer: Any, model: PreTrainedModel, eos: list[int], scoring_temperature: float
     ) -> GenerationBackend:
         """The generation engine for a module that was given none."""
+        if self.engine_factory is None:
+            raise RuntimeError("this rollout source has no engine: set its engine, or give it a factory")
         return self.engine_factory(tokenizer, model)
 
     def prepare(

@@ -6,8 +6,10 @@ record) become typed settings groups (settings/groups/), and the collaborators t
 are built from those here: the log-prob scorer, the loss passes, the rollout source, the step
 plan, the metrics and their reporter, the sampled evaluation, the prompt format and the tools.
 The layers below (rollout/, training/, evaluation/, models/) cannot import the groups
-(tests/test_layers.py): each collaborator there takes its own typed settings or values, picked
-from the groups here.
+(tests/test_layers.py): each collaborator there takes the values it reads as its own arguments,
+under its own names, or the small typed objects of its layer (the engine's SamplingParams, the
+worker's WorkerSettings, how rewards are called: RewardCalls), made from the groups here; no
+collaborator re-declares a group's settings.
 """
 
 from __future__ import annotations
