@@ -202,7 +202,7 @@ class GRPOLightningModule(pl.LightningModule):
     def steps_per_batch(self) -> int:
         """Optimizer steps a training batch takes when it steps (S x mu), so the step cadences a
         callback can keep are its multiples (HFCheckpoint's default rounds to one)."""
-        return self.plan.settings.steps_per_batch
+        return self.plan.steps_per_batch
 
     def report_every(self, steps: int) -> None:
         """Report to the loggers every ``steps`` optimizer steps (a RewardLogger hands over its

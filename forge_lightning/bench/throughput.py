@@ -45,7 +45,7 @@ of the HTTP layer. References are skipped on these lines.
 ``--rollout-precision int8`` (or ``bf16``) samples with a low-precision copy of the policy
 (rollout/engines/quantized.py) and sets ``rollout_correction: truncate`` (TIS, cap 3) itself; the
 references still time the policy's own ``generate``. ``--gradient-checkpointing`` recomputes each
-layer's activations in the backward (the module's ``gradient_checkpointing``).
+layer's activations in the backward (the module's activation checkpointing).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A filter of settled prompts as a callback: stop training on prompts the policy always or never solves.
 
 GRPO learns nothing from a group whose completions all pass or all fail (equal rewards, zero
-advantages), yet such a group still costs its backward and, with ``kl_beta > 0``, pulls toward the
+advantages), yet such a group still costs its backward and, with a KL penalty, pulls toward the
 reference. :class:`SettledPromptFilter` (first named ``DifficultyCurriculum``) remembers, per
 prompt, the pass rate of each of its last ``window`` groups and drops the prompts whose remembered
 groups all passed or all failed, through the RL loop's ``on_rewards_end`` filter (rl_loop.py). Add

@@ -573,8 +573,8 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
         save_config_kwargs={"overwrite": True},
         # The module owns its optimizer and warmup-cosine schedule (configure_optimizers).
         auto_configure_optimizers=False,
-        # --model.lr would otherwise be taken for --model.lr_schedule, and --model.temp for
-        # --model.temperature, without a word.
+        # A flag cut short (--model.temp) would otherwise be taken, without a word, for the
+        # longer one it begins.
         parser_kwargs={"allow_abbrev": False, "epilog": OTHER_COMMANDS},
         args=args,
         run=run,

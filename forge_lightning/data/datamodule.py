@@ -99,7 +99,7 @@ class PromptDataModule(L.LightningDataModule):
         max_samples: training prompts to keep (the first ones in file order); None keeps all.
         val_max_samples: validation prompts to keep (the first ones); None keeps all.
         prompts_per_step: prompts per training batch, i.e. per ``training_step`` (not per optimizer
-            step: with gradient accumulation or ``steps_per_generation`` the two differ; the name
+            step: with gradient accumulation or a generation split into several steps the two differ; the name
             is kept as the flag configs and checkpoints use).
         val_batch_size: prompts per validation batch.
         shuffle: reshuffle the training prompts every epoch.

@@ -146,8 +146,8 @@ def _run_calls(calls: dict[str, Callable[[], Any]], at_once: list[str]) -> dict[
 
 def _normalized(reward: RewardFn, scores: list[float]) -> list[float]:
     """A reward's batch, z-scored when it asks for it (``normalize="batch"``, e.g. RewardModel's):
-    here, after the whole batch is scored, not in the call, which under ``on_reward_error`` may
-    be one sample's."""
+    here, after the whole batch is scored, not in the call, which after a reward error may be
+    one sample's."""
     return batch_zscore(scores) if getattr(reward, "normalize", None) == "batch" and scores else scores
 
 

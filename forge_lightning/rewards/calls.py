@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 from forge_lightning.run.user_code import (
     CallTimeout,
@@ -45,6 +45,17 @@ class RewardOutput:
 
     scores: list[float]
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RewardCalls:
+    """How a reward is called, in training and validation alike: what its error does (``raise``
+    stops the run, ``zero`` scores its samples 0), the seconds a call may take (None: no limit),
+    and the sandbox it runs in (None: the trainer's threads)."""
+
+    on_error: Literal["raise", "zero"] = "raise"
+    timeout: float | None = None
+    sandbox: Sandbox | None = None
 
 
 class BaseReward(ABC):
@@ -224,8 +235,8 @@ def invoke_reward(
     except UserCodeExit as err:
         raise RewardExit(
             f"reward {name!r} raised {err.__cause__!r} from its own code (no signal did): the run stops. A "
-            "reward that cannot score raises an Exception instead (model.on_reward_error decides "
-            "what then happens)"
+            "reward that cannot score raises an Exception instead (the run's rule for reward errors "
+            "decides what then happens: raise, or score 0)"
         ) from err.__cause__
 
 
@@ -268,7 +279,7 @@ def _call_within(call: Callable[[], Any], what: str, size: int, timeout: float) 
         return call_within(call, timeout, what)
     except CallTimeout:
         warn_thread_abandoned(
-            "reward", "reward_timeout", "under on_reward_error zero, their samples count in reward_errors"
+            "reward", "reward_timeout", "where errors score 0, their samples count in reward_errors"
         )
         raise RewardTimeout(
             f"{what} took longer than reward_timeout={timeout:g}s on {size} responses; the call was abandoned"

@@ -10,7 +10,7 @@ default :func:`read_score`, which reads a yes/no or the score the judge gives ("
 in the units of the scale the template names ("from 0 (useless) to 10 (perfect)": "4/5" is 8.0).
 A reply ``parse`` cannot read (no score in it, or one outside the template's scale) is no score:
 the reward reports it as unscored (rewards/batch_scoring.py), that sample's error, and
-``model.on_reward_error`` decides: ``raise`` names the sample and the reply, ``zero`` scores it 0
+the module's rule for reward errors decides: ``raise`` names the sample and the reply, ``zero`` scores it 0
 and counts it in ``reward_errors``. A checkpoint stores the judge's spec and, for a local folder,
 its fingerprints as a reward model's (rewards/reward_model.py): a resume refuses other weights,
 config, tokenizer or chat template, and a changed template or parser (rewards/resume_changes.py).

@@ -74,7 +74,7 @@ __all__ = [
     "trl_kwargs",
 ]
 
-# A reward call without reward_timeout that runs longer than this many seconds is warned about.
+# A reward call without a time limit that runs longer than this many seconds is warned about.
 SLOW_REWARD_SECONDS = 60.0
 
 # What the module's ``reward`` takes from a config: a reward, or a list of them. The list comes

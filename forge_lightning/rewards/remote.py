@@ -35,7 +35,7 @@ class RemoteReward(BaseReward):
     A connection error, a timeout or an HTTP 5xx is tried again ``retries`` times, after
     ``backoff`` seconds doubling each time; a 4xx is not. A batch that still fails raises a
     :class:`~forge_lightning.rewards.http.RewardServerError` naming the URL and the status, which
-    ``model.on_reward_error`` handles like any reward's error. A checkpoint stores the reward's
+    the module's rule for reward errors handles like any reward's error. A checkpoint stores the reward's
     arguments; a resume may change every one of them (:attr:`changeable_on_resume`, warned
     about: servers move).
 

@@ -7,7 +7,7 @@ is tokenised (tools/protocol.py's protocol says how: the calculator's text alone
 the chat template's ``tool`` turn) and appended to the calls' rows, and the unfinished rows
 generate again until every row has ended: on HF generate from the last round's KV cache (only the
 new tokens go through the model), elsewhere from their whole sequence so far. Asked for the
-engine's log-probs (``use_engine_logprobs``, ``rollout_correction``), each round reports those of
+engine's log-probs (for the old policy's, or the rollout correction's), each round reports those of
 the tokens it sampled; a tool's tokens get 0, and the loss gives them no weight. The calls of every
 row that waits at the end of a round are answered at once (the tools may run them concurrently).
 Everything happens in token ids: the transcript is never re-tokenised, so the log-prob forward

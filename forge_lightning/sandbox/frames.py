@@ -26,8 +26,8 @@ import signal
 from multiprocessing.connection import Connection
 from typing import Any
 
-# The longest answer, in bytes of JSON, a call may give (a tool's text is cut to
-# max_tool_result_chars before this applies).
+# The longest answer, in bytes of JSON, a call may give (a tool's text is cut to its own length
+# cap before this applies).
 MAX_ANSWER_BYTES = 64 << 20
 KINDS = ("ok", "raised", "failed", "timeout")
 _DEPTH = 100  # nesting deeper than this is not data the trainer reads

@@ -34,8 +34,8 @@ A stateful environment's episode is sticky (:meth:`Sandbox.open_episode`, sandbo
 its environment is made in a process of one worker when the episode opens, every later call of
 it goes to that process, and it ends when the trainer drops its handle. Episodes share the
 ``workers`` (each opens on the worker holding the fewest, so that a batch of them spreads over
-all), and a worker runs one call at a time, its episodes' included: ``sandbox_workers`` is still
-how many calls run at once. Each open episode is a process of its worker, within the worker's bound
+all), and a worker runs one call at a time, its episodes' included: the number of workers is
+still how many calls run at once. Each open episode is a process of its worker, within the worker's bound
 of ``processes``; a dropped one is ended with the next episode message its worker gets (a step's
 episodes end as the next step's open). A worker that dies, or is killed, takes its episodes with
 it: their later calls fail with a :class:`SandboxCallError` naming why.
@@ -79,7 +79,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Seconds a sandboxed call may take when its reward_timeout / tool_timeout is None.
+# Seconds a sandboxed call may take when the run sets no time limit for it.
 DEFAULT_TIMEOUT = 60.0
 # Seconds past an episode's call's timeout before the trainer kills its worker: the worker kills
 # the episode's process itself at the timeout, and answers.
@@ -100,7 +100,7 @@ class Sandbox:
         self, workers: int = 2, limits: SandboxLimits | None = None, env: Sequence[str] = ()
     ) -> None:
         if workers < 1:
-            raise ValueError(f"sandbox_workers must be >= 1, got {workers}")
+            raise ValueError(f"a sandbox needs at least one worker, got {workers}")
         self.workers, self.limits, self.env = workers, limits or SandboxLimits(), tuple(env)
         self._preload = pickle.dumps((_noop, (), {}))
         self._view = worker_view([], self.env)

@@ -165,7 +165,7 @@ BASE_ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 def worker_environment(scratch: str, crossing: Mapping[str, str] | None = None) -> dict[str, str]:
     """The worker's environment: none of the trainer's variables but ``crossing`` (those
-    ``sandbox_env`` names), :data:`BASE_ENVIRONMENT`, the trainer's ``sys.path`` (so that the
+    the run lets cross), :data:`BASE_ENVIRONMENT`, the trainer's ``sys.path`` (so that the
     user's modules import there as here) and the scratch folder as home and temporary folder."""
     paths = [os.path.abspath(entry or os.curdir) for entry in sys.path]
     return {

@@ -7,7 +7,7 @@ environments are pickled by reference to (its top-level package's folder, or its
 trainer's other modules imported from the same import root (a module beside it). The import root
 itself may only be listed (Python's import finds the module by its folder's names), so a run
 folder below it, or any data file beside a module, cannot be read: keep a module's data in its
-package's folder. Of the trainer's environment only the variables ``sandbox_env`` names cross.
+package's folder. Of the trainer's environment only the variables the run names cross.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class LoopHooks(Protocol):
         ...
 
     def rewards_end(self, rewards: Tensor, batch: TrainingBatch) -> Tensor | None:
-        """The batch's rewards ``(P*G,)``, as scored (before ``kl_in_reward``); returns a keep mask
+        """The batch's rewards ``(P*G,)``, as scored (before any KL is taken from them); returns a keep mask
         ``(P,)`` bool over its groups, or None to train them all."""
         ...
 

@@ -24,7 +24,7 @@ from forge_lightning.sandbox.pool import Sandbox
 
 T = TypeVar("T")
 
-# The characters of a result the model reads at most (the module's max_tool_result_chars), and
+# The characters of a result the model reads at most (the module's setting, else this), and
 # what follows a result that was cut.
 MAX_RESULT_CHARS = 10_000
 CUT_MARK = "\n[cut: the result has {total} characters; the first {kept} are shown]"

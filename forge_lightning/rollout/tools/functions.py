@@ -6,7 +6,7 @@ which ``transformers.utils.get_json_schema`` builds its schema. The chat templat
 schemas where it renders ``tools``; where it ignores them, they go into the system message
 (:data:`TOOLS_SYSTEM_PROMPT`). The calls are read in a :mod:`tool-call format
 <forge_lightning.rollout.tools.parsers>` at the end of the policy's turn (its end-of-turn token):
-every call the turn wrote, up to the completion's ``max_tool_calls``; the calls of every row that
+every call the turn wrote, up to the completion's cap of calls; the calls of every row that
 waits for a tool run at once (tools/call_loop.py) and each result goes back as a ``tool``
 message, whose tokens are the template's delta: the conversation rendered with those messages
 (and the cue for the next assistant turn) less its rendering up to the end of the assistant's
