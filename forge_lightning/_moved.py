@@ -7,7 +7,9 @@ An old module path is the new module itself (one object under two names: a monke
 ``isinstance`` through either agrees), except where a split sent some of its names elsewhere: then
 the old path is a thin module that looks a name up in the new modules in order. An old module
 that became a package (``forge_lightning.rollout``, ``.rewards``, ...) keeps its names through that
-package's :func:`lazy_exports`.
+package's :func:`lazy_exports`. A name renamed within its module keeps its old name there through
+:func:`renamed` (an attribute of a class, through :func:`renamed_attribute`), with a
+DeprecationWarning.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 _P = "forge_lightning."
@@ -41,7 +44,7 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "optim": "training.optim",
     "plot": "reporting.plot",
     "policy": "models.policy",
-    "preemption": ("run.preemption", "callbacks.preemption"),
+    "preemption": ("run.signals", "callbacks.preemption"),
     "profiler": "reporting.profiler",
     "reward_calls": ("rewards.calls", "run.user_code"),
     "reward_extras": "rewards.extras",
@@ -53,15 +56,15 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "sampled_eval": "evaluation.sampled",
     "sampling": "rollout.engines.base",
     "sampling_rounds": "training.dynamic_sampling",
-    "scoring": "rewards.scoring",
+    "scoring": ("rewards.batch_scoring", "training.step"),
     "sharding": "models.sharding",
     "specs": "run.specs",
     "step_plan": ("training.plan", "rollout.sources"),
     "tool_rollout": "rollout.tool_sampler",
     "tools": ("rollout.tools", "rewards.environment"),
-    "tools.base": "rollout.tools.base",
+    "tools.base": "rollout.tools.protocol",
     "tools.calculator": "rollout.tools.calculator",
-    "tools.calls": "rollout.tools.calls",
+    "tools.calls": "rollout.tools.function_call",
     "tools.environments": ("rollout.tools.environments", "rewards.environment"),
     "tools.functions": ("rollout.tools.functions", "rewards.environment"),
     "tools.parsers": "rollout.tools.parsers",
@@ -73,6 +76,27 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "weight_ring": "rollout.engines.weight_ring",
     # Moved within the layered layout: the worker runs episode runners, above the engines.
     "rollout.engines.async_worker": "rollout.async_worker",
+    # The sandbox, a package of its own (it was half of run/).
+    "run.episode_worker": "sandbox.episode_worker",
+    "run.isolation": "sandbox.isolation",
+    "run.landlock": "sandbox.landlock",
+    "run.sandbox": "sandbox.pool",
+    "run.sandbox_episodes": "sandbox.episode",
+    "run.sandbox_frames": "sandbox.frames",
+    "run.sandbox_process": "sandbox.process",
+    "run.sandbox_view": "sandbox.view",
+    "run.sandbox_worker": "sandbox.worker",
+    "run.seccomp": "sandbox.seccomp",
+    # Renamed so that no two files of the package share a name.
+    "callbacks.loop_hooks": "callbacks.rl_loop",
+    "callbacks.curriculum": "callbacks.settled_prompt_filter",
+    "data.sampler": "data.epoch_sampler",
+    "rewards.resume": "rewards.resume_changes",
+    "rewards.scoring": ("rewards.batch_scoring", "training.step"),
+    "rollout.tools.base": "rollout.tools.protocol",
+    "rollout.tools.calls": "rollout.tools.function_call",
+    "run.preemption": "run.signals",
+    "settings.preflight": "settings.module_preflight",
 }
 
 # The packages that took the path of a module of the flat layout: they offer its names (lazy_exports).
@@ -160,3 +184,38 @@ def lazy_exports(package: str, homes: Sequence[str]) -> tuple[Callable[[str], An
         return sorted({*vars(sys.modules[package]), *_names_of(homes)})
 
     return __getattr__, __dir__
+
+
+def renamed(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
+    """``__getattr__`` for ``module`` whose old names ``names`` (old -> new) give the object of
+    their new name, with a DeprecationWarning that says which it is."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{module}.{name} is now {names[name]}: import that name instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(sys.modules[module], names[name])
+
+    return __getattr__
+
+
+def renamed_attribute(old: str, new: str) -> property:
+    """A class's attribute ``old`` as the property that reads and sets its attribute ``new``, with
+    a DeprecationWarning at each use."""
+
+    def warn() -> None:
+        warnings.warn(f"{old} is now {new}: use that name instead", DeprecationWarning, stacklevel=3)
+
+    def get(self: Any) -> Any:
+        warn()
+        return getattr(self, new)
+
+    def set_(self: Any, value: Any) -> None:
+        warn()
+        setattr(self, new, value)
+
+    return property(get, set_, doc=f"The old name of :attr:`{new}`.")

@@ -13,19 +13,18 @@ from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from typing_extensions import override
 
+from forge_lightning._moved import renamed_attribute
 from forge_lightning.callbacks.defaults import fit_callbacks
 from forge_lightning.callbacks.preemption import Preemption
 from forge_lightning.callbacks.publish import publish_step, publish_validation
 from forge_lightning.callbacks.step_axis import EvaluationLogStep
-from forge_lightning.callbacks.trainer_view import fit_shape, step_context
+from forge_lightning.callbacks.trainer_view import fit_shape, fitting, step_context
 from forge_lightning.data.datamodule import split_batch
-from forge_lightning.data.gsm8k import extract_answer
 from forge_lightning.evaluation.ranks import owned_samples
 from forge_lightning.evaluation.sampled import TrainingRandomState, batch_sizes, run_seed, sampling_seed
 from forge_lightning.evaluation.validation import NO_TEST_STEP
@@ -34,18 +33,15 @@ from forge_lightning.models.loading import ensure_pad_token
 from forge_lightning.models.lora import LoraSettings
 from forge_lightning.reporting.metrics import StepRecord
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
-from forge_lightning.rewards.library import RewardArgument, require_arguments
-from forge_lightning.rollout.agents.runner import AgentRunner
+from forge_lightning.rewards.library import GSM8KAnswerReward, RewardArgument, require_arguments
 from forge_lightning.rollout.engines.base import GenerationBackend
-from forge_lightning.rollout.sampler import RolloutSampler
-from forge_lightning.rollout.sources import TrainingBatch
-from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
+from forge_lightning.rollout.sources import EpisodeRunner, TrainingBatch
 from forge_lightning.rollout.tools.stored import EnvironmentArgument, ToolsArgument, stored_tools
 from forge_lightning.run.checkpoint_io import refuse_unstored_objects
 from forge_lightning.settings import components
 from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME, GRPOSettings, check_generation_budget
-from forge_lightning.settings.preflight import data_longest, module_preflight
+from forge_lightning.settings.module_preflight import data_longest, module_preflight
 from forge_lightning.settings.signature import documented_settings, save_settings, settings_signature
 from forge_lightning.settings.trl_names import pointing_at_settings
 from forge_lightning.training.adjustments import CHECKPOINT_KEY, Adjustments, scale_learning_rate
@@ -101,7 +97,7 @@ class GRPOLightningModule(pl.LightningModule):
         tools: ToolsArgument = None,
         environment_factory: EnvironmentArgument = None,
         accuracy: Callable[..., Any] | None = None,
-        answer_key: Callable[[str], Any] | None = extract_answer,
+        answer_key: Callable[[str], Any] | None = GSM8KAnswerReward.answer_key,
         **settings: Any,
     ) -> None:
         pl.LightningModule.__init__(self)  # not super(): save_hyperparameters would read this frame
@@ -134,7 +130,8 @@ class GRPOLightningModule(pl.LightningModule):
         self._log_step = EvaluationLogStep()  # the step validate's metrics reach the loggers at
         self._checkpoint_step: int | None = None  # the global_step of a checkpoint loaded outside fit
         self._preemption = Preemption()
-        self._rewards_checked = self._stepped = False
+        self._rewards_checked = False
+        self.stepped = False  # whether the latest training batch ended an optimizer step (checkpoints wait)
         # Factors a callback set midway (CollapseGuard), on the loss settings the hparams give.
         self._adjustments, self._given_loss = Adjustments(), self.settings.loss
 
@@ -151,24 +148,26 @@ class GRPOLightningModule(pl.LightningModule):
         )  # fmt: skip
 
     # The rollout source owns the engine and the episode runner (built in configure_model); one
-    # set before the fit (a custom engine, a wrapped sampler) is the one it uses.
+    # set before the fit (a custom engine, a wrapped runner) is the one it uses.
     @property
-    def generator(self) -> GenerationBackend | None:
+    def engine(self) -> GenerationBackend | None:
         """The engine that samples the rollouts (the worker process under asynchronous rollouts)."""
         return self.rollout_source.engine
 
-    @generator.setter
-    def generator(self, engine: GenerationBackend | None) -> None:
+    @engine.setter
+    def engine(self, engine: GenerationBackend | None) -> None:
         self.rollout_source.engine = engine
 
     @property
-    def sampler(self) -> RolloutSampler | ToolRolloutSampler | None:
+    def episodes(self) -> EpisodeRunner | None:
         """The episode runner training, validation and prediction sample with."""
         return self.rollout_source.runner
 
-    @sampler.setter
-    def sampler(self, runner: RolloutSampler | ToolRolloutSampler | None) -> None:
+    @episodes.setter
+    def episodes(self, runner: EpisodeRunner | None) -> None:
         self.rollout_source.runner = runner
+
+    generator, sampler = renamed_attribute("generator", "engine"), renamed_attribute("sampler", "episodes")
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -186,29 +185,24 @@ class GRPOLightningModule(pl.LightningModule):
         (sync), or those due from the worker (async; none while the pipeline fills)."""
         prompts, batch_kwargs = split_batch(batch)
         if not self._rewards_checked:  # before the first generation, so a mismatch costs nothing
-            require_arguments(self.reward, reward_arguments(batch_kwargs, self._with_tools))
+            require_arguments(self.reward, reward_arguments(batch_kwargs, self.rollout_source.calls_tools))
             self._rewards_checked = True
-        self._stepped, self.batch_records = False, []
+        self.stepped, self.batch_records = False, []
         context, batch = step_context(self), TrainingBatch(prompts, batch_kwargs, batch_idx)
         for item in self.rollout_source.rollouts(batch, context, self.model):
             record, stepped = self.step.train(
                 item, self.model, self.reference, self.optimizers(), self.lr_schedulers(), context
             )
-            self._stepped = self._stepped or stepped
+            self.stepped = self.stepped or stepped
             publish_step(self, record)
             self.last_step = record
             self.batch_records.append(record)
 
     @property
-    def stepped(self) -> bool:
-        """Whether the latest training batch ended an optimizer step (checkpoints wait for one)."""
-        return self._stepped
-
-    @property
     def steps_per_batch(self) -> int:
         """Optimizer steps a training batch takes when it steps (S x mu), so the step cadences a
         callback can keep are its multiples (HFCheckpoint's default rounds to one)."""
-        return self.plan.settings.steps_per_batch
+        return self.plan.steps_per_batch
 
     def report_every(self, steps: int) -> None:
         """Report to the loggers every ``steps`` optimizer steps (a RewardLogger hands over its
@@ -283,11 +277,11 @@ class GRPOLightningModule(pl.LightningModule):
             self._preflight()
 
     def _preflight(self) -> None:
-        """The worst-case first step (settings/preflight.py): the fit ends now if it does not fit."""
+        """The worst-case first step (settings/module_preflight.py): the fit ends now if it does not fit."""
         prompts = batch_sizes(fit_shape(self.trainer))[0] or 1
         worker = self.rollout_source.runs_a_worker  # its memory is the worker process's
-        engine = None if worker else (self.generator, self.sampling)
-        read_ahead = partial(data_longest, self.trainer.train_dataloader, self.sampler)
+        engine = None if worker else (self.engine, self.sampling)
+        read_ahead = partial(data_longest, self.trainer.train_dataloader, self.episodes)
         module_preflight(
             self.settings, self.model, self.tokenizer.all_special_ids, self.step.loss_passes, engine, prompts,
             read_ahead, self.optimizers().state, self.trainer.precision_plugin.train_step_context(),
@@ -296,7 +290,7 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._preemption.at_batch_end(self.trainer, self._stepped)
+        self._preemption.at_batch_end(self.trainer, self.stepped)
         self._random_state.save(self.device)  # as training leaves it, should a validation follow
 
     @override
@@ -316,9 +310,8 @@ class GRPOLightningModule(pl.LightningModule):
         prompts, batch_kwargs = split_batch(batch)
         seed = sampling_seed(run_seed(), self.global_step, batch_idx, self.global_rank)
         extras = RewardExtras(self.trainer.global_step, self.trainer.current_epoch, self.trainer.max_steps)
-        self.evaluator.batch(
-            self.sampler, self.model, prompts, batch_kwargs, seed, extras, self._with_tools, batch_idx == 0
-        )
+        tools, first = self.rollout_source.calls_tools, batch_idx == 0
+        self.evaluator.batch(self.episodes, self.model, prompts, batch_kwargs, seed, extras, tools, first)
 
     @property
     def validation_samples(self) -> list[dict[str, Any]]:
@@ -337,30 +330,30 @@ class GRPOLightningModule(pl.LightningModule):
 
     @override
     def on_validation_end(self) -> None:
-        if self._fitting:
+        if fitting(self._trainer):
             self._random_state.restore()
         self._log_step.restore(self.trainer)
 
     @override
     def on_validation_epoch_end(self) -> None:
         values, step = self.evaluator.values(), self.evaluated_step or 0
-        publish_validation(self, values, self._fitting, self._log_step, step)
+        publish_validation(self, values, fitting(self._trainer), self._log_step, step)
 
     @property
     def evaluated_step(self) -> int | None:
         """The optimizer step of the weights validated: the trainer's in a fit, else a loaded
         checkpoint's (Lightning restores no global_step outside fit); None if unknown (a model spec)."""
-        fitting = self._fitting
-        if not fitting and self._checkpoint_step is not None:
+        in_fit = fitting(self._trainer)
+        if not in_fit and self._checkpoint_step is not None:
             return self._checkpoint_step
-        return self.global_step if fitting or self.global_step > 0 else None
+        return self.global_step if in_fit or self.global_step > 0 else None
 
     @override
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
         """The greedy completion of each of the batch's prompts (``trainer.predict`` returns a
         list of these lists, one per batch)."""
         prompts, rows = split_batch(batch)
-        return self.sampler(self.model, prompts, self.greedy, group_size=1, rows=rows).completions
+        return self.episodes(self.model, prompts, self.greedy, group_size=1, rows=rows).completions
 
     @override
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -396,7 +389,7 @@ class GRPOLightningModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._checkpoint_step = checkpoint.get("global_step")
         # Resuming a fit checks and restores the run; validate or load_from_checkpoint may use other settings.
-        resumed = fit_shape(self.trainer) if self._fitting else None
+        resumed = fit_shape(self.trainer) if fitting(self._trainer) else None
         parts = self.reporter, self.rollout_source, self.reward
         load_run_state(checkpoint, resumed, self.hparams, *parts, CHANGEABLE_ON_RESUME)
         if resumed is not None:  # a resumed fit trains on with the changes made midway
@@ -405,12 +398,3 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
         return fit_callbacks(self._trainer, self.needs_reference, self.rollout_source.runs_a_worker)
-
-    @property
-    def _with_tools(self) -> bool:
-        """Whether rollouts call tools (the rewards then get tool_calls, completions, environments)."""
-        return isinstance(self.sampler, ToolRolloutSampler | AgentRunner)
-
-    @property
-    def _fitting(self) -> bool:
-        return self._trainer is not None and self._trainer.state.fn == TrainerFn.FITTING

@@ -157,7 +157,7 @@ def gsm8k_dir() -> Path:
 @pytest.fixture
 def isolating_machine(request):
     """A test that starts sandboxed workers (marked integration) runs where the machine can isolate
-    them (run/isolation.py's probe: unshare, Landlock, a pids bound); elsewhere it is skipped with
+    them (sandbox/isolation.py's probe: unshare, Landlock, a pids bound); elsewhere it is skipped with
     the probe's reason, as the GPU tests are without a GPU. The refusal itself is tested on every machine
     (run/test_sandbox.py). A module asks for it with ``pytest.mark.usefixtures``."""
     if "integration" in request.keywords:
@@ -259,9 +259,9 @@ def step_gradients(tmp_path, module, trainer, loader):
         pl.seed_everything(1)
         grpo = module(**exact_settings(**settings))
         if fixed == "calculator":
-            grpo.generator = CalculatorCalls(grpo.tokenizer)
+            grpo.engine = CalculatorCalls(grpo.tokenizer)
         elif fixed:
-            grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+            grpo.engine = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
         grads: list[torch.Tensor] = []
         calls.append(len(calls))
         records = records or [{"prompt": "ab"}, {"prompt": "abc d"}]

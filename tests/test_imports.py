@@ -150,6 +150,33 @@ def test_every_module_path_of_the_flat_layout_still_imports_as_its_new_module(ol
             imported.no_such_name  # noqa: B018
 
 
+# Names renamed in their module: the old name gives the new name's object, with a DeprecationWarning.
+RENAMED = [
+    ("forge_lightning.training.step", "TrainingStep", "BatchTrainer"),
+    ("forge_lightning.callbacks", "DifficultyCurriculum", "SettledPromptFilter"),
+    ("forge_lightning.callbacks.settled_prompt_filter", "DifficultyCurriculum", "SettledPromptFilter"),
+]
+
+
+@pytest.mark.parametrize(("module", "old", "new"), RENAMED)
+def test_a_renamed_name_still_imports_by_its_old_name_with_a_warning(module, old, new):
+    imported = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=f"{module}.{old} is now {new}"):
+        assert getattr(imported, old) is getattr(imported, new)
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        imported.NoSuchName  # noqa: B018
+
+
+def test_the_batch_advantages_import_from_rewards_where_they_were():
+    from forge_lightning.rewards.scoring import batch_advantages, score_groups
+    from forge_lightning.scoring import batch_advantages as flat
+
+    from forge_lightning.rewards.batch_scoring import score_groups as moved_scoring
+    from forge_lightning.training.step import batch_advantages as moved
+
+    assert batch_advantages is flat is moved and score_groups is moved_scoring
+
+
 def test_a_name_that_a_split_sent_to_another_module_imports_from_its_old_path():
     from forge_lightning.checkpoint_io import AtomicCheckpointIO, save_run_state
     from forge_lightning.config import check_resume, validate_hparams

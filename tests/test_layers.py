@@ -19,7 +19,7 @@ from helpers.import_graph import ROOT, import_graph, write_tree
 # an import between two folders of one layer, or upwards, is an arrow back up.
 LAYERS: list[tuple[str, ...]] = [
     ("_moved",),  # where the old module paths lead
-    ("grpo", "run"),  # the math; a run's files and checkpoints
+    ("grpo", "run", "sandbox"),  # the math; a run's files and checkpoints; where user code runs
     ("models", "data"),  # the policy model; the prompts
     ("rollout",),  # prompts in, a Rollout out: samplers, engines, tools
     ("serving",),  # rollout servers: the wire format, the decode loop, the weight push
@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 NEVER = {"grpo": None, "rollout": {"training", "callbacks"}}  # None: nothing of the package
+GSM8K = "forge_lightning.data.gsm8k"
 
 
 def folder_of(module: str, package: str) -> str:
@@ -97,6 +98,16 @@ def test_every_folder_and_top_level_module_has_a_layer():
     assert on_disk == listed, (
         f"not in a layer: {sorted(on_disk - listed)}; no longer there: {sorted(listed - on_disk)}"
     )
+
+
+# GSM8K's reading of an answer (data/gsm8k.py) is the data's and its reward's: the module takes its
+# default answer key from that reward, and no layer between them reads GSM8K's format.
+KNOWS_GSM8K = {"data", "rewards", "bench", "examples"}
+
+
+def test_only_the_data_its_reward_and_the_entry_points_know_gsm8ks_answers():
+    readers = {folder_of(m, "forge_lightning") for m, imported in import_graph().items() if GSM8K in imported}
+    assert readers <= KNOWS_GSM8K, f"GSM8K's answers read outside {sorted(KNOWS_GSM8K)}: {sorted(readers)}"
 
 
 def test_callbacks_read_the_module_through_protocols_not_probes():

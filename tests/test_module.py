@@ -110,6 +110,22 @@ def test_no_reference_when_no_loss_term_needs_it(module):
     assert references(module(kl_beta=0.0, loss_type="forge")) == 1
 
 
+def test_the_engine_and_the_episode_runner_keep_their_old_names_with_a_warning(module):
+    grpo, engine = module(), object()
+
+    def episodes(*args, **kwargs):
+        raise AssertionError("not sampled here")
+
+    with pytest.warns(DeprecationWarning, match="generator is now engine"):
+        grpo.generator = engine
+    with pytest.warns(DeprecationWarning, match="sampler is now episodes"):
+        grpo.sampler = episodes
+    assert grpo.engine is engine and grpo.rollout_source.engine is engine
+    assert grpo.episodes is episodes and grpo.rollout_source.runner is episodes
+    with pytest.warns(DeprecationWarning):
+        assert grpo.generator is engine and grpo.sampler is episodes
+
+
 def test_model_object_needs_a_tokenizer():
     with pytest.raises(ValueError, match="tokenizer"):
         GRPOLightningModule(model=make_model(10), tokenizer=None)
@@ -308,7 +324,7 @@ def test_masked_truncated_completions_carry_no_gradient(tmp_path, module, traine
     grpo = module(
         reward=varied, mask_truncated_completions=masked, gradient_accumulation_steps=1, max_grad_norm=None
     )
-    grpo.generator = CutOff()
+    grpo.engine = CutOff()
     grads: list[torch.Tensor] = []
 
     class Grads(pl.Callback):

@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from forge_lightning.bench.sandbox_cost import Steps, trivial  # noqa: PLC0415
     from forge_lightning.rewards.library import call_reward  # noqa: PLC0415
     from forge_lightning.rollout.tools.environments import sandboxed_environment  # noqa: PLC0415
-    from forge_lightning.run.sandbox import Sandbox  # noqa: PLC0415
+    from forge_lightning.sandbox.pool import Sandbox  # noqa: PLC0415
 
     args = parse_args(argv)
     timed = trivial if args.reward is None else _imported(args.reward)

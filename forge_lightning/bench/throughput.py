@@ -45,7 +45,7 @@ of the HTTP layer. References are skipped on these lines.
 ``--rollout-precision int8`` (or ``bf16``) samples with a low-precision copy of the policy
 (rollout/engines/quantized.py) and sets ``rollout_correction: truncate`` (TIS, cap 3) itself; the
 references still time the policy's own ``generate``. ``--gradient-checkpointing`` recomputes each
-layer's activations in the backward (the module's ``gradient_checkpointing``).
+layer's activations in the backward (the module's activation checkpointing).
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         waits = recording.waits[1:]
         result["trainer_wait_share"] = sum(w["rollout_wait_s"] for w in waits) / seconds
         result["worker_wait_share"] = sum(w["worker_wait_s"] for w in waits) / seconds
-        worker = module.generator.settings.threads
+        worker = module.engine.settings.threads
         result["settings"]["trainer_threads"] = split_threads(result["settings"]["threads"], worker)[0]
         result["settings"]["worker_threads"] = worker
     return result

@@ -20,7 +20,7 @@ policy, corrected by TIS (the bench's flag of that name); TRL's side samples wit
 ``--tools``; completions end where the model ends them. TRL parses calls only for chat templates it
 knows, so both sides read a copy of the model folder whose tokenizer carries TRL's own ``qwen2_5``
 template (ChatML turns, which SmolLM2's tokenizer has, and Hermes ``<tool_call>`` calls, our
-``tool_call_format`` default).
+default call format).
 
 Every line goes to stdout as it comes (each side's own JSON line, with ``round``), then one
 summary line: ``vs_trl``, ours over TRL's completion tokens/s, each round's and their median.

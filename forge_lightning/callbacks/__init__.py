@@ -1,30 +1,33 @@
 """Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging, the guards
 (signal, collapse) and the kill point that ``check-resume`` arms; :class:`RLLoopCallback`, the
-base of a callback that hooks into the RL loop (loop_hooks.py), and one such,
-:class:`DifficultyCurriculum` (curriculum.py).
+base of a callback that hooks into the RL loop (rl_loop.py), and one such,
+:class:`SettledPromptFilter` (settled_prompt_filter.py).
 
 Each one works alone in a user's own ``Trainer``.
 """
 
+from forge_lightning._moved import renamed
 from forge_lightning.callbacks.collapse_guard import CollapseGuard
-from forge_lightning.callbacks.curriculum import DifficultyCurriculum
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
 from forge_lightning.callbacks.kill_point import KillPoint
-from forge_lightning.callbacks.loop_hooks import RLLoopCallback
 from forge_lightning.callbacks.reference import ReferenceModel
 from forge_lightning.callbacks.reward_logger import RewardLogger
+from forge_lightning.callbacks.rl_loop import RLLoopCallback
+from forge_lightning.callbacks.settled_prompt_filter import SettledPromptFilter
 from forge_lightning.callbacks.signal_guard import SignalGuard, SignalGuardError
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
 
 __all__ = [
     "CollapseGuard",
-    "DifficultyCurriculum",
     "HFCheckpoint",
     "KillPoint",
     "ReferenceModel",
     "RLLoopCallback",
     "RewardLogger",
     "SaveAtStepBoundaries",
+    "SettledPromptFilter",
     "SignalGuard",
     "SignalGuardError",
 ]
+
+__getattr__ = renamed(__name__, {"DifficultyCurriculum": "SettledPromptFilter"})

@@ -156,7 +156,7 @@ class CollapseGuard(Callback):
     Rollback: the snapshot's weights and optimizer state are restored exactly (bitwise); then the
     module (``TakesAdjustments``, as GRPOLightningModule) scales its learning rate by ``lr_scale``
     (the schedule's peak and the current rate: the schedule keeps its shape) and its KL weight by
-    ``kl_beta_scale`` (a ``kl_beta`` of 0 stays 0) for the rest of the run, and its rollout
+    ``kl_beta_scale`` (a weight of 0 stays 0) for the rest of the run, and its rollout
     engine takes the restored weights. With another LightningModule the weights and optimizer are
     restored and no setting changes. The guard's observations start again from the restored
     weights, against the same best value.
@@ -183,7 +183,7 @@ class CollapseGuard(Callback):
         patience: collapsed observations in a row that make a collapse.
         max_rollbacks: rollbacks a run may make; a collapse after them is only warned about.
         lr_scale: the factor on the learning rate at each rollback, in (0, 1].
-        kl_beta_scale: the factor on ``kl_beta`` at each rollback, >= 1.
+        kl_beta_scale: the factor on the KL weight at each rollback, >= 1.
         output_dir: run folder of ``training_log.jsonl``; ``trainer.default_root_dir`` when None.
     """
 

@@ -48,7 +48,7 @@ class HFCheckpoint(Callback):
         output_dir: run folder; ``trainer.default_root_dir`` when None.
         save_steps: optimizer steps between checkpoints; 0 saves only ``final/``. None: every
             100, rounded up to a multiple of the steps each batch takes (the module's
-            ``steps_per_batch``, ``steps_per_generation x num_iterations``): the steps it can save at.
+            ``steps_per_batch``, S x mu): the steps it can save at.
         save_final: write ``final/`` at the end of training.
         save_total_limit: keep at most this many step folders, removing the oldest after each
             save (``final/`` is not counted); None keeps all.

@@ -10,11 +10,7 @@ import lightning.pytorch as pl
 from forge_lightning.callbacks.protocols import NamesItsModel, ReportsSteps
 from forge_lightning.models.loading import EMBEDDED, EMBEDDED_HUB_ID, hub_id
 from forge_lightning.models.lora import has_adapter
-
-_SHOWN = (
-    "loss_type", "group_size", "learning_rate", "kl_beta", "max_new_tokens", "temperature",
-    "gradient_accumulation_steps", "num_iterations", "dynamic_sampling", "mask_truncated_completions",
-)  # fmt: skip
+from forge_lightning.settings.groups import card_settings
 
 
 def model_card(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> str:
@@ -28,7 +24,7 @@ def model_card(trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) ->
         origin = spec or "a model given as an object"
     adapter = has_adapter(model)  # the folder holds a LoRA adapter, which loads with peft
     loads_with = "peft's `AutoPeftModelForCausalLM`" if adapter else "`AutoModelForCausalLM`"
-    settings = "\n".join(f"| `{k}` | {hparams[k]!r} |" for k in _SHOWN if k in hparams)
+    settings = "\n".join(f"| `{k}` | {hparams[k]!r} |" for k in card_settings() if k in hparams)
     system_prompt = hparams.get("system_prompt")
     last = pl_module.last_step if isinstance(pl_module, ReportsSteps) else None
     metrics = last.metrics if last is not None else {}

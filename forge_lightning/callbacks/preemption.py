@@ -5,7 +5,7 @@ accumulation is mid-step (the step's gradients so far are lost), saves nothing u
 ``ModelCheckpoint`` happens to be due, and exits 0, so a scheduler takes the run as finished.
 Here the run goes on to the optimizer step, writes ``last.ckpt`` into every ``ModelCheckpoint``
 folder, and exits with 143 (128 + SIGTERM), the status a requeue script looks for. (A SIGTERM
-during a reward call stops the run at once: run/preemption.py.)
+during a reward call stops the run at once: run/signals.py.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from forge_lightning.run.preemption import EXIT_CODE
+from forge_lightning.run.signals import EXIT_CODE
 
 
 class Preemption:

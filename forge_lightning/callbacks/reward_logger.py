@@ -38,7 +38,7 @@ JSONL_KEYS = (
     "groups_dropped",
     "groups_filtered",  # groups a loop hook dropped (a curriculum), where a callback may
     "entropy",
-    "reward_errors",  # samples whose reward failed (scored 0 under on_reward_error zero)
+    "reward_errors",  # samples whose reward failed (scored 0 where the run says so)
     "num_tokens",
     "lr",
     "grad_norm",
@@ -51,7 +51,7 @@ ASYNC_JSONL_KEYS = (
     "rollout_wait_s",
     "worker_wait_s",
 )
-# Logged where the sampler's log-probs correct the loss (rollout_correction, async rollouts).
+# Logged where the sampler's log-probs correct the loss (the rollout correction, async rollouts).
 CORRECTION_JSONL_KEYS = ("sampler_kl", "correction_weight_mean", "correction_masked_fraction")
 # Logged with tool-using rollouts only (rollout/tool_sampler.py).
 TOOL_JSONL_KEYS = ("tool_calls", "tool_errors", "turns", "tool_token_fraction", "tool_threads_abandoned")
@@ -75,7 +75,7 @@ class RewardLogger(Callback):
     report, rank zero's) and the samples table. On a resumed fit,
     records past the restored step are dropped first so the log never repeats or goes backwards.
     After each validation it writes rank zero's answers (prompt, completion, reference, reward,
-    correct, length, truncated; with ``val_num_generations``, the prompt's ``samples``) to
+    correct, length, truncated; with sampled validation, the prompt's ``samples``) to
     ``{output_dir}/validation/``: ``step-{global_step}.jsonl`` in a
     fit; for a ``validate``, ``validate-step-{step}-{model}.jsonl``, named for the checkpoint
     evaluated (its step and file name) or else the model spec (and no step), with ``-2``, ``-3``,

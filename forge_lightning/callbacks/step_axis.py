@@ -32,14 +32,14 @@ class OptimizerStepAxis(Callback):
 
     Under automatic optimization Lightning counts a batch only when it ends an optimizer step.
     Under manual optimization it cannot tell and counts every batch, so with gradient accumulation
-    or ``steps_per_generation`` (several steps in one batch) those callbacks logged against
+    or a generation split into several steps (several in one batch) those callbacks logged against
     batches while the module's ``train/*`` go to the loggers at ``global_step``: two x-axes. And
     ``LearningRateMonitor`` logs, at a batch's start, the rate the batch's next step uses: at the
     steps taken so far it showed the next step's rate, where ``train/lr`` shows the rate the step
     logged used. So at a fit's start this sets the count to 1 (a resume's comes back from its
     checkpoint) and after each batch to what makes it, at the next batch's start, the step that
     batch takes next: every point of either curve at step n is the rate optimizer step n used
-    (with ``steps_per_generation`` S, the monitor logs a batch's first step and ``train/lr`` its
+    (with S steps in a batch, the monitor logs a batch's first step and ``train/lr`` its
     last, on one curve). A checkpoint keeps the count as Lightning expects at a batch's end, so a
     resume restores it the same way. The module adds it to every fit; under automatic optimization
     it does nothing.

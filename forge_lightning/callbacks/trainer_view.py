@@ -11,8 +11,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.trainer.states import TrainerFn
 
-from forge_lightning.callbacks.loop_hooks import TrainerHooks
+from forge_lightning.callbacks.rl_loop import TrainerHooks
 from forge_lightning.reporting.profiler import PhaseProfiler
 from forge_lightning.run.fit import FitShape, StepCadence
 from forge_lightning.training.context import StepContext
@@ -49,6 +50,11 @@ def fit_shape(trainer: pl.Trainer) -> FitShape:
     )
 
 
+def fitting(trainer: pl.Trainer | None) -> bool:
+    """Whether ``trainer`` (None: none attached) runs a fit, not a validate or predict."""
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
 def max_time_set(callbacks: Sequence[pl.Callback]) -> bool:
     """Whether a Timer with a duration (``max_time``) may stop the fit: its public
     ``time_remaining()`` is None exactly without one."""
@@ -57,7 +63,7 @@ def max_time_set(callbacks: Sequence[pl.Callback]) -> bool:
 
 def step_context(module: pl.LightningModule) -> StepContext:
     """The loop around a training batch, as the step sees it: ``module``'s backward and gather,
-    and its trainer's reduce, step count, profiler, sizes and RL loop callbacks (loop_hooks.py)."""
+    and its trainer's reduce, step count, profiler, sizes and RL loop callbacks (rl_loop.py)."""
     trainer = module.trainer
     profiler = trainer.profiler
     return StepContext(

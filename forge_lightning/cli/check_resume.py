@@ -5,10 +5,10 @@ straight; then once per hard moment it is SIGKILLed there (callbacks/kill_point.
 the straight run's (run/run_diff.py). Prints ``PASS``, or ``FAIL:`` and the first difference
 (exit status 1; 2 when the check could not be made).
 
-The moments come after the first checkpoint, at step k (1, or with ``steps_per_generation`` > 1
+The moments come after the first checkpoint, at step k (1, or with a generation split into steps
 the optimizer steps a batch takes): inside step k + 1, after a backward (with gradient
 accumulation, in the step's last batch: the earlier batches' gradients held, no optimizer step
-yet); while the next checkpoint's ``last.ckpt`` is written; and for ``rollout_mode: async`` as the
+yet); while the next checkpoint's ``last.ckpt`` is written; and for asynchronous rollouts as the
 batch of step k + 1 ends, with batches handed to the rollout worker and not trained yet.
 """
 
@@ -144,7 +144,7 @@ def resolved_config(fit_args: list[str], build_cli: Callable[[list[str]], Any]) 
 
 
 def steps_per_batch(model: dict[str, Any]) -> int:
-    """Optimizer steps one batch takes when ``steps_per_generation`` > 1 (checkpoints fall between
+    """Optimizer steps one batch takes when its generation is split into steps (checkpoints fall between
     batches); 1 otherwise (accumulation keeps one step a checkpoint apart)."""
     generation = int(model.get("steps_per_generation") or 1)
     return generation * int(model.get("num_iterations") or 1) if generation > 1 else 1

@@ -32,10 +32,10 @@ from forge_lightning.callbacks import HFCheckpoint, RewardLogger, SignalGuard, S
 from forge_lightning.callbacks.defaults import refuse_automatic_optimization_settings
 from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.rewards.resume import reward_on_resume
+from forge_lightning.rewards.resume_changes import reward_on_resume
 from forge_lightning.run.folder import RunFolder, RunFolderError, remove_untracked_checkpoints
-from forge_lightning.run.preemption import EXIT_CODE
 from forge_lightning.run.resume import check_resume_settings
+from forge_lightning.run.signals import EXIT_CODE
 from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME
 from forge_lightning.settings.trl_names import refuse_foreign_settings
 from forge_lightning.training.preflight import PreflightError
@@ -548,7 +548,7 @@ def _checkpoint_dirs(callbacks: list[Any]) -> list[str]:
 OTHER_COMMANDS = (
     "check-resume --config X [overrides]: kill the config's run at its hard moments, resume it and "
     "compare it with a straight run. serve --config X --port P: a rollout server for the config's "
-    "model (rollout_servers). plot LOG: draw a run's curves from its training_log.jsonl. "
+    "model (a trainer's rollout servers). plot LOG: draw a run's curves from its training_log.jsonl. "
     "(Each takes --help.)"
 )
 
@@ -574,8 +574,8 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> ForgeCLI:
         save_config_kwargs={"overwrite": True},
         # The module owns its optimizer and warmup-cosine schedule (configure_optimizers).
         auto_configure_optimizers=False,
-        # --model.lr would otherwise be taken for --model.lr_schedule, and --model.temp for
-        # --model.temperature, without a word.
+        # A flag cut short (--model.temp) would otherwise be taken, without a word, for the
+        # longer one it begins.
         parser_kwargs={"allow_abbrev": False, "epilog": OTHER_COMMANDS},
         args=args,
         run=run,

@@ -47,7 +47,7 @@ def arguments() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description=(
             "Serve generation for the model a run's config names, over HTTP behind a secret, for "
-            "trainers whose rollout_servers list this server (host:port)."
+            "trainers that list this server as host:port."
         ),
         epilog=(
             f"--model.<name> VALUE sets one of the module's settings over the config's; the server "

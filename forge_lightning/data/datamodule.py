@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
 from forge_lightning.data.arithmetic import DEFAULT_VARIANT, VARIANTS, generate
+from forge_lightning.data.epoch_sampler import EpochShuffleSampler
 from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock
 from forge_lightning.data.readers import load_prompts, local_prompt_field, require_in_memory
-from forge_lightning.data.sampler import EpochShuffleSampler
 from forge_lightning.run.resume import changed_settings
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class PromptDataModule(L.LightningDataModule):
         max_samples: training prompts to keep (the first ones in file order); None keeps all.
         val_max_samples: validation prompts to keep (the first ones); None keeps all.
         prompts_per_step: prompts per training batch, i.e. per ``training_step`` (not per optimizer
-            step: with gradient accumulation or ``steps_per_generation`` the two differ; the name
+            step: with gradient accumulation or a generation split into several steps the two differ; the name
             is kept as the flag configs and checkpoints use).
         val_batch_size: prompts per validation batch.
         shuffle: reshuffle the training prompts every epoch.

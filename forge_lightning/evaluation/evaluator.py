@@ -1,5 +1,5 @@
 """Validation of the policy, one batch at a time: each prompt's greedy completion (and, with
-``val_num_generations``, n sampled ones) scored into the validation metrics, and every answer
+sampled validation, n sampled ones) scored into the validation metrics, and every answer
 kept for the answers file. The module hands it each validation batch; it never sees a Trainer."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from forge_lightning.evaluation.ranks import ValidationRows, own_rows
 from forge_lightning.evaluation.sampled import SampledEvaluation
 from forge_lightning.evaluation.validation import check_validation_arguments, score_validation
 from forge_lightning.reporting.metrics import RunningMetrics
+from forge_lightning.rewards.calls import RewardCalls
 from forge_lightning.rewards.extras import RewardExtras
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.types import Rollout
@@ -23,7 +24,7 @@ class Evaluator:
         accuracy: the correctness check (``val/accuracy``) where a batch has references.
         greedy: the sampling of the greedy completions.
         sampled: the sampled evaluation (mean@n, pass@k, maj@k), or one that samples nothing.
-        settings: what scoring reads (what a reward error does, its time limit, the sandbox).
+        calls: how the rewards are called (what a reward error does, its time limit, the sandbox).
         metrics: the running validation metrics.
     """
 
@@ -33,11 +34,11 @@ class Evaluator:
         accuracy: Any,
         greedy: SamplingParams,
         sampled: SampledEvaluation,
-        settings: Any,
+        calls: RewardCalls,
         metrics: RunningMetrics,
     ) -> None:
         self.reward, self.accuracy, self.greedy, self.sampled = reward, accuracy, greedy, sampled
-        self.settings, self.metrics = settings, metrics
+        self.calls, self.metrics = calls, metrics
         # This rank's answers since the epoch began: one dict per prompt (prompt, completion,
         # reference, reward, correct, completion_length, truncated); RewardLogger writes them.
         self.samples: list[dict[str, Any]] = []
@@ -72,10 +73,10 @@ class Evaluator:
             return
         prompts, batch_kwargs, (greedy, sampled) = own_rows(own, prompts, batch_kwargs, greedy, sampled)
         answers = score_validation(
-            self.reward, self.accuracy, prompts, greedy, batch_kwargs, self.settings, self.metrics, extras
+            self.reward, self.accuracy, prompts, greedy, batch_kwargs, self.calls, self.metrics, extras
         )
         self.samples += self.sampled.score(
-            sampled, prompts, batch_kwargs, answers, self.accuracy, self.settings, self.metrics
+            sampled, prompts, batch_kwargs, answers, self.accuracy, self.calls, self.metrics
         )
 
     def values(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from forge_lightning.evaluation.validation import answer_facts, score_accuracy
 from forge_lightning.reporting.metrics import RunningMetrics
+from forge_lightning.rewards.calls import RewardCalls
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.types import Rollout
 from forge_lightning.run.fit import FitShape
@@ -197,7 +198,7 @@ class SampledEvaluation:
         batch_kwargs: dict[str, list[Any]],
         answers: list[dict[str, Any]],
         accuracy: Any,
-        settings: Any,
+        calls: RewardCalls,
         metrics: RunningMetrics,
     ) -> list[dict[str, Any]]:
         """The batch's greedy ``answers``, each with its prompt's ``samples`` from ``rollout``
@@ -210,7 +211,7 @@ class SampledEvaluation:
         metrics.update("sampled_truncated_fraction", rollout.truncation.float())
         scores = None
         if "references" in batch_kwargs:
-            scores = score_accuracy(accuracy, prompts, rollout, batch_kwargs, settings).tolist()
+            scores = score_accuracy(accuracy, prompts, rollout, batch_kwargs, calls).tolist()
         keys = [self.answer_key(c) for c in rollout.completions] if self.answer_key is not None else None
         out = []
         for p, answer in enumerate(answers):

@@ -7,12 +7,13 @@ from typing import Any
 from torch import Tensor
 
 from forge_lightning.reporting.metrics import RunningMetrics
+from forge_lightning.rewards.batch_scoring import score_groups
+from forge_lightning.rewards.calls import RewardCalls
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
 from forge_lightning.rewards.library import require_arguments, reward_name
-from forge_lightning.rewards.scoring import score_groups
 from forge_lightning.rollout.sampler import prompt_text
 from forge_lightning.rollout.types import Rollout
-from forge_lightning.run.preemption import sigterm_interrupts
+from forge_lightning.run.signals import sigterm_interrupts
 
 # Lightning's own refusal (no test_step) says nothing of where the evaluation is.
 NO_TEST_STEP = (
@@ -40,7 +41,7 @@ def score_validation(
     prompts: list[Any],
     rollout: Rollout,
     batch_kwargs: dict[str, list[Any]],
-    settings: Any,
+    calls: RewardCalls,
     metrics: RunningMetrics,
     extras: RewardExtras | None = None,
 ) -> list[dict[str, Any]]:
@@ -49,11 +50,10 @@ def score_validation(
     reference, reward, correct, completion_length, truncated; with tools, tool_calls and the
     transcript's messages) for RewardLogger's files. ``extras``: TRL's trainer_state and
     log_metric for the reward, whose metrics are logged as ``val/<name>``."""
-    on_error, timeout = settings.on_reward_error, settings.reward_timeout
     given = extras.arguments() if extras is not None else None
     with sigterm_interrupts():
         rewards, components, _ = score_groups(
-            reward, prompts, rollout, batch_kwargs, on_error, timeout, given, settings.sandbox
+            reward, prompts, rollout, batch_kwargs, calls.on_error, calls.timeout, given, calls.sandbox
         )
     if extras is not None:
         metrics.add_logged(extras.logged(), "val")
@@ -64,7 +64,7 @@ def score_validation(
     metrics.update("truncated_fraction", rollout.truncation.float())
     references = batch_kwargs.get("references")
     if references is not None:
-        correct = score_accuracy(accuracy, prompts, rollout, batch_kwargs, settings)
+        correct = score_accuracy(accuracy, prompts, rollout, batch_kwargs, calls)
         metrics.update("accuracy", correct)
     samples = []
     for i, prompt in enumerate(prompts):
@@ -94,7 +94,11 @@ def answer_facts(rollout: Rollout, i: int) -> dict[str, Any]:
 
 
 def score_accuracy(
-    accuracy: Any, prompts: list[Any], rollout: Rollout, batch_kwargs: dict[str, list[Any]], settings: Any
+    accuracy: Any,
+    prompts: list[Any],
+    rollout: Rollout,
+    batch_kwargs: dict[str, list[Any]],
+    calls: RewardCalls,
 ) -> Tensor:
     """The accuracy check's scores of a rollout's completions ``(P*G,)``. Its failure names the
     ``accuracy`` setting: the check is GSM8K's number comparison unless one is given, and a
@@ -102,8 +106,8 @@ def score_accuracy(
     try:
         with sigterm_interrupts():
             correct, _, _ = score_groups(
-                accuracy, prompts, rollout, batch_kwargs, settings.on_reward_error, settings.reward_timeout,
-                sandbox=settings.sandbox,
+                accuracy, prompts, rollout, batch_kwargs, calls.on_error, calls.timeout,
+                sandbox=calls.sandbox,
             )  # fmt: skip
     except Exception as err:
         raise RuntimeError(

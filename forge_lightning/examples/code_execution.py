@@ -1,9 +1,9 @@
 """A reward that runs the model's Python against test cases: the example that needs the sandbox.
 
 The program a completion writes is data: it never runs in the trainer. Under ``sandbox: process``
-the reward itself runs in a sandboxed worker (run/sandbox.py: no network, reads only Python and
+the reward itself runs in a sandboxed worker (sandbox/pool.py: no network, reads only Python and
 ``sys.path``, writes only its scratch folder, its processes bounded), and each program runs in a
-fresh interpreter started there (run/sandbox_worker.py's ``run_python``: ``python -I -S``, reads
+fresh interpreter started there (sandbox/worker.py's ``run_python``: ``python -I -S``, reads
 narrowed to the Python installation, an address-space cap, killed with every process it started
 past its time). Outside a sandbox worker it refuses to run anything::
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from forge_lightning.run.sandbox_worker import PythonRun, run_python
+from forge_lightning.sandbox.worker import PythonRun, run_python
 
 # Seconds and MiB of address space one program may use on one test.
 PROGRAM_SECONDS = 2.0

@@ -1,7 +1,7 @@
 """Group-relative advantages: each completion's reward against its group's.
 
 An estimator is one entry of ``_ESTIMATORS``: the baseline each reward is measured against and,
-for one that normalises itself (``reinforce_pp``), its own divisor in place of ``advantage_scale``'s.
+for one that normalises itself (``reinforce_pp``), its own divisor in place of the scale's.
 Adding an estimator means its function, its entry here and its name in ``AdvantageEstimator``.
 """
 
@@ -54,7 +54,7 @@ def _minus_leave_one_out_mean(grouped: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class _Estimator:
     """One advantage estimator: ``centred`` maps the (N/G, G) rewards to each one's distance from
-    its baseline; ``divisor``, when set, divides them instead of ``advantage_scale``'s std and is
+    its baseline; ``divisor``, when set, divides them instead of the scale's std and is
     taken over the whole batch's centred rewards (every rank's, when gathered)."""
 
     centred: Callable[[Tensor], Tensor]
@@ -71,13 +71,13 @@ _ESTIMATORS: dict[str, _Estimator] = {
 
 
 def scales_itself(estimator: AdvantageEstimator) -> bool:
-    """Whether the estimator divides by a std of its own (then ``advantage_scale`` must be none)."""
+    """Whether the estimator divides by a std of its own (then the scale must be ``none``)."""
     return _ESTIMATORS[estimator].divisor is not None
 
 
 def needs_batch(scale: AdvantageScale, estimator: AdvantageEstimator = "grpo") -> bool:
     """Whether the advantages read the whole batch's rewards (every rank's, under data parallelism):
-    ``advantage_scale: batch``'s std, or an estimator that normalises over the batch."""
+    the ``batch`` scale's std, or an estimator that normalises over the batch."""
     return scale == "batch" or scales_itself(estimator)
 
 

@@ -1,4 +1,4 @@
-"""The KL estimators, and the KL penalty subtracted from the reward (``kl_in_reward``) rather than
+"""The KL estimators, and the KL penalty subtracted from the reward (LossSettings says when) rather than
 added to the loss."""
 
 from collections.abc import Callable
@@ -15,7 +15,7 @@ def k3(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-# Each estimator of a token's KL from ``x = ref_logp - logp`` (LossSettings.kl_estimator).
+# Each estimator of a token's KL from ``x = ref_logp - logp`` (the loss's estimator, by name).
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
     "k1": lambda x: -x,
     "k2": lambda x: 0.5 * x**2,

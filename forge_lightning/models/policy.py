@@ -56,19 +56,19 @@ def training_policy(
     mesh: DeviceMesh | None,
     precision: str | None,
     *,
-    model_dtype: str,
-    attn_implementation: str | None,
+    dtype: str,
+    attention: str | None,
     peft: dict[str, Any] | None,
     gradient_checkpointing: bool,
     prefix_sharing: bool,
     generation_backend: str,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
-    """The module's ``configure_model``: the model ``spec`` names loaded (in ``model_dtype``, with
-    the spec's tokenizer unless one was given) where none is built yet, then made the policy to
-    train (prepare_policy)."""
+    """The module's ``configure_model``: the model ``spec`` names loaded (in ``dtype``, with the
+    ``attention`` implementation and the spec's tokenizer unless one was given) where none is built
+    yet, then made the policy to train (prepare_policy)."""
     if model is None:
-        warn_when_half_precision(model_dtype)
-        model, loaded = load_model(spec, model_dtype, attn_implementation)
+        warn_when_half_precision(dtype)
+        model, loaded = load_model(spec, dtype, attention)
         tokenizer = tokenizer or loaded
     policy = prepare_policy(
         model,

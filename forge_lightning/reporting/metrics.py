@@ -43,8 +43,8 @@ TRAIN_KEYS = (
     "correction_weight_mean",
     "correction_masked_fraction",
     # Tool-using rollouts (rollout/tool_sampler.py), per completion: calls, calls that failed, generate
-    # rounds, results cut to max_tool_result_chars, calls abandoned at tool_timeout whose threads run
-    # on in the trainer's process (sandbox: thread), and the share of the completion's tokens a tool
+    # rounds, results cut to their length cap, calls abandoned at their time limit whose threads run
+    # on in the trainer's process (a thread sandbox), and the share of the completion's tokens a tool
     # wrote; and ``tool_calls/<name>``, each tool's calls (RunningMetrics' ``tools``).
     "tool_calls",
     "tool_errors",
@@ -101,7 +101,7 @@ def logged_name(key: str) -> str:
 # Logged as running totals (the module adds each step's count): a report takes the latest.
 RUNNING_TOTALS = ("num_tokens",)
 # The learning rate: a batch's and a report's is its last optimizer step's, the rate the
-# optimizer used at the step it is logged at (with steps_per_generation a batch takes several),
+# optimizer used at the step it is logged at (a batch split into shares takes several),
 # never an average of rates no step used. LearningRateMonitor logs the same rate at that step
 # (callbacks/step_axis.py).
 LATEST_KEYS = ("lr",)

@@ -71,7 +71,7 @@ class StepReporter:
 
     def report(self, global_step: int, log_every_n_steps: int, steps: int = 1) -> dict[str, float]:
         """At a reporting step, the window's values (window_values), and a new window; else empty.
-        A batch that took ``steps`` optimizer steps (steps_per_generation) reports when it
+        A batch that took ``steps`` optimizer steps (its generation's shares) reports when it
         reached or passed a multiple of the cadence."""
         every = self.every if self.every is not None else max(log_every_n_steps, 1)
         if global_step // every == (global_step - steps) // every:

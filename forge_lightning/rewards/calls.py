@@ -2,7 +2,7 @@
 :class:`BaseReward`), which keyword arguments each reward gets (its signature decides; TRL-style
 rewards get TRL's names), the arguments it cannot do without, time limits, the slow-call warning,
 a reward's own exits, ``async def`` rewards (awaited), the sandbox (``sandbox: process``: the call
-runs in a worker process, run/sandbox.py) and :func:`checked_scores`.
+runs in a worker process, sandbox/pool.py) and :func:`checked_scores`.
 
 The reward library and the entry points that take a whole, possibly composite, reward live in
 :mod:`forge_lightning.rewards`, which re-exports these names: import them from there.
@@ -19,9 +19,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
-from forge_lightning.run.sandbox import Sandbox, SandboxTimeout, refuse_unpicklable
 from forge_lightning.run.user_code import (
     CallTimeout,
     UserCodeExit,
@@ -33,6 +32,7 @@ from forge_lightning.run.user_code import (
     trl_kwargs,
     warn_thread_abandoned,
 )
+from forge_lightning.sandbox.pool import Sandbox, SandboxTimeout, refuse_unpicklable
 
 # The arguments that live in the trainer's process (a callable, the environments' objects): a
 # sandboxed reward that names one is refused at the start, one that takes **kwargs goes without.
@@ -45,6 +45,17 @@ class RewardOutput:
 
     scores: list[float]
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RewardCalls:
+    """How a reward is called, in training and validation alike: what its error does (``raise``
+    stops the run, ``zero`` scores its samples 0), the seconds a call may take (None: no limit),
+    and the sandbox it runs in (None: the trainer's threads)."""
+
+    on_error: Literal["raise", "zero"] = "raise"
+    timeout: float | None = None
+    sandbox: Sandbox | None = None
 
 
 class BaseReward(ABC):
@@ -224,8 +235,8 @@ def invoke_reward(
     except UserCodeExit as err:
         raise RewardExit(
             f"reward {name!r} raised {err.__cause__!r} from its own code (no signal did): the run stops. A "
-            "reward that cannot score raises an Exception instead (model.on_reward_error decides "
-            "what then happens)"
+            "reward that cannot score raises an Exception instead (the run's rule for reward errors "
+            "decides what then happens: raise, or score 0)"
         ) from err.__cause__
 
 
@@ -268,7 +279,7 @@ def _call_within(call: Callable[[], Any], what: str, size: int, timeout: float) 
         return call_within(call, timeout, what)
     except CallTimeout:
         warn_thread_abandoned(
-            "reward", "reward_timeout", "under on_reward_error zero, their samples count in reward_errors"
+            "reward", "reward_timeout", "where errors score 0, their samples count in reward_errors"
         )
         raise RewardTimeout(
             f"{what} took longer than reward_timeout={timeout:g}s on {size} responses; the call was abandoned"

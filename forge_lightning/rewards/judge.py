@@ -9,11 +9,11 @@ default :func:`read_score`, which reads a yes/no or the score the judge gives ("
 "I give it 3", "8.5 out of 10"), never the numbers of a scale it names ("on a scale of 0 to 10"),
 in the units of the scale the template names ("from 0 (useless) to 10 (perfect)": "4/5" is 8.0).
 A reply ``parse`` cannot read (no score in it, or one outside the template's scale) is no score:
-the reward reports it as unscored (rewards/scoring.py), that sample's error, and
-``model.on_reward_error`` decides: ``raise`` names the sample and the reply, ``zero`` scores it 0
+the reward reports it as unscored (rewards/batch_scoring.py), that sample's error, and
+the module's rule for reward errors decides: ``raise`` names the sample and the reply, ``zero`` scores it 0
 and counts it in ``reward_errors``. A checkpoint stores the judge's spec and, for a local folder,
 its fingerprints as a reward model's (rewards/reward_model.py): a resume refuses other weights,
-config, tokenizer or chat template, and a changed template or parser (rewards/resume.py).
+config, tokenizer or chat template, and a changed template or parser (rewards/resume_changes.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.models.loading import ensure_pad_token, load_model
+from forge_lightning.rewards.batch_scoring import UNSCORED
 from forge_lightning.rewards.calls import BaseReward, RewardOutput, reward_name
 from forge_lightning.rewards.http import (
     RewardServerError,
@@ -42,7 +43,6 @@ from forge_lightning.rewards.http import (
 )
 from forge_lightning.rewards.judge_replies import read_score, template_scale
 from forge_lightning.rewards.reward_model import PolicyContext, formatting_fingerprints
-from forge_lightning.rewards.scoring import UNSCORED
 from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate, eos_token_ids
 from forge_lightning.rollout.engines.legacy import as_engine
@@ -84,7 +84,7 @@ class JudgeReward(BaseReward):
         api_key_env: an environment variable holding the endpoint's key (sent as a Bearer token).
     """
 
-    #: Arguments a resumed run may change (rewards/resume.py): where the judge runs and how fast
+    #: Arguments a resumed run may change (rewards/resume_changes.py): where the judge runs and how fast
     #: it is asked; the judge, its template and its parser may not.
     changeable_on_resume: ClassVar[tuple[str, ...]] = (
         "url", "batch_size", "device", "timeout", "retries", "backoff", "api_key_env",

@@ -8,8 +8,9 @@ it in a checkpoint and loading it back.
 A reward is a :class:`BaseReward` or any plain callable ``(prompts, responses, **kwargs)`` returning a
 :class:`RewardOutput` or a list of floats. Only the keyword arguments a reward's signature accepts are
 passed to it, so rewards that need ``references`` and rewards that do not can be mixed freely.
-:func:`forge_lightning.rewards.scoring.score` scores a batch with one. How one call is made and its output
-checked lives in :mod:`forge_lightning.rewards.calls`; its public names are importable from here too.
+:func:`forge_lightning.rewards.batch_scoring.score` scores a batch with one. How one call is made and
+its output checked lives in :mod:`forge_lightning.rewards.calls`; its public names are importable
+from here too.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from forge_lightning.rewards.calls import (
 from forge_lightning.rewards.extras import NOT_GIVEN, argument_advice
 from forge_lightning.rewards.reward_model import PolicyContext, RewardModel
 from forge_lightning.rewards.setting import CALLABLE_REWARD, refuse_strings
-from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.specs import Spec, from_spec, is_spec, to_spec
 from forge_lightning.run.user_code import accepted_kwargs, takes_completions, trl_kwargs
+from forge_lightning.sandbox.pool import Sandbox
 
 __all__ = [
     "SLOW_REWARD_SECONDS",
@@ -73,7 +74,7 @@ __all__ = [
     "trl_kwargs",
 ]
 
-# A reward call without reward_timeout that runs longer than this many seconds is warned about.
+# A reward call without a time limit that runs longer than this many seconds is warned about.
 SLOW_REWARD_SECONDS = 60.0
 
 # What the module's ``reward`` takes from a config: a reward, or a list of them. The list comes
@@ -221,6 +222,9 @@ class GSM8KAnswerReward(BaseReward):
     ("$1,800.00" matches "1800"), else 0.0. Needs ``references=`` at call time."""
 
     needs = ("references",)
+    # What a completion answers by this check's reading (its extracted number): the key maj@k
+    # votes by beside it, the module's default ``answer_key`` as this is its default accuracy.
+    answer_key = staticmethod(extract_answer)
 
     def __call__(
         self, prompts: list[str], responses: list[str], references: list[str] | None = None, **kwargs: Any

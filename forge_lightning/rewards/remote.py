@@ -35,7 +35,7 @@ class RemoteReward(BaseReward):
     A connection error, a timeout or an HTTP 5xx is tried again ``retries`` times, after
     ``backoff`` seconds doubling each time; a 4xx is not. A batch that still fails raises a
     :class:`~forge_lightning.rewards.http.RewardServerError` naming the URL and the status, which
-    ``model.on_reward_error`` handles like any reward's error. A checkpoint stores the reward's
+    the module's rule for reward errors handles like any reward's error. A checkpoint stores the reward's
     arguments; a resume may change every one of them (:attr:`changeable_on_resume`, warned
     about: servers move).
 
@@ -49,7 +49,7 @@ class RemoteReward(BaseReward):
             (the key itself stays out of configs and checkpoints); None sends none.
     """
 
-    #: Arguments a resumed run may change (rewards/resume.py): they move the server or pace
+    #: Arguments a resumed run may change (rewards/resume_changes.py): they move the server or pace
     #: the requests, not the scores.
     changeable_on_resume: ClassVar[tuple[str, ...]] = (
         "url", "batch_size", "timeout", "retries", "backoff", "api_key_env",

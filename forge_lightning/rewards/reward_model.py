@@ -71,7 +71,8 @@ class RewardModel(BaseReward):
             conversation, its system message included, then the completion as the assistant
             turn); None: when its tokenizer has one. Without: prompt text + completion.
         normalize: ``"batch"``: z-score each scored batch, ``(s - mean) / (std + 1e-6)`` over the
-            batch (population std), applied after scoring (rewards/scoring.py), outside the call; None: raw.
+            batch (population std), applied after scoring (rewards/batch_scoring.py), outside the call;
+            None: raw.
     """
 
     in_process = True  # its model stays in the trainer's process under sandbox: process

@@ -2,7 +2,7 @@
 
 AReaL's design on one machine. The worker holds its own copy of the policy and samples the
 prompts the trainer hands it, in order; the trainer trains on the rollouts as they come back,
-``max_staleness`` optimizer steps behind at most. After each optimizer step the trainer writes
+a given number of optimizer steps behind at most. After each optimizer step the trainer writes
 the new weights into a ring of copies on the worker's device
 (:class:`~forge_lightning.rollout.engines.weight_ring.WeightRing`), each tagged with its version,
 the number of weight updates before it. A rollout is sampled from exactly the version the trainer asked for,
@@ -11,7 +11,7 @@ run is repeatable, and a rollout's log-probs are those of its version.
 
 :class:`RolloutWorker` is a :class:`~forge_lightning.rollout.engines.base.GenerationBackend` (``generate``
 and ``sync_weights``, what validation and the sync path use) with two calls more, ``submit`` and
-``collect``, for the pipeline :class:`~forge_lightning.rollout.sources.AsyncRollouts` runs (``rollout_mode``).
+``collect``, for the pipeline :class:`~forge_lightning.rollout.sources.AsyncRollouts` runs.
 Inside the worker the sampling is :class:`~forge_lightning.rollout.engines.hf.HFGenerate`, the engine the
 synchronous path uses (``WorkerSettings.precision``: on a low-precision copy of each version,
 rollout/engines/quantized.py). The worker samples on the CPU by default, or on the CUDA GPU that
@@ -182,16 +182,19 @@ def split_threads(total: int, worker: int | None) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What the worker process needs besides the weights. ``device``: where it samples (None: the
-    CPU; ``"cuda"``: the trainer's GPU; ``"cuda:1"``: that one); ``memory_fraction``: the share of
-    a CUDA device's memory the worker's allocator may take, for sharing the trainer's GPU."""
+    """What the worker process needs besides the weights: the tokenizer's pad and end tokens, the
+    temperature the loss scores at, how it scores (each prompt's forward shared by its group, the
+    vocabulary in chunks of ``logprob_chunk_size`` rows), its CPU threads. ``device``: where it
+    samples (None: the CPU; ``"cuda"``: the trainer's GPU; ``"cuda:1"``: that one);
+    ``memory_fraction``: the share of a CUDA device's memory the worker's allocator may take, for
+    sharing the trainer's GPU."""
 
-    pad_token_id: int
-    eos_token_ids: tuple[int, ...]
-    scoring_temperature: float
-    prefix_sharing: bool
-    logprob_chunk_size: int | None
-    threads: int
+    pad_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    scoring_temperature: float = 1.0
+    prefix_sharing: bool = True
+    logprob_chunk_size: int | None = None
+    threads: int = 1
     device: str | None = None
     memory_fraction: float | None = None
     # A run with tools: the worker runs their loop, built back from ``tools`` (import paths, no
@@ -199,7 +202,7 @@ class WorkerSettings:
     tools: ToolRecipe | None = None
     tokenizer: Any = None
     prompts: PromptFormat | None = None
-    precision: str | None = None  # rollout_precision: sample with a copy in it (quantized.py)
+    precision: str | None = None  # sample with a copy of the weights in it (quantized.py)
 
     def __post_init__(self) -> None:
         check_rollout_device(self.device, self.memory_fraction)
@@ -215,9 +218,9 @@ class RolloutWorker:
     and a worker whose trainer has gone (killed) stops by itself within a second.
     """
 
-    def __init__(self, settings: WorkerSettings, max_staleness: int) -> None:
+    def __init__(self, settings: WorkerSettings, staleness: int) -> None:
         self.settings = settings
-        self.max_staleness = max_staleness
+        self.staleness = staleness  # the most versions a rollout may lag: the ring holds one more
         self.version = 0  # the newest version written
         self.device: torch.device | None = None  # where the worker samples, once started
         self.process: Any = None
@@ -239,7 +242,7 @@ class RolloutWorker:
         self.device = resolved_rollout_device(self.settings.device, _device(model))
         context = mp.get_context("spawn")
         # On a GPU the ring's CUDA tensors reach the worker by IPC handle, through the Process args.
-        self._ring = WeightRing(model, slots=max(2, self.max_staleness + 1), device=self.device)
+        self._ring = WeightRing(model, slots=max(2, self.staleness + 1), device=self.device)
         self.version = version
         self._ring.write(model, version)
         self._requests, self._results = context.Queue(), context.Queue()
@@ -307,10 +310,10 @@ class RolloutWorker:
         if not self.running:
             raise RuntimeError("the rollout worker is not running: start() it first")
         version = self.version if version is None else version
-        if not self.version - self.max_staleness <= version <= self.version:
+        if not self.version - self.staleness <= version <= self.version:
             raise ValueError(
                 f"weights version {version} is outside the ring (newest {self.version}, "
-                f"max_staleness {self.max_staleness})"
+                f"lagging at most {self.staleness})"
             )
         self._tickets += 1
         job = Job(
@@ -435,7 +438,7 @@ def _worker_main(
 
         sampler = RolloutSampler(settings.tokenizer, engine, settings.eos_token_ids, settings.prompts)
         runner = settings.tools.runner(sampler)
-    # The model that samples: the weights as loaded, or their low-precision copy (rollout_precision).
+    # The model that samples: the weights as loaded, or their low-precision copy (``precision``).
     loaded, policy = None, model
     idle_since = time.perf_counter()
     while True:

@@ -1,7 +1,7 @@
 """Which completions of a rollout go through one forward/backward together: its micro-batches.
 
-By count (``train_micro_batch_size``): consecutive rows. By a token budget
-(``train_micro_batch_tokens``): the completions, longest first, packed in that order into
+By count (the module's micro-batch size): consecutive rows. By a token budget (its micro-batch
+tokens): the completions, longest first, packed in that order into
 micro-batches under the budget, then balanced (the smallest budget that packs them into as many),
 so that rows of like lengths share a micro-batch and pad each other little. Either way a micro-batch runs
 only the columns its own rows need: the prompts' left padding common to all of its rows and the

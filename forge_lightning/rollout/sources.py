@@ -1,10 +1,10 @@
 """Rollout sources: when and where a training batch's prompts are sampled.
 
-The module holds one source, chosen once from ``rollout_mode`` (:func:`rollout_source`), and asks
-it for the rollouts each training batch trains on. :class:`SyncRollouts` samples the batch now, in
-this process. :class:`AsyncRollouts` hands the batch to a worker process (rollout/async_worker.py) and
-gives back the rollouts due, ``max_staleness`` optimizer steps later; it keeps the batches in
-flight, their seeds, and their checkpoint state.
+The module holds one source, chosen once from its settings, and asks it for the rollouts each
+training batch trains on. :class:`SyncRollouts` samples the batch now, in this process.
+:class:`AsyncRollouts` hands the batch to a worker process (rollout/async_worker.py) and gives back
+the rollouts due, at most ``staleness`` optimizer steps later; it keeps the batches in flight,
+their seeds, and their checkpoint state.
 
 How one batch of prompts becomes a :class:`~forge_lightning.rollout.types.Rollout` is the *episode
 runner*'s (:class:`EpisodeRunner`; today a :class:`~forge_lightning.rollout.sampler.RolloutSampler`, one
@@ -34,7 +34,6 @@ from forge_lightning.rollout.async_worker import (
     split_threads,
 )
 from forge_lightning.rollout.engines.base import GenerationBackend, SamplingParams
-from forge_lightning.rollout.engines.registry import generation_backend
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.types import Rollout
 from forge_lightning.run.fit import FitShape
@@ -80,40 +79,38 @@ class TrainingBatch:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class RolloutSettings:
-    """How training batches are sampled (picked once from the module's settings: settings/components.py)."""
-
-    mode: str
-    group_size: int
-    sampling: SamplingParams
-    engine_logprobs: bool  # the engine's scores are the old policy's (use_engine_logprobs)
-    correction: bool  # the engine's scores are the sampler's, for rollout_correction
-    generation_backend: str
-    vllm_gpu_memory_utilization: float
-    precision: str | None  # rollout_precision: sample with a low-precision copy of the policy
-    gradient_accumulation_steps: int
-    max_staleness: int
-    worker_threads: int | None
-    worker_device: str | None
-    worker_memory_fraction: float | None
-    prefix_sharing: bool
-    logprob_chunk_size: int | None
-
-
-def rollout_source(settings: RolloutSettings) -> RolloutSource:
-    """The source ``settings.mode`` names."""
-    return AsyncRollouts(settings) if settings.mode == "async" else SyncRollouts(settings)
+# Builds the engine a source samples with for (tokenizer, model): the registry's, as the module's
+# settings name it (settings/components.py).
+EngineFactory = Callable[[Any, PreTrainedModel], GenerationBackend]
 
 
 class RolloutSource:
     """Where and when a training batch's rollouts are sampled: the engine and episode runner it
     samples with, the rollouts each batch trains on (:meth:`rollouts`), and its part of the fit
     (its state in checkpoints, its callbacks, its end). :class:`SyncRollouts` and
-    :class:`AsyncRollouts` are the two."""
+    :class:`AsyncRollouts` are the two.
 
-    def __init__(self, settings: RolloutSettings) -> None:
-        self.settings = settings
+    Args:
+        sampling: how training's completions are sampled.
+        group_size: completions per prompt.
+        engine: builds the engine for a module that was given none (None: the source is given
+            its engine, or, AsyncRollouts, builds its worker).
+        engine_logprobs: whether the engine's scores are kept as the old policy's log-probs.
+        correction: whether the engine's scores are kept as the sampling policy's, for the
+            loss's correction of the gap between the engine and the trainer.
+    """
+
+    def __init__(
+        self,
+        sampling: SamplingParams,
+        group_size: int,
+        engine: EngineFactory | None = None,
+        *,
+        engine_logprobs: bool = False,
+        correction: bool = False,
+    ) -> None:
+        self.sampling, self.group_size, self.engine_factory = sampling, group_size, engine
+        self.engine_logprobs, self.correction = engine_logprobs, correction
         self.runner: EpisodeRunner | None = None
         self.engine: GenerationBackend | None = None
         self.tools: ToolRecipe | None = None  # the run's tools, for a worker that builds its own
@@ -123,10 +120,9 @@ class RolloutSource:
         self, tokenizer: Any, model: PreTrainedModel, eos: list[int], scoring_temperature: float
     ) -> GenerationBackend:
         """The generation engine for a module that was given none."""
-        s = self.settings
-        return generation_backend(
-            s.generation_backend, tokenizer, model, s.vllm_gpu_memory_utilization, s.precision
-        )
+        if self.engine_factory is None:
+            raise RuntimeError("this rollout source has no engine: set its engine, or give it a factory")
+        return self.engine_factory(tokenizer, model)
 
     def prepare(
         self,
@@ -170,6 +166,14 @@ class RolloutSource:
         pass
 
     @property
+    def calls_tools(self) -> bool:
+        """Whether the episodes call tools (the rewards then get tool_calls, completions, environments)."""
+        from forge_lightning.rollout.agents.runner import AgentRunner  # noqa: PLC0415 (the worker needs neither)
+        from forge_lightning.rollout.tool_sampler import ToolRolloutSampler  # noqa: PLC0415
+
+        return isinstance(self.runner, ToolRolloutSampler | AgentRunner)
+
+    @property
     def runs_a_worker(self) -> bool:
         """Whether a worker process samples (a failed fit must stop it: callbacks/defaults.py)."""
         return False
@@ -183,30 +187,50 @@ class SyncRollouts(RolloutSource):
     ) -> Iterator[TrainingBatch]:
         """The batch's own rollout, sampled now. With rollout correction, the engine's scores come
         with it as the sampler's log-probs (``behav_logp``), the old policy's left to the trainer."""
-        s = self.settings
         with loop.profile("generate"):
             rollout = self.runner(
                 model,
                 batch.prompts,
-                s.sampling,
-                s.group_size,
-                engine_logprobs=s.engine_logprobs or s.correction,
+                self.sampling,
+                self.group_size,
+                engine_logprobs=self.engine_logprobs or self.correction,
                 rows=batch.batch_kwargs,
             )
-        if s.correction:
+        if self.correction:
             rollout.behav_logp, rollout.old_logp = rollout.old_logp, None
         batch.rollout = rollout
         yield batch
 
 
 class AsyncRollouts(RolloutSource):
-    """Each batch handed to the rollout worker (the engine), trained ``max_staleness`` optimizer
-    steps later; the batches in flight are kept in checkpoints. With tools (``tools``: their
-    recipe) the worker runs their loop and sends the rollout back whole; validation's tool loop
-    stays in this process, each round a worker call."""
+    """Each batch handed to the rollout worker (the engine), trained ``staleness`` optimizer steps
+    later; the batches in flight are kept in checkpoints. With tools (``tools``: their recipe) the
+    worker runs their loop and sends the rollout back whole; validation's tool loop stays in this
+    process, each round a worker call.
 
-    def __init__(self, settings: RolloutSettings) -> None:
-        super().__init__(settings)
+    Args (besides the source's):
+        worker: the worker's options (where it samples, in what precision, how it scores); what
+            the tokenizer, the prompts and the tools decide is filled in when it is built.
+        threads: the worker's CPU threads (None: half of the trainer's).
+        accumulation: batches per optimizer step.
+        staleness: the most optimizer steps a rollout may lag the weights it trains.
+    """
+
+    def __init__(
+        self,
+        sampling: SamplingParams,
+        group_size: int,
+        worker: WorkerSettings,
+        *,
+        threads: int | None,
+        accumulation: int,
+        staleness: int,
+        engine_logprobs: bool = False,
+        correction: bool = False,
+    ) -> None:
+        super().__init__(sampling, group_size, engine_logprobs=engine_logprobs, correction=correction)
+        self.worker_options, self.threads = worker, threads
+        self.accumulation, self.staleness = accumulation, staleness
         # The batches handed to the worker and not trained yet, oldest first; how many were
         # handed in the run (the index that seeds each one's sampling); the run's seed; the
         # thread count the trainer had before the split.
@@ -218,22 +242,17 @@ class AsyncRollouts(RolloutSource):
     def build_engine(
         self, tokenizer: Any, model: PreTrainedModel, eos: list[int], scoring_temperature: float
     ) -> GenerationBackend:
-        s = self.settings
-        worker = WorkerSettings(
+        worker = replace(
+            self.worker_options,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=tuple(eos),
             scoring_temperature=scoring_temperature,
-            prefix_sharing=s.prefix_sharing,
-            logprob_chunk_size=s.logprob_chunk_size,
-            threads=split_threads(torch.get_num_threads(), s.worker_threads)[1],
-            device=s.worker_device,
-            memory_fraction=s.worker_memory_fraction,
+            threads=split_threads(torch.get_num_threads(), self.threads)[1],
             tools=self.tools,
             tokenizer=tokenizer if self.tools is not None else None,
             prompts=self.prompt_format if self.tools is not None else None,
-            precision=s.precision,
         )
-        return RolloutWorker(worker, s.max_staleness)
+        return RolloutWorker(worker, self.staleness)
 
     @property
     def worker(self) -> RolloutWorker:
@@ -244,13 +263,13 @@ class AsyncRollouts(RolloutSource):
     ) -> Iterator[TrainingBatch]:
         """Hand ``batch`` to the worker, sampled from the newest weights with the seed of its
         index in the run; then yield the rollouts due, oldest first. A rollout trains once the
-        ``max_staleness x gradient_accumulation_steps`` batches after it are handed, so it is at
-        most ``max_staleness`` optimizer steps old. One older than that (this cadence makes none;
+        ``staleness x accumulation`` batches after it are handed, so it is at most ``staleness``
+        optimizer steps old. One older than that (this cadence makes none;
         versions written from elsewhere could) is never trained on: it is sampled again from the
         newest weights, and counted. A batch that would train after ``max_steps`` is not handed."""
-        s, worker, device = self.settings, self.worker, next(model.parameters()).device
+        worker, device = self.worker, next(model.parameters()).device
         last = fit_ends_with(loop, batch.batch_idx)  # an epoch's end carries them over
-        accumulation = s.gradient_accumulation_steps
+        accumulation = self.accumulation
         ahead = sum(
             accumulation_boundary(e.batch_idx, accumulation, loop.num_training_batches)
             for e in self.in_flight
@@ -264,19 +283,19 @@ class AsyncRollouts(RolloutSource):
                 item.ticket = self._hand_to_worker(item)
                 self.in_flight.append(item)
                 self.batches_handed += 1
-        depth = s.max_staleness * s.gradient_accumulation_steps
+        depth = self.staleness * accumulation
         due = len(self.in_flight) if last else max(len(self.in_flight) - depth, 0 if handed else 1)
         for _ in range(min(due, len(self.in_flight))):
             item = self.in_flight.popleft()
             with loop.profile("generate"):
                 finished = item.finished or worker.collect(item.ticket)
                 regenerated = 0
-                if worker.version - finished.version > s.max_staleness:  # never trained on
+                if worker.version - finished.version > self.staleness:  # never trained on
                     finished, regenerated = worker.collect(self._hand_to_worker(item)), 1
             lag = worker.version - finished.version
             # At lag 0 the sampling weights are the trained ones: the loss is the synchronous
             # one, unless rollout correction weighs the worker's scores against the trainer's.
-            behav_logp = finished.behav_logp.to(device) if lag or s.correction else None
+            behav_logp = finished.behav_logp.to(device) if lag or self.correction else None
             if finished.rollout is not None:  # a tool-using batch: the worker's tools made it
                 rollout = on_device(finished.rollout, device, behav_logp)
             else:
@@ -284,8 +303,8 @@ class AsyncRollouts(RolloutSource):
                     item.prompt_ids.to(device),
                     item.prompt_mask.to(device),
                     finished.completion_ids.to(device),
-                    s.group_size,
-                    s.sampling,
+                    self.group_size,
+                    self.sampling,
                     behav_logp=behav_logp,
                 )
             metrics = {
@@ -303,12 +322,10 @@ class AsyncRollouts(RolloutSource):
         if self.seed is None:
             self.seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
         seed = rollout_seed(self.seed, item.index)
-        s = self.settings
+        group, sampling = self.group_size, self.sampling
         if self.tools is not None:
-            return self.worker.submit_episodes(
-                item.prompts, item.batch_kwargs, s.group_size, s.sampling, seed=seed
-            )
-        return self.worker.submit(item.prompt_ids, item.prompt_mask, s.group_size, s.sampling, seed=seed)
+            return self.worker.submit_episodes(item.prompts, item.batch_kwargs, group, sampling, seed=seed)
+        return self.worker.submit(item.prompt_ids, item.prompt_mask, group, sampling, seed=seed)
 
     def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
         if fit.world_size > 1 or sharded:
@@ -316,9 +333,9 @@ class AsyncRollouts(RolloutSource):
                 "rollout_mode='async' runs on one device for now: it does not support DDP or FSDP "
                 f"(world_size {fit.world_size}); use rollout_mode='sync' with several devices"
             )
-        warn_when_the_end_drains_at_once(fit, self.settings.max_staleness)
+        warn_when_the_end_drains_at_once(fit, self.staleness)
         total = torch.get_num_threads()
-        trainer_threads, _ = split_threads(total, self.settings.worker_threads)
+        trainer_threads, _ = split_threads(total, self.threads)
         self._threads_before = total
         torch.set_num_threads(trainer_threads)
         self.worker.start(model, self.worker.version)
@@ -380,13 +397,13 @@ def fit_ends_with(loop: TrainingLoop, batch_idx: int) -> bool:
     return last_epoch and batch_idx + 1 == loop.num_training_batches
 
 
-def warn_when_the_end_drains_at_once(fit: FitShape, max_staleness: int) -> None:
-    """A fit that ends on its epoch limit trains its last ``max_staleness`` steps in its last batch
+def warn_when_the_end_drains_at_once(fit: FitShape, staleness: int) -> None:
+    """A fit that ends on its epoch limit trains its last ``staleness`` steps in its last batch
     (the pipeline's first batches trained nothing), and a step-cadence callback sees only the last
     of them; ``max_steps`` hands no batch it cannot train one step a batch."""
-    if max_staleness > 0 and fit.step_limit is None:
+    if staleness > 0 and fit.step_limit is None:
         warnings.warn(
-            f"rollout_mode='async' with no trainer.max_steps: the fit's last {max_staleness + 1} "
+            f"rollout_mode='async' with no trainer.max_steps: the fit's last {staleness + 1} "
             "optimizer steps are taken in its last batch, so HFCheckpoint folders and "
             "ModelCheckpoint(every_n_train_steps) files of all but the last are not written; set "
             "trainer.max_steps (e.g. to the epochs' optimizer steps) to have every step seen",

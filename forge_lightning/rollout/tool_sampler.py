@@ -3,11 +3,11 @@
 :class:`ToolRolloutSampler` is an episode runner (sources.EpisodeRunner) like
 :class:`~forge_lightning.rollout.sampler.RolloutSampler`, whose encoding and engine it uses. Its first round
 is the usual ``generate`` of G completions per prompt, with a stop at each call; the tool's answer
-is tokenised (tools/base.py's protocol says how: the calculator's text alone, a function's result as
+is tokenised (tools/protocol.py's protocol says how: the calculator's text alone, a function's result as
 the chat template's ``tool`` turn) and appended to the calls' rows, and the unfinished rows
 generate again until every row has ended: on HF generate from the last round's KV cache (only the
 new tokens go through the model), elsewhere from their whole sequence so far. Asked for the
-engine's log-probs (``use_engine_logprobs``, ``rollout_correction``), each round reports those of
+engine's log-probs (for the old policy's, or the rollout correction's), each round reports those of
 the tokens it sampled; a tool's tokens get 0, and the loss gives them no weight. The calls of every
 row that waits at the end of a round are answered at once (the tools may run them concurrently).
 Everything happens in token ids: the transcript is never re-tokenised, so the log-prob forward
@@ -28,8 +28,8 @@ from transformers import PreTrainedModel, StoppingCriteria
 from forge_lightning.models.sharding import is_sharded
 from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.sampler import RolloutSampler
-from forge_lightning.rollout.tools.base import Episode, ToolProtocol
 from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
+from forge_lightning.rollout.tools.protocol import Episode, ToolProtocol
 from forge_lightning.rollout.types import Prompt, Rollout, left_pad
 
 # A round on a cached engine ends once this share of its rows that have not ended wait for a tool:
@@ -66,7 +66,8 @@ class RoundCut(StoppingCriteria):
 
 class ToolRolloutSampler:
     """Prompts in, a :class:`Rollout` of completions that may call ``tools`` out (a
-    :class:`~forge_lightning.rollout.tools.base.ToolProtocol`; an InlineCalculator is its CalculatorTools).
+    :class:`~forge_lightning.rollout.tools.protocol.ToolProtocol`; an InlineCalculator is its
+    CalculatorTools).
 
     ``max_new_tokens`` is each completion's budget over all its rounds, the policy's tokens and the
     tools' together; an answer that would cross it is cut and the completion counts as

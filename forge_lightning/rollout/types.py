@@ -70,7 +70,7 @@ class Rollout:
 
     def loss_mask(self, drop_truncated: bool = False) -> Tensor:
         """(P*G, Lc) bool: the completion tokens the loss weighs; without the truncated
-        completions' when ``drop_truncated`` (``mask_truncated_completions``)."""
+        completions' when ``drop_truncated`` (the module's setting to mask them)."""
         mask = self.completion_mask.bool()
         if self.model_mask is not None:  # a tool's tokens were not sampled: no policy or KL weight
             mask = mask & self.model_mask.bool()
@@ -131,8 +131,8 @@ def warn_when_few_tokens_count(rollout: Rollout) -> None:
     if share < 0.25:
         warnings.warn(
             f"only {share:.0%} of this batch's completion tokens keep weight: the others belong to "
-            "completions cut off at max_new_tokens (mask_truncated_completions); the cap may be too "
-            "short for the task",
+            "completions cut off at the length cap, which masking the truncated completions drops; the "
+            "cap may be too short for the task",
             stacklevel=3,
         )
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from forge_lightning.run.preemption import raised_by_signal, signals_marked
+from forge_lightning.run.signals import raised_by_signal, signals_marked
 
 log = logging.getLogger(__name__)
 

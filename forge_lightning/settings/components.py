@@ -6,12 +6,15 @@ record) become typed settings groups (settings/groups/), and the collaborators t
 are built from those here: the log-prob scorer, the loss passes, the rollout source, the step
 plan, the metrics and their reporter, the sampled evaluation, the prompt format and the tools.
 The layers below (rollout/, training/, evaluation/, models/) cannot import the groups
-(tests/test_layers.py): each collaborator there takes its own typed settings or values, picked
-from the groups here.
+(tests/test_layers.py): each collaborator there takes the values it reads as its own arguments,
+under its own names, or the small typed objects of its layer (the engine's SamplingParams, the
+worker's WorkerSettings, how rewards are called: RewardCalls), made from the groups here; no
+collaborator re-declares a group's settings.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,7 +26,7 @@ from forge_lightning.models.lora import LoraSettings, lora_settings
 from forge_lightning.models.policy import training_policy
 from forge_lightning.reporting.metrics import RunningMetrics
 from forge_lightning.reporting.reporter import StepReporter
-from forge_lightning.rewards.calls import refuse_outside_sandbox, sandboxed
+from forge_lightning.rewards.calls import RewardCalls, refuse_outside_sandbox, sandboxed
 from forge_lightning.rewards.environment import EnvironmentReward, with_environment_score
 from forge_lightning.rewards.library import (
     CompositeReward,
@@ -39,24 +42,26 @@ from forge_lightning.rewards.library import (
     share_policy_context,
 )
 from forge_lightning.rollout.agents.runner import AgentRunner, load_agent
+from forge_lightning.rollout.async_worker import WorkerSettings
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import eos_token_ids
+from forge_lightning.rollout.engines.registry import generation_backend
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
-from forge_lightning.rollout.sources import RolloutSettings, RolloutSource, rollout_source
+from forge_lightning.rollout.sources import AsyncRollouts, RolloutSource, SyncRollouts
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
-from forge_lightning.rollout.tools.calls import tool_text
 from forge_lightning.rollout.tools.environments import factories_by_name
+from forge_lightning.rollout.tools.function_call import tool_text
 from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.rollout.tools.stored import StoredTools
-from forge_lightning.run.sandbox import Sandbox, SandboxLimits
+from forge_lightning.sandbox.pool import Sandbox, SandboxLimits
+from forge_lightning.serving.client import RemoteEngine
 from forge_lightning.serving.processes import ServeConfig
-from forge_lightning.serving.sources import remote_rollouts
+from forge_lightning.serving.remote_sources import RemoteAsyncRollouts, RemoteSyncRollouts, remote_engine
 from forge_lightning.settings.groups import (
     GRPOSettings,
     OptimizerSettings,
     PromptSettings,
-    RewardSettings,
     SamplingSettings,
     SandboxSettings,
     ToolSettings,
@@ -64,8 +69,8 @@ from forge_lightning.settings.groups import (
 )
 from forge_lightning.training.loss_passes import LossPasses
 from forge_lightning.training.optim import OptimizerStep, policy_optimizer
-from forge_lightning.training.plan import PlanSettings, StepPlan, step_plan
-from forge_lightning.training.step import StepSettings, TrainingStep
+from forge_lightning.training.plan import StepPlan, step_plan
+from forge_lightning.training.step import BatchTrainer
 
 VALIDATION_KEYS = ("accuracy", "reward", "completion_length", "truncated_fraction")
 
@@ -124,7 +129,7 @@ class Components:
     reward: RewardFn  # the one given, an environment's score, or GSM8K's answer check
     accuracy: RewardFn  # validation's correctness check
     sandbox: Sandbox | None  # where rewards and tools run: None (this process's threads) or workers
-    step: TrainingStep  # what one training batch does
+    step: BatchTrainer  # what one training batch does
     evaluator: Evaluator  # what one validation batch does
     sampling: SamplingParams  # training's
     greedy: SamplingParams  # validation's and predict's
@@ -181,15 +186,17 @@ def build_components(
     )
     greedy = SamplingParams(settings.validation.max_new_tokens(s.max_new_tokens), greedy=True, stop=stop)
     passes = LossPasses(scorer, loss, settings.advantages.mask_truncated_completions)
-    source, plan = rollouts(settings, sampling, stored.model, tools), step_plan(plan_settings(settings))
+    source, plan = rollout_source(settings, sampling, stored.model, tools), step_plan_of(settings)
     reporter = StepReporter(train_metrics)  # its cadence handed over by module.report_every
     optimizer = settings.optimizer
     stepper = OptimizerStep(optimizer.max_grad_norm, optimizer.max_consecutive_bad_steps)
-    step = TrainingStep(
-        step_settings(settings), reward, passes, plan, stepper, reporter, train_metrics, source, sandbox
-    )
+    calls = RewardCalls(settings.rewards.on_reward_error, settings.rewards.reward_timeout, sandbox)
+    advantages = settings.advantages
+    step = BatchTrainer(
+        reward, calls, passes, plan, stepper, reporter, train_metrics, source,
+        scale=advantages.advantage_scale, estimator=advantages.advantage_estimator,
+    )  # fmt: skip
     sampled = sampled_evaluation(settings.validation, settings.sampling, answer_key)
-    calls = reward_calls(settings.rewards, sandbox)
     evaluator = Evaluator(reward, accuracy, greedy, sampled, calls, val_metrics)
     return Components(
         reward, accuracy, sandbox, step, evaluator, sampling, greedy, scorer, source, plan,
@@ -218,7 +225,7 @@ def optimizer_config(
         learning_rate=settings.learning_rate,
         weight_decay=settings.weight_decay,
         warmup_steps=settings.warmup_steps,
-        lr_schedule=settings.lr_schedule,
+        schedule=settings.lr_schedule,
         total_steps=total_steps,
         precision=precision,
         sharded=sharded,
@@ -226,50 +233,51 @@ def optimizer_config(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def step_settings(settings: GRPOSettings) -> StepSettings:
-    """What a training batch reads itself: the groups' sizes, the advantages, how rewards fail, mu."""
-    advantages, rewards = settings.advantages, settings.rewards
-    return StepSettings(
-        group_size=settings.sampling.group_size,
-        advantage_scale=advantages.advantage_scale,
-        advantage_estimator=advantages.advantage_estimator,
-        mask_truncated_completions=advantages.mask_truncated_completions,
-        on_reward_error=rewards.on_reward_error,
-        reward_timeout=rewards.reward_timeout,
-        num_iterations=settings.off_policy.num_iterations,
-    )
-
-
-def rollout_settings(settings: GRPOSettings, sampling: SamplingParams) -> RolloutSettings:
-    """How training batches are sampled: the engine's group, with what the rollouts must carry."""
-    engine, off_policy, memory = settings.engine, settings.off_policy, settings.memory
-    return RolloutSettings(
-        mode=engine.rollout_mode,
-        group_size=settings.sampling.group_size,
-        sampling=sampling,
-        engine_logprobs=off_policy.use_engine_logprobs,
-        correction=off_policy.rollout_correction is not None,
-        generation_backend=engine.generation_backend,
-        vllm_gpu_memory_utilization=engine.vllm_gpu_memory_utilization,
-        precision=engine.rollout_precision,
-        gradient_accumulation_steps=settings.optimizer.gradient_accumulation_steps,
-        max_staleness=engine.max_staleness,
-        worker_threads=engine.rollout_worker_threads,
-        worker_device=engine.rollout_device,
-        worker_memory_fraction=engine.rollout_memory_fraction,
-        prefix_sharing=memory.prefix_sharing,
-        logprob_chunk_size=memory.logprob_chunk_size,
-    )
-
-
-def rollouts(
+def rollout_source(
     settings: GRPOSettings, sampling: SamplingParams, model: Any, tools: StoredTools
 ) -> RolloutSource:
-    """The rollout source: sampling in this process, or on the ``rollout_servers`` (serving/), which
-    the servers the trainer starts run with the model settings here; ``model``: the spec or object."""
-    engine, source_settings = settings.engine, rollout_settings(settings, sampling)
-    if not engine.rollout_servers:
-        return rollout_source(source_settings)
+    """Where and when training batches are sampled: now, by the engine the settings name, by the
+    rollout worker, or by the rollout servers (serving/); with what the rollouts must carry (the
+    engine's scores, for the loss). ``model``: the module's spec (or object), which servers the
+    trainer starts load; ``tools``: the run's, which async rollouts on servers refuse."""
+    engine, off_policy, memory = settings.engine, settings.off_policy, settings.memory
+    group, scores = settings.sampling.group_size, off_policy.use_engine_logprobs
+    correction = off_policy.rollout_correction is not None
+    remote = servers_engine(settings, model, tools) if engine.rollout_servers else None
+    if engine.rollout_mode == "async":
+        worker = WorkerSettings(
+            prefix_sharing=memory.prefix_sharing,
+            logprob_chunk_size=memory.logprob_chunk_size,
+            device=engine.rollout_device,
+            memory_fraction=engine.rollout_memory_fraction,
+            precision=engine.rollout_precision,
+        )
+        args = (sampling, group, worker)
+        kwargs: dict[str, Any] = {
+            "threads": engine.rollout_worker_threads,
+            "accumulation": settings.optimizer.gradient_accumulation_steps,
+            "staleness": engine.max_staleness,
+            "engine_logprobs": scores,
+            "correction": correction,
+        }
+        if remote is not None:
+            return RemoteAsyncRollouts(remote, *args, **kwargs)
+        return AsyncRollouts(*args, **kwargs)
+    if remote is not None:
+        return RemoteSyncRollouts(remote, sampling, group, engine_logprobs=scores, correction=correction)
+    backend = functools.partial(
+        generation_backend,
+        engine.generation_backend,
+        vllm_gpu_memory_utilization=engine.vllm_gpu_memory_utilization,
+        rollout_precision=engine.rollout_precision,
+    )
+    return SyncRollouts(sampling, group, backend, engine_logprobs=scores, correction=correction)
+
+
+def servers_engine(settings: GRPOSettings, model: Any, tools: StoredTools) -> RemoteEngine:
+    """The engine of a run on ``rollout_servers``: the servers the trainer starts run with the model
+    settings here (``model``: the spec, or an object, which they cannot load)."""
+    engine = settings.engine
     asynchronous = engine.rollout_mode == "async"
     if asynchronous:
         refuse_async_on_servers(settings, tools)
@@ -279,7 +287,7 @@ def rollouts(
     serve = ServeConfig({name: value for name, value in loading.items() if value is not None}, threads)
     spec = model if isinstance(model, str) else None
     lag = engine.max_staleness if asynchronous else 0
-    return remote_rollouts(source_settings, engine.rollout_servers, serve, spec, engine.partial_rollouts, lag)
+    return remote_engine(engine.rollout_servers, serve, spec, engine.partial_rollouts, lag)
 
 
 def refuse_async_on_servers(settings: GRPOSettings, tools: StoredTools) -> None:
@@ -300,16 +308,14 @@ def refuse_async_on_servers(settings: GRPOSettings, tools: StoredTools) -> None:
         )
 
 
-def plan_settings(settings: GRPOSettings) -> PlanSettings:
-    """What the step plan reads: accumulation, the passes over a rollout, dynamic sampling's rounds."""
+def step_plan_of(settings: GRPOSettings) -> StepPlan:
+    """The step plan: accumulation, the passes over a rollout, dynamic sampling's rounds."""
     off_policy, dynamic = settings.off_policy, settings.dynamic_sampling
-    return PlanSettings(
-        group_size=settings.sampling.group_size,
-        gradient_accumulation_steps=settings.optimizer.gradient_accumulation_steps,
-        num_iterations=off_policy.num_iterations,
-        dynamic_sampling=dynamic.enabled,
-        max_sampling_rounds=dynamic.max_sampling_rounds,
-        steps_per_generation=off_policy.steps_per_generation,
+    return step_plan(
+        settings.optimizer.gradient_accumulation_steps,
+        off_policy.num_iterations,
+        off_policy.steps_per_generation,
+        dynamic.max_sampling_rounds if dynamic.enabled else None,
     )
 
 
@@ -339,20 +345,6 @@ def prompt_format(
         prompts.prompt_truncation,
         prompts.chat_template_kwargs,
     )
-
-
-@dataclass(frozen=True)
-class RewardCalls:
-    """What scoring reads (evaluation's ``settings``): what a reward error does, a call's time
-    limit, and the sandbox the rewards run in (None: the trainer's threads)."""
-
-    on_reward_error: str
-    reward_timeout: float | None
-    sandbox: Sandbox | None
-
-
-def reward_calls(rewards: RewardSettings, sandbox: Sandbox | None) -> RewardCalls:
-    return RewardCalls(rewards.on_reward_error, rewards.reward_timeout, sandbox)
 
 
 def user_code_sandbox(
@@ -441,7 +433,7 @@ def policy(
     memory = settings.memory
     return training_policy(
         model, tokenizer, spec, mesh, precision,
-        model_dtype=memory.model_dtype, attn_implementation=memory.attn_implementation, peft=peft,
+        dtype=memory.model_dtype, attention=memory.attn_implementation, peft=peft,
         gradient_checkpointing=memory.gradient_checkpointing, prefix_sharing=memory.prefix_sharing,
         generation_backend=settings.engine.generation_backend,
     )  # fmt: skip

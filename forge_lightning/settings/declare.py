@@ -1,8 +1,9 @@
 """How a setting is declared: once, as a field of its group's dataclass (settings/groups/).
 
 A field holds the setting's name (the field's, or ``name=`` where the group calls it otherwise),
-type, default, range (``check``: a predicate and the range in words) and whether a resumed run
-may change it (``resume=True``); its help is the attribute docstring under it. The module's
+type, default, range (``check``: a predicate and the range in words), whether a resumed run
+may change it (``resume=True``) and whether a checkpoint's model card shows it (``card=True``);
+its help is the attribute docstring under it. The module's
 signature and help (settings/signature.py), the CLI's flags (read from those), the guide's
 settings table, the range checks (checks.RULES) and the resume rules (groups.CHANGEABLE_ON_RESUME)
 are all read from the fields.
@@ -23,10 +24,18 @@ from typing import Any
 Rule = tuple[Callable[[Any], bool], "str | Callable[[], str]"]
 
 
-def setting(default: Any, *, check: Rule | None = None, resume: bool = False, name: str | None = None) -> Any:
+def setting(
+    default: Any,
+    *,
+    check: Rule | None = None,
+    resume: bool = False,
+    name: str | None = None,
+    card: bool = False,
+) -> Any:
     """A group's field declaring one setting: its ``default``, its range (``check``), whether a
-    resumed run may change it (``resume``), and the module's name for it where the field's differs."""
-    metadata: dict[str, Any] = {"resume": resume}
+    resumed run may change it (``resume``), the module's name for it where the field's differs,
+    and whether the model card of a saved checkpoint lists it (``card``)."""
+    metadata: dict[str, Any] = {"resume": resume, "card": card}
     if check is not None:
         metadata["check"] = check
     if name is not None:

@@ -5,8 +5,8 @@ GRPOLightningModule's ``__init__`` names only the objects it is given (the model
 of all of them, each setting keyword-only with its declared type and default, in the groups'
 order, and :func:`documented_settings` adds each setting's help to the class's ``Args:``.
 LightningCLI (jsonargparse) reads both for the ``--model.<name>`` flags and their help, Lightning's
-``load_from_checkpoint`` and ``save_hyperparameters`` the signature, the guide's settings table
-both.
+``load_from_checkpoint`` and ``save_hyperparameters`` the signature, and :func:`settings_table`
+both for the guide's settings table (notebooks/guide.ipynb shows it, a test checks it current).
 """
 
 from __future__ import annotations
@@ -99,6 +99,42 @@ def documented_settings(cls: T, declared: Mapping[str, type] = DECLARED) -> T:
     """Add every setting's help to the ``Args:`` that ends ``cls``'s docstring."""
     cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + settings_args(declared) + "\n    "
     return cls
+
+
+def documented(cls: type) -> dict[str, str]:
+    """Each argument's text in the ``Args:`` part of ``cls``'s docstring, as one line of markdown."""
+    found: dict[str, str] = {}
+    name = None
+    lines = (inspect.getdoc(cls) or "").splitlines()
+    for line in lines[lines.index("Args:") + 1 :]:
+        if line and not line.startswith(" "):  # the next part of the docstring
+            break
+        head = line[4:].split(":", 1)
+        if not line.startswith("     ") and len(head) == 2 and head[0].isidentifier():
+            name, found[head[0]] = head[0], head[1].strip()
+        elif name is not None and line.strip():
+            found[name] += " " + line.strip()
+    return {key: text.replace("``", "`").replace("|", "\\|") for key, text in found.items()}
+
+
+def shown(default: Any) -> str:
+    """A default as the settings table shows it."""
+    if default is inspect.Parameter.empty:
+        return "required"
+    if callable(default):
+        return f"`{default.__module__}.{default.__qualname__}`"
+    return f"`{default!r}`"
+
+
+def settings_table(cls: type, group: str) -> str:
+    """A markdown table of ``cls``'s arguments (for the module: its objects, then every declared
+    setting): the flag (``--<group>.<name>``), its default, its help from the docstring."""
+    texts = documented(cls)
+    rows = ["| flag | default | what |", "|---|---|---|"]
+    for name, parameter in inspect.signature(cls.__init__).parameters.items():
+        if name != "self":
+            rows.append(f"| `--{group}.{name}` | {shown(parameter.default)} | {texts.get(name, '')} |")
+    return "\n".join(rows)
 
 
 def save_settings(

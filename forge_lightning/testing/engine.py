@@ -4,7 +4,7 @@ It sits where a generation engine sits (rollout/engines/base.py's ``GenerationBa
 rest is the package's own: the tool sampler (rollout/tool_sampler.py) reads the calls a turn
 wrote in its format, runs the tools, appends their answers as the chat template's ``tool`` turn
 and asks for the next turn, which is the script's next. Each turn ends with the EOS, where the
-sampler reads it whole: every call it wrote runs (up to ``max_tool_calls``), as in a real run.
+sampler reads it whole: every call it wrote runs (up to the cap of calls), as in a real run.
 """
 
 from __future__ import annotations

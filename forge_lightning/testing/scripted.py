@@ -14,10 +14,10 @@ from typing import Any, Literal, TypeAlias
 import torch
 
 from forge_lightning.data.datamodule import collate_records, split_batch
+from forge_lightning.rewards.batch_scoring import score_groups
 from forge_lightning.rewards.environment import EnvironmentReward, with_environment_score
 from forge_lightning.rewards.extras import RewardExtras, reward_arguments
 from forge_lightning.rewards.library import RewardFn, as_reward, require_arguments
-from forge_lightning.rewards.scoring import score_groups
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, prompt_text
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler

@@ -19,8 +19,8 @@ CHECKPOINT_KEY = "forge_adjustments"
 @dataclass(frozen=True)
 class Adjustments:
     """Factors on the run's settings, from the step they were made on: the peak learning rate is
-    ``learning_rate x lr_scale`` (the schedule keeps its shape), the KL weight
-    ``kl_beta x kl_beta_scale`` (a ``kl_beta`` of 0 stays 0: no reference was set up for it)."""
+    the set rate x ``lr_scale`` (the schedule keeps its shape), the KL weight the set one x
+    ``kl_beta_scale`` (a weight of 0 stays 0: no reference was set up for it)."""
 
     lr_scale: float = 1.0
     kl_beta_scale: float = 1.0

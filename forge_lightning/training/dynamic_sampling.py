@@ -1,14 +1,14 @@
 """Dynamic sampling (DAPO): optimizer steps built from informative groups only.
 
 A group whose rewards are all equal has zero advantages and so no policy gradient: a step made of
-such groups is wasted. With ``dynamic_sampling`` each ``training_step`` is one sampling round over
+such groups is wasted. With dynamic sampling each ``training_step`` is one sampling round over
 the batch Lightning hands it (the data position counts every batch drawn, used or dropped, so a
 resumed run draws the same ones): its informative groups are backpropagated at once and the others
 dropped. The optimizer steps once the informative groups gathered since the last step, over every
-rank, reach ``world_size x prompts per batch x gradient_accumulation_steps``, or after
+rank, reach ``world_size x prompts per batch x batches per optimizer step``, or after
 ``max_sampling_rounds`` rounds (training then goes on with what there is, and says so), or at the
 end of the epoch. Surplus groups of the last round stay in that step; none is carried over. With
-``kl_beta > 0`` a dropped group also loses its KL gradient. A step with no informative group at all
+a KL penalty a dropped group also loses its KL gradient. A step with no informative group at all
 still calls ``optimizer.step()`` with every gradient None (AdamW then changes nothing, not even by
 weight decay) so that ``global_step`` and the schedule advance; it is counted in
 ``train/empty_steps``.

@@ -8,7 +8,7 @@ mask over the batch's groups, ``(P,)`` bool, or None to keep them all. A dropped
 as if its prompt were not in the batch (:func:`kept_groups`, the path dynamic sampling's dropped
 groups take): no policy or KL weight, out of the loss's normaliser, no backward of its own.
 
-On the Lightning side each hook is a callback's (callbacks/loop_hooks.py); :class:`NoHooks` is
+On the Lightning side each hook is a callback's (callbacks/rl_loop.py); :class:`NoHooks` is
 the context's own when no Trainer runs the step (``StepContext.one_process``).
 """
 
@@ -38,7 +38,7 @@ class LoopHooks(Protocol):
         ...
 
     def rewards_end(self, rewards: Tensor, batch: TrainingBatch) -> Tensor | None:
-        """The batch's rewards ``(P*G,)``, as scored (before ``kl_in_reward``); returns a keep mask
+        """The batch's rewards ``(P*G,)``, as scored (before any KL is taken from them); returns a keep mask
         ``(P,)`` bool over its groups, or None to train them all."""
         ...
 

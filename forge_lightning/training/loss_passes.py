@@ -33,12 +33,12 @@ class LossPasses:
     optimizer step, once it divides by the step's count (see grpo.backward_weight), has the
     gradient of the loss over all of the step's rollouts."""
 
-    def __init__(self, scorer: LogProbScorer, loss: LossSettings, mask_truncated_completions: bool) -> None:
+    def __init__(self, scorer: LogProbScorer, loss: LossSettings, mask_truncated: bool) -> None:
         self.scorer = scorer
         self.loss = loss
-        self.mask_truncated = mask_truncated_completions
+        self.mask_truncated = mask_truncated  # completions cut at the length cap weigh nothing
         self.count = torch.zeros(())  # the optimizer step's loss normaliser so far (grpo.step_count)
-        # kl_in_reward: the rollout whose sampling-policy and reference log-probs rewards_with_kl
+        # The KL in the reward: the rollout whose sampling-policy and reference log-probs rewards_with_kl
         # took, and those, for fixed_log_probs to reuse rather than run the forwards again.
         self._reward_log_probs: tuple[Rollout, Tensor, Tensor] | None = None
 
@@ -68,13 +68,13 @@ class LossPasses:
         self, model: PreTrainedModel, reference: ReferenceSource | None, rollout: Rollout, rewards: Tensor
     ) -> Tensor:
         """The ``(P*G,)`` rewards the advantages are made of: ``rewards`` as they are, or with
-        ``kl_in_reward`` each less ``kl_beta x`` its completion's KL between the sampling policy
+        the KL in the reward each less the KL weight x its completion's KL between the sampling policy
         (``rollout.old_logp``, else the policy's, before any update) and the reference
         (grpo.kl_penalised_rewards); :meth:`fixed_log_probs` of this rollout reuses both."""
         if not self.loss.kl_in_reward or rollout.completion_ids.shape[0] == 0:
             return rewards
         ref_logp = self.reference_log_probs(reference, rollout)
-        assert ref_logp is not None  # kl_in_reward needs kl_beta > 0 (LossSettings)
+        assert ref_logp is not None  # the KL in the reward needs a KL weight > 0 (LossSettings)
         sampled = rollout.old_logp
         if sampled is None:
             sampled = self.scorer.log_probs_no_grad(model, rollout)

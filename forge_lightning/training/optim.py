@@ -61,7 +61,7 @@ def policy_optimizer(
     learning_rate: float,
     weight_decay: float,
     warmup_steps: int,
-    lr_schedule: str,
+    schedule: str,
     total_steps: int,
     precision: str,
     sharded: bool,
@@ -76,15 +76,15 @@ def policy_optimizer(
         weight_decay=weight_decay,
         warmup_steps=warmup_steps,
         total_steps=total_steps,
-        schedule=lr_schedule,
+        schedule=schedule,
         fused=fused,
     )
 
 
-def total_optimizer_steps(
-    fit: FitShape, gradient_accumulation_steps: int, num_iterations: int, dynamic_sampling: bool = False
-) -> int:
-    """Optimizer steps of the whole fit: ``max_steps`` when set, else counted from the batches."""
+def total_optimizer_steps(fit: FitShape, accumulation: int, passes: int, dynamic: bool = False) -> int:
+    """Optimizer steps of the whole fit: ``max_steps`` when set, else counted from the batches
+    (``accumulation`` per step, ``passes`` steps per batch where more than one; a ``dynamic`` plan's
+    batches per step are not known)."""
     if fit.step_limit is not None:
         return fit.step_limit
     if fit.max_time_set:
@@ -95,7 +95,7 @@ def total_optimizer_steps(
             "give the schedule its length",
             stacklevel=2,
         )
-    if dynamic_sampling:
+    if dynamic:
         raise ValueError(
             "dynamic_sampling needs trainer.max_steps: how many batches an optimizer step takes is "
             "not known in advance, so the learning-rate schedule cannot be sized from the data"
@@ -105,9 +105,9 @@ def total_optimizer_steps(
         raise ValueError("the dataset has no length: set trainer.max_steps so the schedule has an end")
     epochs = max(fit.max_epochs or 1, 1)
     per_epoch = math.ceil(batches / epochs)
-    if num_iterations > 1:
-        return per_epoch * epochs * num_iterations
-    return math.ceil(per_epoch / gradient_accumulation_steps) * epochs
+    if passes > 1:
+        return per_epoch * epochs * passes
+    return math.ceil(per_epoch / accumulation) * epochs
 
 
 def gradient_norm(params: Iterable[Tensor]) -> Tensor:
@@ -178,8 +178,8 @@ class OptimizerStep:
     finite is skipped (``max_consecutive_bad_steps`` in a row stop the run), and a step that leaves
     a weight non-finite stops the run before a checkpoint saves it."""
 
-    def __init__(self, max_grad_norm: float | None, max_consecutive_bad_steps: int) -> None:
-        self.max_grad_norm = max_grad_norm
+    def __init__(self, clip_norm: float | None, max_consecutive_bad_steps: int) -> None:
+        self.clip_norm = clip_norm  # the gradient's total norm is clipped to it (None: not clipped)
         self.guard = NonFiniteGuard(max_consecutive_bad_steps)
 
     def __call__(
@@ -191,7 +191,7 @@ class OptimizerStep:
         grad_norm = normalise_and_clip(
             model.parameters(),
             context.world_size / count.clamp(min=1),
-            self.max_grad_norm,
+            self.clip_norm,
             context.loss_scale(),
         )
         if not self.guard.allows(grad_norm):

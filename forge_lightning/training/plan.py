@@ -1,11 +1,11 @@
 """Step plans: what a training batch trains, and after which of its backward passes the optimizer steps.
 
 The module holds one plan, chosen once from its settings (:func:`step_plan`). :class:`StepPlan`
-is plain accumulation (the optimizer steps every ``gradient_accumulation_steps`` batches and at an
-epoch's end) with ``num_iterations`` passes over each rollout (mu, each ending a step), and with
-``steps_per_generation`` S > 1 one batch's generation split into S optimizer steps
-(:func:`generation_shares`). :class:`DynamicSamplingPlan` trains the informative groups only and
-steps once enough are gathered over the ranks (DAPO; see training/dynamic_sampling.py).
+is plain accumulation (the optimizer steps every ``accumulation`` batches and at an epoch's end)
+with ``passes`` passes over each rollout (mu, each ending a step), and with ``shares`` S > 1 one
+batch's generation split into S optimizer steps (:func:`generation_shares`).
+:class:`DynamicSamplingPlan` trains the informative groups only and steps once enough are
+gathered over the ranks (DAPO; see training/dynamic_sampling.py).
 """
 
 from __future__ import annotations
@@ -24,21 +24,6 @@ from forge_lightning.run.fit import FitShape
 from forge_lightning.training.context import StepContext
 from forge_lightning.training.dynamic_sampling import SamplingRounds
 from forge_lightning.training.optim import total_optimizer_steps
-
-
-@dataclass(frozen=True)
-class PlanSettings:
-    group_size: int
-    gradient_accumulation_steps: int
-    num_iterations: int
-    dynamic_sampling: bool
-    max_sampling_rounds: int
-    steps_per_generation: int = 1
-
-    @property
-    def steps_per_batch(self) -> int:
-        """S x mu: the optimizer steps each batch takes when S > 1 (with S = 1, accumulation decides)."""
-        return self.steps_per_generation * self.num_iterations
 
 
 @dataclass(frozen=True)
@@ -153,23 +138,29 @@ def mean_stats(passes: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 
 class StepPlan:
-    """Plain accumulation, ``num_iterations`` passes per rollout (mu > 1 needs accumulation 1)."""
+    """Plain accumulation over ``accumulation`` batches, ``passes`` passes over each rollout (mu;
+    more than one needs accumulation 1), and with ``shares`` S > 1 each batch's generation split
+    into S optimizer steps."""
 
-    def __init__(self, settings: PlanSettings) -> None:
-        self.settings = settings
+    dynamic = False  # whether a batch trains its informative groups only
+
+    def __init__(self, accumulation: int, passes: int = 1, shares: int = 1) -> None:
+        self.accumulation, self.passes, self.shares = accumulation, passes, shares
+
+    @property
+    def steps_per_batch(self) -> int:
+        """S x mu: the optimizer steps each batch takes when S > 1 (with S = 1, accumulation decides)."""
+        return self.shares * self.passes
 
     def plan(
         self, rollout: Rollout, rewards: Tensor, advantages: Tensor, batch_idx: int, context: StepContext
     ) -> BatchPlan:
-        s = self.settings
-        if s.steps_per_generation > 1:  # the whole generation, its steps repeated mu times
-            shares = generation_shares(
-                rollout.prompt_ids.shape[0], s.steps_per_generation, s.gradient_accumulation_steps
-            )
-            return BatchPlan(rollout, advantages, shares * s.num_iterations)
+        if self.shares > 1:  # the whole generation, its steps repeated mu times
+            shares = generation_shares(rollout.prompt_ids.shape[0], self.shares, self.accumulation)
+            return BatchPlan(rollout, advantages, shares * self.passes)
         batches = context.num_training_batches
-        stepped = accumulation_boundary(batch_idx, s.gradient_accumulation_steps, batches)
-        return BatchPlan(rollout, advantages, [Pass(None, stepped)] * s.num_iterations)  # mu > 1: stepped
+        stepped = accumulation_boundary(batch_idx, self.accumulation, batches)
+        return BatchPlan(rollout, advantages, [Pass(None, stepped)] * self.passes)  # mu > 1: stepped
 
     def check_fit(self, fit: FitShape) -> None:
         """With S > 1 a batch takes S x mu optimizer steps at once, and a callback that looks at
@@ -177,19 +168,18 @@ class StepPlan:
         multiples of it, naming each (reports to the loggers need none: they come at the first
         batch at or past each multiple of their cadence), and data whose batches cannot be split
         into the generation's shares (check_batch_sizes). Called when the fit starts."""
-        s = self.settings
-        if s.steps_per_generation == 1:
+        if self.shares == 1:
             return
-        check_batch_sizes(fit, s.steps_per_generation, s.gradient_accumulation_steps, s.steps_per_batch)
-        k = s.steps_per_batch
+        k = self.steps_per_batch
+        check_batch_sizes(fit, self.shares, self.accumulation, k)
         wrong = [f"trainer.max_steps={fit.max_steps}"] if fit.step_limit and fit.step_limit % k else []
         wrong += [str(cadence) for cadence in fit.step_cadences if cadence.every % k]
         if wrong:
             raise ValueError(
-                f"steps_per_generation={self.settings.steps_per_generation} x num_iterations="
-                f"{self.settings.num_iterations} takes {k} optimizer steps in each batch, so step "
-                f"cadences must be multiples of {k}: {', '.join(wrong)} (from the command line: "
-                "--trainer.max_steps, --checkpoint.every_n_train_steps, --hf_checkpoint.save_steps)"
+                f"steps_per_generation={self.shares} x num_iterations={self.passes} takes {k} "
+                f"optimizer steps in each batch, so step cadences must be multiples of {k}: "
+                f"{', '.join(wrong)} (from the command line: --trainer.max_steps, "
+                "--checkpoint.every_n_train_steps, --hf_checkpoint.save_steps)"
             )
 
     def backward_calls_missing(self, made: int, context: StepContext) -> int:
@@ -203,28 +193,28 @@ class StepPlan:
 
     def total_steps(self, fit: FitShape) -> int:
         """Optimizer steps of the whole fit (the schedule's length)."""
-        s = self.settings
-        accumulation, mu = s.gradient_accumulation_steps, s.num_iterations
-        if s.steps_per_generation > 1:  # every batch takes S x mu steps, its accumulation inside it
-            return total_optimizer_steps(fit, 1, s.steps_per_batch, s.dynamic_sampling)
-        return total_optimizer_steps(fit, accumulation, mu, s.dynamic_sampling)
+        if self.shares > 1:  # every batch takes S x mu steps, its accumulation inside it
+            return total_optimizer_steps(fit, 1, self.steps_per_batch, self.dynamic)
+        return total_optimizer_steps(fit, self.accumulation, self.passes, self.dynamic)
 
 
 class DynamicSamplingPlan(StepPlan):
     """Train on the informative groups only, stepping once the rounds of the step gathered enough."""
 
-    def __init__(self, settings: PlanSettings) -> None:
-        super().__init__(settings)
-        self.rounds = SamplingRounds(settings.max_sampling_rounds)  # the rounds of the step
+    dynamic = True
+
+    def __init__(self, accumulation: int, passes: int, shares: int, max_rounds: int) -> None:
+        super().__init__(accumulation, passes, shares)
+        self.rounds = SamplingRounds(max_rounds)  # the rounds of the step
 
     def plan(
         self, rollout: Rollout, rewards: Tensor, advantages: Tensor, batch_idx: int, context: StepContext
     ) -> BatchPlan:
-        s = self.settings
-        keep = informative_groups(rewards, s.group_size)  # (P,)
-        kept = advantages.view(-1, s.group_size)[keep].reshape(-1)
+        group = rollout.group_size
+        keep = informative_groups(rewards, group)  # (P,)
+        kept = advantages.view(-1, group)[keep].reshape(-1)
         last = batch_idx + 1 == context.num_training_batches
-        target = context.world_size * keep.numel() * s.gradient_accumulation_steps
+        target = context.world_size * keep.numel() * self.accumulation
         stepped = self.rounds.add_round(keep, context.reduce, target=target, last_batch=last)
         return BatchPlan(rollout.select_groups(keep), kept, [Pass(None, stepped)])
 
@@ -237,6 +227,9 @@ class DynamicSamplingPlan(StepPlan):
         return self.rounds.pop()
 
 
-def step_plan(settings: PlanSettings) -> StepPlan:
-    """The plan the settings name."""
-    return DynamicSamplingPlan(settings) if settings.dynamic_sampling else StepPlan(settings)
+def step_plan(accumulation: int, passes: int, shares: int, max_rounds: int | None) -> StepPlan:
+    """The plan for ``accumulation`` batches per optimizer step, ``passes`` over each rollout,
+    ``shares`` optimizer steps per generation, and dynamic sampling's ``max_rounds`` (None: off)."""
+    if max_rounds is None:
+        return StepPlan(accumulation, passes, shares)
+    return DynamicSamplingPlan(accumulation, passes, shares, max_rounds)

@@ -5,10 +5,10 @@ Two phases, each measured for its peak memory, in the order a step runs them:
 
 - the engine's: a generate of ``max_new_tokens`` tokens (forced: no EOS ends it early) for the
   batch's P x G rows at the longest prompt length L, through the rollout engine itself. Skipped
-  under ``rollout_mode: async``: the worker process samples, and its memory is not this one's.
+  with asynchronous rollouts: the worker process samples, and its memory is not this one's.
 - the training side's: one micro-batch of fake completions (P x G rows of L prompt and
-  ``max_new_tokens`` completion tokens, all real, no padding, split as the step splits them by
-  ``train_micro_batch_size`` / ``train_micro_batch_tokens``) through the same loss passes
+  ``max_new_tokens`` completion tokens, all real, no padding, split into micro-batches as the
+  step splits them) through the same loss passes
   (training/loss_passes.py) and backward as the step, with the reference's log-probs where the
   loss reads them. One micro-batch is enough: the step frees each one's activations before the
   next and every one here is as large as the first. The forwards without gradients a step may
@@ -179,7 +179,7 @@ class Engine:
 
     backend: GenerationBackend
     sampling: SamplingParams  # training's
-    name: str  # generation_backend: which field forces a full-length completion
+    name: str  # the engine's name: which field forces a full-length completion
 
 
 def run_preflight(

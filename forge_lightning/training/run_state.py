@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from forge_lightning.rewards.library import reward_parts
-from forge_lightning.rewards.resume import reward_on_resume
+from forge_lightning.rewards.resume_changes import reward_on_resume
 from forge_lightning.rewards.reward_model import check_reward_models, reward_model_fingerprints
 from forge_lightning.run.checkpoint_io import rng_states, set_rng_states
 from forge_lightning.run.fit import FitShape

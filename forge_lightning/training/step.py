@@ -6,28 +6,31 @@ through ``context.backward`` -> the optimizer step where the plan says -> the ba
 The context's loop hooks (training/loop_hooks.py; Lightning callbacks in a fit) hear of the
 rollout, the rewards and the advantages as they are made; the rewards' hook may drop groups.
 
-:class:`TrainingStep` holds the collaborators the module built once from its settings and takes
-the loop around it as a :class:`~forge_lightning.training.context.StepContext` (backward, gather,
-reduce, world size, profile): it never sees a Trainer, so it runs in a test on a plain model.
+:class:`BatchTrainer` (first named ``TrainingStep``) holds the collaborators the module built
+once from its settings and takes the loop around it as a
+:class:`~forge_lightning.training.context.StepContext` (backward, gather, reduce, world size,
+profile): it never sees a Trainer, so it runs in a test on a plain model. :func:`batch_advantages`
+makes the batch's advantages, over every rank's groups where the estimator needs the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from forge_lightning._moved import renamed
+from forge_lightning.grpo import group_advantages, needs_batch
 from forge_lightning.reporting.metrics import RunningMetrics, StepRecord
 from forge_lightning.reporting.reporter import StepReporter
-from forge_lightning.rewards.calls import RewardFn
+from forge_lightning.rewards.batch_scoring import score_groups
+from forge_lightning.rewards.calls import RewardCalls, RewardFn
 from forge_lightning.rewards.extras import RewardExtras
-from forge_lightning.rewards.scoring import batch_advantages, score_groups
 from forge_lightning.rollout.sources import RolloutSource, TrainingBatch
 from forge_lightning.rollout.types import Rollout, warn_when_few_tokens_count
-from forge_lightning.run.preemption import sigterm_interrupts
-from forge_lightning.run.sandbox import Sandbox
+from forge_lightning.run.signals import sigterm_interrupts
 from forge_lightning.training.context import StepContext
 from forge_lightning.training.dynamic_sampling import SamplingRounds
 from forge_lightning.training.loop_hooks import checked_keep, kept_groups, zero_dropped
@@ -36,25 +39,12 @@ from forge_lightning.training.optim import OptimizerStep
 from forge_lightning.training.plan import StepPlan, mean_stats, take_share
 
 
-@dataclass(frozen=True)
-class StepSettings:
-    """The settings a training batch reads itself (its collaborators hold their own)."""
-
-    group_size: int  # completions per prompt: a group, whose rewards make its advantages' baseline
-    advantage_scale: str  # the advantages' divisor: the group's std, the batch's, or none
-    advantage_estimator: str  # the advantages' baseline: grpo's group mean, rloo's, reinforce_pp's
-    mask_truncated_completions: bool  # completions cut at max_new_tokens weigh nothing in the loss
-    on_reward_error: Literal["raise", "zero"]  # a reward that raises stops the run, or scores 0
-    reward_timeout: float | None  # seconds a reward call may take
-    num_iterations: int  # passes over each rollout (mu)
-
-
-class TrainingStep:
+class BatchTrainer:
     """One training batch's rollout in, its gradient steps taken and its record out.
 
     Args:
-        settings: what the batch reads itself (group size, advantage scale, reward errors, passes).
         reward: the reward the completions are scored with.
+        calls: how the reward is called (what its error does, its time limit, its sandbox).
         loss_passes: the backward passes of the loss over a rollout, micro-batch by micro-batch.
         plan: what each batch trains and after which of its passes the optimizer steps.
         optimizer_step: normalise, clip, step and schedule; skip a non-finite gradient.
@@ -62,22 +52,26 @@ class TrainingStep:
         metrics: the running training metrics the reporter reads.
         rollouts: the rollout source, told when the weights changed (the async worker samples
             with the new ones).
-        sandbox: the worker processes the rewards run in (``sandbox: process``); None: this process.
+        scale: the advantages' divisor: the group's std (``group``), the batch's, or ``none``.
+        estimator: the advantages' baseline: ``grpo``, ``rloo`` or ``reinforce_pp``
+            (batch_advantages below).
     """
 
     def __init__(
         self,
-        settings: StepSettings,
         reward: RewardFn,
+        calls: RewardCalls,
         loss_passes: LossPasses,
         plan: StepPlan,
         optimizer_step: OptimizerStep,
         reporter: StepReporter,
         metrics: RunningMetrics,
         rollouts: RolloutSource,
-        sandbox: Sandbox | None = None,
+        *,
+        scale: str = "group",
+        estimator: str = "grpo",
     ) -> None:
-        self.settings, self.reward, self.sandbox = settings, reward, sandbox
+        self.reward, self.calls, self.scale, self.estimator = reward, calls, scale, estimator
         self.loss_passes, self.plan, self.optimizer_step = loss_passes, plan, optimizer_step
         self.reporter, self.metrics, self.rollouts = reporter, metrics, rollouts
 
@@ -92,33 +86,34 @@ class TrainingStep:
     ) -> tuple[StepRecord, bool]:
         """Score ``item``'s rollout, backpropagate its loss and step ``optimizer`` where the plan
         says. Returns the batch's record and whether it ended an optimizer step."""
-        s, profile, rollout, hooks = self.settings, context.profile, item.rollout, context.hooks
+        profile, rollout, hooks, calls = context.profile, item.rollout, context.hooks, self.calls
         hooks.rollouts_end(rollout, item)
         extras = RewardExtras(context.global_step(), context.epoch_at(item.batch_idx), context.max_steps)
         with profile("reward"), sigterm_interrupts():
             rewards, components, errors = score_groups(
-                self.reward, item.prompts, rollout, item.batch_kwargs, s.on_reward_error, s.reward_timeout,
-                extras.arguments(), self.sandbox,
+                self.reward, item.prompts, rollout, item.batch_kwargs, calls.on_error, calls.timeout,
+                extras.arguments(), calls.sandbox,
             )  # fmt: skip
         self.metrics.add_logged(extras.logged(), "train")  # TRL's log_metric
         keep = self.groups_kept(rewards, item, context)  # (P,) bool; None: every group
-        with profile("logprob"):  # kl_in_reward: each reward less its completion's KL
+        with profile("logprob"):  # with the KL in the reward, each reward less its completion's KL
             shaped = self.loss_passes.rewards_with_kl(model, reference, rollout, rewards)
         # Every group's, dropped or not: the batch's std and the ranks' gather take equal shapes.
+        group = rollout.group_size
         advantages = batch_advantages(  # (P*G,)
-            shaped, s.group_size, s.advantage_scale, context.world_size, context.gather, s.advantage_estimator
+            shaped, group, self.scale, context.world_size, context.gather, self.estimator
         )
-        advantages = zero_dropped(keep, advantages, s.group_size)
+        advantages = zero_dropped(keep, advantages, group)
         hooks.advantages_end(advantages, item)
         plan = self.plan.plan(*kept_groups(keep, rollout, rewards, advantages), item.batch_idx, context)
         # The batch's rollout, or the groups the hooks kept, or (dynamic sampling) their informative ones.
         trained = plan.rollout
-        if s.mask_truncated_completions:
+        if self.loss_passes.mask_truncated:
             warn_when_few_tokens_count(rollout)
         with profile("logprob"):
             old_logp, ref_logp = self.loss_passes.fixed_log_probs(model, reference, trained, len(plan.passes))
         pass_stats = []
-        for part in plan.passes:  # the whole rollout, or (steps_per_generation) one share of it
+        for part in plan.passes:  # the whole rollout, or one share of its generation
             share, share_advantages, old, ref = take_share(part, trained, plan.advantages, old_logp, ref_logp)
             extra = self.backward_calls_missing(share, model, context)
             pass_stats.append(
@@ -130,9 +125,9 @@ class TrainingStep:
                 with profile("optimizer"):
                     self.step_optimizer(model, optimizer, scheduler, context)
         # What the loss logs: the last pass over the rollout (the mean over its shares).
-        per_pass = len(plan.passes) // s.num_iterations
+        per_pass = len(plan.passes) // self.plan.passes
         stats = mean_stats(pass_stats[-per_pass:])
-        num_tokens = trained.loss_mask(s.mask_truncated_completions).sum().float()
+        num_tokens = trained.loss_mask(self.loss_passes.mask_truncated).sum().float()
         self.metrics.add({"reward_errors": errors, "num_tokens": num_tokens, **item.metrics})
         record = self.reporter.record(
             item, rewards, components, stats, plan.steps,
@@ -173,3 +168,23 @@ class TrainingStep:
         self.metrics.add(metrics)
         if changed:
             self.rollouts.weights_updated(model)
+
+
+def batch_advantages(
+    rewards: Tensor,
+    group_size: int,
+    scale: str,
+    world_size: int,
+    all_gather: Callable[[Tensor], Tensor],
+    estimator: str = "grpo",
+) -> Tensor:
+    """Group-relative advantages of the rewards ``(P*G,)`` by ``estimator``. ``scale="batch"``
+    and ``reinforce_pp`` take their std over every rank's groups of this training batch
+    (``all_gather``: the module's), all of its micro-batches and its generation's shares
+    (later accumulation batches are not sampled yet)."""
+    gathered = needs_batch(scale, estimator) and world_size > 1
+    batch = all_gather(rewards).reshape(-1) if gathered else None
+    return group_advantages(rewards, group_size, scale=scale, batch_rewards=batch, estimator=estimator)
+
+
+__getattr__ = renamed(__name__, {"TrainingStep": "BatchTrainer"})

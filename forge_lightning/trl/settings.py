@@ -14,7 +14,7 @@ import torch
 
 from forge_lightning.run.fit import FitShape
 from forge_lightning.settings.trl_names import TRL_NAMES
-from forge_lightning.training.plan import PlanSettings, StepPlan
+from forge_lightning.training.plan import StepPlan
 from forge_lightning.trl.config import SCHEDULES, GRPOConfig
 
 # TRL fields that are a module setting of another name, the value unchanged (TRL_NAMES says which).
@@ -95,16 +95,7 @@ def batch_shape(c: GRPOConfig, world_size: int) -> BatchShape:
 
 def optimizer_steps(c: GRPOConfig, shape: BatchShape, train_size: int, world_size: int) -> int:
     """The fit's optimizer steps, as the module's step plan counts them (for TRL's shares of them)."""
-    plan = StepPlan(
-        PlanSettings(
-            group_size=c.num_generations,
-            gradient_accumulation_steps=shape.gradient_accumulation_steps,
-            num_iterations=c.num_iterations,
-            dynamic_sampling=False,
-            max_sampling_rounds=1,
-            steps_per_generation=shape.steps_per_generation,
-        )
-    )
+    plan = StepPlan(shape.gradient_accumulation_steps, c.num_iterations, shape.steps_per_generation)
     epochs = int(c.num_train_epochs)
     batches = math.ceil(train_size / (shape.prompts_per_step * world_size))
     fit = FitShape(max_steps=c.max_steps, max_epochs=epochs, stepping_batches=lambda: batches * epochs)

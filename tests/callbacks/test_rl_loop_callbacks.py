@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from forge_lightning.callbacks import RLLoopCallback
-from forge_lightning.callbacks.loop_hooks import TrainerHooks
+from forge_lightning.callbacks.rl_loop import TrainerHooks
 from forge_lightning.rollout.sources import TrainingBatch
 
 BATCH = TrainingBatch(["p", "q", "r"], {}, 0)  # three prompts, G = 2

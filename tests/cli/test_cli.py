@@ -94,7 +94,7 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(
     assert [r["step"] for r in records] == [1, 2, 3]
     expected = {"step", "epoch", *JSONL_KEYS, "rewards/GSM8KAnswerReward", "rewards/GSM8KAnswerReward_std"}
     expected -= {"sampling_rounds", "groups_dropped"}  # logged with dynamic sampling only
-    expected -= {"groups_filtered"}  # and with a callback that may filter (callbacks/loop_hooks.py)
+    expected -= {"groups_filtered"}  # and with a callback that may filter (callbacks/rl_loop.py)
     # and with asynchronous rollouts, rollout correction, tools
     expected -= set(ASYNC_JSONL_KEYS) | set(CORRECTION_JSONL_KEYS) | set(TOOL_JSONL_KEYS)
     assert set(records[0]) == expected

@@ -112,7 +112,7 @@ EXPECTED = {
 
 def scripted_validate(module, trainer, loader, root: Path, **settings):
     grpo = module(val_num_generations=4, val_temperature=0.7, val_top_p=0.9, val_max_new_tokens=3, **settings)
-    grpo.generator = ScriptedAnswers(grpo.tokenizer, SCRIPT)
+    grpo.engine = ScriptedAnswers(grpo.tokenizer, SCRIPT)
     (results,) = trainer(root, callbacks=[RewardLogger()]).validate(grpo, loader(RECORDS, batch_size=2))
     (answers,) = (root / "validation").iterdir()
     rows = [json.loads(line) for line in answers.read_text().splitlines()]
@@ -125,9 +125,9 @@ def test_a_scripted_policy_gives_exact_sampled_metrics(module, trainer, loader, 
     assert {k: metrics[k] for k in EXPECTED} == pytest.approx(EXPECTED)
     assert metrics["val/accuracy"] == pytest.approx(1 / 3)  # the greedy answers: 1, 2, 9
     assert metrics["val/pass@1"] == metrics["val/mean@4"]
-    sampled = [p for p in grpo.generator.params if not p.greedy]
+    sampled = [p for p in grpo.engine.params if not p.greedy]
     assert sampled == [SamplingParams(3, temperature=0.7, top_p=0.9)] * 2  # one call per batch
-    assert {p.max_new_tokens for p in grpo.generator.params if p.greedy} == {3}  # greedy's too
+    assert {p.max_new_tokens for p in grpo.engine.params if p.greedy} == {3}  # greedy's too
 
 
 @pytest.mark.integration
@@ -249,7 +249,7 @@ def test_with_tools_the_samples_run_the_tool_loop_and_keep_their_calls(module, t
     from helpers.engines import CalculatorCalls
 
     grpo = module(calculator="annotation", val_num_generations=3, max_new_tokens=12)
-    grpo.generator = CalculatorCalls(grpo.tokenizer)
+    grpo.engine = CalculatorCalls(grpo.tokenizer)
     trainer(tmp_path, callbacks=[RewardLogger()]).validate(grpo, loader([{"prompt": "ab", "reference": "3"}]))
     (path,) = (tmp_path / "validation").iterdir()
     samples = json.loads(path.read_text())["samples"]
@@ -274,7 +274,8 @@ def test_under_ddp_each_prompt_counts_once_and_rank_0_writes_every_answer(tmp_pa
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(tests)},
+        # the checkout under test, not an installed copy of the package
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])},
     )
     assert done.returncode == 0, done.stderr[-4000:]
     one = validate(tmp_path / "one", devices=1)
@@ -328,7 +329,7 @@ def test_a_sampled_evaluation_over_the_generation_budget_is_refused_before_any_s
     from forge_lightning.data import PromptDataModule
 
     grpo = module(val_num_generations=200_000, max_new_tokens=8)
-    grpo.generator = CountingGenerate()
+    grpo.engine = CountingGenerate()
     data = PromptDataModule(source="arithmetic", max_samples=4, val_max_samples=8, prompts_per_step=2)
     rule = (
         r"val_num_generations=200000 x data.val_batch_size=8 rows x \(0 prompt \+ 8 new tokens\) = "
@@ -336,11 +337,11 @@ def test_a_sampled_evaluation_over_the_generation_budget_is_refused_before_any_s
     )
     with pytest.raises(ValueError, match=rule) as refused:
         trainer(tmp_path, max_steps=1).fit(grpo, datamodule=data)
-    assert "at most 16384 here" in str(refused.value) and grpo.generator.calls == 0
+    assert "at most 16384 here" in str(refused.value) and grpo.engine.calls == 0
     # The same refusal for validate, before its first batch is sampled.
     with pytest.raises(ValueError, match=rule):
         trainer(tmp_path).validate(grpo, datamodule=data)
-    assert grpo.generator.calls == 0
+    assert grpo.engine.calls == 0
 
 
 def test_the_generation_budget_counts_rows_times_prompt_and_new_tokens():

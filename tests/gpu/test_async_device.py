@@ -42,7 +42,7 @@ def worker_on(tokenizer, device: str) -> RolloutWorker:
         device=device,
         memory_fraction=0.3 if device.startswith("cuda") else None,
     )
-    return RolloutWorker(settings, max_staleness=1)
+    return RolloutWorker(settings, staleness=1)
 
 
 def trainer_log_probs(model, tokenizer, prompt_ids, prompt_mask, completion_ids) -> torch.Tensor:

@@ -10,7 +10,7 @@ first, then another), saving the first of its two steps' gradients to ``OUT/spg-
 (``OUT/tokens-grpo.pt``). With ``levers``, one step per set of algorithm levers in ``LEVERS``
 (each lever in one of them: advantage estimators, loss types, the entropy bonus, the KL in the
 reward), saved to ``OUT/lever-<name>.pt``. With ``curriculum``, one step under a
-DifficultyCurriculum that remembers rank 0's prompt as always solved: rank 0 drops its one group
+SettledPromptFilter that remembers rank 0's prompt as always solved: rank 0 drops its one group
 and trains nothing, rank 1 its own; saved to ``OUT/curriculum.pt``, with each rank's curriculum
 history after the step in ``OUT/curriculum-history-<rank>.pt``.
 
@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from forge_lightning.callbacks.curriculum import DifficultyCurriculum, prompt_keys
+from forge_lightning.callbacks.settled_prompt_filter import SettledPromptFilter, prompt_keys
 from forge_lightning.data.datamodule import collate_records
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.sources import TrainingBatch
@@ -85,9 +85,9 @@ def main(out: Path, root: Path, mode: str = "") -> None:
         pl.seed_everything(1)
         grpo = GRPOLightningModule(**exact_settings(**settings))
         if mode == "tools":
-            grpo.generator = CalculatorCalls(grpo.tokenizer)
+            grpo.engine = CalculatorCalls(grpo.tokenizer)
         else:
-            grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+            grpo.engine = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
         grads: list[torch.Tensor] = []
         curriculum = [solved_first_prompt()] if mode == "curriculum" else []
         trainer = pl.Trainer(
@@ -111,9 +111,9 @@ def main(out: Path, root: Path, mode: str = "") -> None:
             torch.save(callback.history, out / f"curriculum-history-{rank}.pt")
 
 
-def solved_first_prompt() -> DifficultyCurriculum:
+def solved_first_prompt() -> SettledPromptFilter:
     """A curriculum that remembers one group of ``RECORDS[0]``'s prompt, every completion passing."""
-    curriculum = DifficultyCurriculum(window=2, min_visits=1)
+    curriculum = SettledPromptFilter(window=2, min_visits=1)
     key = int(prompt_keys(TrainingBatch([RECORDS[0]["prompt"]], {}, 0))[0])
     curriculum.load_state_dict({"history": {key: [1.0]}})
     return curriculum

@@ -42,7 +42,7 @@ def validate(out: Path, devices: int) -> dict[str, float]:
     grpo = GRPOLightningModule(
         model=make_model(len(tok)), tokenizer=tok, reward=count_a, max_new_tokens=3, val_num_generations=4
     )
-    grpo.generator = ScriptedAnswers(grpo.tokenizer, SCRIPT)
+    grpo.engine = ScriptedAnswers(grpo.tokenizer, SCRIPT)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,

@@ -10,9 +10,9 @@ import pytest
 
 def skip_unless_sandbox_isolates() -> None:
     """Skip the test, with the probe's reason, where the machine cannot isolate sandboxed workers
-    (run/isolation.py's probe: unshare, Landlock, a pids bound), as the GPU tests are without a GPU."""
-    from forge_lightning.run import isolation
-    from forge_lightning.run.sandbox import SandboxUnavailable
+    (sandbox/isolation.py's probe: unshare, Landlock, a pids bound), as the GPU tests are without a GPU."""
+    from forge_lightning.sandbox import isolation
+    from forge_lightning.sandbox.pool import SandboxUnavailable
 
     try:
         isolation.probe()

@@ -15,7 +15,7 @@ from forge_lightning.rollout.engines.hf import HFGenerate
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import FunctionTools, InlineCalculator
-from forge_lightning.rollout.tools.base import Answer
+from forge_lightning.rollout.tools.protocol import Answer
 from helpers.models import make_model
 
 GREEDY = SamplingParams(max_new_tokens=400, greedy=True)

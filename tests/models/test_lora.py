@@ -126,7 +126,7 @@ def test_reference_log_probs_are_the_base_models_with_the_adapter_off(tmp_path, 
 
     class Compare(pl.Callback):
         def on_train_end(self, trainer, pl_module):
-            rollout = pl_module.sampler(pl_module.model, ["ab", "xyz"], pl_module.sampling, 4)
+            rollout = pl_module.episodes(pl_module.model, ["ab", "xyz"], pl_module.sampling, 4)
             scorer, reference = pl_module.scorer, pl_module.reference
             with reference.scope():
                 results["reference"] = scorer.log_probs_no_grad(reference.model, rollout)
@@ -145,7 +145,7 @@ def test_prefix_sharing_matches_the_full_forward_through_a_peft_model():
     for name, p in adapter_weights(grpo.model).items():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)  # a fresh adapter is zero: make it count
-    rollout = grpo.sampler(grpo.model, ["ab", "abc d"], grpo.sampling, 4)
+    rollout = grpo.episodes(grpo.model, ["ab", "abc d"], grpo.sampling, 4)
     assert supports_shared_prefix(grpo.model) and grpo.scorer.shared_prefix
     shared = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
     full = dataclasses.replace(grpo.scorer, shared_prefix=False).log_probs_no_grad(grpo.model, rollout)

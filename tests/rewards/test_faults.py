@@ -170,7 +170,7 @@ def test_immediate_eos_completions_train_without_dividing_by_zero(tmp_path, modu
         def sync_weights(self, model) -> None:
             pass
 
-    grpo.generator = AlwaysEOS()
+    grpo.engine = AlwaysEOS()
     metrics: dict[str, Any] = {}
 
     class Record(pl.Callback):
@@ -224,7 +224,7 @@ def test_an_enormous_prompt_is_cut_to_the_models_context_by_default(tmp_path, mo
 
     grpo = module(reward=length, gradient_accumulation_steps=1)  # context 512, max_new_tokens 8
     grpo.configure_model()
-    assert grpo.sampler.prompts.max_prompt_length == 512 - 8
+    assert grpo.episodes.prompts.max_prompt_length == 512 - 8
     with pytest.warns(UserWarning, match="truncated from the left"):
         trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "a" * 200_000}]))
     assert seen  # the step ran

@@ -10,10 +10,10 @@ import torch
 from helpers.models import make_model, make_tokenizer
 
 from forge_lightning.rewards import JudgeReward, read_score, require_arguments
+from forge_lightning.rewards.batch_scoring import score
 from forge_lightning.rewards.http import RewardServerError
 from forge_lightning.rewards.judge import DEFAULT_TEMPLATE
 from forge_lightning.rewards.reward_model import PolicyContext
-from forge_lightning.rewards.scoring import score
 from forge_lightning.rollout.engines.base import Completions, EngineCapabilities, GenerationRequest
 from forge_lightning.rollout.engines.hf import HFGenerate
 

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 
 from forge_lightning.rewards import RemoteReward
+from forge_lightning.rewards.batch_scoring import score
 from forge_lightning.rewards.http import RewardServerError
-from forge_lightning.rewards.scoring import score
 
 PROMPTS = ["2 + 3 =", [{"role": "user", "content": "hi"}], "what is 7?"]
 RESPONSES = [" 5", "hello there", "seven"]

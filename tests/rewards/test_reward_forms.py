@@ -25,8 +25,8 @@ def test_a_list_of_rewards_is_their_composite_and_anything_else_is_refused_at_on
 
 
 def test_trl_style_rewards_get_completions_by_keyword_in_trls_form():
+    from forge_lightning.rewards.batch_scoring import score
     from forge_lightning.rewards.library import missing_arguments
-    from forge_lightning.rewards.scoring import score
 
     seen = {}
 
@@ -59,8 +59,8 @@ def test_trl_style_rewards_get_completions_by_keyword_in_trls_form():
 
 
 def test_a_trl_style_reward_gets_the_reference_column_under_its_own_name():
+    from forge_lightning.rewards.batch_scoring import score
     from forge_lightning.rewards.library import require_arguments
-    from forge_lightning.rewards.scoring import score
 
     seen = {}
 
@@ -98,7 +98,7 @@ def test_a_reward_that_needs_a_key_the_batch_lacks_fails_before_any_generation(
         def generate(*args, **kwargs):
             raise AssertionError("generated before the check")
 
-        grpo.generator.generate = generate
+        grpo.engine.generate = generate
         with pytest.raises(ValueError, match=message):
             trainer(tmp_path, max_steps=1).fit(grpo, loader([{"prompt": "q"}]))
     # With the key in the data, the same reward trains.

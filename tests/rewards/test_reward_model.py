@@ -12,8 +12,8 @@ from helpers.models import make_model, make_tokenizer
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.rewards.batch_scoring import score
 from forge_lightning.rewards.library import CompositeReward, RewardModel
-from forge_lightning.rewards.scoring import score
 
 
 def classifier(tok, num_labels: int = 1, seed: int = 0) -> LlamaForSequenceClassification:

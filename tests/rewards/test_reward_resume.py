@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from forge_lightning.rewards import CompositeReward, JudgeReward, RemoteReward, load_reward, read_score
-from forge_lightning.rewards.resume import reward_on_resume
+from forge_lightning.rewards.resume_changes import reward_on_resume
 from forge_lightning.run.resume import check_resume_settings
 from forge_lightning.run.specs import to_spec
 from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME

@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
+from forge_lightning.rewards.batch_scoring import ScoredRewards, score
 from forge_lightning.rewards.environment import EnvironmentReward, with_environment_score
 from forge_lightning.rewards.library import (
     BaseReward,
@@ -28,7 +29,6 @@ from forge_lightning.rewards.library import (
     component_names,
     reward_name,
 )
-from forge_lightning.rewards.scoring import ScoredRewards, score
 
 
 class SeedStyleReward(BaseReward):
@@ -345,7 +345,7 @@ def test_length_penalty_can_leave_truncated_completions_at_zero():
 def test_rewards_get_the_per_completion_facts_they_name():
     import torch
 
-    from forge_lightning.rewards.scoring import score_groups
+    from forge_lightning.rewards.batch_scoring import score_groups
     from forge_lightning.rollout.types import Rollout
 
     seen = {}
@@ -467,7 +467,7 @@ def test_a_rewards_own_exit_or_interrupt_stops_with_an_error_naming_it(reward_ti
 def test_a_signal_during_a_reward_call_passes_through_unchanged():
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from forge_lightning.run.preemption import sigterm_interrupts
+    from forge_lightning.run.signals import sigterm_interrupts
 
     def signals(signum):
         def reward(prompts, responses):
@@ -634,8 +634,8 @@ def test_a_reward_needing_a_tool_fact_in_a_run_without_tools_is_refused_before_g
 
     def counting_generations() -> None:
         real()
-        sample = grpo.sampler.__call__
-        grpo.sampler = lambda *args, **kwargs: generated.append(1) or sample(*args, **kwargs)
+        sample = grpo.episodes.__call__
+        grpo.episodes = lambda *args, **kwargs: generated.append(1) or sample(*args, **kwargs)
 
     grpo.configure_model = counting_generations
     settings = r"model\.tools, model\.environment_factory or model\.calculator"

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from forge_lightning.rewards.batch_scoring import score
 from forge_lightning.rewards.math_verify_reward import MathVerifyReward
-from forge_lightning.rewards.scoring import score
 
 
 def test_missing_math_verify_says_how_to_install_it(monkeypatch):

@@ -361,7 +361,7 @@ def test_kill_chains_with_gradient_accumulation_resume_exactly(
     assert kept == ["epoch=0-step=3.ckpt", "last.ckpt"]
 
 
-CURRICULUM = """    - class_path: forge_lightning.callbacks.DifficultyCurriculum
+CURRICULUM = """    - class_path: forge_lightning.callbacks.SettledPromptFilter
       init_args: {window: 2, min_visits: 1, threshold: 0.7}
 """
 

@@ -460,7 +460,7 @@ def test_the_model_spec_is_never_read_as_a_file(tmp_path, capsys):
 
 
 def test_signal_handler_is_restored_after_reward_calls():
-    from forge_lightning.run.preemption import sigterm_interrupts
+    from forge_lightning.run.signals import sigterm_interrupts
 
     before = signal.getsignal(signal.SIGTERM)
     with sigterm_interrupts():

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 
 from forge_lightning.serving.client import RemoteEngine
-from forge_lightning.serving.sources import RemoteAsyncRollouts, RemoteSyncRollouts
+from forge_lightning.serving.remote_sources import RemoteAsyncRollouts, RemoteSyncRollouts
 
 
 @pytest.mark.parametrize("mode, kind", [("sync", RemoteSyncRollouts), ("async", RemoteAsyncRollouts)])
 def test_rollout_servers_make_the_module_sample_with_a_remote_engine(module, mode, kind):
     grpo = module(rollout_servers=["local:2"], rollout_mode=mode, max_staleness=2)
-    assert isinstance(grpo.rollout_source, kind) and isinstance(grpo.generator, RemoteEngine)
-    assert grpo.generator.lag == (2 if mode == "async" else 0) and grpo.rollout_source.runs_a_worker
-    assert not grpo.generator.running  # nothing starts before the fit
-    assert grpo.generator.placement.config.threads == 1
+    assert isinstance(grpo.rollout_source, kind) and isinstance(grpo.engine, RemoteEngine)
+    assert grpo.engine.lag == (2 if mode == "async" else 0) and grpo.rollout_source.runs_a_worker
+    assert not grpo.engine.running  # nothing starts before the fit
+    assert grpo.engine.placement.config.threads == 1
 
 
 def test_without_rollout_servers_the_engine_in_this_process_samples(module):

@@ -70,7 +70,7 @@ def expected_metrics(noise: torch.Tensor, mask: torch.Tensor, mode: str, level: 
 def fit_once(tmp_path, module, trainer, loader, **settings):
     pl.seed_everything(1)
     grpo = module(kl_beta=0.0, gradient_accumulation_steps=1, reward=varied, **settings)
-    grpo.generator = NoisyScores(len(grpo.tokenizer), grpo.tokenizer.eos_token_id, grpo.scorer.temperature)
+    grpo.engine = NoisyScores(len(grpo.tokenizer), grpo.tokenizer.eos_token_id, grpo.scorer.temperature)
     grpo.model.double()
     fit = trainer(tmp_path, max_steps=1)
     fit.fit(grpo, loader(RECORDS, batch_size=2))
@@ -91,7 +91,7 @@ def test_an_engine_with_known_noise_gives_the_correction_metrics_by_hand(
         rollout_correction_level=level,
         rollout_correction_cap=CAP,
     )
-    engine = grpo.generator
+    engine = grpo.engine
     want = expected_metrics(engine.noise, engine.mask, mode, level)
     assert mode == "truncate" or want["train/correction_masked_fraction"] > 0  # the noise crosses the cap
     for name, value in want.items():
@@ -100,7 +100,7 @@ def test_an_engine_with_known_noise_gives_the_correction_metrics_by_hand(
 
 def test_truncated_weights_scale_each_tokens_term_in_the_loss_by_hand(tmp_path, module, trainer, loader):
     grpo = fit_once(tmp_path / "tis", module, trainer, loader, rollout_correction="truncate")
-    engine, record = grpo.generator, grpo.last_step
+    engine, record = grpo.engine, grpo.last_step
     # One pass: the ratio is 1, so each token's term is -min(w, 3) * A; grpo's mean of means.
     advantages = group_advantages(record.rewards.double(), 4)
     weights = torch.exp(-engine.noise).clamp(max=CAP)
@@ -181,7 +181,7 @@ def test_an_int8_sampler_in_a_step_gives_the_correction_metrics_of_its_own_logpr
         kl_beta=0.0, gradient_accumulation_steps=1, rollout_precision="int8", rollout_correction="truncate"
     )
     engine = generation_backend("hf", grpo.tokenizer, grpo.model, rollout_precision="int8")
-    grpo.generator = spy = PolicyScored(engine, grpo.scorer.temperature, grpo.tokenizer.eos_token_id)
+    grpo.engine = spy = PolicyScored(engine, grpo.scorer.temperature, grpo.tokenizer.eos_token_id)
     trainer(tmp_path, max_steps=2).fit(grpo, loader(RECORDS * 2, batch_size=2))
     gap = (spy.sampler_logp - spy.policy_logp).double() * spy.mask
     assert gap.abs().max() > 1e-4  # the int8 copy's scores, not the policy's
@@ -202,5 +202,5 @@ def test_a_module_given_rollout_precision_samples_with_its_low_precision_copy(
         kl_beta=0.0, gradient_accumulation_steps=1, rollout_precision="bf16", rollout_correction="mask"
     )
     trainer(tmp_path, max_steps=1).fit(grpo, loader(RECORDS, batch_size=2))
-    assert isinstance(grpo.generator, QuantizedGenerate) and grpo.generator.precision == "bf16"
+    assert isinstance(grpo.engine, QuantizedGenerate) and grpo.engine.precision == "bf16"
     assert grpo.last_step.metrics["train/sampler_kl"] > 1e-9  # bfloat16 rounding: a gap

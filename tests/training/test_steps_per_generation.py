@@ -42,7 +42,7 @@ def fit_generation(tmp_path, trainer, loader, records, batch_size, max_steps, **
     """A seeded run of the tiny float64 module on FixedCompletions; its StepSpy and module."""
     pl.seed_everything(1)
     grpo = GRPOLightningModule(**exact_settings(learning_rate=5e-2, **settings))
-    grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+    grpo.engine = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
     spy = StepSpy()
     fit = trainer(tmp_path, max_steps=max_steps, callbacks=[other_reference(), spy])
     fit.fit(grpo, loader(records, batch_size=batch_size))
@@ -63,10 +63,10 @@ def test_two_steps_of_one_generation_equal_two_hand_built_steps_on_its_halves(
     # fixed there, then each half's loss at the weights its step saw.
     pl.seed_everything(1)
     hand = GRPOLightningModule(**exact_settings(learning_rate=5e-2, loss_type=loss_type))
-    hand.generator = FixedCompletions(len(hand.tokenizer), hand.tokenizer.eos_token_id)
+    hand.engine = FixedCompletions(len(hand.tokenizer), hand.tokenizer.eos_token_id)
     hand.configure_model()
     prompts = [r["prompt"] for r in RECORDS[:2]]
-    rollout = hand.sampler(hand.model, prompts, hand.sampling, 4)
+    rollout = hand.episodes(hand.model, prompts, hand.sampling, 4)
     rewards = torch.tensor(varied([], rollout.completions))
     advantages = group_advantages(rewards, 4)
     scorer = LogProbScorer(temperature=hand.scorer.temperature)
@@ -165,7 +165,7 @@ def test_data_whose_batches_cannot_be_split_is_refused_before_any_generation(
     from forge_lightning.data import PromptDataModule
 
     grpo = module(steps_per_generation=2, gradient_accumulation_steps=2)
-    grpo.generator = NoGeneration()
+    grpo.engine = NoGeneration()
     datamodule = PromptDataModule(source="mock", val_max_samples=1, **data)
     with pytest.raises(ValueError, match=said):
         trainer(tmp_path, max_steps=steps, limit_val_batches=0).fit(grpo, datamodule=datamodule)
@@ -176,7 +176,7 @@ def test_a_last_batch_the_run_never_reaches_is_not_refused(tmp_path, module, tra
     from forge_lightning.data import PromptDataModule
 
     grpo = module(steps_per_generation=2, gradient_accumulation_steps=2)
-    grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+    grpo.engine = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
     datamodule = PromptDataModule(source="mock", prompts_per_step=4, max_samples=6, val_max_samples=1)
     fit = trainer(tmp_path, max_steps=2, limit_val_batches=0)
     fit.fit(grpo, datamodule=datamodule)  # one batch of 4: the last, of 2, is never trained
@@ -186,7 +186,7 @@ def test_a_last_batch_the_run_never_reaches_is_not_refused(tmp_path, module, tra
 @pytest.mark.integration
 def test_the_default_hf_checkpoint_cadence_fits_the_generations_steps(tmp_path, module, trainer, loader):
     grpo = module(steps_per_generation=3, gradient_accumulation_steps=1)
-    grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+    grpo.engine = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
     saver = HFCheckpoint(save_final=False)  # the save_steps the user never set
     fit = trainer(tmp_path, callbacks=[saver], max_steps=6)
     fit.fit(grpo, loader(RECORDS[:3] * 2, batch_size=3))  # refused before: 100 is no multiple of 3
@@ -266,7 +266,7 @@ def test_learning_rate_monitor_and_train_lr_show_the_rate_each_step_used(
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     grpo = module(**{"gradient_accumulation_steps": 1, **settings}, lr_schedule="cosine", warmup_steps=0)
-    grpo.generator = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
+    grpo.engine = FixedCompletions(len(grpo.tokenizer), grpo.tokenizer.eos_token_id)
     used: list[float] = []  # the rate each optimizer step used, read as it steps
 
     class Rates(pl.Callback):

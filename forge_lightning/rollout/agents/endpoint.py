@@ -16,7 +16,7 @@ gathers the requests (every running episode's, or those that came before a pause
 ``GATHER_S``), samples them in one batch and answers each.
 
 What the policy samples is data: its text goes back as the message's content, and a tool call in
-it (in ``tool_call_format``, read as JSON by rollout/tools/parsers.py, never run) as the message's
+it (in the run's call format, read as JSON by rollout/tools/parsers.py, never run) as the message's
 ``tool_calls``; the agent runs its tools. A request's sampling settings (temperature, top_p, stop,
 ...) are not used: the run's are, which the loss assumes. Its ``max_tokens`` (or
 ``max_completion_tokens``) lowers the episode's remaining budget; ``n`` > 1 and ``stream`` are refused.
@@ -91,7 +91,7 @@ class AgentEndpoint:
 
     Args:
         tokenizer: the policy's, with a chat template.
-        call_format: how the policy writes a tool call (``tool_call_format``).
+        call_format: how the policy writes a tool call (a name in rollout/tools/parsers.py).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, call_format: str = "hermes") -> None:

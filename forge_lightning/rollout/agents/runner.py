@@ -66,7 +66,7 @@ class AgentRunner:
         agent: ``async def agent(client, row) -> float | None``.
         scored_by_agent: the agent's return value is the score: it must return a finite number;
             else it must return None (the run's reward scores the episode).
-        call_format: how the policy writes a tool call (``tool_call_format``).
+        call_format: how the policy writes a tool call (a name in rollout/tools/parsers.py).
         timeout: seconds an episode may take; a longer one is cancelled and fails. None: no limit.
     """
 

@@ -22,7 +22,7 @@ class EngineOptions:
     """What building an engine takes besides the tokenizer and the EOS ids (registry.py)."""
 
     gpu_memory_utilization: float = 0.3  # vLLM: the share of GPU memory its engine may take
-    precision: str | None = None  # rollout_precision: the low-precision copy's (quantized.py)
+    precision: str | None = None  # the low-precision copy's, to sample with (quantized.py)
 
 
 @dataclass

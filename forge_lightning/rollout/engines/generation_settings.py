@@ -102,8 +102,8 @@ VLLM_SAMPLING_FIELDS = (
 )
 
 
-# The generation_kwargs that leave the distribution each token is sampled from as it is: with
-# use_engine_logprobs the engine's log-probs stand in for the policy's, which holds only when no
+# The extra keys that leave the distribution each token is sampled from as it is: where the
+# engine's log-probs stand in for the policy's, which holds only when no
 # logits processor reshaped them (typical_p, epsilon/eta cutoffs, n-gram bans, suppressed or biased
 # tokens, a minimum length, best_of's pick...). A key not named here is taken to reshape them, so a
 # setting added to an engine later is refused until it is known to be harmless.

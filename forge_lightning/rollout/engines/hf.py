@@ -180,7 +180,7 @@ class HFGenerate:
             knobs: dict[str, Any] = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         else:
             knobs = dict(
-                **(params.extra or {}),  # generation_kwargs: checked not to name the settings below
+                **(params.extra or {}),  # the extra keys: checked not to name the settings below
                 do_sample=True,
                 temperature=params.temperature,
                 top_p=params.top_p,
@@ -264,5 +264,5 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | N
 
 
 def build(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], options: EngineOptions) -> HFGenerate:
-    """The policy's own ``generate`` (``generation_backend: hf``): needs nothing of ``options``."""
+    """The policy's own ``generate`` (the ``hf`` engine): needs nothing of ``options``."""
     return HFGenerate(tokenizer.pad_token_id, eos_ids, tokenizer)

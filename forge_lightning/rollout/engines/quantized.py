@@ -1,11 +1,11 @@
-"""The low-precision sampler (``rollout_precision``): HF ``generate`` on a copy of the policy in
+"""The low-precision sampler: HF ``generate`` on a copy of the policy in
 int8 or bfloat16, remade from the policy after every optimizer step.
 
-The copy's log-probs differ from the policy's, so a run needs ``rollout_correction``
+The copy's log-probs differ from the policy's, so a run needs the loss's rollout correction
 (settings/checks.py): the engine reports the copy's scores as the sampler's log-probs
 (``behav_logp``), the trainer scores the completions with the policy, and the correction weighs
-each token by the gap (``train/sampler_kl``). Validation samples with the copy too. Under
-``rollout_mode: async`` the worker makes the copy of each weight version it loads
+each token by the gap (``train/sampler_kl``). Validation samples with the copy too. With
+asynchronous rollouts the worker makes the copy of each weight version it loads
 (rollout/async_worker.py).
 
 ``int8``: every ``nn.Linear`` weight in int8, one scale per output channel, the activations

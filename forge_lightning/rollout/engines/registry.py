@@ -1,9 +1,8 @@
-"""The engines that sample rollouts, by the name ``generation_backend`` gives. An engine is a file
+"""The engines that sample rollouts, by the name the module's settings give. An engine is a file
 beside this one with a ``build(tokenizer, eos_token_ids, options)`` function that returns a
 :class:`~forge_lightning.rollout.engines.base.GenerationBackend`; adding one is that file and one
 line in ``ENGINES``. Each is imported only when a run names it (vLLM is a GPU-only install). A
-``rollout_precision`` samples with HF ``generate`` on a low-precision copy of the policy
-(quantized.py)."""
+low precision samples with HF ``generate`` on a low-precision copy of the policy (quantized.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ ENGINES = {
     "hf": "forge_lightning.rollout.engines.hf",
     "vllm": "forge_lightning.rollout.engines.vllm",
 }
-LOW_PRECISION = "forge_lightning.rollout.engines.quantized"  # the engine of a rollout_precision
+LOW_PRECISION = "forge_lightning.rollout.engines.quantized"  # the engine of a low precision
 
 
 def generation_backend(

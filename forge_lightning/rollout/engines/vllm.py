@@ -1,4 +1,4 @@
-"""Generation with vLLM, colocated with training on the same GPU (``generation_backend: vllm``).
+"""Generation with vLLM, colocated with training on the same GPU (the ``vllm`` engine).
 
 The engine is built on the first rollout from the policy itself: its config and tokenizer go to a
 temporary folder, vLLM starts there with placeholder weights (``load_format="dummy"``) and takes
@@ -9,9 +9,9 @@ the current policy. A LoRA policy's adapters are folded into the weights it rece
 
 Prompts go in as token ids; the G completions of a prompt come back from one request with ``n=G``.
 The sampling settings map over (``top_k`` 0 is vLLM's -1; each call draws its seed from torch's
-generator, so ``seed_everything`` repeats a run). With ``use_engine_logprobs`` the loss takes the
+generator, so ``seed_everything`` repeats a run). Asked for the engine's log-probs, the loss takes the
 old-policy log-probs from vLLM (its temperature-scaled ``processed_logprobs``; ``top_p`` 1 and
-``top_k`` 0, so that both sides score the same distribution); with ``rollout_correction`` the same
+``top_k`` 0, so that both sides score the same distribution); with the rollout correction the same
 log-probs are the sampler's, weighed against the trainer's recomputation (grpo.grpo_loss), at any
 top_p/top_k. The engine runs in the training
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, weights loaded through ``LLM.apply_model``).
@@ -235,5 +235,5 @@ def colocated_llm(
 
 
 def build(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int], options: EngineOptions) -> VLLMGenerate:
-    """vLLM colocated with training (``generation_backend: vllm``)."""
+    """vLLM colocated with training (the ``vllm`` engine)."""
     return VLLMGenerate(tokenizer, eos_ids, gpu_memory_utilization=options.gpu_memory_utilization)

@@ -78,7 +78,7 @@ class WeightRing:
     shared memory) is -1 while it is written and ``v`` once it holds version ``v`` whole; a reader
     checks the tag before and after copying, so it never takes a half-written copy for a whole one.
     CUDA copies run behind the host, so the writer waits for its device before it tags a slot, and
-    the reader before it checks the tag again. With ``max_staleness`` k, the worker reads versions
+    the reader before it checks the tag again. With a staleness of k, the worker reads versions
     at most k behind the newest written, so k + 1 slots (and at least 2, a double buffer) keep
     every version it may still read.
     """

@@ -21,7 +21,7 @@ from torch import Tensor
 from transformers import StoppingCriteria
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from forge_lightning.rollout.tools.base import Answer
+from forge_lightning.rollout.tools.protocol import Answer
 
 MAX_EXPRESSION_CHARS = 100
 MAX_MAGNITUDE = 10**12
@@ -247,7 +247,7 @@ class CalculatorStop(StoppingCriteria):
 
 
 class CalculatorTools:
-    """The inline calculator as a :class:`~forge_lightning.rollout.tools.base.ToolProtocol`: a call is
+    """The inline calculator as a :class:`~forge_lightning.rollout.tools.protocol.ToolProtocol`: a call is
     ``<<EXPR=`` or ``EXPR =`` at the completion's end, the answer its text tokenised alone."""
 
     names = ["calculator"]

@@ -4,8 +4,8 @@ in the order the calls were written. The calls on one environment (its methods, 
 one at a time in that order, so that its state changes as written.
 
 The calls are tasks of one event loop, in a daemon thread of its own started on first use, which
-only schedules them and keeps their time: each call is tools/calls.py's
-:func:`~forge_lightning.rollout.tools.calls.invoke` (the one place a tool is called), under the
+only schedules them and keeps their time: each call is tools/function_call.py's
+:func:`~forge_lightning.rollout.tools.function_call.invoke` (the one place a tool is called), under the
 semaphore and the time limit, and runs elsewhere: a sync tool in a thread of its own, an ``async
 def`` one on an event loop of its own (tools/event_loops.py: calls one after another share one,
 calls at once never do). So a tool that blocks (a ``time.sleep`` in a coroutine too) holds only
@@ -24,8 +24,8 @@ import threading
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
-from forge_lightning.rollout.tools.calls import Job, Outcome, failure, invoke
 from forge_lightning.rollout.tools.event_loops import EventLoops
+from forge_lightning.rollout.tools.function_call import Job, Outcome, failure, invoke
 from forge_lightning.run.user_code import warn_thread_abandoned
 
 T = TypeVar("T")
@@ -34,7 +34,7 @@ MAX_PARALLEL_CALLS = 16
 
 
 class CallLoop:
-    """Runs batches of :class:`~forge_lightning.rollout.tools.calls.Job` on its event loop.
+    """Runs batches of :class:`~forge_lightning.rollout.tools.function_call.Job` on its event loop.
 
     Args:
         max_parallel: the calls that run at once; the others wait their turn.

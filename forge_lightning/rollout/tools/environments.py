@@ -7,7 +7,7 @@ tool, or reset, is awaited). Several environments are a mapping name -> factory:
 ``environment`` field (TRL's column) picks its own, so one run mixes tasks.
 
 Under ``sandbox: process`` an episode's environment lives in a sandbox worker's process for the
-whole episode (run/sandbox.py's sticky episodes): :func:`sandboxed_environment` makes it there
+whole episode (sandbox/pool.py's sticky episodes): :func:`sandboxed_environment` makes it there
 and resets it, and the trainer holds a :class:`SandboxedEnvironment`, whose public methods (the
 tools, the score) run in that process.
 """
@@ -19,8 +19,8 @@ import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from forge_lightning.run.sandbox import Sandbox, SandboxEpisode
 from forge_lightning.run.user_code import accepted_kwargs, is_async
+from forge_lightning.sandbox.pool import Sandbox, SandboxEpisode
 
 # The environment methods that are not tools: the episode's start, and its score (TRL's name first).
 RESET = "reset"

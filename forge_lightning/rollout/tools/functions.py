@@ -6,7 +6,7 @@ which ``transformers.utils.get_json_schema`` builds its schema. The chat templat
 schemas where it renders ``tools``; where it ignores them, they go into the system message
 (:data:`TOOLS_SYSTEM_PROMPT`). The calls are read in a :mod:`tool-call format
 <forge_lightning.rollout.tools.parsers>` at the end of the policy's turn (its end-of-turn token):
-every call the turn wrote, up to the completion's ``max_tool_calls``; the calls of every row that
+every call the turn wrote, up to the completion's cap of calls; the calls of every row that
 waits for a tool run at once (tools/call_loop.py) and each result goes back as a ``tool``
 message, whose tokens are the template's delta: the conversation rendered with those messages
 (and the cue for the next assistant turn) less its rendering up to the end of the assistant's
@@ -37,10 +37,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.rollout.control_tokens import encode_marked, mark_data
 from forge_lightning.rollout.sampler import RolloutSampler, prompt_messages
-from forge_lightning.rollout.tools.base import Answer, Episode
 from forge_lightning.rollout.tools.call_ends import CallEnds, CallStop
 from forge_lightning.rollout.tools.call_loop import MAX_PARALLEL_CALLS, CallLoop
-from forge_lightning.rollout.tools.calls import MAX_RESULT_CHARS, Job, Outcome, check_call, tool_schema
 from forge_lightning.rollout.tools.environments import (
     RESET,
     environment_named,
@@ -51,11 +49,19 @@ from forge_lightning.rollout.tools.environments import (
     refuse_async,
     sandboxed_environment,
 )
+from forge_lightning.rollout.tools.function_call import (
+    MAX_RESULT_CHARS,
+    Job,
+    Outcome,
+    check_call,
+    tool_schema,
+)
 from forge_lightning.rollout.tools.parsers import CallFormat, ParsedCall, format_named
+from forge_lightning.rollout.tools.protocol import Answer, Episode
 from forge_lightning.rollout.tools.stored import tool_names
 from forge_lightning.rollout.types import Prompt, left_pad
-from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.user_code import accepted_kwargs, trl_kwargs
+from forge_lightning.sandbox.pool import Sandbox
 
 # The system message's text where the chat template does not render ``tools`` ({tools}: one JSON
 # schema a line; {call}: how the format writes a call). Appended to a system message the prompt has.
@@ -78,7 +84,7 @@ class EpisodeTools:
 
 
 class FunctionTools:
-    """Function tools and an environment's as a :class:`~forge_lightning.rollout.tools.base.ToolProtocol`.
+    """Function tools and an environment's as a :class:`~forge_lightning.rollout.tools.protocol.ToolProtocol`.
 
     Args:
         tokenizer: the policy's, with a chat template (prefix-stable; checked here).
@@ -95,7 +101,7 @@ class FunctionTools:
             (:data:`CUT_MARK`) and counted (``tool_results_cut``).
         max_parallel: the calls (of all rows, and of one turn) that run at once.
         chat_template_kwargs: passed to every rendering of the chat template.
-        sandbox: where the function tools run (run/sandbox.py), and each episode's environment,
+        sandbox: where the function tools run (sandbox/pool.py), and each episode's environment,
             made in one worker's process and called there for the whole episode; None: in this
             process.
     """

@@ -9,7 +9,7 @@
   </function></tool_call>``, each value text read by its parameter's type in the tool's schema.
 
 A turn is read at its end (the end-of-turn token it samples), whole: every call it wrote, in
-every format, runs (up to the completion's ``max_tool_calls``). The text parsed is what the model
+every format, runs (up to the completion's cap of calls). The text parsed is what the model
 sampled: it is read as JSON or text, never run. Whatever is
 wrong with a call (no JSON, an unknown name, arguments that do not fit the function) becomes an
 error message the model reads back as the tool's result.

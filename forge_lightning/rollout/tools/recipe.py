@@ -11,10 +11,10 @@ from typing import Any
 
 from forge_lightning.rollout.sampler import RolloutSampler
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
-from forge_lightning.rollout.tools.base import ToolProtocol
 from forge_lightning.rollout.tools.calculator import CalculatorTools, InlineCalculator
 from forge_lightning.rollout.tools.functions import FunctionTools
-from forge_lightning.run.sandbox import Sandbox
+from forge_lightning.rollout.tools.protocol import ToolProtocol
+from forge_lightning.sandbox.pool import Sandbox
 
 
 @dataclass(frozen=True)

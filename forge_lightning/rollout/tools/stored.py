@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from forge_lightning.rollout.tools.calls import WHAT_A_TOOL_IS
 from forge_lightning.rollout.tools.environments import (
     environment_class,
     environment_tools,
@@ -18,6 +17,7 @@ from forge_lightning.rollout.tools.environments import (
     refuse_async,
     score_name,
 )
+from forge_lightning.rollout.tools.function_call import WHAT_A_TOOL_IS
 from forge_lightning.run.specs import from_spec, import_path
 
 

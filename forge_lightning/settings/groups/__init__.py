@@ -96,6 +96,11 @@ def changeable_of(declared: Mapping[str, type] = DECLARED) -> frozenset[str]:
     )
 
 
+def card_settings(declared: Mapping[str, type] = DECLARED) -> tuple[str, ...]:
+    """The settings a checkpoint's model card lists (declared ``card=True``), in their order."""
+    return tuple(setting_name(item) for _, item in declared_fields(declared) if item.metadata.get("card"))
+
+
 RULES = rules_of()
 # Settings a resumed run may change: they leave what a step computes alone (memory, speed, error
 # handling, what validation samples), or, the learning rate and its schedule, take effect from the

@@ -39,11 +39,11 @@ def _parsers() -> Any:
 class SamplingSettings(Group):
     """How training completions are sampled."""
 
-    group_size: int = setting(8, check=count(2))
+    group_size: int = setting(8, check=count(2), card=True)
     """completions per prompt (G), at least 2."""
-    max_new_tokens: int = setting(512, check=count(1))
+    max_new_tokens: int = setting(512, check=count(1), card=True)
     """longest completion, in tokens."""
-    temperature: float = setting(0.9, check=POSITIVE)
+    temperature: float = setting(0.9, check=POSITIVE, card=True)
     """sampling temperature; the loss scores at it too (``forge``: at 1)."""
     top_p: float = setting(1.0, check=SHARE)
     """nucleus sampling mass."""

@@ -40,7 +40,7 @@ class SandboxSettings(Group):
     reads only Python and the user's modules, writes only a scratch folder, none of the trainer's
     environment variables but ``sandbox_env``'s, as nobody under a root trainer, the limits
     below; what it returns crosses back as data, never unpickled), killed with everything it
-    started past ``reward_timeout``/``tool_timeout`` (60 s where None); refused at the start where
+    started past its call's time limit (60 s where None); refused at the start where
     the machine cannot isolate. A RewardModel stays in the trainer's process. An
     ``environment_factory``'s environment lives in one worker's process for its whole episode
     (its tools and its score are called there; episodes share the workers)."""

@@ -37,13 +37,13 @@ class LossGroup(Group):
     """The loss's settings as the module takes them. ``settings.loss`` is the grpo.LossSettings
     built from them (:func:`loss_settings`), which checks their ranges and says each in full."""
 
-    loss_type: LossType = setting(_LOSS.loss_type)
+    loss_type: LossType = setting(_LOSS.loss_type, card=True)
     """``grpo``, ``dapo``, ``dr_grpo``, ``forge``, ``cispo`` or ``sapo`` (see grpo.LossSettings)."""
     clip_epsilon: float = setting(_LOSS.clip_epsilon)
     """the ratio's clip range, in (0, 1) (see grpo.LossSettings)."""
     clip_epsilon_high: float | None = setting(_LOSS.clip_epsilon_high)
     """a separate upper clip range (DAPO's clip-higher); None: ``clip_epsilon``."""
-    kl_beta: float = setting(_LOSS.kl_beta)
+    kl_beta: float = setting(_LOSS.kl_beta, card=True)
     """weight of the KL penalty toward the reference; 0 needs no reference."""
     importance_sampling_level: ImportanceSampling = setting(_LOSS.importance_sampling_level)
     """``token`` ratios, or one per completion (``sequence``, GSPO)."""
@@ -83,7 +83,7 @@ class AdvantageSettings(Group):
     ``steps_per_generation`` shares; not later accumulation batches, sampled after it), so it
     needs ``advantage_scale: none``. Unlike ``advantage_scale: batch`` (the std of the raw rewards,
     spread between prompts included) its std is of the within-group spread alone (grpo.advantages)."""
-    mask_truncated_completions: bool = setting(False)
+    mask_truncated_completions: bool = setting(False, card=True)
     """a completion cut off at ``max_new_tokens`` (no EOS) gets no policy or KL weight, and is left
     out of the loss's normaliser; it still counts in its group's reward statistics (as in TRL and
     DAPO)."""
@@ -93,7 +93,7 @@ class AdvantageSettings(Group):
 class OffPolicySettings(Group):
     """Training on a rollout more than once, or on one sampled by other weights or another engine."""
 
-    num_iterations: int = setting(1, check=count(1))
+    num_iterations: int = setting(1, check=count(1), card=True)
     """optimizer passes over each rollout (mu); above 1 needs accumulation 1."""
     steps_per_generation: int = setting(1, check=count(1))
     """optimizer steps each batch's generation feeds (S). With S > 1 the batch (give the data S x
@@ -136,11 +136,11 @@ class OffPolicySettings(Group):
 class OptimizerSettings(Group):
     """AdamW, its schedule, and the gradient it steps on."""
 
-    learning_rate: float = setting(5e-6, check=POSITIVE, resume=True)
+    learning_rate: float = setting(5e-6, check=POSITIVE, resume=True, card=True)
     """AdamW's peak learning rate."""
     weight_decay: float = setting(0.0, check=(lambda v: v >= 0, ">= 0"))
     """AdamW's weight decay."""
-    gradient_accumulation_steps: int = setting(4, check=count(1))
+    gradient_accumulation_steps: int = setting(4, check=count(1), card=True)
     """batches per optimizer step."""
     max_grad_norm: float | None = setting(1.0, check=(optional(lambda v: v > 0), "None or > 0"))
     """clip the gradient's total norm to this before each step; None disables."""
@@ -159,7 +159,7 @@ class OptimizerSettings(Group):
 class DynamicSamplingSettings(Group):
     """DAPO's dynamic sampling (training/dynamic_sampling.py)."""
 
-    enabled: bool = setting(False, name="dynamic_sampling")
+    enabled: bool = setting(False, name="dynamic_sampling", card=True)
     """train on informative groups only, sampling rounds until a step has
     enough (DAPO; see training/dynamic_sampling.py); ``gradient_accumulation_steps`` then counts
     informative prompts. Needs ``trainer.max_steps`` and ``num_iterations`` 1."""
@@ -205,9 +205,9 @@ class MemorySettings(Group):
     """``sdpa``, ``eager``, ``flash_attention_2``, ...; None: transformers' choice."""
     max_generation_tokens: int = setting(2**20, check=count(1), resume=True)
     """the most tokens one batch's generation may hold, counted as its rows x
-    (``max_prompt_length``, 0 when unset, + new tokens): a training batch (prompts per step x
-    ``group_size`` rows) or a sampled validation batch (``val_batch_size`` x
-    ``val_num_generations`` rows) over it is refused before any step (check_generation_budget)."""
+    (the longest prompt the settings allow, 0 when unset, + new tokens): a training batch (prompts per step x
+    the group's rows) or a sampled validation batch (``val_batch_size`` x its samples per prompt
+    rows) over it is refused before any step (check_generation_budget)."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class PreflightSettings(Group):
     micro-batch) and stop with sized suggestions where its peak memory, with AdamW's state to
     come, is over ``preflight_memory_gb``. No optimizer step: the weights, gradients and RNG
     streams are left as they were, so the run takes the same steps as without. The longest prompt
-    is ``max_prompt_length``, else the training data's longest (read ahead, tokenised)."""
+    is the one the prompt settings allow, else the training data's longest (read ahead, tokenised)."""
     preflight_memory_gb: float | None = setting(
         None, check=(optional(lambda v: v > 0), "None or > 0 (GiB)"), resume=True
     )

@@ -77,7 +77,7 @@ m = GRPOLightningModule(
 )
 m.configure_model()
 start = time.time()
-rollout = m.sampler(
+rollout = m.episodes(
     m.model, [p.question for p in problems], SamplingParams(160, temperature=temperature), group_size=8
 )
 scores = GSM8KAnswerReward()(

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import torch
+from forge_lightning.sampling import SamplingParams
 
 from forge_lightning import GRPOLightningModule
 from forge_lightning.data.arithmetic import generate
-from forge_lightning.sampling import SamplingParams
 from forge_lightning.rewards import GSM8KAnswerReward
 
 torch.set_num_threads(1)
@@ -38,7 +38,7 @@ m = GRPOLightningModule(
 )
 m.configure_model()
 t = time.time()
-r = m.sampler(m.model, [p.question for p in probs], SamplingParams(128, temperature=0.8), group_size=8)
+r = m.episodes(m.model, [p.question for p in probs], SamplingParams(128, temperature=0.8), group_size=8)
 acc = GSM8KAnswerReward()(
     [p.question for p in probs for _ in range(8)],
     r.completions,

@@ -252,7 +252,7 @@ def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(fit_
 
     class WorkerPid(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            pids.append(pl_module.generator.process.pid)
+            pids.append(pl_module.engine.process.pid)
 
     with pytest.warns(UserWarning, match="no trainer.max_steps: the fit's last 2 optimizer steps"):
         grpo, trainer, logged = fit_async(records=5, callbacks=[WorkerPid()])
@@ -264,7 +264,7 @@ def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(fit_
     assert all(0.5 < r["correction_weight_mean"] < 2.0 for r in logged[1:])
     assert sum(r["num_tokens"] > 0 for r in logged) == 5
     assert all(r["regenerated"] == 0 for r in logged)
-    assert not grpo.generator.running
+    assert not grpo.engine.running
     assert wait_until_gone(pids[0], seconds=10)
 
 
@@ -276,7 +276,7 @@ def test_stale_rollouts_are_sampled_again_and_counted(fit_async):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == 1:
-                worker = pl_module.generator
+                worker = pl_module.engine
                 for item in pl_module.rollout_source.in_flight:
                     item.finished = item.finished or worker.collect(item.ticket)
                 worker.sync_weights(pl_module.model)
@@ -308,7 +308,7 @@ def test_async_refuses_several_devices(module):
     grpo = module(rollout_mode="async")
     with pytest.raises(ValueError, match="one device for now: it does not support DDP or FSDP"):
         grpo.rollout_source.on_fit_start(FitShape(world_size=2), grpo.model, sharded=False)
-    assert not grpo.generator or not grpo.generator.running
+    assert not grpo.engine or not grpo.engine.running
 
 
 @pytest.mark.integration
@@ -326,7 +326,7 @@ def test_a_failing_fit_stops_the_worker(tmp_path, module, trainer, loader):
     )
     with pytest.raises(Exception, match="reward exploded"):
         trainer(tmp_path).fit(grpo, loader([{"prompt": f"q{i}"} for i in range(4)]))
-    assert not grpo.generator.running
+    assert not grpo.engine.running
 
 
 def test_worker_threads_split_the_trainers(module):
@@ -382,7 +382,7 @@ def test_the_worker_samples_validation_from_the_batchs_seed(tmp_path, module, tr
                     for line in path.read_text().splitlines()
                 ]
             )
-        assert isinstance(grpo.generator, RolloutWorker)  # the worker sampled them
+        assert isinstance(grpo.engine, RolloutWorker)  # the worker sampled them
     finally:
         grpo.stop_rollout_worker()
     assert draws[0] == draws[1]

@@ -62,7 +62,7 @@ def vllm_module(module: Any, engines: list[FakeLLM], **kwargs: Any) -> GRPOLight
         generation_backend="vllm",
     )
     grpo = module(**{**settings, **kwargs})
-    grpo.generator = backend(engines)  # the constructor hook: configure_model keeps a set generator
+    grpo.engine = backend(engines)  # the constructor hook: configure_model keeps a set generator
     return grpo
 
 
@@ -171,7 +171,7 @@ def test_engine_logprobs_are_the_old_logprobs_of_the_loss(module):
     engines: list[FakeLLM] = []
     grpo = vllm_module(module, engines, use_engine_logprobs=True, temperature=1.0)
     grpo.configure_model()
-    rollout = grpo.sampler(grpo.model, ["ab"], grpo.sampling, 4, engine_logprobs=True)
+    rollout = grpo.episodes(grpo.model, ["ab"], grpo.sampling, 4, engine_logprobs=True)
     assert engines[0].requests[0][1][0].logprobs == 0
     expected = torch.where(rollout.completion_mask.bool(), TOKEN_LOGP, 0.0)
     torch.testing.assert_close(rollout.old_logp, expected)
@@ -197,7 +197,7 @@ def test_calculator_rounds_on_vllm_train_a_step_with_the_engines_log_probs_on_th
     tok = make_tokenizer()
     engine = CalculatorLLM(tok)
     grpo = vllm_module(module, [], calculator="annotation", group_size=2, max_new_tokens=16, **setting)
-    grpo.generator = VLLMGenerate(tok, [EOS], engine_factory=lambda *_: engine)
+    grpo.engine = VLLMGenerate(tok, [EOS], engine_factory=lambda *_: engine)
     grpo.configure_model()
     context = StepContext.one_process()
     [item] = grpo.rollout_source.rollouts(TrainingBatch(["Q:"], {}, 0), context, grpo.model)
@@ -227,7 +227,7 @@ def test_hf_stays_the_default_backend():
     tok = make_tokenizer()
     grpo = GRPOLightningModule(model=make_model(len(tok)), tokenizer=tok)
     grpo.configure_model()
-    assert isinstance(grpo.generator, HFGenerate) and grpo.sampler.generator is grpo.generator
+    assert isinstance(grpo.engine, HFGenerate) and grpo.episodes.generator is grpo.engine
 
 
 @pytest.mark.integration
@@ -325,8 +325,6 @@ def test_real_engine_trains_and_follows_the_policy_on_a_gpu(tmp_path, monkeypatc
     fit.fit(grpo, loader([{"prompt": f"q{i}"} for i in range(2)]))
 
     assert fit.global_step == 2
-    engine_embed = grpo.generator.engine.apply_model(lambda m: m.model.embed_tokens.weight[: len(tok)].cpu())[
-        0
-    ]
+    engine_embed = grpo.engine.engine.apply_model(lambda m: m.model.embed_tokens.weight[: len(tok)].cpu())[0]
     policy_embed = grpo.model.model.embed_tokens.weight.detach().cpu()
     torch.testing.assert_close(engine_embed.float(), policy_embed.float())

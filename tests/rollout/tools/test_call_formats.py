@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerFast
 
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.tools import CALL_FORMATS, FunctionTools, ParsedCall
-from forge_lightning.rollout.tools.base import Episode
 from forge_lightning.rollout.tools.call_ends import CallStop
+from forge_lightning.rollout.tools.protocol import Episode
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CHARS = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
@@ -215,7 +215,7 @@ def test_chat_template_kwargs_is_a_module_setting_every_prompt_gets():
         model=tiny(tok), tokenizer=tok, chat_template_kwargs=kwargs, max_prompt_length=500
     )
     grpo.configure_model()
-    ids, mask = grpo.sampler.encode(["Q"], torch.device("cpu"))  # training's and validation's prompts
+    ids, mask = grpo.episodes.encode(["Q"], torch.device("cpu"))  # training's and validation's prompts
     assert "Today Date: 01 Jan 2030" in tok.decode(ids[0][mask[0].bool()])
     with_tools = GRPOLightningModule(
         model=tiny(tok),
@@ -225,7 +225,7 @@ def test_chat_template_kwargs_is_a_module_setting_every_prompt_gets():
         chat_template_kwargs=kwargs,
     )
     with_tools.configure_model()
-    assert with_tools.sampler.tools.template_kwargs == kwargs
+    assert with_tools.episodes.tools.template_kwargs == kwargs
     with pytest.raises(ValueError, match="chat_template_kwargs must be None or a dict"):
         GRPOLightningModule(
             model=tiny(tok), tokenizer=tok, chat_template_kwargs={"add_generation_prompt": False}

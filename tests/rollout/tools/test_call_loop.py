@@ -15,7 +15,7 @@ from helpers.tools import GREEDY, call, chat_tokenizer, sampler, tiny
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.tools import CALL_FORMATS
 from forge_lightning.rollout.tools.call_loop import CallLoop
-from forge_lightning.rollout.tools.calls import Job, Outcome
+from forge_lightning.rollout.tools.function_call import Job, Outcome
 from forge_lightning.run.user_code import warn_thread_abandoned
 
 
@@ -213,6 +213,6 @@ def test_max_parallel_tool_calls_is_a_module_setting_the_tools_get():
         model=tiny(tok), tokenizer=tok, tools=[nap], use_chat_template=True, max_parallel_tool_calls=3
     )
     grpo.configure_model()
-    assert grpo.sampler.tools.calls.max_parallel == 3
+    assert grpo.episodes.tools.calls.max_parallel == 3
     with pytest.raises(ValueError, match="max_parallel_tool_calls must be an integer >= 1"):
         GRPOLightningModule(model=tiny(tok), tokenizer=tok, tools=[nap], max_parallel_tool_calls=0)

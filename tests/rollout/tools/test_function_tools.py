@@ -36,10 +36,10 @@ from forge_lightning.grpo import LossSettings, grpo_loss
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rollout.tools import CALL_FORMATS, FunctionTools, HermesToolCalls, ParsedCall
-from forge_lightning.rollout.tools.base import Episode
 from forge_lightning.rollout.tools.call_ends import CallStop
-from forge_lightning.rollout.tools.calls import CUT_MARK
+from forge_lightning.rollout.tools.function_call import CUT_MARK
 from forge_lightning.rollout.tools.functions import EpisodeTools
+from forge_lightning.rollout.tools.protocol import Episode
 from forge_lightning.settings.checks import validate_hparams
 
 
@@ -571,7 +571,7 @@ def test_the_result_cap_is_a_module_setting_the_tools_get(tmp_path):
         model=tiny(tok), tokenizer=tok, tools=[add], use_chat_template=True, max_tool_result_chars=77
     )
     grpo.configure_model()
-    assert grpo.sampler.tools.max_result_chars == 77
+    assert grpo.episodes.tools.max_result_chars == 77
     with pytest.raises(ValueError, match="max_tool_result_chars must be an integer >= 1"):
         GRPOLightningModule(model=tiny(tok), tokenizer=tok, tools=[add], max_tool_result_chars=0)
 
@@ -669,7 +669,7 @@ def sigterm(x: int) -> int:
 def test_a_signal_during_a_tool_call_still_stops_the_run(timeout):
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from forge_lightning.run.preemption import sigterm_interrupts
+    from forge_lightning.run.signals import sigterm_interrupts
 
     tok = chat_tokenizer()
     for name, stop in (("ctrl_c", KeyboardInterrupt), ("sigterm", SIGTERMException)):

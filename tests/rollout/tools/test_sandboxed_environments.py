@@ -1,5 +1,5 @@
 """Stateful environments under ``sandbox: process``: each episode's environment lives in one
-sandbox worker's process for the whole episode (run/sandbox.py's sticky episodes), through the
+sandbox worker's process for the whole episode (sandbox/pool.py's sticky episodes), through the
 real tool loop: its calls see its own state in one process, never the trainer's; a hung call is
 killed at its timeout and only its episode ends; its score reaches the reward."""
 
@@ -17,10 +17,10 @@ from helpers.sandbox import skip_unless_sandbox_isolates
 from helpers.tools import GREEDY, call, chat_tokenizer, sampler, tiny
 
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.rewards.batch_scoring import score
 from forge_lightning.rewards.environment import EnvironmentReward
-from forge_lightning.rewards.scoring import score
 from forge_lightning.rollout.tools import FunctionTools
-from forge_lightning.run.sandbox import Sandbox, SandboxLimits
+from forge_lightning.sandbox.pool import Sandbox, SandboxLimits
 
 DONE = {"role": "assistant", "content": "Done."}
 pytestmark = pytest.mark.integration

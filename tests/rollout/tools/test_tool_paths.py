@@ -112,7 +112,7 @@ def test_a_low_precision_sampler_with_tools_samples_with_its_copy_and_weighs_no_
     settings = {"rollout_precision": "bf16", "rollout_correction": "truncate"}
     validate_hparams({"calculator": "annotation", **settings})
     grpo, rollout, metrics, _ = train_one_batch(module, **settings)
-    engine = grpo.generator
+    engine = grpo.engine
     assert isinstance(engine, QuantizedGenerate) and engine.sampling_copy is not None
     assert next(engine.sampling_copy.parameters()).dtype == torch.bfloat16  # the copy sampled
     tool = rollout.completion_mask.bool() & ~rollout.model_mask.bool()

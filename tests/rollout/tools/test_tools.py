@@ -279,7 +279,7 @@ def test_a_fit_with_the_calculator_trains_on_its_transcripts(tmp_path, trainer, 
     fit.fit(grpo, loader([{"prompt": "Q:"}] * 4), loader([{"prompt": "Q:", "reference": "6"}]))
 
     assert fit.global_step == 2
-    assert isinstance(grpo.sampler, ToolRolloutSampler)
+    assert isinstance(grpo.episodes, ToolRolloutSampler)
     assert any("<<2*3=6>>" in r for r in seen)
     metrics = grpo.last_step.metrics
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))

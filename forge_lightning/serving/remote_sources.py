@@ -16,8 +16,6 @@ from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.sources import (
     AsyncRollouts,
     EpisodeRunner,
-    RolloutSettings,
-    RolloutSource,
     SyncRollouts,
     TrainingBatch,
     TrainingLoop,
@@ -29,29 +27,27 @@ from forge_lightning.serving.placement import Placement
 from forge_lightning.serving.processes import ServeConfig
 
 
-def remote_rollouts(
-    settings: RolloutSettings,
-    servers: list[str],
-    serve: ServeConfig,
-    spec: str | None,
-    partial: bool,
-    lag: int,
-) -> RolloutSource:
-    """The source of ``settings.mode`` sampling on ``servers`` (placement.py's entries), which
-    started servers run with ``serve``; ``spec``: the module's model spec (None for a model given
-    as an object); ``partial``: partial rollouts; ``lag``: the versions a server may answer behind
-    the newest (async)."""
+def remote_engine(
+    servers: list[str], serve: ServeConfig, spec: str | None, partial: bool, lag: int
+) -> RemoteEngine:
+    """The engine sampling on ``servers`` (placement.py's entries), which started servers run with
+    ``serve``; ``spec``: the module's model spec (None for a model given as an object);
+    ``partial``: partial rollouts; ``lag``: the versions a server may answer behind the newest
+    (async)."""
     engine = RemoteEngine(Placement(servers, serve, spec), partial=partial)
     engine.lag = lag
-    source = RemoteAsyncRollouts(settings) if settings.mode == "async" else RemoteSyncRollouts(settings)
-    source.engine = source.remote = engine
-    return source
+    return engine
 
 
 class RemoteSource:
     """What both remote sources add to theirs (a mixin before the rollout/sources.py class)."""
 
     remote: RemoteEngine
+
+    def __init__(self, remote: RemoteEngine, *args: Any, **kwargs: Any) -> None:
+        """``remote`` samples; the rest are the rollout/sources.py class's own arguments."""
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.engine = self.remote = remote
 
     def prepare(
         self,

@@ -1,10 +1,10 @@
-"""One sandbox worker process as the trainer holds it (run/sandbox.py's pool): started by
+"""One sandbox worker process as the trainer holds it (sandbox/pool.py): started by
 ``unshare`` in its own namespaces (and, under root, a pids cgroup of its own), its pipes, its
-scratch folder, its episodes (run/episode_worker.py), and how it is killed; and what a sandboxed
+scratch folder, its episodes (sandbox/episode_worker.py), and how it is killed; and what a sandboxed
 call's failure is.
 
 Each message carries a new id; the answer names it back. An answer is read as JSON data
-(run/sandbox_frames.py), never unpickled: one that is not the sandbox's form, or that names
+(sandbox/frames.py), never unpickled: one that is not the sandbox's form, or that names
 another call, means something in the worker spoke for it, and the worker is killed."""
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from forge_lightning.run.isolation import UNPRIVILEGED, pids_cgroup, remove_cgroup, started
-from forge_lightning.run.sandbox_frames import KINDS, MAX_ANSWER_BYTES
-from forge_lightning.run.sandbox_view import WorkerView
-from forge_lightning.run.sandbox_worker import ID_BYTES, WORKER_MARK
+from forge_lightning.sandbox.frames import KINDS, MAX_ANSWER_BYTES
+from forge_lightning.sandbox.isolation import UNPRIVILEGED, pids_cgroup, remove_cgroup, started
+from forge_lightning.sandbox.view import WorkerView
+from forge_lightning.sandbox.worker import ID_BYTES, WORKER_MARK
 
 # Seconds a new worker may take to start and import the prepared functions' modules.
 START_TIMEOUT = 120.0
-_SERVE = "from forge_lightning.run.sandbox_worker import serve; serve()"
+_SERVE = "from forge_lightning.sandbox.worker import serve; serve()"
 
 
 class SandboxCallError(Exception):
@@ -165,7 +165,7 @@ BASE_ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 
 def worker_environment(scratch: str, crossing: Mapping[str, str] | None = None) -> dict[str, str]:
     """The worker's environment: none of the trainer's variables but ``crossing`` (those
-    ``sandbox_env`` names), :data:`BASE_ENVIRONMENT`, the trainer's ``sys.path`` (so that the
+    the run lets cross), :data:`BASE_ENVIRONMENT`, the trainer's ``sys.path`` (so that the
     user's modules import there as here) and the scratch folder as home and temporary folder."""
     paths = [os.path.abspath(entry or os.curdir) for entry in sys.path]
     return {

@@ -1,5 +1,5 @@
-"""The trainer's handle on a sticky episode of the sandbox (run/sandbox.py's
-:meth:`~forge_lightning.run.sandbox.Sandbox.open_episode`): the worker whose process holds the
+"""The trainer's handle on a sticky episode of the sandbox (sandbox/pool.py's
+:meth:`~forge_lightning.sandbox.pool.Sandbox.open_episode`): the worker whose process holds the
 episode's environment, and the episode's id there. Its calls go to that worker alone; when the
 handle is dropped (garbage-collected), the episode is queued for release, and its worker ends its
 process with the next episode message it gets."""

@@ -1,5 +1,5 @@
-"""What the machine gives the sandbox (run/sandbox.py), found once per process: the namespaces
-``unshare`` makes, Landlock, the socket filter (run/seccomp.py), and the bound on a worker's
+"""What the machine gives the sandbox (sandbox/pool.py), found once per process: the namespaces
+``unshare`` makes, Landlock, the socket filter (sandbox/seccomp.py), and the bound on a worker's
 processes (``RLIMIT_NPROC`` for a user that is not root; root ignores it, so under root a ``pids``
 cgroup per worker, v1 or v2). A machine without one of them is refused with the reason, never
 given a weaker sandbox.
@@ -24,10 +24,10 @@ import tempfile
 import time
 from typing import Any
 
-from forge_lightning.run import seccomp
-from forge_lightning.run.landlock import abi_version
+from forge_lightning.sandbox import seccomp
+from forge_lightning.sandbox.landlock import abi_version
 
-log = logging.getLogger("forge_lightning.run.sandbox")
+log = logging.getLogger("forge_lightning.sandbox.pool")
 
 # The namespaces of a worker: its own user (root in it, for the mounts), pid (it is the first
 # process: all die with it), network (none), mount (its own /proc) and IPC.
@@ -93,7 +93,7 @@ def probe() -> str:
     parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     program = (
         f"import sys; sys.path.insert(0, {parent!r}); "
-        f"from forge_lightning.run.isolation import check_inside; check_inside({drop_to!r})"
+        f"from forge_lightning.sandbox.isolation import check_inside; check_inside({drop_to!r})"
     )
     try:
         done = started(

@@ -30,16 +30,16 @@ from helpers.tools import chat_tokenizer
 
 from forge_lightning.examples.code_execution import passes_tests
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.rewards.scoring import score
-from forge_lightning.rollout.tools.calls import CUT_MARK, Job, called, tool_text
-from forge_lightning.run.sandbox import ForgedAnswer, Sandbox, SandboxCallError, SandboxLimits, SandboxRaised
-from forge_lightning.run.sandbox_process import WorkerProcess
-from forge_lightning.run.sandbox_worker import run_python
+from forge_lightning.rewards.batch_scoring import score
+from forge_lightning.rollout.tools.function_call import CUT_MARK, Job, called, tool_text
+from forge_lightning.sandbox.pool import ForgedAnswer, Sandbox, SandboxCallError, SandboxLimits, SandboxRaised
+from forge_lightning.sandbox.process import WorkerProcess
+from forge_lightning.sandbox.worker import run_python
 
 # Where the machine cannot isolate sandboxed workers these tests are skipped (conftest.py).
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("isolating_machine")]
 
-WORKER = "forge_lightning.run.sandbox_worker"
+WORKER = "forge_lightning.sandbox.worker"
 
 
 def tree(root: Path) -> dict[str, tuple[int, int]]:
@@ -171,7 +171,7 @@ def test_a_fit_whose_reward_and_tool_hang_finishes_and_counts_each_failure(tmp_p
         sandbox="process",
         sandbox_workers=2,
     )
-    grpo.generator = TurnEngine(tok, [call, "```python\nprint(int(input()) * 2)\n```"])
+    grpo.engine = TurnEngine(tok, [call, "```python\nprint(int(input()) * 2)\n```"])
     workers: list[int] = []
 
     class Workers(pl.Callback):
@@ -179,7 +179,7 @@ def test_a_fit_whose_reward_and_tool_hang_finishes_and_counts_each_failure(tmp_p
             workers.extend(pl_module.sandbox.worker_pids())
 
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="forge_lightning.run.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="forge_lightning.sandbox.pool"):
         fit = trainer(tmp_path, max_steps=1, callbacks=[Workers()], limit_val_batches=0)
         fit.fit(grpo, loader([{"prompt": "Q", "tests": [{"input": "21", "output": "42"}]}]))
     wall = time.monotonic() - start

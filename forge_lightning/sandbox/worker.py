@@ -1,17 +1,17 @@
-"""The sandbox's worker process (run/sandbox.py starts it): a fresh interpreter in its own user,
+"""The sandbox's worker process (sandbox/pool.py starts it): a fresh interpreter in its own user,
 pid, network, mount and IPC namespaces. Before it reads its first task it restricts itself, and
 all it will start, by Landlock to reading the Python installation and the user's modules (the
 paths the trainer names) and writing its scratch folder, and by a seccomp filter to no sockets
-(run/seccomp.py). It runs each call in a forked child that keeps no descriptor of the worker's but
-its own answer pipe and, under a root trainer, runs as nobody (run/isolation.py's
-:func:`~forge_lightning.run.isolation.enter_call`), under the call's resource limits. It answers
+(sandbox/seccomp.py). It runs each call in a forked child that keeps no descriptor of the worker's but
+its own answer pipe and, under a root trainer, runs as nobody (sandbox/isolation.py's
+:func:`~forge_lightning.sandbox.isolation.enter_call`), under the call's resource limits. It answers
 with the child's result (or how the child died), then kills every other process in its pid
 namespace and empties the scratch folder, so that nothing a call started outlives it and no call
 sees another's files.
 
 Messages are frames on two pipes: the trainer's, a call id then a pickle of ``(function, args,
 kwargs)`` (or of an episode's message), in; the answer out, as JSON ``[id, kind, value]``
-(run/sandbox_frames.py): what a call hands back is read as data, never unpickled, by the worker and
+(sandbox/frames.py): what a call hands back is read as data, never unpickled, by the worker and
 the trainer alike. A third pipe, which only the trainer writes, is the lifeline: when it closes
 (the trainer died) the worker exits, and with it (the pid namespace's first process) every process
 it holds.
@@ -33,18 +33,18 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from forge_lightning.run.episode_worker import FOLDER_PREFIX, EpisodeOp, Episodes
-from forge_lightning.run.isolation import enter_call, expose, mapped
-from forge_lightning.run.landlock import restrict
-from forge_lightning.run.sandbox_frames import awaited, death, decoded, encoded, failed, raised, receive
-from forge_lightning.run.seccomp import deny_sockets
+from forge_lightning.sandbox.episode_worker import FOLDER_PREFIX, EpisodeOp, Episodes
+from forge_lightning.sandbox.frames import awaited, death, decoded, encoded, failed, raised, receive
+from forge_lightning.sandbox.isolation import enter_call, expose, mapped
+from forge_lightning.sandbox.landlock import restrict
+from forge_lightning.sandbox.seccomp import deny_sockets
 
 # Folders every Python process needs to read (its libraries, the system's configuration).
 SYSTEM_FOLDERS = ("/usr", "/lib", "/lib64", "/bin", "/etc", "/proc", "/sys", "/dev")
 # Files a sandboxed process may write besides its scratch folder.
 DEVICE_FILES = ("/dev/null", "/dev/zero", "/dev/urandom")
 POLL_SECONDS = 0.05
-# The environment variable that marks a sandbox worker (run/sandbox.py sets it).
+# The environment variable that marks a sandbox worker (sandbox/pool.py sets it).
 WORKER_MARK = "FORGE_SANDBOX_WORKER"
 # The length of a call's id, which starts each task frame (hex digits).
 ID_BYTES = 32
@@ -89,7 +89,7 @@ def _answer(
     message: bytes, scratch: str, limits: dict[str, Any], lifeline_fd: int, episodes: Episodes
 ) -> tuple[str, Any]:
     """One message's answer ``(kind, value)``: a call run in a forked child, which is then killed
-    with whatever it started; an episode's message (run/episode_worker.py) handed to its episodes."""
+    with whatever it started; an episode's message (sandbox/episode_worker.py) handed to its episodes."""
     try:
         task = pickle.loads(message)  # the trainer's; imports the call's modules here, once per worker
     except BaseException as err:  # a module the worker cannot import, a class that fails to load

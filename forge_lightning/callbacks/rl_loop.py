@@ -14,7 +14,7 @@ trained batch, inside ``training_step``, in this order and on every rank:
   with fewer micro-batches makes zero-weight backwards, so that every rank joins as many of DDP's
   all-reduces (the rule dynamic sampling follows).
 - ``on_advantages_end(trainer, pl_module, advantages, batch)``: its advantages ``(P*G,)``, made
-  of every group's rewards (``advantage_scale: batch`` takes its std over the dropped groups too),
+  of every group's rewards (the batch's std, where the advantages take it, is over the dropped groups too),
   then zero for the groups dropped.
 
 ``batch`` is the :class:`~forge_lightning.rollout.sources.TrainingBatch` the rollout came from: its
@@ -22,8 +22,8 @@ trained batch, inside ``training_step``, in this order and on every rank:
 tensors and never changes them in place. A callback that filters on what it saw before keeps that
 in ``state_dict``/``load_state_dict``, so that a resumed fit filters as the uninterrupted one
 would (Lightning saves rank zero's: keep it the same on every rank, e.g. with
-``pl_module.all_gather``). With ``steps_per_generation`` S > 1 a batch must keep at least
-S x ``gradient_accumulation_steps`` groups (its generation's shares).
+``pl_module.all_gather``). Where one generation is split into S > 1 optimizer steps, a batch
+must keep at least S x (batches per step) groups (its generation's shares).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
-"""A difficulty curriculum as a callback: stop training on prompts the policy always or never solves.
+"""A filter of settled prompts as a callback: stop training on prompts the policy always or never solves.
 
 GRPO learns nothing from a group whose completions all pass or all fail (equal rewards, zero
-advantages), yet such a group still costs its backward and, with ``kl_beta > 0``, pulls toward the
-reference. :class:`DifficultyCurriculum` remembers, per prompt, the pass rate of each of its last
-``window`` groups and drops the prompts whose remembered groups all passed or all failed, through
-the RL loop's ``on_rewards_end`` filter (loop_hooks.py). Add it from a config::
+advantages), yet such a group still costs its backward and, with a KL penalty, pulls toward the
+reference. :class:`SettledPromptFilter` (first named ``DifficultyCurriculum``) remembers, per
+prompt, the pass rate of each of its last ``window`` groups and drops the prompts whose remembered
+groups all passed or all failed, through the RL loop's ``on_rewards_end`` filter (rl_loop.py). Add
+it from a config::
 
     trainer:
       callbacks:
-        - class_path: forge_lightning.callbacks.DifficultyCurriculum
+        - class_path: forge_lightning.callbacks.SettledPromptFilter
           init_args: {window: 4, min_visits: 2, threshold: 0.5}
 
 What dropping means: the prompt is still sampled and scored (the filter runs after
@@ -29,11 +30,12 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from forge_lightning.callbacks.loop_hooks import RLLoopCallback
+from forge_lightning._moved import renamed
+from forge_lightning.callbacks.rl_loop import RLLoopCallback
 from forge_lightning.rollout.sources import TrainingBatch
 
 
-class DifficultyCurriculum(RLLoopCallback):
+class SettledPromptFilter(RLLoopCallback):
     """Drops, from each batch, the prompts whose last ``window`` groups all passed or all failed.
 
     A completion passes when its reward is above ``threshold``; a group's pass rate is the share
@@ -59,10 +61,10 @@ class DifficultyCurriculum(RLLoopCallback):
         self, window: int = 4, min_visits: int = 2, threshold: float = 0.5, key: str | None = None
     ) -> None:
         if window < 1:
-            raise ValueError(f"DifficultyCurriculum: window must be at least 1, got {window}")
+            raise ValueError(f"SettledPromptFilter: window must be at least 1, got {window}")
         if not 1 <= min_visits <= window:
             raise ValueError(
-                f"DifficultyCurriculum: min_visits must be from 1 to window={window}, got {min_visits}"
+                f"SettledPromptFilter: min_visits must be from 1 to window={window}, got {min_visits}"
             )
         self.window, self.min_visits, self.threshold, self.key = window, min_visits, threshold, key
         self.history: dict[int, list[float]] = {}  # prompt key -> pass rates of its latest groups
@@ -70,11 +72,13 @@ class DifficultyCurriculum(RLLoopCallback):
     @property
     @override
     def state_key(self) -> str:
-        """Its settings in the key of its checkpoint state, so that two curricula keep theirs apart."""
+        """Its settings in the key of its checkpoint state, so that two filters keep theirs apart;
+        under the name it was first saved with, so that a checkpoint of then resumes its history."""
         settings = dict(
             window=self.window, min_visits=self.min_visits, threshold=self.threshold, key=self.key
         )
-        return f"{type(self).__qualname__}{settings}"
+        name = "DifficultyCurriculum" if type(self) is SettledPromptFilter else type(self).__qualname__
+        return f"{name}{settings}"
 
     @override
     def on_rewards_end(
@@ -122,3 +126,6 @@ def prompt_keys(batch: TrainingBatch, field: str | None = None) -> Tensor:
         digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
         keys.append(int.from_bytes(digest, "little", signed=True))
     return torch.tensor(keys, dtype=torch.int64)
+
+
+__getattr__ = renamed(__name__, {"DifficultyCurriculum": "SettledPromptFilter"})

@@ -1,21 +1,21 @@
 """A pool of sandboxed worker processes for user code (``sandbox: process``): each call of a
-reward or a tool runs in a worker (run/sandbox_worker.py) under resource limits and a hard time
+reward or a tool runs in a worker (sandbox/worker.py) under resource limits and a hard time
 limit, and a call that hangs is killed with every process it started while the run goes on.
 
-What holds, and by which mechanism (run/isolation.py probes them once, when the first pool is
+What holds, and by which mechanism (sandbox/isolation.py probes them once, when the first pool is
 checked; a machine that lacks one is refused with the reason, never given a weaker sandbox):
 
 - a worker is a fresh interpreter (never a fork of the trainer), started by ``unshare`` in new
   user, pid, network, mount and IPC namespaces: it sees no network, and when it dies every
   process it started dies with it (the kernel ends a pid namespace with its first process);
 - Landlock: it reads only the Python installation, the system's folders and the user's modules
-  (run/sandbox_view.py: never a run folder, nor a data file beside a module), and writes only its
+  (sandbox/view.py: never a run folder, nor a data file beside a module), and writes only its
   scratch folder (emptied after each call); the programs ``run_python`` starts read Python's
   installation alone;
-- a seccomp filter (run/seccomp.py): no socket can be made, connected, bound or sent to, a Unix
+- a seccomp filter (sandbox/seccomp.py): no socket can be made, connected, bound or sent to, a Unix
   one at a path included (a catchable PermissionError); a socket pair still works (asyncio);
 - each call runs in a process that holds no descriptor of its worker's but its own answer pipe
-  and, under a root trainer, as nobody (run/isolation.py): a root-only file cannot be read;
+  and, under a root trainer, as nobody (sandbox/isolation.py): a root-only file cannot be read;
 - of the trainer's environment variables, only those ``env`` names cross (none by default);
 - resource limits on each call: address space (``memory_mb``), CPU seconds, open files, file size;
 - a bounded number of processes: ``RLIMIT_NPROC`` for a user that is not root; root ignores it,
@@ -25,17 +25,17 @@ checked; a machine that lacks one is refused with the reason, never given a weak
 
 Arguments cross into a worker as pickles (the trainer's own; :meth:`Sandbox.prepare` pickles the
 functions up front, so that one which cannot cross, a lambda or a local function, is refused by
-name at the start). What comes back is data (run/sandbox_frames.py): JSON, never unpickled, each
+name at the start). What comes back is data (sandbox/frames.py): JSON, never unpickled, each
 answer naming its call's id; a result that is not data is that call's error, a raised exception
 comes back as its type's name and message (a built-in type as itself), and an answer out of form
 or naming another call kills its worker.
 
-A stateful environment's episode is sticky (:meth:`Sandbox.open_episode`, run/episode_worker.py):
+A stateful environment's episode is sticky (:meth:`Sandbox.open_episode`, sandbox/episode_worker.py):
 its environment is made in a process of one worker when the episode opens, every later call of
 it goes to that process, and it ends when the trainer drops its handle. Episodes share the
 ``workers`` (each opens on the worker holding the fewest, so that a batch of them spreads over
-all), and a worker runs one call at a time, its episodes' included: ``sandbox_workers`` is still
-how many calls run at once. Each open episode is a process of its worker, within the worker's bound
+all), and a worker runs one call at a time, its episodes' included: the number of workers is
+still how many calls run at once. Each open episode is a process of its worker, within the worker's bound
 of ``processes``; a dropped one is ended with the next episode message its worker gets (a step's
 episodes end as the next step's open). A worker that dies, or is killed, takes its episodes with
 it: their later calls fail with a :class:`SandboxCallError` naming why.
@@ -51,11 +51,11 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from forge_lightning.run.episode_worker import EpisodeOp
-from forge_lightning.run.isolation import SandboxUnavailable, probe
-from forge_lightning.run.sandbox_episodes import SandboxEpisode
-from forge_lightning.run.sandbox_frames import SandboxRaised, exception
-from forge_lightning.run.sandbox_process import (
+from forge_lightning.sandbox.episode import SandboxEpisode
+from forge_lightning.sandbox.episode_worker import EpisodeOp
+from forge_lightning.sandbox.frames import SandboxRaised, exception
+from forge_lightning.sandbox.isolation import SandboxUnavailable, probe
+from forge_lightning.sandbox.process import (
     ForgedAnswer,
     SandboxCallError,
     SandboxLimits,
@@ -63,7 +63,7 @@ from forge_lightning.run.sandbox_process import (
     WorkerProcess,
     kill_all,
 )
-from forge_lightning.run.sandbox_view import WorkerView, worker_view
+from forge_lightning.sandbox.view import WorkerView, worker_view
 
 __all__ = [
     "ForgedAnswer",
@@ -79,7 +79,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Seconds a sandboxed call may take when its reward_timeout / tool_timeout is None.
+# Seconds a sandboxed call may take when the run sets no time limit for it.
 DEFAULT_TIMEOUT = 60.0
 # Seconds past an episode's call's timeout before the trainer kills its worker: the worker kills
 # the episode's process itself at the timeout, and answers.
@@ -100,7 +100,7 @@ class Sandbox:
         self, workers: int = 2, limits: SandboxLimits | None = None, env: Sequence[str] = ()
     ) -> None:
         if workers < 1:
-            raise ValueError(f"sandbox_workers must be >= 1, got {workers}")
+            raise ValueError(f"a sandbox needs at least one worker, got {workers}")
         self.workers, self.limits, self.env = workers, limits or SandboxLimits(), tuple(env)
         self._preload = pickle.dumps((_noop, (), {}))
         self._view = worker_view([], self.env)

@@ -6,11 +6,11 @@ filter is inherited by every process started after it and cannot be removed.
 
 ``socketpair`` is not filtered: a connected pair within the process is how asyncio wakes its loop,
 and what ``multiprocessing.Pipe`` gives, so ``async def`` rewards and the sandbox's own pipes work
-as before; a ``send`` on such a pair names no address and passes. Landlock (run/landlock.py) scopes
+as before; a ``send`` on such a pair names no address and passes. Landlock (sandbox/landlock.py) scopes
 abstract Unix sockets and, from ABI 4, TCP, but not a pathname Unix socket: this filter closes that.
 
-The sandbox (run/isolation.py) probes it once in a fresh interpreter; its worker
-(run/sandbox_worker.py) calls :func:`deny_sockets` before it reads any task.
+The sandbox (sandbox/isolation.py) probes it once in a fresh interpreter; its worker
+(sandbox/worker.py) calls :func:`deny_sockets` before it reads any task.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The answers of sandboxed code, as data: what a call (run/sandbox_worker.py) or an episode's
-process (run/episode_worker.py) hands back crosses to its worker, and from the worker to the
+"""The answers of sandboxed code, as data: what a call (sandbox/worker.py) or an episode's
+process (sandbox/episode_worker.py) hands back crosses to its worker, and from the worker to the
 trainer, as JSON, never as a pickle: nothing it returns or raises can run code where it is read.
 
 An answer is ``[kind, value]``: ``ok`` and the result, ``raised`` and the exception (its type's
@@ -26,8 +26,8 @@ import signal
 from multiprocessing.connection import Connection
 from typing import Any
 
-# The longest answer, in bytes of JSON, a call may give (a tool's text is cut to
-# max_tool_result_chars before this applies).
+# The longest answer, in bytes of JSON, a call may give (a tool's text is cut to its own length
+# cap before this applies).
 MAX_ANSWER_BYTES = 64 << 20
 KINDS = ("ok", "raised", "failed", "timeout")
 _DEPTH = 100  # nesting deeper than this is not data the trainer reads

@@ -19,12 +19,12 @@ from transformers.utils import get_json_schema
 
 from forge_lightning.rollout.tools.event_loops import EventLoops
 from forge_lightning.rollout.tools.parsers import ParsedCall
-from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.user_code import UserCodeExit, awaited, call_user_code, close_unawaited
+from forge_lightning.sandbox.pool import Sandbox
 
 T = TypeVar("T")
 
-# The characters of a result the model reads at most (the module's max_tool_result_chars), and
+# The characters of a result the model reads at most (the module's setting, else this), and
 # what follows a result that was cut.
 MAX_RESULT_CHARS = 10_000
 CUT_MARK = "\n[cut: the result has {total} characters; the first {kept} are shown]"
@@ -49,7 +49,7 @@ def tool_schema(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
 class Job:
     """A call ready to run: the tool, its arguments (checked against its signature), its name, the
     environment it is a method of (None for a function), whose calls run one at a time, the
-    sandbox a function tool runs in (run/sandbox.py; None: this process) with its time limit, and
+    sandbox a function tool runs in (sandbox/pool.py; None: this process) with its time limit, and
     whether the call runs in a sandbox worker (a function tool's, or an environment's method under
     ``sandbox: process``), which kills it past its time limit, or else in this process, where a
     call past it is abandoned and its thread runs on."""

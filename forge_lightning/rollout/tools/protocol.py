@@ -26,7 +26,7 @@ class Episode:
     after the latest answer), ``context`` (the protocol's own: the conversation; its
     ``environment``, if any, is the ``environments`` fact), ``messages`` (the finished assistant
     and tool turns) and ``log`` (one entry per call). ``max_calls``: the calls it may make in all
-    (the sampler's ``max_tool_calls``), which a turn of several calls must not run past."""
+    (the sampler's cap), which a turn of several calls must not run past."""
 
     ids: list[int] = field(default_factory=list)
     model: list[int] = field(default_factory=list)
@@ -40,8 +40,8 @@ class Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)
     log: list[dict[str, Any]] = field(default_factory=list)
     max_calls: int | None = None
-    # The engine's log-prob of each token when the sampler asked for them (use_engine_logprobs,
-    # rollout_correction): a sampled token's as the engine reported it, 0 for a tool's token.
+    # The engine's log-prob of each token when the sampler asked for them (the old policy's, or the
+    # rollout correction's): a sampled token's as the engine reported it, 0 for a tool's token.
     logp: list[float] = field(default_factory=list)
 
     def add(self, ids: list[int], sampled: bool, logp: list[float] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The sandbox's pool (run/sandbox.py): calls in fresh, limited worker processes, a hung call
+"""The sandbox's pool (sandbox/pool.py): calls in fresh, limited worker processes, a hung call
 killed with everything it started, a call's own exit or crash that call's named error, what cannot
 cross refused by name at the start, sandboxed rewards at once, and a machine without the
 mechanisms refused with the reason."""
@@ -12,10 +12,10 @@ import pytest
 from helpers import hostile
 from helpers.sandbox import processes_naming
 
+from forge_lightning.rewards.batch_scoring import score
 from forge_lightning.rewards.library import BaseReward, CompositeReward, RewardModel
-from forge_lightning.rewards.scoring import score
-from forge_lightning.run import isolation
-from forge_lightning.run.sandbox import (
+from forge_lightning.sandbox import isolation
+from forge_lightning.sandbox.pool import (
     Sandbox,
     SandboxCallError,
     SandboxLimits,

@@ -4,7 +4,7 @@ binds and connects are refused where the kernel's Landlock has network rules (AB
 to processes outside the domain where it has scopes (ABI 6). No privilege is needed, and a
 restriction cannot be undone, only narrowed further.
 
-The sandbox (run/sandbox.py) probes :func:`abi_version` once at its start and refuses to run
+The sandbox (sandbox/pool.py) probes :func:`abi_version` once at its start and refuses to run
 without Landlock; its worker calls :func:`restrict` before it reads any task.
 """
 

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from forge_lightning.grpo import group_advantages, needs_batch
 from forge_lightning.rewards.calls import sandboxed
 from forge_lightning.rewards.library import (
     CompositeReward,
@@ -29,8 +28,8 @@ from forge_lightning.rewards.library import (
 )
 from forge_lightning.rewards.reward_model import batch_zscore
 from forge_lightning.rollout.types import Rollout
-from forge_lightning.run.sandbox import Sandbox
 from forge_lightning.run.user_code import is_async
+from forge_lightning.sandbox.pool import Sandbox
 
 # The RewardOutput.metadata key of the samples a reward could not score ({index: why}).
 UNSCORED = "unscored"
@@ -147,8 +146,8 @@ def _run_calls(calls: dict[str, Callable[[], Any]], at_once: list[str]) -> dict[
 
 def _normalized(reward: RewardFn, scores: list[float]) -> list[float]:
     """A reward's batch, z-scored when it asks for it (``normalize="batch"``, e.g. RewardModel's):
-    here, after the whole batch is scored, not in the call, which under ``on_reward_error`` may
-    be one sample's."""
+    here, after the whole batch is scored, not in the call, which after a reward error may be
+    one sample's."""
     return batch_zscore(scores) if getattr(reward, "normalize", None) == "batch" and scores else scores
 
 
@@ -277,20 +276,3 @@ def score_groups(
 
     components = {name: as_tensor(v) for name, v in scored.components.items()}
     return as_tensor(scored.total), components, scored.num_errors
-
-
-def batch_advantages(
-    rewards: Tensor,
-    group_size: int,
-    scale: str,
-    world_size: int,
-    all_gather: Callable[[Tensor], Tensor],
-    estimator: str = "grpo",
-) -> Tensor:
-    """Group-relative advantages of the rewards ``(P*G,)`` by ``estimator``. ``scale="batch"``
-    and ``reinforce_pp`` take their std over every rank's groups of this training batch
-    (``all_gather``: the module's), all of its micro-batches and steps_per_generation shares
-    (later accumulation batches are not sampled yet)."""
-    gathered = needs_batch(scale, estimator) and world_size > 1
-    batch = all_gather(rewards).reshape(-1) if gathered else None
-    return group_advantages(rewards, group_size, scale=scale, batch_rewards=batch, estimator=estimator)

@@ -1,5 +1,5 @@
 """A sandbox worker's episodes (``sandbox: process`` with an ``environment_factory``): each
-episode's environment lives in a process of its own, forked by the worker (run/sandbox_worker.py)
+episode's environment lives in a process of its own, forked by the worker (sandbox/worker.py)
 when the episode opens and kept until it is released, so that its state lasts from one call to
 the next while no two episodes share any.
 
@@ -26,8 +26,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from forge_lightning.run.isolation import enter_call
-from forge_lightning.run.sandbox_frames import awaited, death, encoded, failed, raised, receive
+from forge_lightning.sandbox.frames import awaited, death, encoded, failed, raised, receive
+from forge_lightning.sandbox.isolation import enter_call
 
 # The folder of episode N in the worker's scratch folder (the sweep after a plain call spares it).
 FOLDER_PREFIX = ".episode-"

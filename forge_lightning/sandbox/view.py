@@ -1,13 +1,13 @@
-"""What a sandbox worker may see of the trainer's machine (run/sandbox.py): the files it may read,
+"""What a sandbox worker may see of the trainer's machine (sandbox/pool.py): the files it may read,
 the folders it may only list, and the environment variables that cross into it.
 
-It reads Python's installation (run/isolation.py's :func:`python_installation`), the system's
+It reads Python's installation (sandbox/isolation.py's :func:`python_installation`), the system's
 folders and the user's own modules, no more: each module the prepared rewards, tools and
 environments are pickled by reference to (its top-level package's folder, or its file), and the
 trainer's other modules imported from the same import root (a module beside it). The import root
 itself may only be listed (Python's import finds the module by its folder's names), so a run
 folder below it, or any data file beside a module, cannot be read: keep a module's data in its
-package's folder. Of the trainer's environment only the variables ``sandbox_env`` names cross.
+package's folder. Of the trainer's environment only the variables the run names cross.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from forge_lightning.run.isolation import python_installation
+from forge_lightning.sandbox.isolation import python_installation
 
 
 @dataclass(frozen=True)
