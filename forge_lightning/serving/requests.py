@@ -121,8 +121,8 @@ def sampling_config(call: GenerateCall, model: PreTrainedModel, engine: HFGenera
     on = [name for name, is_on in _NOT_BUILT.items() if is_on(getattr(config, name, None))]
     if on:
         raise ValueError(
-            f"the rollout server does not sample with {on} (from the request's extra generation settings or the "
-            "model's generation_config): drop them, or sample in-process"
+            f"the rollout server does not sample with {on} (from the request's extra generation "
+            "settings or the model's generation_config): drop them, or sample in-process"
         )
     return config
 

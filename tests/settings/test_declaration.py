@@ -148,7 +148,8 @@ def test_every_group_field_is_a_declared_setting():
 # down. Each is there for the reason beside it: a field or keyword of a public type of the layers
 # below (renaming it would break users' code), or a word the package uses for something else too.
 SPREAD: dict[str, int] = {
-    "group_size": 42,  # Rollout.group_size, GenerationRequest.group_size, the episode runners' keyword, the servers' wire format
+    # Rollout.group_size, GenerationRequest.group_size, the episode runners' keyword, the servers' wire
+    "group_size": 42,
     "max_new_tokens": 30,  # SamplingParams.max_new_tokens, HF generate's keyword (the servers' too)
     "temperature": 23,  # SamplingParams.temperature, LogProbScorer's and the loss's keyword
     "top_p": 12,  # SamplingParams.top_p, HF's and vLLM's keyword
