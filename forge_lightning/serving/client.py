@@ -132,7 +132,7 @@ class RemoteEngine:
         ]
         self._check_fingerprints(fingerprint(model, self.tokenizer))
         if self._rank == 0:
-            self._pusher = WeightPusher(self._http, self._loop)
+            self._pusher = WeightPusher(self._http, self._loop, folder=self.placement.folder)
             self._push(model)
         # No rank asks before the servers hold this version: a server's own weights (a resumed run's
         # servers still hold the killed run's) would answer a request for it otherwise.

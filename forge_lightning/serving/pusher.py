@@ -5,20 +5,29 @@ For each server: probe it (a short ``/health``), open its two-member gloo group 
 tensors go, one by one, over that group (serving/weights.py's sender: both ends walk the
 parameters in one order). The servers are pushed concurrently, each in a thread of its own for
 the blocking collective, so a dead or slow server never holds another's push; a server whose
-probe, group or push fails is reported back to be marked dead.
+probe or push fails is reported back to be marked dead.
+
+Where a server's group cannot be opened (it cannot reach this machine's store: a firewall, another
+network), its weights go by disk instead, with a warning: each version is written once to a
+safetensors folder (serving/weights.py's ``write_folder``) under ``folder``, which the server must
+be able to read (the same machine, or a shared filesystem), and the server loads it
+(``POST /weights/update`` with ``via: disk``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import warnings
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel
 
 from forge_lightning.serving.connection import Connection, EventLoop, Server, ServerDown, ServerError
 from forge_lightning.serving.served_weights import served_tensors
-from forge_lightning.serving.weights import TRAINER_RANK, WeightSender, open_group, open_store
+from forge_lightning.serving.weights import TRAINER_RANK, WeightSender, open_group, open_store, write_folder
 from forge_lightning.serving.wire import GroupCall, UpdateAnswer, UpdateCall
 
 # Seconds a collective with one server may wait on it: a server that stops mid-push costs this
@@ -30,11 +39,21 @@ class WeightPusher:
     """The weight groups of this trainer (rank 0) with each server, opened on first use: one
     store here (a free port), a group per server under a prefix of its own."""
 
-    def __init__(self, http: Connection, loop: EventLoop, timeout_s: float = GROUP_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        http: Connection,
+        loop: EventLoop,
+        timeout_s: float = GROUP_TIMEOUT_S,
+        folder: Path | None = None,
+    ) -> None:
         self.http, self.loop, self.timeout_s = http, loop, timeout_s
         self.senders: dict[str, WeightSender] = {}
         self.store: Any = None
         self.opened = 0  # groups opened so far: each gets a prefix of its own
+        self.folder = folder or Path.cwd() / "servers"  # where the disk fallback writes each version
+        self.by_disk: set[str] = set()  # the servers whose group could not be opened
+        self.written: tuple[int, Path] | None = None  # the version on disk, and its folder
+        self.writing = asyncio.Lock()  # one writer of a version, however many servers read it
 
     def push(self, model: PreTrainedModel, version: int, servers: list[Server]) -> list[tuple[Server, str]]:
         """Push ``model``'s weights as ``version`` to ``servers``; those that failed, with why."""
@@ -51,8 +70,21 @@ class WeightPusher:
 
     async def _push(self, model: PreTrainedModel, version: int, server: Server) -> None:
         await self.http.health(server)  # a dead server is found here, before any collective
+        if server.address not in self.by_disk and server.address not in self.senders:
+            try:
+                await self._open(server)
+            except RuntimeError as err:  # no group (a ServerError too): its weights go by disk
+                self.by_disk.add(server.address)
+                warnings.warn(
+                    f"rollout server {server.name}: no weight group ({str(err).splitlines()[0]}); its "
+                    f"weights go through a folder under {self.folder} instead, which it must be able to read",
+                    stacklevel=2,
+                )
+        if server.address in self.by_disk:
+            await self._push_by_disk(model, version, server)
+            return
         try:
-            sender = self.senders.get(server.address) or await self._open(server)
+            sender = self.senders[server.address]
             update = UpdateCall(version=version, via="group")
             answer = asyncio.ensure_future(
                 self.http.call(server, "POST", "/weights/update", update.to_json())
@@ -90,6 +122,22 @@ class WeightPusher:
         await joined
         self.senders[server.address] = sender = WeightSender(group, specs)
         return sender
+
+    async def _push_by_disk(self, model: PreTrainedModel, version: int, server: Server) -> None:
+        """``version`` written once to a folder (the first server to need it writes it), then
+        loaded by ``server``."""
+        async with self.writing:
+            if self.written is None or self.written[0] != version:
+                folder = self.folder / "weights" / f"v{version}"
+                await asyncio.to_thread(write_folder, served_tensors(model), folder)
+                if self.written is not None:
+                    shutil.rmtree(self.written[1], ignore_errors=True)  # the servers load the newer one
+                self.written = (version, folder)
+        update = UpdateCall(version=version, via="disk", path=str(self.written[1].resolve()))
+        answer = await self.http.call(server, "POST", "/weights/update", update.to_json())
+        got = UpdateAnswer.from_json(answer).version
+        if got != version:
+            raise ServerError(f"rollout server {server.name} holds version {got} after a push of {version}")
 
     def close(self) -> None:
         self.senders, self.store = {}, None
