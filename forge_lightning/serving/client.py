@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from forge_lightning.models.sharding import is_sharded
 from forge_lightning.rollout.async_worker import Finished, rollout_seed
 from forge_lightning.rollout.engines.base import (
     Completions,
@@ -37,8 +38,9 @@ from forge_lightning.rollout.engines.base import (
 from forge_lightning.serving.balance import balanced, prompt_cost, share_seed, stream_seed
 from forge_lightning.serving.connection import Connection, EventLoop, Server, ServerDown
 from forge_lightning.serving.placement import Placement
-from forge_lightning.serving.pusher import WeightPusher
+from forge_lightning.serving.pusher import WeightPusher, walk_in_step
 from forge_lightning.serving.rows import Sampled, joined, padded, rows_by_prompt, unpadded_prompts
+from forge_lightning.serving.served_weights import served_tensors
 from forge_lightning.serving.wire import (
     GenerateAnswer,
     GenerateCall,
@@ -134,6 +136,8 @@ class RemoteEngine:
         if self._rank == 0:
             self._pusher = WeightPusher(self._http, self._loop, folder=self.placement.folder)
             self._push(model)
+        elif is_sharded(model):
+            walk_in_step(served_tensors(model))  # rank 0's gathers need every rank
         # No rank asks before the servers hold this version: a server's own weights (a resumed run's
         # servers still hold the killed run's) would answer a request for it otherwise.
         wait_for_rank_zero()
@@ -172,11 +176,15 @@ class RemoteEngine:
         self.version += 1
         if self._rank == 0:
             self._push(model)
+        elif is_sharded(model):
+            walk_in_step(served_tensors(model))  # rank 0's gathers need every rank
 
     def _push(self, model: PreTrainedModel) -> None:
         """``model``'s weights as ``self.version`` to each live server, each over its own group,
         so that a dead one stalls no other; a server that fails its probe or its push is dead."""
-        for server, problem in self._pusher.push(model, self.version, self._live()):
+        push = self._pusher.push_gathered if is_sharded(model) else self._pusher.push
+        # Not self._live(): a sharded push walks the gathers with every rank even with none left.
+        for server, problem in push(model, self.version, [s for s in self.servers if s.alive]):
             self._mark_dead(server, problem, 0)
         self._live()
 

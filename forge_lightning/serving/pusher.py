@@ -12,6 +12,11 @@ network), its weights go by disk instead, with a warning: each version is writte
 safetensors folder (serving/weights.py's ``write_folder``) under ``folder``, which the server must
 be able to read (the same machine, or a shared filesystem), and the server loads it
 (``POST /weights/update`` with ``via: disk``).
+
+A policy sharded by FSDP is gathered one parameter at a time, a collective every trainer rank
+takes part in (serving/served_weights.py): :meth:`WeightPusher.push_gathered` walks the parameters
+once and sends each full tensor to every server in turn before the next is gathered, and finishes
+the walk whatever fails, so that the other ranks' gathers never wait on it.
 """
 
 from __future__ import annotations
@@ -54,6 +59,69 @@ class WeightPusher:
         self.by_disk: set[str] = set()  # the servers whose group could not be opened
         self.written: tuple[int, Path] | None = None  # the version on disk, and its folder
         self.writing = asyncio.Lock()  # one writer of a version, however many servers read it
+
+    def push_gathered(
+        self, model: PreTrainedModel, version: int, servers: list[Server]
+    ) -> list[tuple[Server, str]]:
+        """Rank 0's push of a sharded ``model``: one walk of its parameters (each gathered by every
+        rank), each full tensor sent to every server over its group; those that failed, with why.
+        The walk is finished however the push ends: the other ranks walk it too
+        (:func:`walk_in_step`)."""
+        tensors = served_tensors(model)
+        try:
+            return self.loop.run(self._fan_out(tensors, version, servers))
+        finally:
+            walk_in_step(tensors)
+
+    async def _fan_out(self, tensors: Any, version: int, servers: list[Server]) -> list[tuple[Server, str]]:
+        opened = await asyncio.gather(*(self._group_of(s) for s in servers), return_exceptions=True)
+        failed: list[tuple[Server, str]] = []
+        senders: dict[str, tuple[Server, WeightSender]] = {}
+        for server, result in zip(servers, opened):
+            if isinstance(result, ServerDown):
+                failed.append((server, str(result)))
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                senders[server.address] = (server, result)
+        update = UpdateCall(version=version, via="group").to_json()
+        answers = {
+            address: asyncio.ensure_future(self.http.call(server, "POST", "/weights/update", update))
+            for address, (server, _) in senders.items()
+        }
+        broken = await asyncio.to_thread(fan_out, tensors, {a: sender for a, (_, sender) in senders.items()})
+        for address, answer in answers.items():
+            server = senders[address][0]
+            if address in broken:
+                answer.cancel()
+                self.senders.pop(address, None)
+                failed.append((server, f"weight push: {broken[address]}"))
+                continue
+            try:
+                got = UpdateAnswer.from_json(await answer).version
+            except ServerDown as err:
+                failed.append((server, str(err)))
+                continue
+            if got != version:
+                raise ServerError(f"rollout server {server.name} holds version {got}, pushed {version}")
+        return failed
+
+    async def _group_of(self, server: Server) -> WeightSender:
+        """``server``'s sender, its group opened the first time; a sharded policy has no disk fallback
+        (its folder would be a second walk of the gathers)."""
+        await self.http.health(server)
+        if server.address not in self.senders:
+            try:
+                await self._open(server)
+            except RuntimeError as err:
+                if isinstance(err, ServerError):
+                    raise
+                raise ServerError(
+                    f"rollout server {server.name}: no weight group ({str(err).splitlines()[0]}); a "
+                    "policy sharded by FSDP is pushed over a group only: let the server reach this "
+                    "machine's store"
+                ) from None
+        return self.senders[server.address]
 
     def push(self, model: PreTrainedModel, version: int, servers: list[Server]) -> list[tuple[Server, str]]:
         """Push ``model``'s weights as ``version`` to ``servers``; those that failed, with why."""
@@ -141,6 +209,30 @@ class WeightPusher:
 
     def close(self) -> None:
         self.senders, self.store = {}, None
+
+
+def fan_out(tensors: Any, senders: dict[str, WeightSender]) -> dict[str, str]:
+    """Send each of ``tensors`` to every sender in turn, the ones that broke left out from then on;
+    the broken ones (by address) with why."""
+    broken: dict[str, str] = {}
+    count = 0
+    for count, (name, tensor) in enumerate(tensors, start=1):
+        for address, sender in senders.items():
+            if address not in broken:
+                try:
+                    sender.send_one(count - 1, name, tensor)
+                except RuntimeError as err:  # the collective broke: the server went away
+                    broken[address] = str(err).splitlines()[0]
+    for address, sender in senders.items():
+        if address not in broken:
+            sender.check_sent(count)
+    return broken
+
+
+def walk_in_step(tensors: Any) -> None:
+    """Exhaust a sharded policy's :func:`served_tensors` (every rank's part in each gather)."""
+    for _ in tensors:
+        pass
 
 
 def reachable_address(server_address: str) -> str:

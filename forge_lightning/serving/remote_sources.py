@@ -63,11 +63,6 @@ class RemoteSource:
         super().prepare(tokenizer, model, eos, prompts, scoring_temperature, episodes, tools)  # type: ignore[misc]
 
     def connect(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
-        if sharded:
-            raise ValueError(
-                "rollout servers do not support FSDP yet (each weight push would gather every "
-                "parameter on every rank): use DDP or one device"
-            )
         if fit.root_dir is not None:
             self.remote.placement.folder = Path(fit.root_dir) / "servers"
         self.remote.connect(model)

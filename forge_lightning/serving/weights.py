@@ -109,6 +109,24 @@ class WeightSender:
         """Every parameter, tensor by tensor (the server is in ``POST /weights/update`` meanwhile)."""
         send_parameters(self.group, named_tensors, self.specs)
 
+    def send_one(self, index: int, name: str, tensor: Tensor) -> None:
+        """The ``index``-th parameter alone (a push that sends each gathered tensor to every
+        server in turn: serving/pusher.py); :meth:`check_sent` after the last."""
+        if index >= len(self.specs):
+            raise ValueError(f"the trainer sent more parameters than the server's {len(self.specs)}")
+        spec = self.specs[index]
+        _check_matches(name, tensor, spec)
+        out = tensor.detach().to(device="cpu", dtype=spec.torch_dtype).contiguous()
+        self.group.send([out], SERVER_RANK, 0).wait()
+
+    def check_sent(self, count: int) -> None:
+        """ValueError where ``count`` parameters are not every one the server holds."""
+        if count != len(self.specs):
+            raise ValueError(
+                f"the trainer sent {count} parameters but the server holds {len(self.specs)}: send "
+                "the same model's parameters (a LoRA policy sends its merged weights)"
+            )
+
 
 # --- the disk fallback --------------------------------------------------------------------------
 
