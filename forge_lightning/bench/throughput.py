@@ -23,7 +23,11 @@ after the warm-up step, which also fills the pipeline, each timed step trains on
 worker sampled during the step before. The references are skipped; the line adds the trainer's
 and the worker's idle shares. ``--rollout-mode compare`` runs sync, then async, at the same
 settings, and prints both lines, the async one with ``vs_sync`` (its completion tokens/s over
-sync's). ``--sync-threads`` gives sync its own thread count there.
+sync's). ``--sync-threads`` gives sync its own thread count there. ``--rollout-servers local:1``
+(with ``--rollout-mode async``) samples on rollout servers instead of the worker (serving/): the
+trainer keeps ``--threads``, each server it starts runs ``--worker-threads`` (one unless given);
+``trainer_wait_share`` is then the generate phase's share of the step (the servers report no
+waits). bench/servers.py drives it against sync, interleaved.
 
 ``--steps-per-generation S`` samples each generation for S optimizer steps of ``--prompts-per-step``
 prompts (a batch of S x P prompts; ``--steps`` then counts optimizer steps and must be a multiple
@@ -86,6 +90,16 @@ log = logging.getLogger("forge_lightning.bench")
 BACKENDS = ("hf", "vllm")
 ROLLOUT_MODES = ("sync", "async", "compare")
 ROLLOUT_PRECISIONS = ("int8", "bf16")  # rollout_precision: a low-precision sampler, with TIS
+# The bench's flag for each module setting of a run's config that decides what a step costs
+# (bench/servers.py times a config's step with them); "model" is the module's model spec.
+SETTING_FLAGS = {
+    "model": "--model",
+    "group_size": "--group",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "kl_beta": "--kl-beta",
+    "system_prompt": "--system-prompt",
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -114,6 +128,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--max-staleness", type=int, default=1, help="async: optimizer steps a rollout may lag")
     add("--worker-threads", type=int, default=None, help="async: the worker's threads (default: half)")
     add("--sync-threads", type=int, default=None, help="compare: sync's threads (default: --threads)")
+    add(
+        "--rollout-servers",
+        nargs="+",
+        default=None,
+        help="async: sample on rollout servers (local:N, host:port, ray:N); --worker-threads each",
+    )
     add("--steps-per-generation", type=int, default=1, help="optimizer steps per generation (S)")
     add("--engine-logprobs", action="store_true", help="old-policy log-probs from generate's scores")
     add("--generation-compare", action="store_true", help="S = 1 | 4 | 4 with engine log-probs | P = 4")
@@ -158,6 +178,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--tools and --agent are two routes: give one, or both with --endpoint-compare")
     if args.endpoint_compare and (args.generation_compare or args.rollout_mode != "sync"):
         parser.error("--endpoint-compare times sync rollouts alone")
+    if args.rollout_servers and args.rollout_mode != "async":
+        parser.error("--rollout-servers times asynchronous rollouts on servers: add --rollout-mode async")
     if args.rollout_precision and (args.engine_logprobs or args.generation_compare):
         parser.error(
             "--rollout-precision corrects by the sampler's log-probs: leave out --engine-logprobs "
@@ -242,6 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rollout_mode="async" if asynchronous else "sync",
         max_staleness=args.max_staleness,
         rollout_worker_threads=args.worker_threads,
+        rollout_servers=args.rollout_servers,
         steps_per_generation=spg,
         use_engine_logprobs=args.engine_logprobs,
         rollout_precision=args.rollout_precision,
@@ -279,7 +302,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.phase_memory:  # each phase's own peak over the timed steps
         memory["phases"] = timer.phase_peaks
     result = _summary(args, steps, rollouts, timer.references, memory, device, dtype)
-    if asynchronous:
+    if asynchronous and args.rollout_servers:
+        result["trainer_wait_share"] = _server_wait_share(steps)
+        # The trainer keeps its threads; each server it started runs --worker-threads (one unless given).
+        settings = result["settings"]
+        settings |= {"rollout_servers": args.rollout_servers, "trainer_threads": settings["threads"]}
+        settings["worker_threads"] = args.worker_threads or 1
+    elif asynchronous:
         seconds = sum(s["seconds"] for s in steps)
         waits = recording.waits[1:]
         result["trainer_wait_share"] = sum(w["rollout_wait_s"] for w in waits) / seconds
@@ -288,6 +317,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["settings"]["trainer_threads"] = split_threads(result["settings"]["threads"], worker)[0]
         result["settings"]["worker_threads"] = worker
     return result
+
+
+def _server_wait_share(steps: list[dict[str, float]]) -> float:
+    """The share of the timed seconds the trainer waited for rollout servers: its generate phase
+    (handing each batch over, collecting the one due), as the servers report no waits of theirs."""
+    return sum(s["generate"] for s in steps) / sum(s["seconds"] for s in steps)
 
 
 class RecordingRollouts:

@@ -107,6 +107,9 @@ class Finished:
     # A tool-using batch's whole rollout as the worker's tools made it (its prompts, model mask,
     # calls and transcripts), on the CPU, without log-probs or environments; None for the others.
     rollout: Rollout | None = None
+    # (P*G,) each row's length as the engine reports it, where stop strings end rows (an engine
+    # that applies them: the rollout servers); None: each row ends at its first EOS.
+    ends: Tensor | None = None
 
 
 @dataclass
@@ -142,6 +145,7 @@ def saved_in_flight(items: Any) -> list[dict[str, Any]]:
                 "behav_logp": item.finished.behav_logp,
                 "version": item.finished.version,
                 "rollout": _fields(item.finished.rollout),
+                "ends": item.finished.ends,
             }
         )
     return saved
@@ -162,6 +166,7 @@ def restored_in_flight(saved: list[dict[str, Any]]) -> list[InFlight]:
                 d["behav_logp"],
                 d["version"],
                 rollout=None if d.get("rollout") is None else Rollout(**d["rollout"]),
+                ends=d.get("ends"),
             ),
         )
         for d in saved

@@ -294,18 +294,23 @@ class AsyncRollouts(RolloutSource):
                     finished, regenerated = worker.collect(self._hand_to_worker(item)), 1
             lag = worker.version - finished.version
             # At lag 0 the sampling weights are the trained ones: the loss is the synchronous
-            # one, unless rollout correction weighs the worker's scores against the trainer's.
+            # one, unless rollout correction weighs the worker's scores against the trainer's;
+            # and with engine_logprobs the scores are the old policy's there, as a sync batch's.
             behav_logp = finished.behav_logp.to(device) if lag or self.correction else None
             if finished.rollout is not None:  # a tool-using batch: the worker's tools made it
                 rollout = on_device(finished.rollout, device, behav_logp)
             else:
+                trusted = self.engine_logprobs and not lag and finished.behav_logp is not None
+                ends = finished.ends if self.sampling.stop else None  # stop strings: the engine's ends
                 rollout = self.runner.assemble(
                     item.prompt_ids.to(device),
                     item.prompt_mask.to(device),
                     finished.completion_ids.to(device),
                     self.group_size,
                     self.sampling,
+                    old_logp=finished.behav_logp.to(device) if trusted else None,
                     behav_logp=behav_logp,
+                    ends=None if ends is None else ends.to(device),
                 )
             metrics = {
                 "staleness": float(lag),

@@ -321,11 +321,13 @@ class RemoteEngine:
         return ticket
 
     def collect(self, ticket: int) -> Finished:
-        """Wait for ``ticket``'s rows: ids, the log-probs they were sampled with, and the oldest
-        version that sampled a token of them."""
+        """Wait for ``ticket``'s rows: ids, the log-probs they were sampled with, the oldest
+        version that sampled a token of them, and where each row ends (its EOS or stop string)."""
         sampled, _ = self._tickets.pop(ticket).result()
         logp = None if sampled.logp is None else padded(sampled.logp, 0.0, torch.float32)
-        return Finished(padded(sampled.ids, self._pad_id, torch.long), logp, sampled.oldest_version)
+        ids = padded(sampled.ids, self._pad_id, torch.long)
+        ends = torch.tensor([len(row) for row in sampled.ids], dtype=torch.long)
+        return Finished(ids, logp, sampled.oldest_version, ends=ends)
 
     # -- the end ------------------------------------------------------------------------------
 

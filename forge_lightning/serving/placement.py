@@ -1,11 +1,13 @@
-"""Where the rollout servers run: the ``rollout_servers`` entries, and starting and stopping what
+"""Where the rollout servers run: the entries that list them, and starting and stopping what
 they ask the trainer to start.
 
 * ``host:port``: a server the user started (``forge-lightning serve``), on any machine; its door
   takes the secret in ``FORGE_LIGHTNING_SERVE_SECRET``, which the trainer must be given too.
 * ``local:N``: N ``forge-lightning serve`` child processes of trainer rank 0, on free ports of this
-  machine, given a fresh secret in their environment and one CPU thread each (``threads``); their
-  output goes to ``<run folder>/servers/``; they end with the fit, and with the trainer if it dies.
+  machine, given a fresh secret in their environment and one CPU thread each (``threads``), on the
+  devices the config deals them (``ServeConfig.devices``, round-robin; none: each its own choice);
+  their output goes to ``<run folder>/servers/``; they end with the fit, and with the trainer if
+  it dies.
 * ``ray:N``: N servers placed by Ray (the ``ray`` extra) as actors, each asking for the resources a
   server needs, on the Ray cluster ``RAY_ADDRESS`` names (or a local one); each actor runs the same
   ``forge-lightning serve`` and stops with it.
@@ -22,7 +24,7 @@ import re
 import secrets
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,7 +46,7 @@ _ENTRY = re.compile(
 
 @dataclass(frozen=True)
 class Entry:
-    """One ``rollout_servers`` entry: ``count`` servers to start (``local``, ``ray``), or the
+    """One entry of the servers' list: ``count`` servers to start (``local``, ``ray``), or the
     server at ``address`` (``remote``)."""
 
     kind: Literal["local", "ray", "remote"]
@@ -57,15 +59,15 @@ def parse_entry(text: str) -> Entry:
     match = _ENTRY.match(text.strip()) if isinstance(text, str) else None
     if match is None:
         raise ValueError(
-            f"rollout_servers entry {text!r} is not local:N, ray:N or host:port (e.g. local:2, node7:8000)"
+            f"rollout server entry {text!r} is not local:N, ray:N or host:port (e.g. local:2, node7:8000)"
         )
     if match["kind"]:
         count = int(match["count"])
         if count < 1:
-            raise ValueError(f"rollout_servers entry {text!r}: {match['kind']}:N starts at least 1 server")
+            raise ValueError(f"rollout server entry {text!r}: {match['kind']}:N starts at least 1 server")
         return Entry(match["kind"], count)  # type: ignore[arg-type]
     if not 0 < int(match["port"]) < 65536:
-        raise ValueError(f"rollout_servers entry {text!r}: the port must be in 1..65535")
+        raise ValueError(f"rollout server entry {text!r}: the port must be in 1..65535")
     return Entry("remote", 1, f"{match['host']}:{int(match['port'])}")
 
 
@@ -81,6 +83,15 @@ def valid_entries(value: Any) -> bool:
 
 
 ENTRIES_RULE = (lambda v: v is None or valid_entries(v), "None or a list of 'local:N', 'ray:N', 'host:port'")
+
+
+def devices_of(text: Any) -> list[Any]:
+    """The devices a comma-separated list names (``"cuda:0, cuda:1"``: ``["cuda:0", "cuda:1"]``),
+    dealt round-robin to the servers started here; none for None. Anything but a string comes back
+    as it is, for the device check to refuse by name."""
+    if text is None:
+        return []
+    return [part.strip() for part in text.split(",")] if isinstance(text, str) else [text]
 
 
 def served_model(model: Any, tokenizer: Any, spec: str | None, folder: Path) -> str:
@@ -114,8 +125,8 @@ class Placement:
         given = os.environ.get(SECRET_ENV)
         if any(e.kind == "remote" for e in self.parsed) and not given:
             raise ValueError(
-                f"rollout_servers names servers you started ({', '.join(self.remote)}): set "
-                f"{SECRET_ENV} to the secret they were started with"
+                f"the rollout servers you started ({', '.join(self.remote)}) need their secret: "
+                f"set {SECRET_ENV} to the secret they were started with"
             )
         # Servers the trainer starts share the user's secret where one is given, else a fresh one.
         self.secret = self.secret or given or secrets.token_urlsafe(32)
@@ -129,10 +140,8 @@ class Placement:
         are) and wait until each answers; every server's ``(name, host:port)``."""
         started: list[tuple[str, str]] = []
         if torch_rank() == 0 and any(e.kind != "remote" for e in self.parsed):
-            self.config = ServeConfig(
-                {**self.config.model, "model": served_model(model, tokenizer, self.spec, self.folder)},
-                self.config.threads,
-            )
+            model_spec = served_model(model, tokenizer, self.spec, self.folder)
+            self.config = replace(self.config, model={**self.config.model, "model": model_spec})
             started = self._start_children()
         started, self.secret = shared_with_ranks((started, self.secret))
         return started + [(address, address) for address in self.remote]
@@ -144,7 +153,8 @@ class Placement:
         for i in range(local):
             port = free_port()
             log = open(self.folder / f"server-{i + 1}.log", "ab")  # noqa: SIM115 (the child holds it)
-            process = spawn_server(config, port, self.secret, self.config.threads, log)
+            device = self.config.device(i)
+            process = spawn_server(config, port, self.secret, self.config.threads, log, device=device)
             self.processes.append(process)
             named.append((f"local:{i + 1} (127.0.0.1:{port}, pid {process.pid})", f"127.0.0.1:{port}"))
             self._by_address[f"127.0.0.1:{port}"] = process

@@ -31,6 +31,13 @@ class ServeConfig:
 
     model: dict[str, Any]
     threads: int = 1  # each started server's torch threads (OMP_NUM_THREADS)
+    # The devices the servers started here run on (serve --device), dealt round-robin: the i-th
+    # takes devices[i % len(devices)]; none: each picks its own (cuda where there is one, else cpu).
+    devices: tuple[str, ...] = ()
+
+    def device(self, index: int) -> str | None:
+        """The device of the ``index``-th server started here (from 0); None: its own choice."""
+        return self.devices[index % len(self.devices)] if self.devices else None
 
     def write(self, folder: Path) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
@@ -48,8 +55,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def serve_command(config: Path, port: int, host: str = "127.0.0.1") -> list[str]:
-    """The command line of one server (the package's own entry point, in this interpreter)."""
+def serve_command(config: Path, port: int, host: str = "127.0.0.1", device: str | None = None) -> list[str]:
+    """The command line of one server (the package's own entry point, in this interpreter), on
+    ``device`` where one is given."""
+    where = [] if device is None else ["--device", device]
     return [
         sys.executable,
         "-m",
@@ -61,6 +70,7 @@ def serve_command(config: Path, port: int, host: str = "127.0.0.1") -> list[str]
         str(port),
         "--host",
         host,
+        *where,
     ]
 
 
@@ -74,12 +84,18 @@ def _die_with_parent() -> None:
 
 
 def spawn_server(
-    config: Path, port: int, secret: str, threads: int, log: Any, host: str = "127.0.0.1"
+    config: Path,
+    port: int,
+    secret: str,
+    threads: int,
+    log: Any,
+    host: str = "127.0.0.1",
+    device: str | None = None,
 ) -> subprocess.Popen:
-    """``forge-lightning serve`` on ``port`` as a child process, its output into ``log``."""
+    """``forge-lightning serve`` on ``port`` (and ``device``) as a child process, its output into ``log``."""
     env = {**os.environ, SECRET_ENV: secret, "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(
-        serve_command(config, port, host),
+        serve_command(config, port, host, device),
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -118,13 +118,20 @@ def sampling_config(call: GenerateCall, model: PreTrainedModel, engine: HFGenera
     the model's generation_config. ValueError naming a setting whose processor is not built here."""
     config = engine._config(call.params, 1, True)
     config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
-    on = [name for name, is_on in _NOT_BUILT.items() if is_on(getattr(config, name, None))]
+    on = not_built(lambda name: getattr(config, name, None))
     if on:
         raise ValueError(
             f"the rollout server does not sample with {on} (from the request's extra generation "
             "settings or the model's generation_config): drop them, or sample in-process"
         )
     return config
+
+
+def not_built(value_of: Callable[[str], Any]) -> list[str]:
+    """The settings the loop builds no processor for that are on, by the value ``value_of`` gives
+    each name (a GenerationConfig's; a run's extra generation settings, checked before any server
+    starts)."""
+    return [name for name, is_on in _NOT_BUILT.items() if is_on(value_of(name))]
 
 
 def generator(call: GenerateCall) -> torch.Generator:

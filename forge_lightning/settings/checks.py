@@ -8,11 +8,14 @@ other one by the range its declaration gives (``RULES``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from forge_lightning.grpo import ADVANTAGE_ESTIMATORS, scales_itself
 from forge_lightning.rollout.engines.generation_settings import check_engine_logprob_kwargs
+from forge_lightning.rollout.engines.weight_ring import check_rollout_device
+from forge_lightning.serving.placement import devices_of, parse_entry
+from forge_lightning.serving.requests import not_built
 from forge_lightning.settings.declare import Rule, check_value
 from forge_lightning.settings.groups import (
     DEFAULT_BEHAV_IMP_WEIGHT_CAP,
@@ -69,6 +72,8 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
             f"them (steps_per_generation={values['steps_per_generation']})"
         )
     _check_advantage_levers(values)
+    if values.get("rollout_servers"):
+        _check_servers(values)
     if _tool_mode(values) is not None:
         _check_tools(values)
     if values.get("rollout_precision") is not None:
@@ -77,7 +82,7 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
         _check_engine_logprobs(values)
     if values.get("rollout_correction") is not None:
         _check_rollout_correction(values)
-    if values.get("rollout_mode") == "async":
+    if values.get("rollout_mode") == "async" and not values.get("rollout_servers"):
         _check_async(values)
     _check_rollout_device(values)
     if values.get("generation_kwargs") is not None or values.get("stop"):
@@ -132,6 +137,113 @@ def _check_async(values: Mapping[str, Any]) -> None:
         )
 
 
+# With rollout_servers the servers sample (serving/), in either rollout mode, and in async mode
+# they take what ASYNC_NEEDS refuses the in-process worker, but for SERVERS_ASYNC_NEED:
+# - top_p, top_k, min_p, repetition_penalty: a server's per-token log-probs are those of the
+#   distribution it sampled from, after the cuts and the penalty, at the sampling temperature (as HF
+#   generate's are in this process): the behaviour policy's. A batch sampled by older weights is
+#   weighed by exp(old_logp - behav_logp) (grpo.grpo_loss's decoupled loss), which covers the cut
+#   as it covers the lag; one sampled by the weights it trains (lag 0) trains as a sync rollout
+#   does, the cut not weighed, unless rollout_correction weighs every batch. Neither needs
+#   rollout_correction; the loss must take the sampler's log-probs at the sampling temperature
+#   (loss_type below).
+# - stop: the servers cut each row at its stop string and say where it ends.
+# - generation_kwargs: the GenerationConfig fields the servers' decode loop builds; those it does
+#   not (serving/requests.py's not_built, which the server refuses with a 400) are refused here.
+# - peft: the servers get LoRA's weights merged into the base ones (serving/served_weights.py).
+# - use_engine_logprobs: the servers report each token's log-prob; at lag 0 they stand in for the
+#   old policy's (rollout/sources.py), a stale batch's are the sampler's as above.
+# What the servers cannot do, by setting: whether the run's settings (all of them) work there, and
+# why not, with what to set.
+ServerRule = tuple[Callable[[Mapping[str, Any]], bool], str]
+
+# In either rollout mode.
+SERVERS_NEED: dict[str, ServerRule] = {
+    "generation_backend": (
+        lambda v: v.get("generation_backend", "hf") == "hf",
+        "the servers sample with the engine each was started with (forge-lightning serve --engine; "
+        "local:N and ray:N run hf), not this process's: leave generation_backend 'hf'",
+    ),
+    "rollout_precision": (
+        lambda v: v.get("rollout_precision") is None,
+        "it samples with a low-precision copy of the policy in this process, while a server samples "
+        "with the model it loaded, in the dtype it loaded it in: leave rollout_precision unset",
+    ),
+    "rollout_memory_fraction": (
+        lambda v: v.get("rollout_memory_fraction") is None,
+        "it caps the in-process rollout worker's share of a GPU, and each server is a process of its "
+        "own: leave it unset (rollout_device gives the servers the trainer starts their devices)",
+    ),
+    "rollout_device": (
+        lambda v: v.get("rollout_device") is None or _starts_local_servers(v["rollout_servers"]),
+        "it lists the devices of the servers the trainer starts (local:N), and these entries start "
+        "none (ray:N servers take the GPUs Ray gives them, host:port ones the --device they were "
+        "started with): leave rollout_device unset",
+    ),
+}
+
+# The async pipeline (rollout/sources.py's AsyncRollouts, the worker's and the servers') fixes, when
+# it hands a batch over, the optimizer step the batch trains in: what that cannot hold stays refused.
+_ONE_STEP_PER_BATCH = (
+    "the async pipeline counts one optimizer step per batch it hands over, so a batch that feeds "
+    "several would come back staler than the staleness bound allows and be sampled again: use "
+    "rollout_mode='sync'"
+)
+_TOOL_EPISODES = (
+    "a tool episode is several generate calls with the tools' turns between, which async rollouts "
+    "hand whole to the in-process worker (rollout/async_worker.py), while a server samples "
+    "completions: use rollout_mode='sync', whose tool loop runs here with the servers as its engine"
+)
+
+# With rollout_mode='async'.
+SERVERS_ASYNC_NEED: dict[str, ServerRule] = {
+    "dynamic_sampling": (
+        lambda v: not v.get("dynamic_sampling"),
+        "it ends an optimizer step once enough informative groups are scored, so a batch's step is "
+        "known only from the rewards, after it is sampled; the async pipeline must fix it when it "
+        "hands the batch over to bound its staleness: use rollout_mode='sync'",
+    ),
+    "num_iterations": (lambda v: v.get("num_iterations", 1) == 1, _ONE_STEP_PER_BATCH),
+    "steps_per_generation": (lambda v: v.get("steps_per_generation", 1) == 1, _ONE_STEP_PER_BATCH),
+    "loss_type": (
+        lambda v: v.get("loss_type") != "forge",
+        "a batch sampled by older weights trains with the servers' log-probs as the sampler's "
+        "(grpo_loss's behav_logp), which loss_type='forge' does not take (its ratio is against the "
+        "reference, at temperature 1): use grpo, dapo or dr_grpo, or rollout_mode='sync'",
+    ),
+    **{
+        name: (lambda v, name=name: not v.get(name), _TOOL_EPISODES)
+        for name in ("agent", "calculator", "tools", "environment_factory")
+    },
+}
+
+
+def _starts_local_servers(entries: list[str]) -> bool:
+    return any(parse_entry(entry).kind == "local" for entry in entries)
+
+
+def _check_servers(values: Mapping[str, Any]) -> None:
+    """Refuse by name, with the reason, what the rollout servers cannot do: SERVERS_NEED, and in
+    async mode SERVERS_ASYNC_NEED; and generation_kwargs their decode loop builds no processor for."""
+    asynchronous = values.get("rollout_mode") == "async"
+    where = f"rollout_servers={values['rollout_servers']!r}"
+    rules = [(where, SERVERS_NEED)]
+    if asynchronous:
+        rules.append((f"{where} with rollout_mode='async'", SERVERS_ASYNC_NEED))
+    for said, table in rules:
+        for name, (works, why) in table.items():
+            if not works(values):
+                raise ValueError(f"{said} cannot take {name}={values.get(name)!r}: {why}")
+    kwargs = values.get("generation_kwargs")
+    unbuilt = not_built(kwargs.get) if isinstance(kwargs, Mapping) else []
+    if unbuilt:
+        raise ValueError(
+            f"{where} cannot take generation_kwargs {', '.join(unbuilt)}: the servers' decode loop "
+            "builds no logits processor for them (serving/requests.py; a server refuses them too); "
+            "drop them, or sample in this process (no rollout_servers)"
+        )
+
+
 def _check_generation(values: Mapping[str, Any]) -> None:
     from forge_lightning.rollout.engines.generation_settings import check_generation_kwargs  # noqa: PLC0415
 
@@ -145,13 +257,16 @@ def _check_generation(values: Mapping[str, Any]) -> None:
 
 def _check_rollout_device(values: Mapping[str, Any]) -> None:
     device, fraction = values.get("rollout_device"), values.get("rollout_memory_fraction")
+    if values.get("rollout_servers"):  # the devices of the servers the trainer starts: SERVERS_NEED
+        for one in devices_of(device):
+            check_rollout_device(one, None)
+        return
     if (device is not None or fraction is not None) and values.get("rollout_mode", "sync") != "async":
         raise ValueError(
             "rollout_device and rollout_memory_fraction place the asynchronous rollout worker: "
-            "set rollout_mode='async', or leave them unset (sync rollouts sample on the trainer's device)"
+            "set rollout_mode='async', or leave them unset (sync rollouts sample on the trainer's "
+            "device; with rollout_servers, rollout_device lists the started servers' devices)"
         )
-    from forge_lightning.rollout.engines.weight_ring import check_rollout_device
-
     check_rollout_device(device, fraction)
 
 

@@ -56,6 +56,7 @@ from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.rollout.tools.stored import StoredTools
 from forge_lightning.sandbox.pool import Sandbox, SandboxLimits
 from forge_lightning.serving.client import RemoteEngine
+from forge_lightning.serving.placement import devices_of
 from forge_lightning.serving.processes import ServeConfig
 from forge_lightning.serving.remote_sources import RemoteAsyncRollouts, RemoteSyncRollouts, remote_engine
 from forge_lightning.settings.groups import (
@@ -186,7 +187,7 @@ def build_components(
     )
     greedy = SamplingParams(settings.validation.max_new_tokens(s.max_new_tokens), greedy=True, stop=stop)
     passes = LossPasses(scorer, loss, settings.advantages.mask_truncated_completions)
-    source, plan = rollout_source(settings, sampling, stored.model, tools), step_plan_of(settings)
+    source, plan = rollout_source(settings, sampling, stored.model), step_plan_of(settings)
     reporter = StepReporter(train_metrics)  # its cadence handed over by module.report_every
     optimizer = settings.optimizer
     stepper = OptimizerStep(optimizer.max_grad_norm, optimizer.max_consecutive_bad_steps)
@@ -233,22 +234,20 @@ def optimizer_config(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def rollout_source(
-    settings: GRPOSettings, sampling: SamplingParams, model: Any, tools: StoredTools
-) -> RolloutSource:
+def rollout_source(settings: GRPOSettings, sampling: SamplingParams, model: Any) -> RolloutSource:
     """Where and when training batches are sampled: now, by the engine the settings name, by the
     rollout worker, or by the rollout servers (serving/); with what the rollouts must carry (the
     engine's scores, for the loss). ``model``: the module's spec (or object), which servers the
-    trainer starts load; ``tools``: the run's, which async rollouts on servers refuse."""
+    trainer starts load."""
     engine, off_policy, memory = settings.engine, settings.off_policy, settings.memory
     group, scores = settings.sampling.group_size, off_policy.use_engine_logprobs
     correction = off_policy.rollout_correction is not None
-    remote = servers_engine(settings, model, tools) if engine.rollout_servers else None
+    remote = servers_engine(settings, model) if engine.rollout_servers else None
     if engine.rollout_mode == "async":
         worker = WorkerSettings(
             prefix_sharing=memory.prefix_sharing,
             logprob_chunk_size=memory.logprob_chunk_size,
-            device=engine.rollout_device,
+            device=None if remote else engine.rollout_device,  # with servers: theirs (servers_engine)
             memory_fraction=engine.rollout_memory_fraction,
             precision=engine.rollout_precision,
         )
@@ -274,38 +273,19 @@ def rollout_source(
     return SyncRollouts(sampling, group, backend, engine_logprobs=scores, correction=correction)
 
 
-def servers_engine(settings: GRPOSettings, model: Any, tools: StoredTools) -> RemoteEngine:
-    """The engine of a run on ``rollout_servers``: the servers the trainer starts run with the model
-    settings here (``model``: the spec, or an object, which they cannot load)."""
-    engine = settings.engine
-    asynchronous = engine.rollout_mode == "async"
-    if asynchronous:
-        refuse_async_on_servers(settings, tools)
-    memory = settings.memory
+def servers_engine(settings: GRPOSettings, model: Any) -> RemoteEngine:
+    """The engine of a run on ``rollout_servers`` (what they cannot do is refused with the other
+    settings: settings/checks.py): the servers the trainer starts run with the model settings here
+    (``model``: the spec, or an object, which they cannot load), on the devices ``rollout_device``
+    lists, dealt round-robin."""
+    engine, memory = settings.engine, settings.memory
     loading = {"model_dtype": memory.model_dtype, "attn_implementation": memory.attn_implementation}
     threads = engine.rollout_worker_threads or 1  # each started server's, one unless told
-    serve = ServeConfig({name: value for name, value in loading.items() if value is not None}, threads)
+    model_section = {name: value for name, value in loading.items() if value is not None}
+    serve = ServeConfig(model_section, threads, tuple(devices_of(engine.rollout_device)))
     spec = model if isinstance(model, str) else None
-    lag = engine.max_staleness if asynchronous else 0
+    lag = engine.max_staleness if engine.rollout_mode == "async" else 0
     return remote_engine(engine.rollout_servers, serve, spec, engine.partial_rollouts, lag)
-
-
-def refuse_async_on_servers(settings: GRPOSettings, tools: StoredTools) -> None:
-    """What async rollouts on servers cannot do yet, refused by name: tool episodes (a server
-    samples completions), and a loss that scores at another temperature than the sampling one
-    (the servers' log-probs, the behaviour policy's, are those of the distribution they sampled)."""
-    if settings.tools.agent is not None or tool_recipe(settings.tools, None, tools) is not None:
-        raise ValueError(
-            "rollout_servers with rollout_mode='async' samples completions, not tool episodes: use "
-            "rollout_mode='sync' for a run with tools or an agent"
-        )
-    temperature = settings.sampling.temperature
-    scoring = settings.loss.scoring_temperature(temperature)
-    if scoring != temperature:
-        raise ValueError(
-            f"rollout_servers with rollout_mode='async' needs the loss to score at the sampling "
-            f"temperature ({temperature}), not {scoring}: use a loss that scores at it"
-        )
 
 
 def step_plan_of(settings: GRPOSettings) -> StepPlan:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from forge_lightning.rollout.engines.generation_settings import SAMPLING_RULES
 from forge_lightning.rollout.engines.registry import ENGINES
 from forge_lightning.rollout.engines.weight_ring import check_rollout_device
-from forge_lightning.serving.placement import ENTRIES_RULE
+from forge_lightning.serving.placement import ENTRIES_RULE, devices_of
 from forge_lightning.settings.declare import (
     POSITIVE,
     SECONDS,
@@ -120,9 +120,12 @@ class EngineSettings(Group):
     rollout_device: str | None = setting(None, resume=True)
     """async: the worker's device (None: the CPU). ``cuda:N`` is another GPU, ``cuda`` the
     trainer's own (with ``rollout_memory_fraction``); the weights go device to device
-    (rollout/engines/weight_ring.py)."""
+    (rollout/engines/weight_ring.py). With ``rollout_servers`` (either mode): the device of the
+    servers the trainer starts (``local:N``), or a comma-separated list dealt to them round-robin
+    (``cuda:1,cuda:2``), passed to ``forge-lightning serve --device``; None: each takes cuda where
+    there is one, else the CPU."""
     rollout_memory_fraction: float | None = setting(None, resume=True)
-    """async: the GPU memory share the worker may take."""
+    """async: the GPU memory share the worker may take (not with ``rollout_servers``)."""
     rollout_servers: list[str] | None = setting(None, check=ENTRIES_RULE, resume=True)
     """rollout servers that sample instead of this process (serving/): ``local:N`` (N
     ``forge-lightning serve`` child processes), ``host:port`` (one you started; the trainer needs
@@ -136,7 +139,11 @@ class EngineSettings(Group):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_rollout_device(self.rollout_device, self.rollout_memory_fraction)
+        if not self.rollout_servers:
+            check_rollout_device(self.rollout_device, self.rollout_memory_fraction)
+            return
+        for device in devices_of(self.rollout_device):  # the started servers' (settings/checks.py)
+            check_rollout_device(device, None)
 
 
 @dataclass(frozen=True)
