@@ -39,7 +39,7 @@ from forge_lightning.rollout.sources import EpisodeRunner, TrainingBatch
 from forge_lightning.rollout.tools.stored import EnvironmentArgument, ToolsArgument, stored_tools
 from forge_lightning.run.checkpoint_io import refuse_unstored_objects
 from forge_lightning.settings import components
-from forge_lightning.settings.checks import validate_hparams
+from forge_lightning.settings.checks import current_names, validate_hparams
 from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME, GRPOSettings, check_generation_budget
 from forge_lightning.settings.module_preflight import data_longest, module_preflight
 from forge_lightning.settings.signature import documented_settings, save_settings, settings_signature
@@ -391,7 +391,8 @@ class GRPOLightningModule(pl.LightningModule):
         # Resuming a fit checks and restores the run; validate or load_from_checkpoint may use other settings.
         resumed = fit_shape(self.trainer) if fitting(self._trainer) else None
         parts = self.reporter, self.rollout_source, self.reward
-        load_run_state(checkpoint, resumed, self.hparams, *parts, CHANGEABLE_ON_RESUME)
+        saved = {**checkpoint, "hyper_parameters": current_names(checkpoint.get("hyper_parameters", {}))}
+        load_run_state(saved, resumed, self.hparams, *parts, CHANGEABLE_ON_RESUME)
         if resumed is not None:  # a resumed fit trains on with the changes made midway
             self._use_adjustments(Adjustments.from_state(checkpoint.get(CHECKPOINT_KEY)))
 

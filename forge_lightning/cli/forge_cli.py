@@ -36,7 +36,7 @@ from forge_lightning.rewards.resume_changes import reward_on_resume
 from forge_lightning.run.folder import RunFolder, RunFolderError, remove_untracked_checkpoints
 from forge_lightning.run.resume import check_resume_settings
 from forge_lightning.run.signals import EXIT_CODE
-from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME
+from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME, current_names
 from forge_lightning.settings.trl_names import refuse_foreign_settings
 from forge_lightning.training.preflight import PreflightError
 
@@ -241,7 +241,9 @@ class ForgeCLI(LightningCLI):
             # once, when the module loads the checkpoint (training/run_state.py), not here too.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                hparams = reward_on_resume(saved.get("hyper_parameters", {}), self.model.hparams)
+                hparams = reward_on_resume(
+                    current_names(saved.get("hyper_parameters", {})), self.model.hparams
+                )
             check_resume_settings(hparams, self.model.hparams, data_changes, changeable=CHANGEABLE_ON_RESUME)
         except ValueError as err:
             raise SystemExit(f"fit: {err}") from None

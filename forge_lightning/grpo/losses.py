@@ -67,8 +67,8 @@ class LossSettings:
             and TRL), unbiased for KL(policy || ref) and never negative, whose gradient is that
             of the forward KL(ref || policy). ``forge`` keeps Forge's k3 on its sequence ratio.
         behav_imp_weight_cap: the cap of the sampler correction weight ``w`` (see
-            :func:`grpo_loss`; AReaL's ``behav_imp_weight_cap``, TRL's and verl's cap of 3 is
-            the module's default); > 1, or None for no cap.
+            :func:`grpo_loss`; AReaL's ``behav_imp_weight_cap``, 5 by default there; TRL's and
+            verl's cap is 3); > 1, or None for no cap.
         rollout_correction: what a weight above the cap does: ``mask`` gives its token (or its
             completion, at ``sequence`` level) weight 0 (masked importance sampling, MIS; the
             tokens stay in the normaliser); ``truncate`` weighs it ``cap`` (truncated importance

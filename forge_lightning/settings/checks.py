@@ -17,17 +17,20 @@ from forge_lightning.rollout.engines.weight_ring import check_rollout_device
 from forge_lightning.serving.placement import devices_of, parse_entry
 from forge_lightning.serving.requests import not_built
 from forge_lightning.settings.declare import Rule, check_value
-from forge_lightning.settings.groups import (
-    DEFAULT_BEHAV_IMP_WEIGHT_CAP,
-    LOSS_FIELDS,
-    MODEL_DTYPES,
-    loss_settings,
-)
+from forge_lightning.settings.groups import LOSS_FIELDS, MODEL_DTYPES, current_names, loss_settings
 from forge_lightning.settings.groups import RULES as MODULE_RULES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LOSS_FIELDS", "MODEL_DTYPES", "RULES", "check_setting", "loss_settings", "validate_hparams"]
+__all__ = [
+    "LOSS_FIELDS",
+    "MODEL_DTYPES",
+    "RULES",
+    "check_setting",
+    "current_names",
+    "loss_settings",
+    "validate_hparams",
+]
 
 
 def _count(v: Any) -> bool:
@@ -50,7 +53,9 @@ def check_setting(field: str, value: Any) -> None:
 
 
 def validate_hparams(values: Mapping[str, Any]) -> None:
-    """Raise ValueError naming the first field outside its allowed range."""
+    """Raise ValueError naming the first field outside its allowed range (a former name's value as
+    the setting it became)."""
+    values = current_names(values)
     for field in RULES:
         if field in values:
             check_setting(field, values[field])
@@ -386,10 +391,4 @@ def _check_rollout_correction(values: Mapping[str, Any]) -> None:
         raise ValueError(
             "rollout_correction does not go with loss_type='forge' (Forge's ratio is against the "
             "reference, not the sampler); use grpo, dapo or dr_grpo"
-        )
-    cap = values.get("behav_imp_weight_cap", DEFAULT_BEHAV_IMP_WEIGHT_CAP)
-    if cap != DEFAULT_BEHAV_IMP_WEIGHT_CAP:
-        raise ValueError(
-            f"behav_imp_weight_cap={cap!r} is the cap of the async worker's default correction; "
-            "with rollout_correction set, its cap is rollout_correction_cap"
         )

@@ -6,7 +6,8 @@ may change it (``resume=True``) and whether a checkpoint's model card shows it (
 its help is the attribute docstring under it. The module's
 signature and help (settings/signature.py), the CLI's flags (read from those), the guide's
 settings table, the range checks (checks.RULES) and the resume rules (groups.CHANGEABLE_ON_RESUME)
-are all read from the fields.
+are all read from the fields. A setting's former name is an :class:`OldName` in its group's
+``old_names``: a flag and keyword still taken, its value given to the setting it became.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import ast
 import inspect
 import math
 import textwrap
-from collections.abc import Callable
-from dataclasses import Field, field, fields
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import Field, dataclass, field, fields
 from functools import cache
-from typing import Any
+from typing import Any, ClassVar
 
 # (predicate, the allowed range in words, or a function that says it when asked)
 Rule = tuple[Callable[[Any], bool], "str | Callable[[], str]"]
@@ -99,9 +101,49 @@ def attribute_docs(kind: type) -> dict[str, str]:
     return found
 
 
+@dataclass(frozen=True)
+class OldName:
+    """A setting's former name, still taken wherever it was (the flag, the keyword, a config's and a
+    checkpoint's key) with a DeprecationWarning: its value goes to the setting ``new``.
+    ``old_defaults``: the defaults of the names before the rename, which every config and
+    checkpoint saved then holds; in a mapping that holds the old name, such a value says nothing
+    (the new setting's default stands)."""
+
+    name: str
+    new: str
+    old_defaults: tuple[tuple[str, Any], ...] = ()
+
+    def help(self) -> str:
+        return f"deprecated: the former name of ``{self.new}``, which it sets."
+
+    def applied(self, values: Mapping[str, Any], default: Any) -> dict[str, Any]:
+        """``values`` with the old name's value given to ``new`` (``default``: ``new``'s); ValueError
+        where both say something and differ."""
+        found = {key: value for key, value in values.items() if key != self.name}
+        if self.name not in values:
+            return found
+        old, new = values[self.name], values.get(self.new, default)
+        was = dict(self.old_defaults)
+
+        def says(name: str, value: Any) -> bool:
+            return value != default and not (name in was and value == was[name])
+
+        if says(self.name, old):
+            warnings.warn(f"{self.name} is deprecated: use {self.new}", DeprecationWarning, stacklevel=4)
+            if says(self.new, new) and new != old:
+                raise ValueError(
+                    f"{self.name}={old!r} and {self.new}={new!r} are one setting given twice: give "
+                    f"{self.new} alone ({self.name} is its former name)"
+                )
+        found[self.new] = old if says(self.name, old) else new if says(self.new, new) else default
+        return found
+
+
 class Group:
     """A settings group (a frozen dataclass of :func:`setting` fields): its fields' ranges checked
-    when it is made."""
+    when it is made. ``old_names``: its settings' former names."""
+
+    old_names: ClassVar[tuple[OldName, ...]] = ()
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -3,7 +3,8 @@
 GRPOLightningModule's ``__init__`` names only the objects it is given (the model, the reward,
 ...) and takes every setting as a keyword; :func:`settings_signature` gives it the signature
 of all of them, each setting keyword-only with its declared type and default, in the groups'
-order, and :func:`documented_settings` adds each setting's help to the class's ``Args:``.
+order (a former name after its group's, with its setting's type and default), and
+:func:`documented_settings` adds each setting's help to the class's ``Args:``.
 LightningCLI (jsonargparse) reads both for the ``--model.<name>`` flags and their help, Lightning's
 ``load_from_checkpoint`` and ``save_hyperparameters`` the signature, and :func:`settings_table`
 both for the guide's settings table (notebooks/guide.ipynb shows it, a test checks it current).
@@ -19,24 +20,26 @@ from dataclasses import fields
 from typing import Any, TypeVar, get_type_hints
 
 from forge_lightning.settings.declare import setting_name
-from forge_lightning.settings.groups import DECLARED, declared_fields, setting_help
+from forge_lightning.settings.groups import DECLARED, current_names, declared_fields, setting_help
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T", bound=type)
 
 
 def setting_parameters(declared: Mapping[str, type] = DECLARED) -> list[inspect.Parameter]:
-    """Every setting ``declared`` (groups by name) as a keyword-only parameter, in their order."""
+    """Every setting ``declared`` (groups by name) as a keyword-only parameter, in their order, each
+    group's former names after its settings."""
     found = []
     for kind in declared.values():
         hints = get_type_hints(kind)
-        for item in fields(kind):
+        names = [(setting_name(item), item) for item in fields(kind)]
+        names += [
+            (old.name, next(i for i in fields(kind) if setting_name(i) == old.new)) for old in kind.old_names
+        ]
+        for name, item in names:
             found.append(
                 inspect.Parameter(
-                    setting_name(item),
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=item.default,
-                    annotation=hints[item.name],
+                    name, inspect.Parameter.KEYWORD_ONLY, default=item.default, annotation=hints[item.name]
                 )
             )
     return found
@@ -148,18 +151,22 @@ def save_settings(
     else its default; Python's TypeError for a keyword that names none), in ``init``'s signature's
     order, less ``ignore``: what LightningCLI gives, where it gives them
     (its ``_instantiator`` with them), else these. Lightning reads an ``__init__``'s frame for its
-    arguments, which a ``**settings`` frame does not hold by name."""
-    values = {**objects, **bound_settings(type(module).__name__, given)}
+    arguments, which a ``**settings`` frame does not hold by name. A former name is saved as the
+    setting it became."""
+    renamed = current_names(given)
+    values = {**objects, **bound_settings(type(module).__name__, renamed)}
     order = [name for name in inspect.signature(init).parameters if name in values]
     if not given_by_cli():  # given here: else Lightning walks the callers' frames for an __init__'s
         with given_hyperparameters({name: values[name] for name in order}):
             module.save_hyperparameters(ignore=list(ignore))
         module._hparams_name = None  # as a dict of them saved: loaded back as keywords
         return
-    module.save_hyperparameters(ignore=list(ignore))
+    old = [name for name in given if name not in renamed]
+    module.save_hyperparameters(ignore=[*ignore, *old])
     missing = {name: values[name] for name in order if name not in module.hparams and name not in ignore}
-    if missing:
-        module.save_hyperparameters(missing)
+    moved = {name: value for name, value in renamed.items() if name in given and value is not given[name]}
+    if missing or moved:
+        module.save_hyperparameters({**missing, **moved})
 
 
 def given_by_cli() -> bool:

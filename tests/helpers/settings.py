@@ -51,7 +51,6 @@ BAD = {
     "rollout_mode": "threads",
     "max_staleness": -1,
     "rollout_worker_threads": 0,
-    "behav_imp_weight_cap": 1.0,
     "calculator": "python",
     "max_tool_calls": -1,
     "tool_call_format": "xml",

@@ -37,7 +37,10 @@ def test_a_boolean_is_not_a_number():
         ({"use_engine_logprobs": True, "rollout_correction": "mask"}, "rollout_correction"),
         ({"rollout_correction": "mask", "loss_type": "forge"}, "forge"),
         ({"use_engine_logprobs": True, "agent": "forge_lightning.examples.calculator_agent.agent"}, "agent"),
-        ({"rollout_correction": "mask", "behav_imp_weight_cap": 2.0}, "rollout_correction_cap"),
+        (
+            {"rollout_correction": "mask", "behav_imp_weight_cap": 2.0, "rollout_correction_cap": 2.5},
+            "one setting given twice",
+        ),
         ({"steps_per_generation": 2, "dynamic_sampling": True}, "steps_per_generation"),
         ({"steps_per_generation": 2, "rollout_mode": "async"}, "steps_per_generation"),
         ({"min_p": 0.1, "rollout_mode": "async"}, "min_p"),

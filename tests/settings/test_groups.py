@@ -27,7 +27,6 @@ CONFIG_ONLY = {"num_train_epochs", "save_steps", "logging_steps"}
 OTHER_CHECKS = {
     "rollout_device": ("mps", {"rollout_mode": "async"}),
     "rollout_memory_fraction": (1.5, {"rollout_mode": "async"}),
-    "behav_imp_weight_cap": (1.0, {}),
 }
 
 
@@ -65,9 +64,10 @@ def test_the_groups_and_the_loss_hold_every_setting_of_the_module_once_with_its_
     params = init_parameters()
     grouped = [setting for _, _, setting in group_fields()]
     assert len(grouped) == len(set(grouped))
-    # behav_imp_weight_cap is the off-policy group's, and the loss's cap without rollout_correction
-    assert set(grouped) & set(LOSS_FIELDS) == {"behav_imp_weight_cap"}
-    assert set(params) == set(grouped) | set(LOSS_FIELDS) | set(OBJECTS)
+    assert not set(grouped) & set(LOSS_FIELDS)
+    old = {old.name: old.new for kind in GROUPS.values() for old in kind.old_names}
+    assert old == {"behav_imp_weight_cap": "rollout_correction_cap"}
+    assert set(params) == set(grouped) | set(LOSS_FIELDS) | set(OBJECTS) | set(old)
     for group, name, setting in group_fields():
         default = next(f.default for f in fields(GROUPS[group]) if f.name == name)
         assert default is not MISSING and default == params[setting].default, setting
@@ -77,6 +77,7 @@ def test_the_groups_and_the_loss_hold_every_setting_of_the_module_once_with_its_
     order = ["model", "reward", "tokenizer", "peft"]
     for group in (f.name for f in fields(GRPOSettings)):
         order += loss if group == "loss" else [setting_name(f) for f in fields(GROUPS[group])]
+        order += [] if group == "loss" else [old.name for old in GROUPS[group].old_names]
         order += with_objects.get(group, [])
     assert list(params) == order
 
@@ -158,7 +159,7 @@ CHANGED_TOO = {
     "agent": dict(agent="forge_lightning.examples.calculator_agent.agent"),
     "engine": dict(generation_backend="vllm", use_engine_logprobs=True),
     "async": dict(
-        rollout_mode="async", rollout_device="cuda", rollout_memory_fraction=0.5, behav_imp_weight_cap=4.0
+        rollout_mode="async", rollout_device="cuda", rollout_memory_fraction=0.5, rollout_correction_cap=4.0
     ),
     "kl_in_reward": dict(
         kl_in_reward=True, kl_beta=0.05, advantage_estimator="reinforce_pp", advantage_scale="none"
@@ -180,8 +181,7 @@ def test_from_hparams_of_a_module_gives_back_every_setting(module, changed):
             assert value == changed[setting], setting
     assert settings.loss == loss_settings(grpo.hparams)
     for name in LOSS_FIELDS:
-        if name != "behav_imp_weight_cap":  # the loss's is rollout_correction_cap when that is set
-            assert getattr(settings.loss, name) == grpo.hparams[name], name
+        assert getattr(settings.loss, name) == grpo.hparams[name], name
 
 
 def test_hparams_without_the_newer_settings_build_with_their_defaults():
@@ -195,6 +195,7 @@ def test_hparams_without_the_newer_settings_build_with_their_defaults():
     params = init_parameters()
     old = {name: p.default for name, p in params.items() if name not in (*OBJECTS, *newer)}
     old.update(group_size=4, learning_rate=1e-3, loss_type="dr_grpo", max_new_tokens=64)
+    old.update(behav_imp_weight_cap=5.0)  # the async cap's former name, at its default then
     settings = GRPOSettings.from_hparams(old)
     assert (settings.sampling.group_size, settings.optimizer.learning_rate) == (4, 1e-3)
     assert (settings.loss.loss_type, settings.loss.max_completion_length) == ("dr_grpo", 64)

@@ -7,9 +7,10 @@ training/), scoring.py (rewards/, the sandbox, evaluation/).
 ``model:`` keys, a checkpoint's ``hparams``); each group is a frozen dataclass that checks its own
 fields' ranges when it is made. The module's signature and help (settings/signature.py), the
 range checks (:data:`RULES`, which checks.py adds GRPOConfig's to) and the resume rules
-(:data:`CHANGEABLE_ON_RESUME`) are read from the fields. The checks across fields and groups stay
-in :func:`~forge_lightning.settings.checks.validate_hparams`. A collaborator takes its group, not
-the flat mapping.
+(:data:`CHANGEABLE_ON_RESUME`) are read from the fields; a setting's former name (a group's
+``old_names``) is read as the setting it became by :func:`current_names`. The checks across
+fields and groups stay in :func:`~forge_lightning.settings.checks.validate_hparams`. A
+collaborator takes its group, not the flat mapping.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
+from forge_lightning._moved import renamed
 from forge_lightning.grpo import LossSettings
-from forge_lightning.settings.declare import Group, Rule, attribute_docs, setting_name
+from forge_lightning.settings.declare import Group, OldName, Rule, attribute_docs, setting_name
 from forge_lightning.settings.groups.rollout import (
     EngineSettings,
     PromptSettings,
@@ -28,7 +30,8 @@ from forge_lightning.settings.groups.rollout import (
 )
 from forge_lightning.settings.groups.scoring import RewardSettings, SandboxSettings, ValidationSettings
 from forge_lightning.settings.groups.training import (
-    DEFAULT_BEHAV_IMP_WEIGHT_CAP,
+    ASYNC_CAP,
+    CORRECTION_CAP,
     LOSS_FIELDS,
     MODEL_DTYPES,
     AdvantageSettings,
@@ -41,8 +44,10 @@ from forge_lightning.settings.groups.training import (
     loss_settings,
 )
 
-__all__ = ["DEFAULT_BEHAV_IMP_WEIGHT_CAP", "LOSS_FIELDS", "MODEL_DTYPES", "loss_settings", "setting_name"]
+__all__ = ["ASYNC_CAP", "CORRECTION_CAP", "LOSS_FIELDS", "MODEL_DTYPES", "loss_settings", "setting_name"]
 
+
+__getattr__ = renamed(__name__, {"DEFAULT_BEHAV_IMP_WEIGHT_CAP": "ASYNC_CAP"})  # its name before the one cap
 
 # Every group but the loss's, by its attribute of GRPOSettings.
 GROUPS: dict[str, type[Group]] = {
@@ -73,11 +78,33 @@ def declared_fields(declared: Mapping[str, type] = DECLARED) -> list[tuple[str, 
 
 
 def setting_help(declared: Mapping[str, type] = DECLARED) -> dict[str, str]:
-    """Every setting's help (its field's attribute docstring), by the module's name."""
-    return {
-        setting_name(item): attribute_docs(declared[group])[item.name]
-        for group, item in declared_fields(declared)
-    }
+    """Every setting's help (its field's attribute docstring), by the module's name, and each
+    former name's after its group's settings."""
+    found = {}
+    for kind in declared.values():
+        docs = attribute_docs(kind)
+        found |= {setting_name(item): docs[item.name] for item in fields(kind)}
+        found |= {old.name: old.help() for old in kind.old_names}
+    return found
+
+
+def old_names_of(declared: Mapping[str, type] = DECLARED) -> list[tuple[OldName, Any]]:
+    """(former name, the field of the setting it became) of every group ``declared``."""
+    found = []
+    for kind in declared.values():
+        by_name = {setting_name(item): item for item in fields(kind)}
+        found += [(old, by_name[old.new]) for old in kind.old_names]
+    return found
+
+
+def current_names(values: Mapping[str, Any], declared: Mapping[str, type] = DECLARED) -> dict[str, Any]:
+    """The flat settings ``values`` (keywords, a config's, a checkpoint's hparams) with each former
+    name's value given to the setting it became (a DeprecationWarning where it says something;
+    ValueError where both are given and differ)."""
+    found = dict(values)
+    for old, item in old_names_of(declared):
+        found = old.applied(found, item.default)
+    return found
 
 
 def rules_of(declared: Mapping[str, type] = DECLARED) -> dict[str, Rule]:
@@ -145,7 +172,8 @@ class GRPOSettings:
     def from_hparams(cls, values: Mapping[str, Any]) -> GRPOSettings:
         """The groups of the module's flat hyperparameters ``values``. A key they lack (a
         checkpoint written before the setting existed) takes the group's default, which is the
-        module's."""
+        module's; a former name, the setting it became."""
+        values = current_names(values)
         groups = {name: picked(kind, values) for name, kind in GROUPS.items()}
         every = {name: v for group in groups.values() for name, v in flat_values(group).items()}
         return cls(**groups, loss=loss_settings({**every, **values}))

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from forge_lightning._moved import renamed
 from forge_lightning.grpo import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_SCALES,
@@ -20,6 +21,7 @@ from forge_lightning.grpo import (
 from forge_lightning.settings.declare import (
     POSITIVE,
     Group,
+    OldName,
     count,
     maybe_count,
     one_of,
@@ -106,10 +108,6 @@ class OffPolicySettings(Group):
     """the old policy's log-probs from the engine's scores, not a forward. The engine (vLLM, or HF
     generate) is trusted: needs top_p 1, top_k 0 and a loss at the sampling temperature. Else see
     ``rollout_correction``."""
-    behav_imp_weight_cap: float | None = setting(5.0)
-    """async: the cap of the default correction (> 1; None). Without ``rollout_correction``, a
-    rollout sampled by older weights weighs each token by ``exp(old_logp - behav_logp)``, none
-    above this."""
     rollout_correction: Literal["mask", "truncate"] | None = setting(
         None, check=(optional(lambda v: v in ("mask", "truncate")), "None, 'mask' or 'truncate'")
     )
@@ -124,12 +122,21 @@ class OffPolicySettings(Group):
     )
     """``token``, or ``sequence``: one weight per completion, from the mean log-ratio over its model
     tokens."""
-    rollout_correction_cap: float | None = setting(3.0, check=(optional(lambda v: v > 1), "None or > 1"))
-    """the cap of ``w`` (> 1; TRL's 3)."""
+    rollout_correction_cap: float | Literal["auto"] | None = setting(
+        "auto", check=(optional(lambda v: v == "auto" or v > 1), "'auto', None or > 1")
+    )
+    """the cap of the correction weight ``w`` (> 1; None: no cap). ``auto``: the mode's, TRL's 3
+    with ``rollout_correction`` set; without, AReaL's 5 for the async worker's default correction
+    (a rollout sampled by older weights weighs each token by ``exp(old_logp - behav_logp)``,
+    masked above the cap)."""
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        LossSettings(behav_imp_weight_cap=self.behav_imp_weight_cap)  # the loss's rule for its cap
+    old_names = (
+        OldName(
+            "behav_imp_weight_cap",
+            "rollout_correction_cap",
+            old_defaults=(("behav_imp_weight_cap", 5.0), ("rollout_correction_cap", 3.0)),
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -228,24 +235,27 @@ class PreflightSettings(Group):
     on a GPU); None: the machine's memory (the GPU's)."""
 
 
-# The loss's settings, passed to grpo.LossSettings (which checks them) under the same names; the
-# async worker's cap among them.
-LOSS_FIELDS = (*(item.name for item in fields(LossGroup)), "behav_imp_weight_cap")
-# The async worker's default correction (AReaL's: masked at its cap, token level, only for a
-# rollout sampled by older weights) until a rollout correction is named.
+# The loss's settings, passed to grpo.LossSettings (which checks them) under the same names.
+LOSS_FIELDS = tuple(item.name for item in fields(LossGroup))
+# What rollout_correction_cap 'auto' stands for: AReaL's cap for the async worker's default
+# correction (masked, token level, only for a rollout sampled by older weights), until a rollout
+# correction is named; then TRL's.
+ASYNC_CAP, CORRECTION_CAP = 5.0, 3.0
 _OFF_POLICY = OffPolicySettings()
-DEFAULT_BEHAV_IMP_WEIGHT_CAP = _OFF_POLICY.behav_imp_weight_cap
+
+
+__getattr__ = renamed(__name__, {"DEFAULT_BEHAV_IMP_WEIGHT_CAP": "ASYNC_CAP"})  # its name before the one cap
 
 
 def loss_settings(values: Mapping[str, Any]) -> LossSettings:
     """The loss settings among ``values`` (the longest completion is dr_grpo's constant). With a
     rollout correction set, its mode, level and cap make the correction weight; else the async
-    worker's cap (masked, token level)."""
+    worker's default correction (masked, token level) at the cap."""
     chosen = {name: values[name] for name in LOSS_FIELDS if name in values}
-    if values.get("rollout_correction") is not None:
-        chosen["behav_imp_weight_cap"] = values.get(
-            "rollout_correction_cap", _OFF_POLICY.rollout_correction_cap
-        )
+    named = values.get("rollout_correction") is not None
+    cap = values.get("rollout_correction_cap", _OFF_POLICY.rollout_correction_cap)
+    chosen["behav_imp_weight_cap"] = (CORRECTION_CAP if named else ASYNC_CAP) if cap == "auto" else cap
+    if named:
         chosen["rollout_correction"] = values["rollout_correction"]
         chosen["rollout_correction_level"] = values.get(
             "rollout_correction_level", _OFF_POLICY.rollout_correction_level
