@@ -161,6 +161,7 @@ SPREAD: dict[str, int] = {
     "model_dtype": 4,
     "attn_implementation": 4,
     "vllm_gpu_memory_utilization": 4,
+    "rollout_servers": 4,  # checked with the others (settings/checks.py); the bench's flag
     "generation_kwargs": 5,  # TRL's name (bench/trl_reference.py); the engines' refused keys
     "max_prompt_length": 8,  # PromptFormat's field and rollout.sampler.max_prompt_length()
     "use_chat_template": 6,  # PromptFormat's field, RewardModel's keyword
