@@ -99,6 +99,7 @@ def test_at_most_max_parallel_calls_run_at_once():
     assert 0.6 <= elapsed < 1.1  # three waves of two: all at once 0.2 s, one after another 1.2 s
 
 
+@pytest.mark.integration  # waits out real time limits (about a second)
 def test_each_call_has_its_own_time_limit_from_when_it_starts():
     jobs = [Job(nap, {"seconds": 0.15, "tag": str(k)}, "nap") for k in range(3)]
     jobs.insert(1, Job(nap, {"seconds": 3.0, "tag": "never"}, "nap"))
@@ -121,6 +122,7 @@ async def blocks(seconds: float) -> str:
     return "late"
 
 
+@pytest.mark.integration  # waits out real time limits (about a second)
 def test_an_async_tool_that_blocks_its_loop_times_out_without_holding_the_other_calls():
     finished: list[float] = []
 
@@ -139,6 +141,7 @@ def test_an_async_tool_that_blocks_its_loop_times_out_without_holding_the_other_
     assert finished[0] - start < 1.0, "the other row's call waited behind the blocked loop"
 
 
+@pytest.mark.integration  # waits out real time limits (about a second)
 def test_an_abandoned_call_in_this_process_is_counted_and_warned_about_once(caplog):
     tok = chat_tokenizer()
     engine = TurnEngine(tok, [call("blocks", seconds=5.0), "done."])
