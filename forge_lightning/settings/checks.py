@@ -182,8 +182,8 @@ SERVERS_NEED: dict[str, ServerRule] = {
     "rollout_device": (
         lambda v: v.get("rollout_device") is None or _starts_local_servers(v["rollout_servers"]),
         "it lists the devices of the servers the trainer starts (local:N), and these entries start "
-        "none (ray:N servers take the GPUs Ray gives them, host:port ones the --device they were "
-        "started with): leave rollout_device unset",
+        "none (ray:N servers sample on the CPUs Ray gives them, no GPU yet; host:port ones on the "
+        "--device they were started with): leave rollout_device unset",
     ),
 }
 
