@@ -14,6 +14,7 @@ from forge_lightning.callbacks.reward_logger import (
     ASYNC_JSONL_KEYS,
     CORRECTION_JSONL_KEYS,
     JSONL_KEYS,
+    SERVER_JSONL_KEYS,
     TOOL_JSONL_KEYS,
 )
 from forge_lightning.cli.forge_cli import build_cli
@@ -95,8 +96,8 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(
     expected = {"step", "epoch", *JSONL_KEYS, "rewards/GSM8KAnswerReward", "rewards/GSM8KAnswerReward_std"}
     expected -= {"sampling_rounds", "groups_dropped"}  # logged with dynamic sampling only
     expected -= {"groups_filtered"}  # and with a callback that may filter (callbacks/rl_loop.py)
-    # and with asynchronous rollouts, rollout correction, tools
-    expected -= set(ASYNC_JSONL_KEYS) | set(CORRECTION_JSONL_KEYS) | set(TOOL_JSONL_KEYS)
+    # and with asynchronous rollouts, rollout correction, tools, rollout servers
+    expected -= {*ASYNC_JSONL_KEYS, *CORRECTION_JSONL_KEYS, *TOOL_JSONL_KEYS, *SERVER_JSONL_KEYS}
     assert set(records[0]) == expected
     events = EventAccumulator(str(next(out.rglob("events.out.tfevents*")).parent))
     events.Reload()
