@@ -31,7 +31,7 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "backward": "training.loss_passes",
     "bench_references": "bench.references",
     "checkpoint_io": ("run.checkpoint_io", "training.run_state"),
-    "components": "settings.components",
+    "components": "settings.assembly",
     "config": ("settings.checks", "run.resume", "callbacks.defaults"),
     "control_tokens": "rollout.control_tokens",
     "fileio": "run.fileio",
@@ -87,6 +87,8 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "run.sandbox_view": "sandbox.view",
     "run.sandbox_worker": "sandbox.worker",
     "run.seccomp": "sandbox.seccomp",
+    # Named for what it holds: the assembly of the module's parts from its settings.
+    "settings.components": "settings.assembly",
     # Renamed so that no two files of the package share a name.
     "callbacks.loop_hooks": "callbacks.rl_loop",
     "callbacks.curriculum": "callbacks.settled_prompt_filter",

@@ -2,7 +2,7 @@
 
 What one training batch does is training/step.py's (score, advantages, plan, log-probs, loss
 passes, optimizer step, record); the math, grpo/; validation, evaluation/evaluator.py. The module
-builds them once from its settings (settings/components.py) and runs them from Lightning's hooks.
+builds them once from its settings (settings/assembly.py) and runs them from Lightning's hooks.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from forge_lightning.rollout.engines.base import GenerationBackend
 from forge_lightning.rollout.sources import EpisodeRunner, TrainingBatch
 from forge_lightning.rollout.tools.stored import EnvironmentArgument, ToolsArgument, stored_tools
 from forge_lightning.run.checkpoint_io import refuse_unstored_objects
-from forge_lightning.settings import components
+from forge_lightning.settings import assembly
 from forge_lightning.settings.checks import current_names, validate_hparams
 from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME, GRPOSettings, check_generation_budget
 from forge_lightning.settings.module_preflight import data_longest, module_preflight
@@ -102,7 +102,7 @@ class GRPOLightningModule(pl.LightningModule):
     ) -> None:
         pl.LightningModule.__init__(self)  # not super(): save_hyperparameters would read this frame
         self.tools = stored_tools(tools, environment_factory)
-        stored = components.stored_arguments(model, tokenizer, reward, peft, self.tools)
+        stored = assembly.stored_arguments(model, tokenizer, reward, peft, self.tools)
         save_settings(self, GRPOLightningModule.__init__, stored.hparams, settings, stored.ignored)
         validate_hparams(self.hparams)
         self.automatic_optimization = False
@@ -113,7 +113,7 @@ class GRPOLightningModule(pl.LightningModule):
         # rollout source (where and when rollouts are sampled), the plan (what each batch trains,
         # when the optimizer steps), the step, the evaluator, the reporter (what loggers get).
         self.settings = GRPOSettings.from_hparams(self.hparams)
-        parts = components.build_components(self.settings, stored, self.tools, accuracy, answer_key)
+        parts = assembly.build_components(self.settings, stored, self.tools, accuracy, answer_key)
         self.reward, self.accuracy = parts.reward, parts.accuracy
         self.step, self.evaluator = parts.step, parts.evaluator
         self.sampling, self.greedy, self.scorer = parts.sampling, parts.greedy, parts.scorer
@@ -139,10 +139,10 @@ class GRPOLightningModule(pl.LightningModule):
     def configure_model(self) -> None:
         precision = None if self._trainer is None else str(self.trainer.precision)
         spec, mesh, peft = self.model_spec, self.device_mesh, self.hparams.peft
-        self.model, self.tokenizer = components.policy(
+        self.model, self.tokenizer = assembly.policy(
             self.model, self.tokenizer, spec, mesh, precision, self.settings, peft
         )
-        components.prepare_rollouts(
+        assembly.prepare_rollouts(
             self.rollout_source, self.tokenizer, self.model, self.settings, self.tools,
             self.use_chat_template, self.scorer.temperature, self.sandbox, self.reward,
         )  # fmt: skip
@@ -258,7 +258,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.plan.check_fit(fit)
         check_generation_budget(self.settings, *batch_sizes(fit))  # before any step
         self.rollout_source.on_fit_start(fit, self.model, sharded=self.device_mesh is not None)
-        components.share_policy(self.reward, self.accuracy, self.device, self.settings.prompts)
+        assembly.share_policy(self.reward, self.accuracy, self.device, self.settings.prompts)
         self._random_state.save(self.device)  # the sanity check's validation leaves it as it was
 
     @override
@@ -326,7 +326,7 @@ class GRPOLightningModule(pl.LightningModule):
     def on_validation_start(self) -> None:
         # The loaders are known now; validate without fit: a reward model moves to the policy's device.
         check_generation_budget(self.settings, *batch_sizes(fit_shape(self.trainer)))
-        components.share_policy(self.reward, self.accuracy, self.device, self.settings.prompts)
+        assembly.share_policy(self.reward, self.accuracy, self.device, self.settings.prompts)
 
     @override
     def on_validation_end(self) -> None:
@@ -367,7 +367,7 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         total, sharded = self.plan.total_steps(fit_shape(self.trainer)), self.device_mesh is not None
-        return components.optimizer_config(
+        return assembly.optimizer_config(
             self.model, self.settings.optimizer, total, self.trainer.precision, sharded
         )
 

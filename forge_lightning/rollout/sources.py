@@ -80,7 +80,7 @@ class TrainingBatch:
 
 
 # Builds the engine a source samples with for (tokenizer, model): the registry's, as the module's
-# settings name it (settings/components.py).
+# settings name it (settings/assembly.py).
 EngineFactory = Callable[[Any, PreTrainedModel], GenerationBackend]
 
 

@@ -1,4 +1,4 @@
-"""The module's wiring of rollout servers (settings/components.py): ``rollout_servers`` picks the
+"""The module's wiring of rollout servers (settings/assembly.py): ``rollout_servers`` picks the
 remote sources, and what async rollouts on servers cannot do yet is refused by name when the
 module is built, before any server starts."""
 

@@ -1,5 +1,5 @@
 """What a run's tools are, as plain data another process can build them back from: the
-:class:`ToolRecipe` the module's settings make (settings/components.py), from which the trainer
+:class:`ToolRecipe` the module's settings make (settings/assembly.py), from which the trainer
 and the asynchronous rollout worker (rollout/async_worker.py) each build their own tool
 sampler. Its functions and factory travel by reference (their import paths), never with state."""
 

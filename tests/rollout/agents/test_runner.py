@@ -19,8 +19,8 @@ from forge_lightning.examples import calculator_agent
 from forge_lightning.rewards.environment import EnvironmentReward
 from forge_lightning.rewards.library import CompositeReward, component_names
 from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.settings.assembly import reads_agent_score
 from forge_lightning.settings.checks import validate_hparams
-from forge_lightning.settings.components import reads_agent_score
 
 ROOT = Path(__file__).resolve().parents[3]
 PARAMS = SamplingParams(max_new_tokens=200)
