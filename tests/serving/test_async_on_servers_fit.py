@@ -25,13 +25,19 @@ PROMPTS = [{"prompt": p} for p in ("aa b", "c", "ab ab", "d a", "5 + 3 =", "xyz"
 STOP = ["a", "e", "o", " ", ".", "1", "x", "T"]  # single characters: some rows stop at one
 
 
-def test_async_on_a_server_trains_top_p_stop_strings_and_lora_on_the_servers_logprobs(
-    tmp_path, monkeypatch, module, trainer, loader
-):
-    monkeypatch.setenv(SECRET_ENV, "cuts-secret")
+@pytest.fixture
+def address(monkeypatch):
+    """One in-process rollout server (another model's weights until the first push); its host:port."""
+    monkeypatch.setenv(SECRET_ENV, "fit-secret")
     tokenizer = make_tokenizer()
-    server = RolloutServer(make_model(len(tokenizer), seed=2), tokenizer, "cuts-secret")
-    address = server.start().removeprefix("http://")
+    server = RolloutServer(make_model(len(tokenizer), seed=2), tokenizer, "fit-secret")
+    yield server.start().removeprefix("http://")
+    server.stop()
+
+
+def test_async_on_a_server_trains_top_p_stop_strings_and_lora_on_the_servers_logprobs(
+    tmp_path, address, module, trainer, loader
+):
     pl.seed_everything(3)
     grpo = module(
         reward=varied,
@@ -45,11 +51,8 @@ def test_async_on_a_server_trains_top_p_stop_strings_and_lora_on_the_servers_log
         peft=LoraSettings(r=4, alpha=8, dropout=0.0),
     )
     collected, trained = record(grpo)
-    try:
-        fitted = trainer(tmp_path, max_steps=2, callbacks=[RewardLogger(logging_steps=1)])
-        fitted.fit(grpo, loader(PROMPTS, batch_size=2))
-    finally:
-        server.stop()
+    fitted = trainer(tmp_path, max_steps=2, callbacks=[RewardLogger(logging_steps=1)])
+    fitted.fit(grpo, loader(PROMPTS, batch_size=2))
     logged = [json.loads(line) for line in (tmp_path / "training_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == [1, 2] and [r["staleness"] for r in logged] == [0.0, 1.0]
     assert all(math.isfinite(r["loss"]) for r in logged) and has_adapter(grpo.model)
@@ -69,12 +72,8 @@ def test_async_on_a_server_trains_top_p_stop_strings_and_lora_on_the_servers_log
 
 
 def test_with_use_engine_logprobs_a_fresh_batch_trains_on_the_servers_logprobs_as_the_old_policys(
-    tmp_path, monkeypatch, module, trainer, loader
+    tmp_path, address, module, trainer, loader
 ):
-    monkeypatch.setenv(SECRET_ENV, "scores-secret")
-    tokenizer = make_tokenizer()
-    server = RolloutServer(make_model(len(tokenizer), seed=2), tokenizer, "scores-secret")
-    address = server.start().removeprefix("http://")
     pl.seed_everything(3)
     grpo = module(
         reward=varied,
@@ -86,10 +85,7 @@ def test_with_use_engine_logprobs_a_fresh_batch_trains_on_the_servers_logprobs_a
         use_engine_logprobs=True,
     )
     collected, trained = record(grpo)
-    try:
-        trainer(tmp_path, max_steps=2).fit(grpo, loader(PROMPTS, batch_size=2))
-    finally:
-        server.stop()
+    trainer(tmp_path, max_steps=2).fit(grpo, loader(PROMPTS, batch_size=2))
     [(fresh, trainers_logp), (stale, _)] = trained
     # Lag 0: the server held the trained weights, so its scores stand in for the old policy's (the
     # whole distribution's at the loss's temperature: the trainer's own, to float error).
