@@ -14,6 +14,7 @@ appears in two parts; only the person's name varies on top of it, and it is not 
     <out>/dev/train.jsonl    the train part again, and
     <out>/dev/test.jsonl     the dev part: point a run's in-training validation here
     <out>/manifest.json      seed, variant, sizes and the templates used
+    <out>/unseen.jsonl       multistep variants: the part in unseen wordings (arithmetic_unseen.py)
 
 so that ``PromptDataModule(source="local", path=<out>)`` trains on the train part and validates on
 the held-out part, ``path=<out>/dev`` validates on the dev part, and
@@ -81,6 +82,11 @@ class Template:
     def question(self, operands: Operands, name: str, pronoun: str) -> str:
         fields = dict(zip("abcd", operands))
         return self.text.format(name=name, pronoun=pronoun, **fields)
+
+    def problem(self, operands: Operands, name: str, pronoun: str) -> Problem:
+        """The problem these operands make, told of ``name``."""
+        q = self.question(operands, name, pronoun)
+        return Problem(self.name, operands, q, self.solve(operands), self.working(operands))
 
 
 @dataclass(frozen=True)
@@ -505,16 +511,7 @@ def generate(
                     raise ValueError(f"the operand space is too small for {sum(sizes.values())} problems")
                 continue
             seen.add((template.name, operands))
-            name, pronoun = _NAMES[rng.randrange(len(_NAMES))]
-            problems.append(
-                Problem(
-                    template.name,
-                    operands,
-                    template.question(operands, name, pronoun),
-                    template.solve(operands),
-                    template.working(operands),
-                )
-            )
+            problems.append(template.problem(operands, *_NAMES[rng.randrange(len(_NAMES))]))
         parts[part] = problems
     return {part: parts[part] for part in PARTS}
 
@@ -532,7 +529,8 @@ def write_task(
 ) -> dict[str, Path]:
     """Generate the task and write it under ``out`` (layout in the module docstring).
 
-    Returns the path of each part's file (``train``, ``dev``, ``heldout``).
+    Returns the path of each part's file (``train``, ``dev``, ``heldout``; ``unseen`` for the variants
+    that have it, data/arithmetic_unseen.py).
     """
     out = Path(out)
     parts = generate(sizes, seed, variant)
@@ -545,6 +543,10 @@ def write_task(
         _write_jsonl(files[part], rows)
     _write_jsonl(out / "dev" / "train.jsonl", [p.gsm8k_row() for p in parts["train"]])
     _write_jsonl(out / "dev" / "test.jsonl", [p.gsm8k_row() for p in parts["dev"]])
+    from forge_lightning.data.arithmetic_unseen import write_unseen  # it builds on this module
+
+    unseen = write_unseen(out, seed, variant, parts)  # multistep's phrasing-held-out part, or {}
+    files.update({"unseen": out / unseen["file"]} if unseen else {})
     manifest = {
         "seed": seed,
         "variant": variant,
@@ -556,6 +558,7 @@ def write_task(
         "regenerate": f"python -m forge_lightning.data.arithmetic --out {out} --seed {seed} "
         f"--variant {variant} --train {len(parts['train'])} --dev {len(parts['dev'])} "
         f"--heldout {len(parts['heldout'])}",
+        **({"unseen": unseen} if unseen else {}),
     }
     manifest_text = json.dumps(manifest, indent=2) + "\n"
     write_atomically(out / "manifest.json", lambda s: s.write_text(manifest_text, encoding="utf-8"))
@@ -579,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sizes.update({part: n for part, n in given.items() if n is not None})
     files = write_task(args.out, sizes, args.seed, args.variant)
     for part, path in files.items():
-        print(f"{part:8s} {sizes[part]:6d} problems -> {path}")
+        print(f"{part:8s} {len(path.read_text().splitlines()):6d} problems -> {path}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Sampler
 from typing_extensions import override
 
 from forge_lightning.data.arithmetic import DEFAULT_VARIANT, VARIANTS, generate
+from forge_lightning.data.arithmetic_unseen import generate_unseen, require_unseen
 from forge_lightning.data.epoch_sampler import EpochShuffleSampler
 from forge_lightning.data.gsm8k import load_gsm8k, load_gsm8k_mock
 from forge_lightning.data.readers import load_prompts, local_prompt_field, require_in_memory
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict
 
 Source = Literal["hub", "local", "mock", "arithmetic"]
+ValPart = Literal["heldout", "dev", "unseen"]
 # The 20 mock problems split at a fixed point so train and validation never share a problem.
 MOCK_VAL_SIZE = 4
 
@@ -93,7 +95,7 @@ class PromptDataModule(L.LightningDataModule):
             built-in problems (last 4 for validation) and needs no network or files;
             "arithmetic" generates the seeded word problems of ``data/arithmetic.py`` in memory
             (the parts of ``task_variant``, seeded by ``task_seed``): train on the train part,
-            validate on the held-out part, or on the dev part with ``val_part: dev``.
+            validate on the part ``val_part`` names.
         path: folder with ``train``/``test`` ``.jsonl``, ``.parquet`` or ``.csv`` files (or one
             file, used for both); only for source="local".
         max_samples: training prompts to keep (the first ones in file order); None keeps all.
@@ -119,6 +121,9 @@ class PromptDataModule(L.LightningDataModule):
             ``val_split`` splits) already loaded, with GSM8K's fields or ``prompt_field``'s.
         val_split: the split (or file stem) validation reads; "test" by default.
         task_variant: with source="arithmetic", which problems (a ``data.arithmetic.VARIANTS`` name).
+        val_part: with source="arithmetic", the part validation reads: "heldout" (measured once, at
+            the end), "dev" (to choose settings on) or "unseen" (the multistep variants' trained
+            shapes in wordings no train part uses, ``data/arithmetic_unseen.py``).
     """
 
     def __init__(
@@ -134,7 +139,7 @@ class PromptDataModule(L.LightningDataModule):
         skip_malformed: bool = False,
         num_workers: int = 0,
         task_seed: int = 0,
-        val_part: Literal["heldout", "dev"] = "heldout",
+        val_part: ValPart = "heldout",
         prompt_field: str | None = None,
         reference_field: str | None = None,
         dataset: str | Dataset | DatasetDict | None = None,
@@ -167,8 +172,10 @@ class PromptDataModule(L.LightningDataModule):
             )
         if task_variant not in VARIANTS:
             raise ValueError(f"task_variant must be one of {sorted(VARIANTS)}, got {task_variant!r}")
-        if val_part not in ("heldout", "dev"):
-            raise ValueError(f"val_part must be 'heldout' or 'dev', got {val_part!r}")
+        if val_part not in get_args(ValPart):
+            raise ValueError(f"val_part must be one of {get_args(ValPart)}, got {val_part!r}")
+        if source == "arithmetic" and val_part == "unseen":
+            require_unseen(task_variant)
         self.prompt_field = prompt_field
         self.reference_field = reference_field
         self.dataset = dataset
@@ -195,6 +202,8 @@ class PromptDataModule(L.LightningDataModule):
             return
         if self.source == "arithmetic":
             parts = generate(seed=self.task_seed, variant=self.task_variant)
+            if self.val_part == "unseen":  # its own draw, apart from (and after) the other parts
+                parts = {**parts, "unseen": generate_unseen(self.task_seed, self.task_variant, parts)}
             records = {part: [p.sample() for p in problems] for part, problems in parts.items()}
             self._train = records["train"][: self.max_samples]
             self._val = records[self.val_part][: self.val_max_samples]
