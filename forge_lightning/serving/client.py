@@ -21,7 +21,7 @@ import itertools
 import os
 import warnings
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -49,6 +49,9 @@ from forge_lightning.serving.wire import (
     encode_rng_state,
     fingerprint,
 )
+
+if TYPE_CHECKING:
+    from forge_lightning.serving.remote_episodes import RemoteEpisodes
 
 
 def trainer_rank() -> int:
@@ -110,6 +113,7 @@ class RemoteEngine:
         self._stream = 0  # this rank's sampling seed when the servers get seeds
         self._requests = itertools.count()
         self._tickets: dict[int, Any] = {}
+        self.episodes: RemoteEpisodes | None = None  # async tool loops (remote_episodes.py)
 
     # -- connecting -----------------------------------------------------------------------------
 
@@ -195,16 +199,24 @@ class RemoteEngine:
         own weights). One server: with the trainer's generator state, taken back after it."""
         self.capabilities.check(request, type(self).__name__)
         self.connect(model)
-        prompts = unpadded_prompts(request.prompt_ids, request.prompt_mask)
         rng = len(self.servers) == 1 and not request.params.greedy
         seed = None if rng else share_seed(self._stream, next(self._requests) + 1)
         state = encode_rng_state(torch.get_rng_state()) if rng else None
-        sampled, state = self._loop.run(
-            self._sample(prompts, request.group_size, request.params, request.logprobs, seed, state)
-        )
+        sampled, state = self.sample(request, seed, state)
         if state is not None:
             torch.set_rng_state(decode_rng_state(state))
         return sampled.completions(self._pad_id, request.prompt_ids.device)
+
+    def sample(
+        self, request: GenerationRequest, seed: int | None, rng_state: str | None = None
+    ) -> tuple[Sampled, str | None]:
+        """``request`` sampled on the servers with ``seed`` (or, one server, ``rng_state``), from
+        weights within ``lag`` versions of the newest, from any thread: the rows as they came back,
+        and the generator state after them where one was sent."""
+        prompts = unpadded_prompts(request.prompt_ids, request.prompt_mask)
+        return self._loop.run(
+            self._sample(prompts, request.group_size, request.params, request.logprobs, seed, rng_state)
+        )
 
     @property
     def _pad_id(self) -> int:
@@ -320,10 +332,33 @@ class RemoteEngine:
         )
         return ticket
 
+    def submit_episodes(
+        self,
+        prompts: list[Any],
+        rows: dict[str, list[Any]],
+        group_size: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+    ) -> int:
+        """Hand a tool-using batch over: its tool loop runs here, each round sampled by the servers
+        (serving/remote_episodes.py, which ``episodes`` holds); its ticket."""
+        if self.episodes is None:
+            raise RuntimeError("submit_episodes needs the run's tool loop (RemoteEngine.episodes)")
+        if self._rank > 0:
+            seed = rollout_seed(seed, self._rank)
+        ticket = next(self._requests)
+        self._tickets[ticket] = self.episodes.submit(prompts, rows, group_size, params, seed)
+        return ticket
+
     def collect(self, ticket: int) -> Finished:
         """Wait for ``ticket``'s rows: ids, the log-probs they were sampled with, the oldest
-        version that sampled a token of them, and where each row ends (its EOS or stop string)."""
-        sampled, _ = self._tickets.pop(ticket).result()
+        version that sampled a token of them, and where each row ends (its EOS or stop string);
+        a tool-using batch's whole rollout as its loop made it."""
+        result = self._tickets.pop(ticket).result()
+        if isinstance(result, Finished):
+            return result
+        sampled, _ = result
         logp = None if sampled.logp is None else padded(sampled.logp, 0.0, torch.float32)
         ids = padded(sampled.ids, self._pad_id, torch.long)
         ends = torch.tensor([len(row) for row in sampled.ids], dtype=torch.long)
@@ -333,6 +368,8 @@ class RemoteEngine:
 
     def close(self) -> None:
         """Stop what placement started (the servers the user started stay up); twice is once."""
+        if self.episodes is not None:
+            self.episodes.close()
         if self._loop is not None:
             if self._pusher is not None:
                 self._pusher.close()

@@ -25,6 +25,7 @@ from forge_lightning.run.fit import FitShape
 from forge_lightning.serving.client import RemoteEngine
 from forge_lightning.serving.placement import Placement
 from forge_lightning.serving.processes import ServeConfig
+from forge_lightning.serving.remote_episodes import EpisodeEngine, RemoteEpisodes
 
 
 def remote_engine(
@@ -96,7 +97,24 @@ class RemoteSyncRollouts(RemoteSource, SyncRollouts):
 class RemoteAsyncRollouts(RemoteSource, AsyncRollouts):
     """Each batch handed to the servers, sampled from weights at most ``lag`` versions old and
     trained that many optimizer steps later (rollout/sources.py's pipeline). Every trainer rank
-    runs its own pipeline, so DDP works as with one rank."""
+    runs its own pipeline, so DDP works as with one rank. A run with tools runs each batch's tool
+    loop here, in a thread, each round a request to the servers (remote_episodes.py)."""
+
+    def prepare(
+        self,
+        tokenizer: Any,
+        model: PreTrainedModel,
+        eos: list[int],
+        prompts: PromptFormat,
+        scoring_temperature: float,
+        episodes: Callable[[RolloutSampler], EpisodeRunner],
+        tools: Any = None,
+    ) -> None:
+        super().prepare(tokenizer, model, eos, prompts, scoring_temperature, episodes, tools)
+        if tools is not None:  # the same tools as sync mode's, around an engine of their own
+            engine = EpisodeEngine(self.remote)
+            runner = episodes(RolloutSampler(tokenizer, engine, eos, prompts))
+            self.remote.episodes = RemoteEpisodes(engine, runner, model)
 
     def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
         # Not the worker's: no thread split (the servers have their own), DDP allowed.

@@ -180,10 +180,10 @@ SERVERS_NEED: dict[str, ServerRule] = {
         "own: leave it unset (rollout_device gives the servers the trainer starts their devices)",
     ),
     "rollout_device": (
-        lambda v: v.get("rollout_device") is None or _starts_local_servers(v["rollout_servers"]),
-        "it lists the devices of the servers the trainer starts (local:N), and these entries start "
-        "none (ray:N servers sample on the CPUs Ray gives them, no GPU yet; host:port ones on the "
-        "--device they were started with): leave rollout_device unset",
+        lambda v: v.get("rollout_device") is None or _starts_servers(v["rollout_servers"]),
+        "it lists the devices of the servers the trainer starts (local:N; ray:N take one GPU each "
+        "from Ray where it names cuda), and these entries start none (host:port servers sample on "
+        "the --device they were started with): leave rollout_device unset",
     ),
 }
 
@@ -194,10 +194,16 @@ _ONE_STEP_PER_BATCH = (
     "several would come back staler than the staleness bound allows and be sampled again: use "
     "rollout_mode='sync'"
 )
-_TOOL_EPISODES = (
-    "a tool episode is several generate calls with the tools' turns between, which async rollouts "
-    "hand whole to the in-process worker (rollout/async_worker.py), while a server samples "
-    "completions: use rollout_mode='sync', whose tool loop runs here with the servers as its engine"
+_ENVIRONMENT_STATE = (
+    "an environment is an object with state, kept with its rollout for the reward, and the batches "
+    "in flight go into checkpoints as data: use rollout_mode='sync', whose tool loop runs here with "
+    "the servers as its engine (the calculator and function tools do run in async mode: their loop "
+    "runs here, serving/remote_episodes.py)"
+)
+_AGENT_ENDPOINT = (
+    "an agent's episodes are its own code calling this process's endpoint turn by turn, in the "
+    "trainer's step, not yet a loop handed to the async pipeline: use rollout_mode='sync', where "
+    "the endpoint samples on the servers"
 )
 
 # With rollout_mode='async'.
@@ -216,15 +222,13 @@ SERVERS_ASYNC_NEED: dict[str, ServerRule] = {
         "(grpo_loss's behav_logp), which loss_type='forge' does not take (its ratio is against the "
         "reference, at temperature 1): use grpo, dapo or dr_grpo, or rollout_mode='sync'",
     ),
-    **{
-        name: (lambda v, name=name: not v.get(name), _TOOL_EPISODES)
-        for name in ("agent", "calculator", "tools", "environment_factory")
-    },
+    "environment_factory": (lambda v: not v.get("environment_factory"), _ENVIRONMENT_STATE),
+    "agent": (lambda v: not v.get("agent"), _AGENT_ENDPOINT),
 }
 
 
-def _starts_local_servers(entries: list[str]) -> bool:
-    return any(parse_entry(entry).kind == "local" for entry in entries)
+def _starts_servers(entries: list[str]) -> bool:
+    return any(parse_entry(entry).kind in ("local", "ray") for entry in entries)
 
 
 def _check_servers(values: Mapping[str, Any]) -> None:
@@ -324,7 +328,11 @@ def _check_tools(values: Mapping[str, Any]) -> None:
             "need it in the trainer",
             "sync",
         )
-    elif values.get("sandbox") == "process" and values.get("tools") is not None:
+    elif (
+        values.get("sandbox") == "process"
+        and values.get("tools") is not None
+        and not values.get("rollout_servers")
+    ):
         refused["rollout_mode"] = (
             "async",
             "the rollout worker runs the tools in its own process, not in sandbox='process' workers",

@@ -12,6 +12,7 @@ import torch
 
 from forge_lightning.rollout.async_worker import Finished, InFlight, restored_in_flight, saved_in_flight
 from forge_lightning.serving import placement as placement_module
+from forge_lightning.serving import ray_actors
 from forge_lightning.serving.placement import Placement
 from forge_lightning.serving.processes import ServeConfig, serve_command
 from forge_lightning.serving.requests import not_built
@@ -47,10 +48,8 @@ def test_what_the_servers_serve_is_taken_in_async_mode_and_still_refused_without
         ({"num_iterations": 2}, "counts one optimizer step per batch it hands over"),
         ({"steps_per_generation": 2}, "counts one optimizer step per batch it hands over"),
         ({"loss_type": "forge", "kl_beta": 0.04}, "which loss_type='forge' does not take"),
-        ({"calculator": "plain"}, "a server samples completions"),
-        ({"tools": ["json.dumps"]}, "a server samples completions"),
-        ({"environment_factory": "mypkg.Env"}, "a server samples completions"),
-        ({"agent": "forge_lightning.examples.calculator_agent.agent"}, "a server samples completions"),
+        ({"environment_factory": "mypkg.Env"}, "the batches in flight go into checkpoints"),
+        ({"agent": "forge_lightning.examples.calculator_agent.agent"}, "not yet a loop handed"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )
@@ -73,6 +72,15 @@ def test_what_async_rollouts_on_servers_cannot_do_is_refused_by_name_with_its_re
 def test_what_no_server_does_is_refused_in_either_mode(setting, reason, mode):
     with pytest.raises(ValueError, match=rf"rollout_servers=\['local:1'\] cannot take .*: .*{reason}"):
         validate_hparams({"rollout_mode": mode, **SERVERS, **setting})
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"calculator": "plain"}, {"tools": ["json.dumps"]}, {"tools": ["json.dumps"], "sandbox": "process"}],
+    ids=["calculator", "tools", "tools-in-the-sandbox"],
+)
+def test_tools_run_in_async_mode_on_servers_their_loop_on_the_trainers_side(setting):
+    validate_hparams({**ASYNC, **SERVERS, **setting})
 
 
 def test_generation_kwargs_the_servers_loop_builds_no_processor_for_are_refused_as_the_server_would():
@@ -128,6 +136,43 @@ def test_the_local_servers_get_the_devices_round_robin_on_their_command_line(tmp
     assert [command[-2:] for command in spawned] == [["--device", d] for d in ("cuda:0", "cuda:1", "cuda:0")]
     assert placement.config.devices == ("cuda:0", "cuda:1")  # kept when the model spec is filled in
     assert "--device" not in serve_command(tmp_path / "serve.yaml", 4321)  # none given: the server's choice
+
+
+@pytest.mark.parametrize(
+    ("devices", "gpus", "device"), [(("cuda:1", "cuda:2"), 1, "cuda"), (("cpu",), 0, "cpu"), ((), 0, None)]
+)
+def test_ray_servers_ask_ray_for_a_gpu_each_where_rollout_device_names_cuda(
+    tmp_path, monkeypatch, devices, gpus, device
+):
+    asked = []
+
+    class Remote:  # what ray.remote(...)(ServerActor) gives: .remote() makes an actor handle
+        def __init__(self, options):
+            self.options = options
+
+        def __call__(self, cls):
+            return SimpleNamespace(
+                remote=lambda *args: (
+                    asked.append((self.options, args))
+                    or SimpleNamespace(start=SimpleNamespace(remote=lambda: "10.0.0.2:9000"))
+                )
+            )
+
+    fake = SimpleNamespace(
+        is_initialized=lambda: True,
+        remote=lambda **options: Remote(options),
+        get=lambda refs: refs,
+        kill=lambda actor: None,
+    )
+    monkeypatch.setattr(ray_actors, "_ray", lambda: fake)
+    monkeypatch.setattr(ray_actors, "end_servers", lambda actors: None)
+    placement = Placement(
+        ["ray:2"], ServeConfig({}, threads=3, devices=devices), spec="random:x", folder=tmp_path
+    )
+    assert [address for _, address in placement.start(model=None, tokenizer=None)] == ["10.0.0.2:9000"] * 2
+    assert [options for options, _ in asked] == [{"num_cpus": 3, "num_gpus": gpus}] * 2
+    assert [args[-1] for _, args in asked] == [device] * 2  # each actor's serve --device
+    validate_hparams({"rollout_servers": ["ray:2"], "rollout_device": "cuda"})
 
 
 def test_the_module_hands_rollout_device_to_the_servers_it_starts(module):

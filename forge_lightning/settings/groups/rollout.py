@@ -122,8 +122,9 @@ class EngineSettings(Group):
     trainer's own (with ``rollout_memory_fraction``); the weights go device to device
     (rollout/engines/weight_ring.py). With ``rollout_servers`` (either mode): the device of the
     servers the trainer starts (``local:N``), or a comma-separated list dealt to them round-robin
-    (``cuda:1,cuda:2``), passed to ``forge-lightning serve --device``; None: each takes cuda where
-    there is one, else the CPU."""
+    (``cuda:1,cuda:2``), passed to ``forge-lightning serve --device``; ``ray:N`` servers ask Ray
+    for one GPU each where it names cuda (the one Ray gives), else sample on CPUs; None: each takes
+    cuda where there is one, else the CPU."""
     rollout_memory_fraction: float | None = setting(None, resume=True)
     """async: the GPU memory share the worker may take (not with ``rollout_servers``)."""
     rollout_servers: list[str] | None = setting(None, check=ENTRIES_RULE, resume=True)
