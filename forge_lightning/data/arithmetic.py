@@ -14,7 +14,6 @@ appears in two parts; only the person's name varies on top of it, and it is not 
     <out>/dev/train.jsonl    the train part again, and
     <out>/dev/test.jsonl     the dev part: point a run's in-training validation here
     <out>/manifest.json      seed, variant, sizes and the templates used
-    <out>/unseen.jsonl       multistep variants: the part in unseen wordings (arithmetic_unseen.py)
 
 so that ``PromptDataModule(source="local", path=<out>)`` trains on the train part and validates on
 the held-out part, ``path=<out>/dev`` validates on the dev part, and
@@ -529,8 +528,8 @@ def write_task(
 ) -> dict[str, Path]:
     """Generate the task and write it under ``out`` (layout in the module docstring).
 
-    Returns the path of each part's file (``train``, ``dev``, ``heldout``; ``unseen`` for the variants
-    that have it, data/arithmetic_unseen.py).
+    Returns the path of each part's file (``train``, ``dev``, ``heldout``). The multistep variants'
+    phrasing-held-out part is written by ``python -m forge_lightning.data.arithmetic_unseen``.
     """
     out = Path(out)
     parts = generate(sizes, seed, variant)
@@ -543,10 +542,6 @@ def write_task(
         _write_jsonl(files[part], rows)
     _write_jsonl(out / "dev" / "train.jsonl", [p.gsm8k_row() for p in parts["train"]])
     _write_jsonl(out / "dev" / "test.jsonl", [p.gsm8k_row() for p in parts["dev"]])
-    from forge_lightning.data.arithmetic_unseen import write_unseen  # it builds on this module
-
-    unseen = write_unseen(out, seed, variant, parts)  # multistep's phrasing-held-out part, or {}
-    files.update({"unseen": out / unseen["file"]} if unseen else {})
     manifest = {
         "seed": seed,
         "variant": variant,
@@ -558,7 +553,6 @@ def write_task(
         "regenerate": f"python -m forge_lightning.data.arithmetic --out {out} --seed {seed} "
         f"--variant {variant} --train {len(parts['train'])} --dev {len(parts['dev'])} "
         f"--heldout {len(parts['heldout'])}",
-        **({"unseen": unseen} if unseen else {}),
     }
     manifest_text = json.dumps(manifest, indent=2) + "\n"
     write_atomically(out / "manifest.json", lambda s: s.write_text(manifest_text, encoding="utf-8"))
@@ -582,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     sizes.update({part: n for part, n in given.items() if n is not None})
     files = write_task(args.out, sizes, args.seed, args.variant)
     for part, path in files.items():
-        print(f"{part:8s} {len(path.read_text().splitlines()):6d} problems -> {path}")
+        print(f"{part:8s} {sizes[part]:6d} problems -> {path}")
 
 
 if __name__ == "__main__":

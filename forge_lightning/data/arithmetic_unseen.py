@@ -9,20 +9,22 @@ that no template of any variant uses. Only the phrasing differs from the shape i
 
 It is drawn from its own stream (seeded by the task seed and the string ``"unseen"``), after and
 apart from the other parts, so those stay byte for byte what they were; no ``(shape, operands)``
-of theirs is drawn again. :func:`write_task <forge_lightning.data.arithmetic.write_task>` writes it
-as ``<out>/unseen.jsonl`` (GSM8K rows, read with ``load_gsm8k("unseen", path=<out>)`` or
+of theirs is drawn again. ``python -m forge_lightning.data.arithmetic_unseen --out <out> [--seed S]
+[--variant multistep]`` (:func:`write_unseen`) writes it beside the files of
+:func:`~forge_lightning.data.arithmetic.write_task` as ``<out>/unseen.jsonl`` (GSM8K rows, read
+with ``load_gsm8k("unseen", path=<out>)`` or
 ``PromptDataModule(source="local", path=<out>, val_split="unseen")``), and
 ``PromptDataModule(source="arithmetic", val_part="unseen")`` draws it in memory.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from forge_lightning.data.arithmetic import _NAMES, TEMPLATES, VARIANTS, Problem, Template, generate
 from forge_lightning.run.fileio import write_atomically
@@ -150,11 +152,46 @@ def generate_unseen(
     return problems
 
 
-def write_unseen(out: Path, seed: int, variant: str, parts: Parts) -> dict[str, Any]:
-    """Write ``<out>/unseen.jsonl`` for a variant that has the part; its manifest entry ({} otherwise)."""
-    if variant not in UNSEEN_VARIANTS:
-        return {}
+def write_unseen(
+    out: str | Path, seed: int = 0, variant: str = "multistep", parts: Parts | None = None
+) -> Path:
+    """Write ``<out>/unseen.jsonl`` (GSM8K rows) for ``variant``'s task seeded ``seed`` (``parts``:
+    its other parts, None: at their default sizes), and its entry into ``<out>/manifest.json`` where
+    write_task left one; the file's path."""
+    require_unseen(variant)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(p.gsm8k_row()) + "\n" for p in generate_unseen(seed, variant, parts))
     write_atomically(out / UNSEEN_FILE, lambda staging: staging.write_text(text, encoding="utf-8"))
-    templates = {name: {"retells": RETELLS[name], "text": t.text} for name, t in UNSEEN_TEMPLATES.items()}
-    return {"file": UNSEEN_FILE, "size": UNSEEN_SIZE, "templates": templates}
+    manifest = out / "manifest.json"
+    if manifest.is_file():
+        templates = {name: {"retells": RETELLS[name], "text": t.text} for name, t in UNSEEN_TEMPLATES.items()}
+        entry = {
+            "file": UNSEEN_FILE,
+            "size": UNSEEN_SIZE,
+            "seed": seed,
+            "variant": variant,
+            "templates": templates,
+        }
+        updated = json.dumps({**json.loads(manifest.read_text()), "unseen": entry}, indent=2) + "\n"
+        write_atomically(manifest, lambda staging: staging.write_text(updated, encoding="utf-8"))
+    return out / UNSEEN_FILE
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m forge_lightning.data.arithmetic_unseen",
+        description="Write the multistep variants' phrasing-held-out part as <out>/unseen.jsonl.",
+    )
+    parser.add_argument(
+        "--out", required=True, help="the task's folder (python -m forge_lightning.data.arithmetic's --out)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the task seed (default 0)")
+    parser.add_argument("--variant", default="multistep", choices=UNSEEN_VARIANTS)
+    args = parser.parse_args(argv)
+    path = write_unseen(args.out, args.seed, args.variant)
+    print(f"unseen   {UNSEEN_SIZE:6d} problems -> {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -21,7 +21,7 @@ import itertools
 import os
 import warnings
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,9 +49,6 @@ from forge_lightning.serving.wire import (
     encode_rng_state,
     fingerprint,
 )
-
-if TYPE_CHECKING:
-    from forge_lightning.serving.remote_episodes import RemoteEpisodes
 
 
 def trainer_rank() -> int:
@@ -113,7 +110,8 @@ class RemoteEngine:
         self._stream = 0  # this rank's sampling seed when the servers get seeds
         self._requests = itertools.count()
         self._tickets: dict[int, Any] = {}
-        self.episodes: RemoteEpisodes | None = None  # async tool loops (remote_episodes.py)
+        # The tool loops of async batches (remote_episodes.py's RemoteEpisodes, which imports this).
+        self.episodes: Any = None
 
     # -- connecting -----------------------------------------------------------------------------
 

@@ -127,6 +127,13 @@ ASYNC_NEEDS = {
 
 
 def _check_async(values: Mapping[str, Any]) -> None:
+    if values.get("loss_type") == "forge":
+        raise ValueError(
+            "rollout_mode='async' cannot take loss_type='forge': a batch sampled by older weights "
+            "trains with the worker's log-probs as the sampler's (grpo_loss's behav_logp), which "
+            "Forge's loss does not take (its ratio is against the reference, at temperature 1); use "
+            "grpo, dapo or dr_grpo, or rollout_mode='sync'"
+        )
     wrong = [
         f"{name}={values[name]!r}"
         for name, need in ASYNC_NEEDS.items()

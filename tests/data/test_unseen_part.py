@@ -19,6 +19,8 @@ from forge_lightning.data.arithmetic_unseen import (
     UNSEEN_TEMPLATES,
     UNSEEN_VARIANTS,
     generate_unseen,
+    main,
+    write_unseen,
 )
 
 # sha256 of each part's file as write_task wrote it (default seed) before the unseen part existed:
@@ -52,18 +54,22 @@ def sentences(text: str) -> set[str]:
 def test_the_other_parts_are_the_bytes_they_were_and_the_unseen_part_is_written_beside_them(
     variant: str, tmp_path: Path
 ) -> None:
-    files = write_task(tmp_path, variant=variant)
+    write_task(tmp_path, variant=variant)
     digests = {name: hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() for name in BEFORE[variant]}
     assert digests == BEFORE[variant]
-    rows = [json.loads(line) for line in files["unseen"].read_text().splitlines()]
+    main(["--out", str(tmp_path), "--variant", variant])
+    rows = [json.loads(line) for line in (tmp_path / "unseen.jsonl").read_text().splitlines()]
     assert [r["question"] for r in rows] == [p.question for p in generate_unseen(0, variant)]
-    assert json.loads((tmp_path / "manifest.json").read_text())["unseen"]["size"] == UNSEEN_SIZE
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["unseen"]["size"] == UNSEEN_SIZE and manifest["variant"] == variant
 
 
-def test_other_variants_write_no_unseen_part(tmp_path: Path) -> None:
-    files = write_task(tmp_path, {"train": 20, "dev": 5, "heldout": 5}, variant="two_step")
-    assert "unseen" not in files and not (tmp_path / "unseen.jsonl").exists()
+def test_other_variants_have_no_unseen_part(tmp_path: Path) -> None:
+    write_task(tmp_path, {"train": 20, "dev": 5, "heldout": 5}, variant="two_step")
     assert "unseen" not in json.loads((tmp_path / "manifest.json").read_text())
+    with pytest.raises(ValueError, match="exists for the task variants multistep, multistep_mixed only"):
+        write_unseen(tmp_path, variant="two_step")
+    assert not (tmp_path / "unseen.jsonl").exists()
 
 
 def test_no_unseen_name_or_wording_is_trained_on_by_any_variant() -> None:

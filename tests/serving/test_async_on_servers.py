@@ -74,6 +74,11 @@ def test_what_no_server_does_is_refused_in_either_mode(setting, reason, mode):
         validate_hparams({"rollout_mode": mode, **SERVERS, **setting})
 
 
+def test_forges_loss_is_refused_in_async_mode_by_the_in_process_worker_as_by_the_servers():
+    with pytest.raises(ValueError, match="cannot take loss_type='forge': a batch sampled"):
+        validate_hparams({**ASYNC, "loss_type": "forge", "kl_beta": 0.04})
+
+
 @pytest.mark.parametrize(
     "setting",
     [{"calculator": "plain"}, {"tools": ["json.dumps"]}, {"tools": ["json.dumps"], "sandbox": "process"}],

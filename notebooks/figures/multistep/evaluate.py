@@ -7,7 +7,8 @@ result; notebooks/chains.ipynb reads both):
     OMP_NUM_THREADS=1 python notebooks/figures/multistep/evaluate.py LABEL MODEL SETUP [EXTRA FLAGS...]
 
 SETUP: ``multistep`` (configs/multistep_cpu.yaml, the whole held-out part: greedy, 256 new tokens,
-the calculator on), ``gsm8k`` (configs/gsm8k_calculator_cpu.yaml: the first 200 GSM8K test
+the calculator on), ``unseen`` (the same on the phrasing-held-out part: 200 problems in wordings
+no train part uses), ``gsm8k`` (configs/gsm8k_calculator_cpu.yaml: the first 200 GSM8K test
 problems, greedy, 256 new tokens, the calculator on) or ``gsm8k_no_tools`` (the same without the
 calculator). MODEL is ``embedded`` or a run's ``final/`` folder. EXTRA FLAGS are added to the
 command (``--model.val_num_generations 8 --model.val_temperature 0.8`` for pass@8). Run from the
@@ -27,6 +28,7 @@ from forge_lightning.data.gsm8k import extract_answer, normalize_number
 HERE = Path(__file__).resolve().parent
 SETUPS = {
     "multistep": ["--config", "configs/multistep_cpu.yaml", "--data.val_part", "heldout"],
+    "unseen": ["--config", "configs/multistep_cpu.yaml", "--data.val_part", "unseen"],
     "gsm8k": ["--config", "configs/gsm8k_calculator_cpu.yaml"],
     "gsm8k_no_tools": ["--config", "configs/gsm8k_calculator_cpu.yaml", "--model.calculator", "null"],
 }
