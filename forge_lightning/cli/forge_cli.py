@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger, SignalGuard, SignalGuardError
 from forge_lightning.callbacks.defaults import refuse_automatic_optimization_settings
+from forge_lightning.cli.stages import run_stages, staged_config, without_stages
 from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.resume_changes import reward_on_resume
@@ -600,10 +601,17 @@ def main(argv: list[str] | None = None) -> None:
     elif args[:1] == ["check-resume"]:
         from forge_lightning.cli.check_resume import main as check_resume_main
 
-        check_resume_main(args[1:], build_cli)
+        with without_stages(args) as staged:  # it checks the first stage's settings
+            check_resume_main(staged.args[1:], build_cli)
     else:
         try:
-            build_cli(argv)
+            if args[:1] == ["fit"] and staged_config(args) is not None:
+                run_stages(args, build_cli)  # a recipe of several fits (cli/stages.py)
+            else:
+                with without_stages(
+                    args
+                ) as staged:  # validate/test/predict: a recipe's settings before its stages
+                    build_cli(staged.args)
         except SIGTERMException as stop:
             # Lightning's own stop on SIGTERM (e.g. during validation) exits 0; a pre-empted run
             # is not a finished one.
