@@ -1,5 +1,5 @@
 """Our side of the time-to-accuracy race (bench/time_to_accuracy.py): HF checkpoints at marks of
-training wall-clock time, and a stop at the budget.
+training wall-clock time, and the end of the fit at the budget.
 
 Given to a fit as a callback of its own (HFCheckpoint saves by steps; the race needs the same
 clock as TRL's side, bench/trl_time_reference.py)::
@@ -39,7 +39,7 @@ class WallClockCheckpoints(Callback):
     Args:
         output_dir: where the folders and the log go.
         every_s: training seconds between checkpoints (> 0).
-        budget_s: training seconds before the final checkpoint and the stop (> 0).
+        budget_s: training seconds before the final checkpoint and the fit's end (> 0).
     """
 
     def __init__(self, output_dir: str, every_s: float, budget_s: float) -> None:

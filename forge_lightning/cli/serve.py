@@ -37,7 +37,7 @@ PROG = "forge-lightning serve"
 # The module's settings the server reads (load_model's arguments, in order); the others are the trainer's.
 USED = ("model", "model_dtype", "attn_implementation")
 # ...and those of its engine (--engine vllm).
-ENGINE_USED = ("vllm_gpu_memory_utilization",)
+ENGINE_USED = ("vllm_gpu_memory_utilization", "rollout_precision")
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -110,11 +110,15 @@ def sampler(
     """The server's sampler: the decode loop with the model on ``--device``, or vLLM (the model
     stays on the CPU, where pushed weights land before they go into vLLM)."""
     if args.engine == "vllm":
+        if settings["rollout_precision"] is not None:
+            raise SystemExit(
+                f"{PROG}: --engine vllm samples in vLLM's own dtype: leave rollout_precision unset"
+            )
         from forge_lightning.serving.vllm_loop import VLLMLoop  # vLLM itself: on the first request
 
         return VLLMLoop(model, tokenizer, gpu_memory_utilization=settings["vllm_gpu_memory_utilization"])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return DecodeLoop(model.to(device), tokenizer)
+    return DecodeLoop(model.to(device), tokenizer, precision=settings["rollout_precision"])
 
 
 def model_settings(configs: list[str], flags: list[str]) -> dict[str, Any]:

@@ -5,9 +5,9 @@ A config may end with a list of stages, each a name and the settings it changes:
     stages:
       - name: chains
         trainer: {max_steps: 60}
-      - name: explore                      # 40 more steps, twice the group, hotter sampling
+      - name: explore                      # 40 more steps with other sampling settings
         trainer: {max_steps: 40}
-        model: {group_size: 16, temperature: 1.0}
+        model: {...}
 
 ``forge-lightning fit --config recipe.yaml`` then runs one fit per stage, in order, each in a folder
 of its own under the run's ``default_root_dir`` (``<root>/<name>``): the config, then the stage's
@@ -207,7 +207,7 @@ def run_stages(args: list[str], fit: Callable[[list[str]], Any]) -> None:
                 again = " ".join(["forge-lightning", *args, "--ckpt_path", "last"])
                 raise SystemExit(
                     f"stage {stage.name} stopped at step {trainer.global_step} of {trainer.max_steps} "
-                    f"(max_time, or a stop): go on with {again}"
+                    f"(max_time, or a signal): go on with {again}"
                 )
             previous = str(final_weights(trainer))
             done.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.models.hf_compat import cache_kwarg, output_cache, supports_shared_prefix
 from forge_lightning.rollout.engines.hf import HFGenerate, eos_token_ids
+from forge_lightning.rollout.engines.quantized import low_precision_copy
 from forge_lightning.serving import batch
 from forge_lightning.serving.requests import Job, answer, new_job
 from forge_lightning.serving.wire import GenerateAnswer, GenerateCall
@@ -57,12 +58,24 @@ class DecodeLoop:
     ``record``: ``(step, event, request_id)`` for each ``admit``, ``finish``, ``cancel`` (its
     caller went away: its future was cancelled), ``pause``, ``resume``,
     and ``(step, "update", str(version))``: what the loop did, in order, for tests to read.
+
+    ``precision`` (``bf16``, ``int8``: the run's rollout precision): the loop samples with a
+    low-precision copy of ``model`` (rollout/engines/quantized.py), made again after every update
+    of ``model``'s weights; its log-probs are the copy's, the sampler's for the loss's correction.
     """
 
     name = "hf"  # the engine /info names
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, version: int = 0) -> None:
-        self.model = model.eval()
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        version: int = 0,
+        precision: str | None = None,
+    ) -> None:
+        self.weights = model.eval()  # what updates load into
+        self.precision = precision
+        self.model = self._sampling_copy()
         self.engine = HFGenerate(tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer)
         self.version = version
         self.jobs: list[Job] = []  # in the batch, in row order
@@ -262,7 +275,8 @@ class DecodeLoop:
         assert update is not None
         failure: Exception | None = None
         try:
-            update.load(self.model)
+            update.load(self.weights)
+            self.model = self._sampling_copy()
         except Exception as err:
             failure = RuntimeError(
                 f"loading weight version {update.version} failed ({type(err).__name__}: {err}); the "
@@ -280,6 +294,13 @@ class DecodeLoop:
             update.future.set_result(update.version)
         else:
             update.future.set_exception(failure)
+
+    def _sampling_copy(self) -> PreTrainedModel:
+        """What samples: the weights, or their low-precision copy (the old copy freed first)."""
+        if self.precision is None:
+            return self.weights
+        self.model = None  # the old copy's memory is free before the new one is made
+        return low_precision_copy(self.weights, self.precision)
 
     def _fail_batch(self, err: Exception) -> None:
         for job in self.jobs:

@@ -279,7 +279,11 @@ def servers_engine(settings: GRPOSettings, model: Any) -> RemoteEngine:
     (``model``: the spec, or an object, which they cannot load), on the devices ``rollout_device``
     lists, dealt round-robin."""
     engine, memory = settings.engine, settings.memory
-    loading = {"model_dtype": memory.model_dtype, "attn_implementation": memory.attn_implementation}
+    loading = {
+        "model_dtype": memory.model_dtype,
+        "attn_implementation": memory.attn_implementation,
+        "rollout_precision": engine.rollout_precision,  # the servers sample with that copy
+    }
     threads = engine.rollout_worker_threads or 1  # each started server's, one unless told
     model_section = {name: value for name, value in loading.items() if value is not None}
     serve = ServeConfig(model_section, threads, tuple(devices_of(engine.rollout_device)))

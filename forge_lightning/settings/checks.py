@@ -176,11 +176,6 @@ SERVERS_NEED: dict[str, ServerRule] = {
         "the servers sample with the engine each was started with (forge-lightning serve --engine; "
         "local:N and ray:N run hf), not this process's: leave generation_backend 'hf'",
     ),
-    "rollout_precision": (
-        lambda v: v.get("rollout_precision") is None,
-        "it samples with a low-precision copy of the policy in this process, while a server samples "
-        "with the model it loaded, in the dtype it loaded it in: leave rollout_precision unset",
-    ),
     "rollout_memory_fraction": (
         lambda v: v.get("rollout_memory_fraction") is None,
         "it caps the in-process rollout worker's share of a GPU, and each server is a process of its "

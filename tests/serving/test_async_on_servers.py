@@ -63,7 +63,6 @@ def test_what_async_rollouts_on_servers_cannot_do_is_refused_by_name_with_its_re
     ("setting", "reason"),
     [
         ({"generation_backend": "vllm"}, "the servers sample with the engine each was started with"),
-        ({"rollout_precision": "bf16", "rollout_correction": "mask"}, "a low-precision copy"),
         ({"rollout_memory_fraction": 0.5, "rollout_device": "cuda"}, "each server is a process"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
@@ -178,6 +177,14 @@ def test_ray_servers_ask_ray_for_a_gpu_each_where_rollout_device_names_cuda(
     assert [options for options, _ in asked] == [{"num_cpus": 3, "num_gpus": gpus}] * 2
     assert [args[-1] for _, args in asked] == [device] * 2  # each actor's serve --device
     validate_hparams({"rollout_servers": ["ray:2"], "rollout_device": "cuda"})
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_servers_sample_with_the_runs_low_precision_copy_in_either_mode(module, mode):
+    setting = {"rollout_precision": "bf16", "rollout_correction": "truncate"}
+    validate_hparams({"rollout_mode": mode, **SERVERS, **setting})
+    grpo = module(rollout_servers=["local:1"], rollout_mode=mode, **setting)
+    assert grpo.engine.placement.config.model["rollout_precision"] == "bf16"  # serve's model section
 
 
 def test_the_module_hands_rollout_device_to_the_servers_it_starts(module):

@@ -9,6 +9,7 @@ from helpers.serving import run_until
 
 from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
 from forge_lightning.rollout.engines.hf import HFGenerate, eos_token_ids
+from forge_lightning.rollout.engines.quantized import QuantizedGenerate
 from forge_lightning.rollout.types import completion_mask
 from forge_lightning.serving.decode import DecodeLoop
 from forge_lightning.serving.wire import GenerateCall, decode_rng_state, encode_rng_state
@@ -170,3 +171,39 @@ def load_into(model, weights) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights[name])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_loop_with_a_precision_samples_with_that_copy_remade_after_each_update(precision):
+    policy = tiny_policy(seed=0, max_position_embeddings=256)
+    model, tokenizer = policy.model, policy.tokenizer
+    engine = QuantizedGenerate(tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer, precision)
+    params = SamplingParams(6, greedy=True)
+    ids, mask = padded(PROMPTS, tokenizer.pad_token_id)
+    expected = engine.generate(model, GenerationRequest(ids, mask, 1, params, logprobs=True))
+    loop = DecodeLoop(model, tokenizer, precision=precision)
+    assert loop.weights is model and loop.model is not model  # the copy samples, the weights stay
+    future = loop.submit(call("q", params, 1))
+    run_until(loop, future)
+    answer = future.result()
+    assert [row for row in answer.completions] == [
+        r[m.bool()].tolist() for r, m in zip(expected.ids, mask_of(expected))
+    ]
+    copy_before = loop.model
+    new = tiny_policy(seed=1, max_position_embeddings=256).model.state_dict()
+    loop.update(1, lambda weights: weights.load_state_dict(new))
+    loop.step()
+    assert loop.model is not copy_before and loop.version == 1
+    assert torch.equal(
+        model.state_dict()["model.norm.weight"], new["model.norm.weight"]
+    )  # loaded into the weights
+
+
+def mask_of(completions) -> torch.Tensor:
+    """Each row's sampled tokens: up to its end (through EOS)."""
+    width = completions.ids.shape[1]
+    return (
+        torch.arange(width)[None, :] < completions.ends[:, None]
+        if completions.ends is not None
+        else torch.ones_like(completions.ids)
+    )

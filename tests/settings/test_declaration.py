@@ -150,10 +150,10 @@ def test_every_group_field_is_a_declared_setting():
 SPREAD: dict[str, int] = {
     # Rollout.group_size, GenerationRequest.group_size, the episode runners' keyword, the servers' wire
     "group_size": 42,
-    "max_new_tokens": 30,  # SamplingParams.max_new_tokens, HF generate's keyword (the servers' too)
-    "temperature": 23,  # SamplingParams.temperature, LogProbScorer's and the loss's keyword
-    "top_p": 12,  # SamplingParams.top_p, HF's and vLLM's keyword
-    "top_k": 11,  # SamplingParams.top_k, HF's and vLLM's keyword
+    "max_new_tokens": 29,  # SamplingParams.max_new_tokens, HF generate's keyword (the servers' too)
+    "temperature": 22,  # SamplingParams.temperature, LogProbScorer's and the loss's keyword
+    "top_p": 11,  # SamplingParams.top_p, HF's and vLLM's keyword
+    "top_k": 10,  # SamplingParams.top_k, HF's and vLLM's keyword
     "min_p": 8,  # SamplingParams.min_p, HF's and vLLM's keyword
     "repetition_penalty": 8,  # SamplingParams.repetition_penalty, HF's and vLLM's keyword
     "stop": 45,  # SamplingParams.stop; and the English word (a run, a worker, a loop stops)
@@ -162,34 +162,36 @@ SPREAD: dict[str, int] = {
     "attn_implementation": 4,
     "vllm_gpu_memory_utilization": 4,
     "rollout_servers": 4,  # checked with the others (settings/checks.py); the bench's flag
-    "generation_kwargs": 5,  # TRL's name (bench/trl_reference.py); the engines' refused keys
+    "generation_kwargs": 4,  # TRL's name (bench/trl_reference.py); the engines' refused keys
     "max_prompt_length": 8,  # PromptFormat's field and rollout.sampler.max_prompt_length()
     "use_chat_template": 6,  # PromptFormat's field, RewardModel's keyword
     "system_prompt": 9,  # PromptFormat's, RewardModel's, PolicyContext's, testing.scripted's
     "chat_template_kwargs": 5,  # PromptFormat's field, FunctionTools' keyword
     "loss_type": 4,  # grpo.LossSettings' field
-    "kl_beta": 8,  # grpo.LossSettings' field; the bench's reference losses
+    "kl_beta": 7,  # grpo.LossSettings' field; the bench's reference losses
     "kl_in_reward": 4,  # grpo.LossSettings' field
     "num_iterations": 5,  # checked with others (checks.py), and read from a checkpoint (cli/check_resume.py)
     "steps_per_generation": 6,  # as num_iterations; and the bench's flag
     "use_engine_logprobs": 7,  # refused by name where an engine or tool loop cannot give them; the bench
     "rollout_correction": 8,  # grpo.LossSettings' field; refused by name where an engine cannot give it
-    "learning_rate": 6,  # read for the rescaled peak (module.py); TRL's name in the bench
-    "gradient_accumulation_steps": 9,  # as num_iterations; the Trainer's refusal; TRL's name in the bench
-    "dynamic_sampling": 11,  # also training/dynamic_sampling.py's name, which its imports spell
+    "learning_rate": 5,  # read for the rescaled peak (module.py); TRL's name in the bench
+    "gradient_accumulation_steps": 8,  # as num_iterations; the Trainer's refusal; TRL's name in the bench
+    "dynamic_sampling": 10,  # also training/dynamic_sampling.py's name, which its imports spell
     "generation_backend": 11,  # also registry.generation_backend() and prepare_policy's keyword
-    "rollout_precision": 7,  # refused by name by the engines that cannot sample in it; the benches' flag
+    # refused by name by the engines that cannot sample in it; the benches' flag; read by the rollout
+    # server from the run's config (cli/serve.py)
+    "rollout_precision": 8,
     "rollout_mode": 6,  # read from a checkpoint (cli/check_resume.py); the bench's flag
     "rollout_device": 4,  # checked with rollout_mode (checks.py) and by the worker's device check
     "rollout_memory_fraction": 4,  # as rollout_device
     "train_micro_batch_size": 6,  # the preflight's advice (its memory error, its suggestions); the bench
     "train_micro_batch_tokens": 4,  # as train_micro_batch_size
     "prefix_sharing": 5,  # prepare_policy's and WorkerSettings' keyword; the bench
-    "gradient_checkpointing": 8,  # prepare_policy's keyword; the preflight's advice; the bench; TRL's name
+    "gradient_checkpointing": 7,  # prepare_policy's keyword; the preflight's advice; the bench; TRL's name
     "on_reward_error": 4,  # testing.scripted's keyword (the users' test kit)
     "reward_timeout": 5,  # rewards.score()'s keyword; an example's config
-    "calculator": 14,  # also rollout/tools/calculator.py and the calculator tool's name
-    "max_tool_calls": 8,  # ToolRolloutSampler's and testing.scripted's keyword; the benches
+    "calculator": 13,  # also rollout/tools/calculator.py and the calculator tool's name
+    "max_tool_calls": 7,  # ToolRolloutSampler's and testing.scripted's keyword; the benches
     "tool_timeout": 4,  # testing.scripted's keyword
     "agent": 12,  # also rollout/agents/ and the word for what runs an episode
     "sandbox": 34,  # also run/sandbox*.py, the Sandbox class and every call's sandbox= keyword
@@ -198,8 +200,18 @@ SPREAD: dict[str, int] = {
 # Files the rule does not count: TRL's names for the settings (settings/trl_names.py), the old
 # module paths (_moved.py: module names), and the two
 # front doors whose users write the settings' names as their own config's fields: TRL's GRPOConfig
-# and its translation (trl/, TRL's vocabulary, field for field) and Forge's GRPOConfig (compat.py).
-EXEMPT = {"settings/trl_names.py", "_moved.py", "compat.py"}
+# and its translation (trl/, TRL's vocabulary, field for field) and Forge's GRPOConfig (compat.py);
+# and the benches' TRL side (scripts run in TRL's own venv, importing nothing of this package,
+# that spell TRL's GRPOConfig fields, and the race's driver that hands a config's settings to one
+# as its flags).
+EXEMPT = {
+    "settings/trl_names.py",
+    "_moved.py",
+    "compat.py",
+    "bench/trl_reference.py",
+    "bench/trl_time_reference.py",
+    "bench/time_to_accuracy.py",
+}
 EXEMPT_FOLDERS = ("trl/",)
 
 
