@@ -28,9 +28,10 @@ class _Dropped(logging.Filter):
         return not record.getMessage().startswith(self.starts)
 
 
-# With torchao installed (an int8 rollout precision, the quantize extra), transformers imports it with
-# every model class, and on a CPU build of torch torchao logs that its CUDA kernels did not load, and
-# torch that torchao registers enums it no longer needs to: noise at every command, nothing to act on.
+# With torchao installed (the package no longer needs it; an environment may hold it), transformers
+# imports it with every model class, and on a CPU build of torch torchao logs that its CUDA kernels
+# did not load, and torch that torchao registers enums it no longer needs to: noise at every
+# command, nothing to act on.
 logging.getLogger("torchao").addFilter(_Dropped("Failed to load"))
 logging.getLogger("torch.utils._pytree").addFilter(_Dropped("<enum "))
 

@@ -8,14 +8,17 @@ each token by the gap (``train/sampler_kl``). Validation samples with the copy t
 asynchronous rollouts the worker makes the copy of each weight version it loads
 (rollout/async_worker.py).
 
-``int8``: every ``nn.Linear`` weight in int8, one scale per output channel, the activations
-left in float (torchao's weight-only int8; the LM head included, a tied head untied in the
-copy, the embedding staying float32). Not torch's ``quantize_dynamic``: it quantizes the
-activations too, and SmolLM2's outlier activations then make a sampler_kl of about 3 against the
-policy's (torchao's: about 0.002). On a CPU torchao's int8 decodes no faster than float32 (its
-gain is a GPU's, untested here); ``bf16``, the copy in bfloat16, decodes faster on a CPU with
-bfloat16 instructions (AVX512-BF16 or AMX). Both copies live on the policy's device. The
-refresh is timed within the optimizer phase (``perf/optimizer_s``).
+``bf16``: the copy in bfloat16. ``int8``: that bfloat16 copy with every ``nn.Linear`` weight in
+int8, one scale per output channel (:class:`Int8Linear`; the LM head included, a tied head
+untied in the copy, the embedding staying bfloat16), the activations left in bfloat16: on a CPU
+torch's weight-only int8 kernel (``torch._weight_int8pack_mm``) multiplies them. Not torch's
+``quantize_dynamic``: it quantizes the activations too, and SmolLM2's outlier activations then
+make a sampler_kl of about 3 against the policy's. Nor torchao's weight-only int8: on a CPU
+without ``torch.compile`` it decodes slower than float32. On a CPU both copies attend with
+eager attention (:func:`cpu_attention`). Both decode faster than float32 on a CPU with bfloat16
+instructions (AVX512-BF16 or AMX; without them bfloat16's matmuls may be the slower);
+notebooks/throughput.ipynb times each precision's step against float32's. Both live on the
+policy's device. The refresh is timed within the optimizer phase (``perf/optimizer_s``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -33,24 +37,65 @@ from forge_lightning.models.sharding import is_sharded
 from forge_lightning.rollout.engines.base import EngineOptions
 from forge_lightning.rollout.engines.hf import HFGenerate
 
+# torch's CPU weight-only int8 kernel reads the input features in blocks of this many; other
+# widths (a tiny model's) can crash it, and take the dequantizing matmul instead.
+INT8_KERNEL_BLOCK = 16
+
+
+class Int8Linear(nn.Module):
+    """An ``nn.Linear`` of the sampling copy with its weight in int8: symmetric, one scale per
+    output channel (its largest weight over 127); the input, scales, bias and output in the
+    copy's float ``dtype``. Made from ``linear``'s weights once, sharing no memory with them."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # (out, in)
+        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # (out,)
+        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale.to(dtype))
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, self.in_features).contiguous()  # (N, in)
+        if flat.device.type == "cpu" and self.in_features % INT8_KERNEL_BLOCK == 0:
+            out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scale)  # (N, out)
+        else:  # no int8 kernel here: the weight dequantized, as torchao does without a compiler
+            out = F.linear(flat, self.weight_int8.to(flat.dtype)) * self.scale
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
 
 def int8_copy(model: nn.Module) -> nn.Module:
-    """``model`` with every ``nn.Linear`` weight in int8 (torchao's weight-only int8), in place."""
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError as err:
-        raise ImportError(
-            "rollout_precision='int8' quantizes with torchao: pip install 'forge-lightning[quantize]'"
-        ) from err
-    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))  # no global compiler settings
+    """``model`` in bfloat16 with every ``nn.Linear`` an :class:`Int8Linear`, in place: quantized
+    from the float32 weights, then the rest cast (``to`` leaves the int8 buffers int8)."""
+    linears = [(parent, name) for parent in model.modules() for name, child in parent.named_children()]
+    for parent, name in linears:
+        child = getattr(parent, name)
+        if isinstance(child, nn.Linear):  # a tied head too: replacing it unties it
+            setattr(parent, name, Int8Linear(child, torch.bfloat16))
+    return bf16_copy(model)
+
+
+def bf16_copy(model: nn.Module) -> nn.Module:
+    """``model`` in bfloat16, in place, attending as fits its device (:func:`cpu_attention`)."""
+    return cpu_attention(model.to(torch.bfloat16))
+
+
+def cpu_attention(model: nn.Module) -> nn.Module:
+    """``model`` with eager attention where it is on a CPU. Decoding asks attention for one query
+    token a row, and there torch's SDPA CPU kernels in bfloat16 run several times slower than in
+    float32, eating most of what the copy saves in its matmuls; eager attention's two small
+    matmuls run at bfloat16's speed. Elsewhere (a GPU's flash kernels) the model's own is kept."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if on_cpu and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation("eager")
     return model
 
 
 # rollout_precision -> what makes the sampling copy of a detached copy of the policy
-CASTS: dict[str, Callable[[nn.Module], nn.Module]] = {
-    "int8": int8_copy,
-    "bf16": lambda model: model.to(torch.bfloat16),
-}
+CASTS: dict[str, Callable[[nn.Module], nn.Module]] = {"int8": int8_copy, "bf16": bf16_copy}
 
 
 def low_precision_copy(model: PreTrainedModel, precision: str) -> PreTrainedModel:

@@ -107,9 +107,9 @@ class EngineSettings(Group):
     rollout_precision: Literal["int8", "bf16"] | None = setting(
         None, check=(optional(lambda v: v in ("int8", "bf16")), "None, 'int8' or 'bf16'")
     )
-    """sample with a copy of the policy in ``int8`` (torchao's weight-only) or ``bf16``, remade after
-    every optimizer step (rollout/engines/quantized.py); needs ``rollout_correction``. None: the
-    policy itself."""
+    """sample with a copy of the policy in ``int8`` (int8 weights, bfloat16 activations) or ``bf16``,
+    remade after every optimizer step (rollout/engines/quantized.py; each timed against float32 in
+    notebooks/throughput.ipynb); needs ``rollout_correction``. None: the policy itself."""
     rollout_mode: Literal["sync", "async"] = setting("sync", check=one_of("sync", "async"))
     """``sync``, or ``async``: a worker process samples while the trainer trains."""
     max_staleness: int = setting(1, check=count(0))

@@ -8,7 +8,7 @@ import torch
 from helpers.models import make_model, make_tokenizer
 
 from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
-from forge_lightning.rollout.engines.quantized import QuantizedGenerate
+from forge_lightning.rollout.engines.quantized import Int8Linear, QuantizedGenerate
 from forge_lightning.rollout.engines.registry import generation_backend
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.types import Rollout, completion_mask
@@ -52,11 +52,14 @@ def test_the_int8_copy_quantizes_every_linear_layer_the_lm_head_included():
     model = make_model(len(tok))
     engine = generation_backend("hf", tok, model, rollout_precision="int8")
     sample(engine, model, tok)
-    linear = [m for m in engine.sampling_copy.modules() if isinstance(m, torch.nn.Linear)]
+    copy = engine.sampling_copy
+    assert not any(isinstance(m, torch.nn.Linear) for m in copy.modules())
+    linear = [m for m in copy.modules() if isinstance(m, Int8Linear)]
     assert len(linear) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
-    for layer in linear:  # int8, one scale per output channel
-        assert layer.weight.qdata.dtype == torch.int8 and layer.weight.scale.shape == (layer.out_features, 1)
-    assert type(engine.sampling_copy.model.embed_tokens.weight.data) is torch.Tensor  # the tie undone
+    for layer in linear:  # int8, one scale per output channel, the activations bfloat16
+        assert layer.weight_int8.dtype == torch.int8 and layer.scale.shape == (layer.out_features,)
+        assert layer.scale.dtype == torch.bfloat16
+    assert copy.model.embed_tokens.weight.dtype == torch.bfloat16  # the tie undone
     assert model.lm_head.weight is model.model.embed_tokens.weight  # in the copy only
 
 
