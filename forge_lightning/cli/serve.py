@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from forge_lightning.models.loading import ModelLoadError, load_model
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.rollout.engines.weight_ring import check_rollout_device
 from forge_lightning.serving.decode import DecodeLoop
 from forge_lightning.serving.server import RolloutServer, secret_from
 from forge_lightning.serving.wire import SECRET_ENV
@@ -37,7 +38,7 @@ PROG = "forge-lightning serve"
 # The module's settings the server reads (load_model's arguments, in order); the others are the trainer's.
 USED = ("model", "model_dtype", "attn_implementation")
 # ...and those of its engine (--engine vllm).
-ENGINE_USED = ("vllm_gpu_memory_utilization", "rollout_precision")
+ENGINE_USED = ("vllm_gpu_memory_utilization", "rollout_precision", "rollout_memory_fraction")
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -87,6 +88,12 @@ def main(argv: list[str]) -> None:
         secret = secret_from(os.environ)
     except ValueError as err:
         parser.exit(2, f"{PROG}: {err}\n")
+    if settings["rollout_memory_fraction"] is not None and args.engine == "hf":
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            check_rollout_device(device, settings["rollout_memory_fraction"])
+        except ValueError as err:
+            parser.exit(2, f"{PROG}: {err} (--device {device})\n")
     if args.engine == "vllm" and args.device not in (None, "cuda"):
         parser.exit(
             2, f"{PROG}: --engine vllm runs on the GPU vLLM sees: set CUDA_VISIBLE_DEVICES, not --device\n"
@@ -118,6 +125,9 @@ def sampler(
 
         return VLLMLoop(model, tokenizer, gpu_memory_utilization=settings["vllm_gpu_memory_utilization"])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    share = settings["rollout_memory_fraction"]
+    if share is not None:  # a GPU shared with the trainer (main checked it is a CUDA device)
+        torch.cuda.set_per_process_memory_fraction(share, torch.device(device))
     return DecodeLoop(model.to(device), tokenizer, precision=settings["rollout_precision"])
 
 

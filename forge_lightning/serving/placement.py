@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 
+from forge_lightning.rollout.engines.weight_ring import devices_of  # noqa: F401 (its old home)
 from forge_lightning.serving.processes import (
     ServeConfig,
     free_port,
@@ -83,15 +84,6 @@ def valid_entries(value: Any) -> bool:
 
 
 ENTRIES_RULE = (lambda v: v is None or valid_entries(v), "None or a list of 'local:N', 'ray:N', 'host:port'")
-
-
-def devices_of(text: Any) -> list[Any]:
-    """The devices a comma-separated list names (``"cuda:0, cuda:1"``: ``["cuda:0", "cuda:1"]``),
-    dealt round-robin to the servers started here; none for None. Anything but a string comes back
-    as it is, for the device check to refuse by name."""
-    if text is None:
-        return []
-    return [part.strip() for part in text.split(",")] if isinstance(text, str) else [text]
 
 
 def served_model(model: Any, tokenizer: Any, spec: str | None, folder: Path) -> str:

@@ -283,6 +283,7 @@ def servers_engine(settings: GRPOSettings, model: Any) -> RemoteEngine:
         "model_dtype": memory.model_dtype,
         "attn_implementation": memory.attn_implementation,
         "rollout_precision": engine.rollout_precision,  # the servers sample with that copy
+        "rollout_memory_fraction": engine.rollout_memory_fraction,  # each one's GPU share
     }
     threads = engine.rollout_worker_threads or 1  # each started server's, one unless told
     model_section = {name: value for name, value in loading.items() if value is not None}

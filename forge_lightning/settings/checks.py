@@ -13,8 +13,8 @@ from typing import Any
 
 from forge_lightning.grpo import ADVANTAGE_ESTIMATORS, scales_itself
 from forge_lightning.rollout.engines.generation_settings import check_engine_logprob_kwargs
-from forge_lightning.rollout.engines.weight_ring import check_rollout_device
-from forge_lightning.serving.placement import devices_of, parse_entry
+from forge_lightning.rollout.engines.weight_ring import check_rollout_device, check_server_devices
+from forge_lightning.serving.placement import parse_entry
 from forge_lightning.serving.requests import not_built
 from forge_lightning.settings.declare import Rule, check_value
 from forge_lightning.settings.groups import LOSS_FIELDS, MODEL_DTYPES, current_names, loss_settings
@@ -176,11 +176,6 @@ SERVERS_NEED: dict[str, ServerRule] = {
         "the servers sample with the engine each was started with (forge-lightning serve --engine; "
         "local:N and ray:N run hf), not this process's: leave generation_backend 'hf'",
     ),
-    "rollout_memory_fraction": (
-        lambda v: v.get("rollout_memory_fraction") is None,
-        "it caps the in-process rollout worker's share of a GPU, and each server is a process of its "
-        "own: leave it unset (rollout_device gives the servers the trainer starts their devices)",
-    ),
     "rollout_device": (
         lambda v: v.get("rollout_device") is None or _starts_servers(v["rollout_servers"]),
         "it lists the devices of the servers the trainer starts (local:N; ray:N take one GPU each "
@@ -269,8 +264,7 @@ def _check_generation(values: Mapping[str, Any]) -> None:
 def _check_rollout_device(values: Mapping[str, Any]) -> None:
     device, fraction = values.get("rollout_device"), values.get("rollout_memory_fraction")
     if values.get("rollout_servers"):  # the devices of the servers the trainer starts: SERVERS_NEED
-        for one in devices_of(device):
-            check_rollout_device(one, None)
+        check_server_devices(device, fraction)
         return
     if (device is not None or fraction is not None) and values.get("rollout_mode", "sync") != "async":
         raise ValueError(

@@ -10,12 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from forge_lightning.cli.serve import main as serve_main
 from forge_lightning.rollout.async_worker import Finished, InFlight, restored_in_flight, saved_in_flight
 from forge_lightning.serving import placement as placement_module
 from forge_lightning.serving import ray_actors
 from forge_lightning.serving.placement import Placement
 from forge_lightning.serving.processes import ServeConfig, serve_command
 from forge_lightning.serving.requests import not_built
+from forge_lightning.serving.wire import SECRET_ENV
 from forge_lightning.settings.checks import validate_hparams
 
 ASYNC = {"rollout_mode": "async"}
@@ -63,7 +65,6 @@ def test_what_async_rollouts_on_servers_cannot_do_is_refused_by_name_with_its_re
     ("setting", "reason"),
     [
         ({"generation_backend": "vllm"}, "the servers sample with the engine each was started with"),
-        ({"rollout_memory_fraction": 0.5, "rollout_device": "cuda"}, "each server is a process"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )
@@ -185,6 +186,25 @@ def test_the_servers_sample_with_the_runs_low_precision_copy_in_either_mode(modu
     validate_hparams({"rollout_mode": mode, **SERVERS, **setting})
     grpo = module(rollout_servers=["local:1"], rollout_mode=mode, **setting)
     assert grpo.engine.placement.config.model["rollout_precision"] == "bf16"  # serve's model section
+
+
+def test_a_gpu_share_goes_to_each_started_server_on_the_cuda_devices_listed(
+    module, tmp_path, monkeypatch, capsys
+):
+    validate_hparams({**SERVERS, "rollout_memory_fraction": 0.4, "rollout_device": "cuda"})
+    grpo = module(**SERVERS, rollout_memory_fraction=0.4, rollout_device="cuda:0,cuda:1")
+    assert grpo.engine.placement.config.model["rollout_memory_fraction"] == 0.4
+    with pytest.raises(ValueError, match="caps each started server's share of its GPU: set rollout_device"):
+        validate_hparams({**SERVERS, "rollout_memory_fraction": 0.4})
+    with pytest.raises(ValueError, match="caps a CUDA rollout worker's memory, but rollout_device='cpu'"):
+        validate_hparams({**SERVERS, "rollout_memory_fraction": 0.4, "rollout_device": "cpu"})
+    # A server started by hand on the CPU with a share in its config refuses before it loads a model.
+    monkeypatch.setenv(SECRET_ENV, "s")
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  model: random:x\n  rollout_memory_fraction: 0.4\n")
+    with pytest.raises(SystemExit):
+        serve_main(["--config", str(config), "--port", "0", "--device", "cpu"])
+    assert "rollout_memory_fraction=0.4 caps a CUDA rollout worker's memory" in capsys.readouterr().err
 
 
 def test_the_module_hands_rollout_device_to_the_servers_it_starts(module):

@@ -183,7 +183,7 @@ SPREAD: dict[str, int] = {
     "rollout_precision": 8,
     "rollout_mode": 6,  # read from a checkpoint (cli/check_resume.py); the bench's flag
     "rollout_device": 4,  # checked with rollout_mode (checks.py) and by the worker's device check
-    "rollout_memory_fraction": 4,  # as rollout_device
+    "rollout_memory_fraction": 5,  # as rollout_device; read by the rollout server from the run's config
     "train_micro_batch_size": 6,  # the preflight's advice (its memory error, its suggestions); the bench
     "train_micro_batch_tokens": 4,  # as train_micro_batch_size
     "prefix_sharing": 5,  # prepare_policy's and WorkerSettings' keyword; the bench

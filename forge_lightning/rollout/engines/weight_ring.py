@@ -10,6 +10,7 @@ the worker device to device, never through the CPU.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,6 +44,28 @@ def check_rollout_device(device: str | None, memory_fraction: float | None) -> N
             f"rollout_memory_fraction={memory_fraction} caps a CUDA rollout worker's memory, but "
             f"rollout_device={device!r} samples on the CPU"
         )
+
+
+def devices_of(text: Any) -> list[Any]:
+    """The devices a comma-separated list names (``"cuda:0, cuda:1"``: ``["cuda:0", "cuda:1"]``),
+    dealt round-robin to the rollout servers a trainer starts (serving/placement.py); none for
+    None. Anything but a string comes back as it is, for the device check to refuse by name."""
+    if text is None:
+        return []
+    return [part.strip() for part in text.split(",")] if isinstance(text, str) else [text]
+
+
+def check_server_devices(device: Any, memory_fraction: float | None) -> None:
+    """Refuse by name what cannot place the servers the trainer starts: a device in ``device``'s
+    list that is no CPU or CUDA device, and a GPU memory share without CUDA devices to take it on."""
+    devices = devices_of(device)
+    if memory_fraction is not None and not devices:
+        raise ValueError(
+            f"rollout_memory_fraction={memory_fraction} caps each started server's share of its GPU: "
+            "set rollout_device to their CUDA devices (cuda, or cuda:0,cuda:1)"
+        )
+    for one in devices:
+        check_rollout_device(one, memory_fraction)
 
 
 def resolved_rollout_device(device: str | None, trainer_device: torch.device) -> torch.device:

@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from forge_lightning.rollout.engines.generation_settings import SAMPLING_RULES
 from forge_lightning.rollout.engines.registry import ENGINES
-from forge_lightning.rollout.engines.weight_ring import check_rollout_device
-from forge_lightning.serving.placement import ENTRIES_RULE, devices_of
+from forge_lightning.rollout.engines.weight_ring import check_rollout_device, check_server_devices
+from forge_lightning.serving.placement import ENTRIES_RULE
 from forge_lightning.settings.declare import (
     POSITIVE,
     SECONDS,
@@ -126,7 +126,8 @@ class EngineSettings(Group):
     for one GPU each where it names cuda (the one Ray gives), else sample on CPUs; None: each takes
     cuda where there is one, else the CPU."""
     rollout_memory_fraction: float | None = setting(None, resume=True)
-    """async: the GPU memory share the worker may take (not with ``rollout_servers``)."""
+    """async: the GPU memory share the worker may take. With ``rollout_servers``: each server the
+    trainer starts on the CUDA devices ``rollout_device`` lists (a GPU shared with the trainer)."""
     rollout_servers: list[str] | None = setting(None, check=ENTRIES_RULE, resume=True)
     """rollout servers that sample instead of this process (serving/): ``local:N`` (N
     ``forge-lightning serve`` child processes), ``host:port`` (one you started; the trainer needs
@@ -143,8 +144,7 @@ class EngineSettings(Group):
         if not self.rollout_servers:
             check_rollout_device(self.rollout_device, self.rollout_memory_fraction)
             return
-        for device in devices_of(self.rollout_device):  # the started servers' (settings/checks.py)
-            check_rollout_device(device, None)
+        check_server_devices(self.rollout_device, self.rollout_memory_fraction)  # the started servers'
 
 
 @dataclass(frozen=True)
