@@ -27,9 +27,15 @@ def test_without_rollout_servers_the_engine_in_this_process_samples(module):
     "settings, message",
     [
         ({"loss_type": "forge"}, "cannot take loss_type='forge': .*which loss_type='forge' does not take"),
-        ({"calculator": "plain"}, "a server samples completions"),
+        ({"dynamic_sampling": True}, "a batch's step is known only from the rewards"),
     ],
 )
 def test_async_on_servers_refuses_what_it_cannot_do_yet(module, settings, message):
     with pytest.raises(ValueError, match=message):
         module(rollout_servers=["local:1"], rollout_mode="async", temperature=0.9, **settings)
+
+
+def test_async_on_servers_runs_the_calculators_loop_in_this_process(module):
+    grpo = module(rollout_servers=["local:1"], rollout_mode="async", calculator="plain")
+    grpo.configure_model()  # the rollout source prepared: nothing starts before the fit
+    assert grpo.engine.episodes is not None and not grpo.engine.running  # remote_episodes.py
