@@ -23,10 +23,12 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import PreTrainedModel
 
 from forge_lightning.rollout.async_worker import Finished
 from forge_lightning.rollout.engines.base import Completions, GenerationRequest, SamplingParams
+from forge_lightning.rollout.sources import on_device
 from forge_lightning.serving.balance import share_seed
 
 if TYPE_CHECKING:
@@ -113,19 +115,8 @@ class RemoteEpisodes:
         self.engine.begin(seed)
         rollout = self.runner(self.model, prompts, params, group, engine_logprobs=True, rows=rows)
         behav = None if rollout.old_logp is None else rollout.old_logp.cpu()
-        moved = {
-            name: None if getattr(rollout, name) is None else getattr(rollout, name).cpu()
-            for name in (
-                "prompt_ids",
-                "prompt_mask",
-                "completion_ids",
-                "completion_mask",
-                "truncated",
-                "model_mask",
-            )
-        }
-        stats = None if rollout.tool_stats is None else {k: v.cpu() for k, v in rollout.tool_stats.items()}
-        rollout = replace(rollout, **moved, tool_stats=stats, old_logp=None)
+        # on_device leaves old_logp as it is: the servers' scores go back as behav, not as the old policy's.
+        rollout = replace(on_device(rollout, torch.device("cpu"), None), old_logp=None)
         return Finished(rollout.completion_ids, behav, self.engine.oldest, rollout=rollout)
 
     def close(self) -> None:

@@ -126,14 +126,20 @@ ASYNC_NEEDS = {
 }
 
 
+# Async rollouts, in the worker or on servers: a batch sampled by older weights trains with the
+# sampler's log-probs, which Forge's loss cannot weigh.
+STALE_BATCH_LOSS: tuple[Callable[[Mapping[str, Any]], bool], str] = (
+    lambda v: v.get("loss_type") != "forge",
+    "a batch sampled by older weights trains with the sampler's log-probs (grpo_loss's behav_logp), "
+    "which loss_type='forge' does not take (its ratio is against the reference, at temperature 1): "
+    "use grpo, dapo or dr_grpo, or rollout_mode='sync'",
+)
+
+
 def _check_async(values: Mapping[str, Any]) -> None:
-    if values.get("loss_type") == "forge":
-        raise ValueError(
-            "rollout_mode='async' cannot take loss_type='forge': a batch sampled by older weights "
-            "trains with the worker's log-probs as the sampler's (grpo_loss's behav_logp), which "
-            "Forge's loss does not take (its ratio is against the reference, at temperature 1); use "
-            "grpo, dapo or dr_grpo, or rollout_mode='sync'"
-        )
+    works, why = STALE_BATCH_LOSS  # the in-process worker's stale batches, as the servers'
+    if not works(values):
+        raise ValueError(f"rollout_mode='async' cannot take loss_type={values['loss_type']!r}: {why}")
     wrong = [
         f"{name}={values[name]!r}"
         for name, need in ASYNC_NEEDS.items()
@@ -213,12 +219,7 @@ SERVERS_ASYNC_NEED: dict[str, ServerRule] = {
     ),
     "num_iterations": (lambda v: v.get("num_iterations", 1) == 1, _ONE_STEP_PER_BATCH),
     "steps_per_generation": (lambda v: v.get("steps_per_generation", 1) == 1, _ONE_STEP_PER_BATCH),
-    "loss_type": (
-        lambda v: v.get("loss_type") != "forge",
-        "a batch sampled by older weights trains with the servers' log-probs as the sampler's "
-        "(grpo_loss's behav_logp), which loss_type='forge' does not take (its ratio is against the "
-        "reference, at temperature 1): use grpo, dapo or dr_grpo, or rollout_mode='sync'",
-    ),
+    "loss_type": STALE_BATCH_LOSS,
     "environment_factory": (lambda v: not v.get("environment_factory"), _ENVIRONMENT_STATE),
     "agent": (lambda v: not v.get("agent"), _AGENT_ENDPOINT),
 }
