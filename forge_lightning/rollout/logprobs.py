@@ -231,7 +231,7 @@ class LogProbScorer:
         entropy_grad: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         group = rollout.group_size
-        prompts = batch.rows[::group] // group if batch.shared else batch.rows // group
+        prompts = batch.rows[:: batch.share] // group  # the prompt of each run of rows sharing it
         columns = slice(rollout.prompt_ids.shape[1] - batch.prompt_width, None)  # its prompts' own
         targets = rollout.completion_ids[batch.rows, : batch.completion_width]
         head = plain_head_weight(model) if self.head_chunk_size else None
@@ -240,7 +240,7 @@ class LogProbScorer:
             rollout.prompt_ids[prompts, columns],
             rollout.prompt_mask[prompts, columns],
             targets,
-            group_size=group if batch.shared else 1,
+            group_size=batch.share,
             mode="shared_prefix" if batch.shared else "full",
             hidden=head is not None,
         )

@@ -29,9 +29,14 @@ class MicroBatch:
     """Completion rows of a rollout that run through one forward together."""
 
     rows: Tensor  # (n,) long, ascending: the rollout's completion rows
-    shared: bool  # whole groups: each group's prompt runs once (prefix sharing)
+    share: int  # consecutive rows that run their one prompt once (prefix sharing); 1: each its own
     prompt_width: int  # prompt columns it runs: its longest prompt
     completion_width: int  # completion columns it runs: through its longest completion
+
+    @property
+    def shared(self) -> bool:
+        """Its rows share prompts: whole groups, or the part of one group it holds."""
+        return self.share > 1
 
 
 @dataclass(frozen=True)
@@ -96,9 +101,26 @@ def _batch(units: list[_Unit], rollout: Rollout) -> MicroBatch:
     rows = torch.tensor(sorted(r for u in units for r in u.rows), dtype=torch.long)
     completion = min(max(max(u.completion for u in units), 1), rollout.completion_ids.shape[1])
     prompt = min(max(max(u.prompt for u in units), 1), rollout.prompt_ids.shape[1])
-    return MicroBatch(
-        rows.to(rollout.completion_ids.device), all(u.shared for u in units), prompt, completion
-    )
+    sizes = {len(u.rows) for u in units}
+    share = sizes.pop() if all(u.shared for u in units) and len(sizes) == 1 else 1
+    return MicroBatch(rows.to(rollout.completion_ids.device), share, prompt, completion)
+
+
+def _count_units(a: int, b: int, lengths: _Lengths, shared: bool) -> list[_Unit]:
+    """Rows ``a..b-1`` of a micro-batch by count: whole groups that share their prompts, or, in a
+    micro-batch smaller than a group and within one, its rows sharing their one prompt (a group of
+    16 in micro-batches of 8 runs its prompt twice, not 16 times); else rows, each with its prompt."""
+    group = lengths.group
+    if shared and a % group == 0 and b % group == 0:
+        spans = [range(g, g + group) for g in range(a, b, group)]
+    elif shared and b - a > 1 and a // group == (b - 1) // group:
+        spans = [range(a, b)]
+    else:
+        return [_row_unit(r, lengths, False) for r in range(a, b)]
+    return [
+        _Unit(tuple(rows), True, lengths.prompt[rows[0] // group], max(lengths.completion[r] for r in rows))
+        for rows in spans
+    ]
 
 
 def plan_micro_batches(
@@ -114,10 +136,7 @@ def plan_micro_batches(
     if tokens is None:
         step = size or max(count, 1)
         return [
-            _batch(
-                [_row_unit(r, lengths, shared and a % group == 0 and b % group == 0) for r in range(a, b)],
-                rollout,
-            )
+            _batch(_count_units(a, b, lengths, shared), rollout)
             for a, b in ((a, min(a + step, count)) for a in range(0, count, step))
         ]
     # Whole groups share their prompt but pad their completions to the group's longest; single
@@ -191,7 +210,7 @@ def padding_fraction(batches: list[MicroBatch], rollout: Rollout) -> float:
     real = total = 0
     for batch in batches:
         rows = batch.rows.tolist()
-        prompts = sorted({r // group for r in rows}) if batch.shared else [r // group for r in rows]
+        prompts = [r // group for r in rows[:: batch.share]]  # one prompt run per share
         real += sum(lengths.prompt[p] for p in prompts) + sum(lengths.completion[r] for r in rows)
         total += len(prompts) * batch.prompt_width + len(rows) * batch.completion_width
     return 1.0 - real / total if total else 0.0

@@ -243,8 +243,9 @@ def _train_one_micro_batch(
     whole = worst_case_rollout(case.prompts, case.group_size, case, token, context.device)
     first = loss_passes.micro_batches(whole, model)[0]  # every one as large: all rows are full
     rows = len(first.rows)
-    # The micro-batch alone: its whole groups (a shared prompt), or its rows each with its prompt.
-    groups, size = (rows // case.group_size, case.group_size) if first.shared else (rows, 1)
+    # The micro-batch alone: its rows in runs that share a prompt (whole groups, a part of one), or
+    # each with its prompt.
+    groups, size = rows // first.share, first.share
     part = worst_case_rollout(groups, size, case, token, context.device)
     reference = None
     if loss_passes.loss.needs_reference:  # its values do not matter to the memory, only its shape

@@ -78,6 +78,18 @@ def test_by_count_micro_batches_are_consecutive_and_shared_when_they_hold_whole_
     assert [b.shared for b in plan_micro_batches(rollout, size=4, shared=True)] == [False] * 3
 
 
+def test_by_count_micro_batches_within_one_group_share_its_prompt_once_each():
+    # 2 groups of 6 in micro-batches of 3: each holds half a group and runs its prompt once.
+    rollout = mixed_rollout(20, ENDS, [5, 8], group_size=6)
+    batches = plan_micro_batches(rollout, size=3, shared=True)
+    assert rows_of(batches) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert [b.share for b in batches] == [3, 3, 3, 3]
+    assert [b.prompt_width for b in batches] == [5, 5, 8, 8]
+    # Micro-batches of 4 cross the groups' border at rows 4-7: that one runs a prompt a row.
+    assert [b.share for b in plan_micro_batches(rollout, size=4, shared=True)] == [4, 1, 4]
+    assert [b.share for b in plan_micro_batches(rollout, size=3)] == [1, 1, 1, 1]  # no sharing asked
+
+
 def test_a_row_cap_holds_with_a_token_budget():
     rollout = mixed_rollout(20, ENDS, PROMPTS, group_size=3)
     batches = plan_micro_batches(rollout, size=2, tokens=1000)

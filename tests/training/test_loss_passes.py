@@ -99,3 +99,22 @@ def test_a_step_under_a_token_budget_makes_as_many_backward_calls_as_the_busiest
     grpo.step.train(batch, grpo.model, None, optimizer, scheduler, context)
     assert 1 < made < 10
     assert len(calls) == 10 and calls[made:] == [0.0] * (10 - made)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_micro_batches_smaller_than_a_group_share_its_prompt_and_give_the_whole_rollouts_gradient(loss_type):
+    # 2 groups of 6, micro-batches of 3 rows and of 2: each within one group runs its prompt once.
+    ends, prompts = ENDS, [5, 8]
+    model = make_model(VOCAB)
+    rollout = mixed_rollout(VOCAB, ends, prompts, group_size=6)
+    whole, whole_grads, whole_count, _ = one_pass(model, rollout, loss_type, shared_prefix=False)
+    for size in (3, 2):
+        scorer = LogProbScorer(micro_batch_size=size)
+        assert [b.share for b in scorer.micro_batches(rollout, model)] == [size] * (12 // size)
+        parts, grads, count, micro = one_pass(model, rollout, loss_type, micro_batch_size=size)
+        assert micro == 12 // size
+        for key in ("loss", "policy_loss", "kl", "entropy"):
+            torch.testing.assert_close(parts[key], whole[key], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(count, whole_count)
+        for a, b in zip(grads, whole_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

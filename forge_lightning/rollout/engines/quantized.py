@@ -8,10 +8,11 @@ each token by the gap (``train/sampler_kl``). Validation samples with the copy t
 asynchronous rollouts the worker makes the copy of each weight version it loads
 (rollout/async_worker.py).
 
-``bf16``: the copy in bfloat16. ``int8``: that bfloat16 copy with every ``nn.Linear`` weight in
-int8, one scale per output channel (:class:`Int8Linear`; the LM head included, a tied head
-untied in the copy, the embedding staying bfloat16), the activations left in bfloat16: on a CPU
-torch's weight-only int8 kernel (``torch._weight_int8pack_mm``) multiplies them. Not torch's
+``bf16``: the copy in bfloat16. ``int8``: that bfloat16 copy with every ``nn.Linear`` weight but
+the LM head's in int8, one scale per output channel (:class:`Int8Linear`; the head and the
+embedding stay bfloat16), the activations left in bfloat16: on a CPU torch's weight-only int8
+kernel (``torch._weight_int8pack_mm``) multiplies them for a few rows a call (decoding), the
+weight dequantized into a bfloat16 matmul for more (a prefill, a large batch). Not torch's
 ``quantize_dynamic``: it quantizes the activations too, and SmolLM2's outlier activations then
 make a sampler_kl of about 3 against the policy's. Nor torchao's weight-only int8: on a CPU
 without ``torch.compile`` it decodes slower than float32. On a CPU both copies attend with
@@ -40,6 +41,10 @@ from forge_lightning.rollout.engines.hf import HFGenerate
 # torch's CPU weight-only int8 kernel reads the input features in blocks of this many; other
 # widths (a tiny model's) can crash it, and take the dequantizing matmul instead.
 INT8_KERNEL_BLOCK = 16
+# The kernel's time grows with the rows as a matrix-vector product's does: past about 16 rows
+# (a prompt's prefill, a decoding batch of 64) the weight dequantized into a bfloat16 matmul is
+# the faster (SmolLM2-135M's shapes, 1-2 threads: at 64 rows 0.3-0.8 ms against 0.6-2.1 ms).
+INT8_KERNEL_MAX_ROWS = 16
 
 
 class Int8Linear(nn.Module):
@@ -59,21 +64,25 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, self.in_features).contiguous()  # (N, in)
-        if flat.device.type == "cpu" and self.in_features % INT8_KERNEL_BLOCK == 0:
+        kernel = self.in_features % INT8_KERNEL_BLOCK == 0 and flat.shape[0] <= INT8_KERNEL_MAX_ROWS
+        if flat.device.type == "cpu" and kernel:
             out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scale)  # (N, out)
-        else:  # no int8 kernel here: the weight dequantized, as torchao does without a compiler
+        else:  # the weight dequantized, as torchao does without a compiler
             out = F.linear(flat, self.weight_int8.to(flat.dtype)) * self.scale
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
 def int8_copy(model: nn.Module) -> nn.Module:
-    """``model`` in bfloat16 with every ``nn.Linear`` an :class:`Int8Linear`, in place: quantized
-    from the float32 weights, then the rest cast (``to`` leaves the int8 buffers int8)."""
+    """``model`` in bfloat16 with every ``nn.Linear`` but the LM head an :class:`Int8Linear`, in
+    place: quantized from the float32 weights, then the rest cast (``to`` leaves the int8 buffers
+    int8). The head stays bfloat16 (tied to the embedding where it was): its vocabulary-wide
+    matmul is faster there than in the int8 kernel (4.7 ms against 6.0 ms for 8 rows, 2 threads)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linears = [(parent, name) for parent in model.modules() for name, child in parent.named_children()]
     for parent, name in linears:
         child = getattr(parent, name)
-        if isinstance(child, nn.Linear):  # a tied head too: replacing it unties it
+        if isinstance(child, nn.Linear) and child is not head:
             setattr(parent, name, Int8Linear(child, torch.bfloat16))
     return bf16_copy(model)
 

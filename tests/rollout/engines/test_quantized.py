@@ -8,7 +8,7 @@ import torch
 from helpers.models import make_model, make_tokenizer
 
 from forge_lightning.rollout.engines.base import GenerationRequest, SamplingParams
-from forge_lightning.rollout.engines.quantized import Int8Linear, QuantizedGenerate
+from forge_lightning.rollout.engines.quantized import INT8_KERNEL_MAX_ROWS, Int8Linear, QuantizedGenerate
 from forge_lightning.rollout.engines.registry import generation_backend
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.types import Rollout, completion_mask
@@ -47,20 +47,37 @@ def test_the_low_precision_samplers_logprobs_are_its_own_not_the_policys(precisi
     )
 
 
-def test_the_int8_copy_quantizes_every_linear_layer_the_lm_head_included():
+def test_the_int8_copy_quantizes_every_linear_layer_but_the_lm_head():
     tok = make_tokenizer()
     model = make_model(len(tok))
     engine = generation_backend("hf", tok, model, rollout_precision="int8")
     sample(engine, model, tok)
     copy = engine.sampling_copy
-    assert not any(isinstance(m, torch.nn.Linear) for m in copy.modules())
     linear = [m for m in copy.modules() if isinstance(m, Int8Linear)]
-    assert len(linear) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer; the head
+    assert len(linear) == 2 * 7  # q, k, v, o, gate, up, down per layer
     for layer in linear:  # int8, one scale per output channel, the activations bfloat16
         assert layer.weight_int8.dtype == torch.int8 and layer.scale.shape == (layer.out_features,)
         assert layer.scale.dtype == torch.bfloat16
-    assert copy.model.embed_tokens.weight.dtype == torch.bfloat16  # the tie undone
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # in the copy only
+    # The head alone stays a bfloat16 nn.Linear, tied to the embedding as the policy's is.
+    assert [m for m in copy.modules() if isinstance(m, torch.nn.Linear)] == [copy.lm_head]
+    assert copy.lm_head.weight.dtype == torch.bfloat16
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.float32  # the policy untouched
+
+
+@pytest.mark.parametrize("rows", [1, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, 64])
+def test_an_int8_linear_multiplies_by_its_dequantized_weight_with_few_rows_or_many(rows):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    layer = Int8Linear(linear, torch.bfloat16)
+    x = torch.randn(rows, 64).bfloat16()
+    dequantized = layer.weight_int8.float() * layer.scale.float()[:, None]
+    want = x.float() @ dequantized.T + linear.bias.detach().bfloat16().float()
+    got = layer(x).float()
+    assert got.shape == (rows, 48)
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    # ... and the int8 weights stand for the float32 ones to within a step of the (bfloat16) scale.
+    assert (dequantized - linear.weight.detach()).abs().max() <= layer.scale.float().max()
 
 
 def test_sync_weights_remakes_the_copy_from_the_policys_new_weights():
