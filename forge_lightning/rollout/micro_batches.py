@@ -8,7 +8,10 @@ only the columns its own rows need: the prompts' left padding common to all of i
 completion columns after its longest completion are left out. Causal attention keeps both out of
 every position the loss scores, so the log-probs are those of the whole rollout's forward.
 
-Where the prompt can be shared (prefix sharing), a token budget packs whole groups, each prompt
+Where the prompt can be shared (prefix sharing), micro-batches by count that hold whole groups
+run each group's prompt once, and so does one that holds part of a single group (a micro-batch
+smaller than the group: a group of 16 in micro-batches of 8 runs its prompt twice, not 16 times);
+one across the border of two groups runs each row's own. A token budget packs whole groups, each prompt
 running once for its G completions (a group over the budget by itself split into its rows), or
 single rows, each with its prompt, whichever runs fewer tokens in all: sharing saves the prompts'
 tokens, single rows the padding of a group's short completions to its longest.

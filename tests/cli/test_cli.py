@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from forge_lightning.callbacks.reward_logger import (
     TOOL_JSONL_KEYS,
 )
 from forge_lightning.cli.forge_cli import build_cli
+from forge_lightning.cli.stages import without_stages
 from forge_lightning.run.folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,32 +41,50 @@ def config_args(files: list[Path]) -> list[str]:
     return [arg for f in files for arg in ("--config", str(f))]
 
 
+@contextmanager
+def fits_of(files: list[Path]) -> Iterator[list[tuple[list[str], list[dict]]]]:
+    """Each fit that ``files`` run (one; a recipe's one per stage, cli/stages.py): its config
+    arguments and the settings they layer, in order."""
+    layers = [yaml.safe_load(f.read_text()) for f in files]
+    with without_stages(config_args(files)) as staged:
+        if not staged.stages:
+            yield [(staged.args, layers)]
+            return
+        yield [
+            ([*staged.args, "--config", str(staged.stage_file(k))], [*layers, stage.settings])
+            for k, stage in enumerate(staged.stages)
+        ]
+
+
 @pytest.mark.parametrize("files", COMBINATIONS, ids=["+".join(f.stem for f in c) for c in COMBINATIONS])
 def test_every_config_and_overlay_parses_to_the_settings_it_names(files, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        build_cli(["fit", *config_args(files), "--print_config"])
-    assert exit_info.value.code == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    expected: dict[tuple[str, str], object] = {}
-    for file in files:  # a later file's value wins, as LightningCLI layers them
-        for section, values in yaml.safe_load(file.read_text()).items():
-            if isinstance(values, dict):
-                scalars = {k: v for k, v in values.items() if isinstance(v, (str, int, float, bool))}
-                expected.update({(section, key): value for key, value in scalars.items()})
-    assert expected
-    for (section, key), value in expected.items():
-        values = printed[section]
-        values = values.get("init_args", values) if key not in values else values  # data: a class
-        assert values[key] == value, (section, key)
+    with fits_of(files) as fits:
+        for args, layers in fits:
+            with pytest.raises(SystemExit) as exit_info:
+                build_cli(["fit", *args, "--print_config"])
+            assert exit_info.value.code == 0
+            printed = yaml.safe_load(capsys.readouterr().out)
+            expected: dict[tuple[str, str], object] = {}
+            for layer in layers:  # a later file's value wins, as LightningCLI layers them
+                for section, values in layer.items():
+                    if isinstance(values, dict):
+                        scalars = {k: v for k, v in values.items() if isinstance(v, (str, int, float, bool))}
+                        expected.update({(section, key): value for key, value in scalars.items()})
+            assert expected
+            for (section, key), value in expected.items():
+                values = printed[section]
+                values = values.get("init_args", values) if key not in values else values  # data: a class
+                assert values[key] == value, (section, key)
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("files", RESUMABLE, ids=["+".join(f.stem for f in c) for c in RESUMABLE])
 def test_ckpt_path_last_finds_the_checkpoint_under_every_config_and_overlay(files, tmp_path):
     root = tmp_path / "run"
-    args = [*config_args(files), f"--trainer.default_root_dir={root}", "--trainer.accelerator=cpu"]
-    args += ["--trainer.devices=1", "--trainer.strategy=auto", "--model.generation_backend=hf"]
-    cli = build_cli(args, run=False)
+    with fits_of(files) as fits:  # a recipe's first stage
+        args = [*fits[0][0], f"--trainer.default_root_dir={root}", "--trainer.accelerator=cpu"]
+        args += ["--trainer.devices=1", "--trainer.strategy=auto", "--model.generation_backend=hf"]
+        cli = build_cli(args, run=False)
     folders = [Path(cb.dirpath) for cb in cli.trainer.checkpoint_callbacks if cb.dirpath]
     assert folders == [root / "checkpoints"]
     assert cli.trainer.checkpoint_callback.save_last
@@ -129,10 +150,12 @@ def test_fit_writes_checkpoint_jsonl_and_tensorboard(
 @pytest.mark.integration
 @pytest.mark.parametrize("files", RESUMABLE, ids=["+".join(f.stem for f in c) for c in RESUMABLE])
 def test_every_config_keeps_one_copy_of_the_training_state(files, tmp_path):
-    args = [*config_args(files), f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu"]
-    args += ["--trainer.devices=1", "--trainer.strategy=auto", "--model.generation_backend=hf"]
-    (saver,) = build_cli(args, run=False).trainer.checkpoint_callbacks
-    assert saver.save_last is True and saver.save_top_k == 0  # last.ckpt alone, rewritten each time
+    with fits_of(files) as fits:
+        for fit_args, _ in fits:
+            args = [*fit_args, f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu"]
+            args += ["--trainer.devices=1", "--trainer.strategy=auto", "--model.generation_backend=hf"]
+            (saver,) = build_cli(args, run=False).trainer.checkpoint_callbacks
+            assert saver.save_last is True and saver.save_top_k == 0  # last.ckpt alone, rewritten each time
 
 
 @pytest.mark.integration

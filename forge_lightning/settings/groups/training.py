@@ -179,7 +179,9 @@ class MemorySettings(Group):
     """What a step holds in memory: micro-batches, shared prefixes, chunks, dtypes, the generation budget."""
 
     train_micro_batch_size: int | None = setting(None, check=maybe_count(1), resume=True)
-    """completions per forward/backward (None: all); same gradient, less memory."""
+    """completions per forward/backward (None: all); same gradient, less memory. With
+    ``prefix_sharing`` a micro-batch of whole groups, or of part of one group, runs each prompt
+    once (a group of 16 in micro-batches of 8: twice)."""
     train_micro_batch_tokens: int | None = setting(None, check=maybe_count(1))
     """the most tokens per forward/backward of the loss, padding included (None: by
     ``train_micro_batch_size``). The completions, longest first, are packed into balanced
