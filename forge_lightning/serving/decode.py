@@ -31,7 +31,6 @@ from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from forge_lightning.models.hf_compat import cache_kwarg, output_cache, supports_shared_prefix
-from forge_lightning.rollout.engines.draw import draw
 from forge_lightning.rollout.engines.hf import HFGenerate, eos_token_ids
 from forge_lightning.rollout.engines.quantized import low_precision_copy
 from forge_lightning.serving import batch
@@ -228,7 +227,7 @@ class DecodeLoop:
         scores = job.processors(job.ids, job.logits)  # (N, V)
         if job.sample:
             probs = torch.softmax(scores, dim=-1)
-            drawn = draw(probs.to(job.generator.device), job.generator)  # generate's draw (engines/draw.py)
+            drawn = torch.multinomial(probs.to(job.generator.device), 1, generator=job.generator)
             tokens = drawn.squeeze(1).to(scores.device)
         else:
             tokens = scores.argmax(dim=-1)

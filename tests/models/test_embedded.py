@@ -64,7 +64,7 @@ def test_a_step_of_the_embedded_model_with_the_calculator(tmp_path):
         calculator="plain",
         system_prompt="Write each calculation as an expression followed by =, and a calculator writes "
         "the result. Example: 23 * 4 = 92. End with the line Answer: <number>.",
-        group_size=4,
+        group_size=2,
         max_new_tokens=40,
         gradient_accumulation_steps=1,
         kl_beta=0.0,
@@ -80,7 +80,7 @@ def test_a_step_of_the_embedded_model_with_the_calculator(tmp_path):
     loader = DataLoader([p.sample() for p in problems], batch_size=4, collate_fn=collate_records)
     trainer.fit(grpo, loader)
     metrics = grpo.last_step.metrics
-    assert metrics["train/tool_calls"] > 0  # at least one parsed call among the 16 completions
+    assert metrics["train/tool_calls"] > 0  # at least one parsed call among the 8 completions
     assert math.isfinite(metrics["train/loss"])
 
 

@@ -32,7 +32,6 @@ from forge_lightning.rollout.engines.base import (
     GenerationRequest,
     SamplingParams,
 )
-from forge_lightning.rollout.engines.draw import inverse_cdf_sampling
 from forge_lightning.rollout.types import completion_mask
 
 
@@ -149,16 +148,15 @@ class HFGenerate:
                 else:
                     inputs = self._prefilled_inputs(model, prompt_ids, prompt_mask, group_size)
                 repeats = group_size if inputs is None else 1
-                with inverse_cdf_sampling():  # one uniform a row, not one per token (draw.py)
-                    return model.generate(
-                        **(inputs or {"input_ids": prompt_ids, "attention_mask": prompt_mask}),
-                        generation_config=self._config(params, repeats, scores),
-                        stopping_criteria=StoppingCriteriaList(stopping),
-                        # A sharded model gathers its weights from every rank in each forward: all
-                        # ranks must run the same number of decoding steps, so a rank whose
-                        # completions have all ended keeps stepping until every rank's have.
-                        synced_gpus=is_sharded(model) and torch.distributed.get_world_size() > 1,
-                    )
+                return model.generate(
+                    **(inputs or {"input_ids": prompt_ids, "attention_mask": prompt_mask}),
+                    generation_config=self._config(params, repeats, scores),
+                    stopping_criteria=StoppingCriteriaList(stopping),
+                    # A sharded model gathers its weights from every rank in each forward: all
+                    # ranks must run the same number of decoding steps, so a rank whose
+                    # completions have all ended keeps stepping until every rank's have.
+                    synced_gpus=is_sharded(model) and torch.distributed.get_world_size() > 1,
+                )
         finally:
             if checkpointing:
                 set_checkpointing(model, True)
