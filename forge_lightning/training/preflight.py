@@ -238,10 +238,15 @@ def _generate(model: PreTrainedModel, engine: Engine, case: WorstCase, token: in
 def _train_one_micro_batch(
     model: PreTrainedModel, loss_passes: LossPasses, case: WorstCase, token: int, context: StepContext
 ) -> tuple[int, int]:
-    """The loss passes' backward over the first micro-batch of the worst-case batch, its gradients
-    then put back; returns its rows and the tokens its forward ran."""
+    """The loss passes' backward over the largest micro-batch of the worst-case batch, its
+    gradients then put back; returns its rows and the tokens its forward ran."""
     whole = worst_case_rollout(case.prompts, case.group_size, case, token, context.device)
-    first = loss_passes.micro_batches(whole, model)[0]  # every one as large: all rows are full
+    # All rows are full, so micro-batches differ only in how many prompts they run: one across two
+    # groups' border runs a prompt a row where one inside a group shares it.
+    first = max(
+        loss_passes.micro_batches(whole, model),
+        key=lambda b: len(b.rows) // b.share * b.prompt_width + len(b.rows) * b.completion_width,
+    )
     rows = len(first.rows)
     # The micro-batch alone: its rows in runs that share a prompt (whole groups, a part of one), or
     # each with its prompt.

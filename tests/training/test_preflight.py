@@ -114,8 +114,10 @@ def test_the_engine_generates_every_completion_to_max_new_tokens_for_the_whole_b
     ("scorer", "rows", "tokens"),
     [
         ({}, 8, 2 * 24 + 8 * 16),  # every row at once, each group's prompt once
-        ({"micro_batch_size": 3}, 3, 24 + 3 * 16),  # 3 rows of one group: its prompt once
-        ({"micro_batch_size": 3, "shared_prefix": False}, 3, 3 * (24 + 16)),  # each with its prompt
+        # Rows 0-2 share group 0's prompt, rows 3-5 cross into group 1: each runs its own, the largest.
+        ({"micro_batch_size": 3}, 3, 3 * (24 + 16)),
+        ({"micro_batch_size": 4}, 4, 24 + 4 * 16),  # one group a micro-batch: its prompt once
+        ({"micro_batch_size": 2}, 2, 24 + 2 * 16),  # half a group: its prompt once
         ({"micro_batch_tokens": 150}, 4, 24 + 4 * 16),  # a group (88 tokens) fits 150, two (176) do not
         ({"micro_batch_tokens": 100, "shared_prefix": False}, 2, 2 * (24 + 16)),
     ],
