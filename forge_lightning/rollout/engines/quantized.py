@@ -43,7 +43,7 @@ from forge_lightning.rollout.engines.hf import HFGenerate
 INT8_KERNEL_BLOCK = 16
 # The kernel's time grows with the rows as a matrix-vector product's does: past about 16 rows
 # (a prompt's prefill, a decoding batch of 64) the weight dequantized into a bfloat16 matmul is
-# the faster (SmolLM2-135M's shapes, 1-2 threads: at 64 rows 0.3-0.8 ms against 0.6-2.1 ms).
+# the faster (SmolLM2-135M's shapes, one thread: at 64 rows 0.3-0.8 ms against 0.6-2.1 ms).
 INT8_KERNEL_MAX_ROWS = 16
 
 
