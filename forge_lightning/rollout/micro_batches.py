@@ -41,6 +41,13 @@ class MicroBatch:
         """Its rows share prompts: whole groups, or the part of one group it holds."""
         return self.share > 1
 
+    @property
+    def tokens(self) -> int:
+        """Tokens (padding included) its forward runs: a prompt per run of ``share`` rows, and
+        each row's completion columns."""
+        rows = len(self.rows)
+        return rows // self.share * self.prompt_width + rows * self.completion_width
+
 
 @dataclass(frozen=True)
 class _Lengths:
@@ -120,10 +127,13 @@ def _count_units(a: int, b: int, lengths: _Lengths, shared: bool) -> list[_Unit]
         spans = [range(a, b)]
     else:
         return [_row_unit(r, lengths, False) for r in range(a, b)]
-    return [
-        _Unit(tuple(rows), True, lengths.prompt[rows[0] // group], max(lengths.completion[r] for r in rows))
-        for rows in spans
-    ]
+    return [_shared_unit(tuple(rows), lengths) for rows in spans]
+
+
+def _shared_unit(rows: tuple[int, ...], lengths: _Lengths) -> _Unit:
+    """Rows of one group that run their prompt once."""
+    prompt = lengths.prompt[rows[0] // lengths.group]
+    return _Unit(rows, True, prompt, max(lengths.completion[r] for r in rows))
 
 
 def plan_micro_batches(
@@ -181,10 +191,10 @@ def _units(lengths: _Lengths, tokens: int, shared: bool) -> list[_Unit]:
     if not shared:
         return [_row_unit(r, lengths, False) for r in range(len(lengths.completion))]
     units: list[_Unit] = []
-    for p, prompt in enumerate(lengths.prompt):
-        rows = tuple(range(p * group, (p + 1) * group))
-        whole = _Unit(rows, True, prompt, max(lengths.completion[r] for r in rows))
-        units += [whole] if _Bin.of(whole).tokens <= tokens else [_row_unit(r, lengths, False) for r in rows]
+    for p in range(len(lengths.prompt)):
+        whole = _shared_unit(tuple(range(p * group, (p + 1) * group)), lengths)
+        fits = _Bin.of(whole).tokens <= tokens
+        units += [whole] if fits else [_row_unit(r, lengths, False) for r in whole.rows]
     return units
 
 
@@ -215,5 +225,5 @@ def padding_fraction(batches: list[MicroBatch], rollout: Rollout) -> float:
         rows = batch.rows.tolist()
         prompts = [r // group for r in rows[:: batch.share]]  # one prompt run per share
         real += sum(lengths.prompt[p] for p in prompts) + sum(lengths.completion[r] for r in rows)
-        total += len(prompts) * batch.prompt_width + len(rows) * batch.completion_width
+        total += batch.tokens
     return 1.0 - real / total if total else 0.0

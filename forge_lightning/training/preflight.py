@@ -243,10 +243,7 @@ def _train_one_micro_batch(
     whole = worst_case_rollout(case.prompts, case.group_size, case, token, context.device)
     # All rows are full, so micro-batches differ only in how many prompts they run: one across two
     # groups' border runs a prompt a row where one inside a group shares it.
-    first = max(
-        loss_passes.micro_batches(whole, model),
-        key=lambda b: len(b.rows) // b.share * b.prompt_width + len(b.rows) * b.completion_width,
-    )
+    first = max(loss_passes.micro_batches(whole, model), key=lambda b: b.tokens)
     rows = len(first.rows)
     # The micro-batch alone: its rows in runs that share a prompt (whole groups, a part of one), or
     # each with its prompt.
