@@ -1,7 +1,7 @@
 """Lightning callbacks: the frozen reference, HF-format checkpoints, reward logging, the guards
-(signal, collapse) and the kill point that ``check-resume`` arms; :class:`RLLoopCallback`, the
-base of a callback that hooks into the RL loop (rl_loop.py), and one such,
-:class:`SettledPromptFilter` (settled_prompt_filter.py).
+(signal, collapse), the end of a fit at a goal (StopAtGoal) and the kill point that
+``check-resume`` arms; :class:`RLLoopCallback`, the base of a callback that hooks into the RL loop
+(rl_loop.py), and one such, :class:`SettledPromptFilter` (settled_prompt_filter.py).
 
 Each one works alone in a user's own ``Trainer``.
 """
@@ -16,6 +16,7 @@ from forge_lightning.callbacks.rl_loop import RLLoopCallback
 from forge_lightning.callbacks.settled_prompt_filter import SettledPromptFilter
 from forge_lightning.callbacks.signal_guard import SignalGuard, SignalGuardError
 from forge_lightning.callbacks.step_boundary import SaveAtStepBoundaries
+from forge_lightning.callbacks.stop_at_goal import StopAtGoal
 
 __all__ = [
     "CollapseGuard",
@@ -28,6 +29,7 @@ __all__ = [
     "SettledPromptFilter",
     "SignalGuard",
     "SignalGuardError",
+    "StopAtGoal",
 ]
 
 __getattr__ = renamed(__name__, {"DifficultyCurriculum": "SettledPromptFilter"})

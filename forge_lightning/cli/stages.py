@@ -13,8 +13,9 @@ A config may end with a list of stages, each a name and the settings it changes:
 of its own under the run's ``default_root_dir`` (``<root>/<name>``): the config, then the stage's
 settings, then the command line's flags (which apply to every stage), and from the second stage on
 ``--model.model`` the previous stage's ``final/`` weights, with a fresh optimizer, as running the
-stages one command at a time would. A stage is done once its fit reached its ``max_steps``; it
-leaves ``stage.json`` (its steps and where its final weights are). ``--ckpt_path last`` goes on
+stages one command at a time would. A stage is done once its fit reached its ``max_steps``, or
+the goal of a ``StopAtGoal`` in its ``trainer.callbacks`` (callbacks/stop_at_goal.py); it leaves
+``stage.json`` (its steps and where its final weights are). ``--ckpt_path last`` goes on
 where the recipe stopped: done stages are skipped, the first unfinished one resumes from its
 ``last.ckpt``, the rest start after it. A stage stopped early (``max_time``, a signal) ends the
 command there, with the line that resumes it.
@@ -38,6 +39,7 @@ import yaml
 
 from forge_lightning.callbacks._paths import output_dir
 from forge_lightning.callbacks.hf_checkpoint import HFCheckpoint
+from forge_lightning.callbacks.stop_at_goal import ended_at_goal
 
 STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 DONE_FILE = "stage.json"
@@ -203,7 +205,8 @@ def run_stages(args: list[str], fit: Callable[[list[str]], Any]) -> None:
             print(f"stage {k + 1}/{len(stages)} ({stage.name}) in {stage_root}")
             cli = fit(command)
             trainer = cli.trainer
-            if trainer.max_steps > 0 and trainer.global_step < trainer.max_steps:
+            stopped_early = 0 < trainer.max_steps and trainer.global_step < trainer.max_steps
+            if stopped_early and not ended_at_goal(trainer):
                 again = " ".join(["forge-lightning", *args, "--ckpt_path", "last"])
                 raise SystemExit(
                     f"stage {stage.name} stopped at step {trainer.global_step} of {trainer.max_steps} "
@@ -211,9 +214,8 @@ def run_stages(args: list[str], fit: Callable[[list[str]], Any]) -> None:
                 )
             previous = str(final_weights(trainer))
             done.parent.mkdir(parents=True, exist_ok=True)
-            done.write_text(
-                json.dumps({"stage": stage.name, "steps": trainer.global_step, "final": previous}) + "\n"
-            )
+            record = {"stage": stage.name, "steps": trainer.global_step, "final": previous}
+            done.write_text(json.dumps(record | {"at_goal": ended_at_goal(trainer)}) + "\n")
 
 
 def final_weights(trainer: Any) -> Path:

@@ -89,7 +89,8 @@ def test_each_stage_fits_after_the_configs_before_the_flags_from_the_last_ones_w
     assert first[-2:] == ["--trainer.default_root_dir", str(tmp_path / "run" / "one")]
     assert second[-2:] == ["--model.model", str(tmp_path / "run" / "one" / "final")]
     done = json.loads((tmp_path / "run" / "two" / DONE_FILE).read_text())
-    assert done == {"stage": "two", "steps": 3, "final": str(tmp_path / "run" / "two" / "final")}
+    final = str(tmp_path / "run" / "two" / "final")
+    assert done == {"stage": "two", "steps": 3, "final": final, "at_goal": False}
     # Resumed: the done stages are skipped; nothing runs again.
     again = FakeFits([])
     run_stages([*args, "--ckpt_path", "last"], again)
