@@ -12,10 +12,10 @@ config's (the arithmetic task, its group, prompts a step, new tokens, temperatur
 KL weight and system prompt): this driver reads those from it and hands them to TRL's script
 (bench/trl_time_reference.py) with the config's train part written as chat messages, in
 ``<work>/seed-<S>/prompts.jsonl``; our side is ``forge-lightning fit --config`` on the same
-config. TRL's side runs first, then ours, back to back, each a process with
-``OMP_NUM_THREADS=--threads``; each saves the model every ``--checkpoint-every-s`` of training
-(the clock starts at its first step) and at ``--budget-s``, where it stops
-(bench/wall_clock_checkpoints.py for ours); the clock stops while a checkpoint is written. Then
+config. TRL's side runs first, then ours (``--first ours`` turns the order round), back to back,
+each a process with ``OMP_NUM_THREADS=--threads``; each saves the model every
+``--checkpoint-every-s`` of training (the clock starts at its first step) and at ``--budget-s``,
+where it stops (bench/wall_clock_checkpoints.py for ours); the clock stops while a checkpoint is written. Then
 ``forge-lightning validate`` scores the untrained model (the point at 0 s of both sides) and every
 checkpoint greedily on the first ``--eval-problems`` held-out problems (``--eval-jobs`` processes
 at once, one thread each), and the record for ``--seed`` (time_to_accuracy_summary.py, with every
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import os
 import shlex
@@ -78,6 +79,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--work", default="runs/tta", help="folder for the checkpoints, logs and answers")
     add("--config", default="configs/arithmetic_cpu.yaml")
     add("--model", default=EMBEDDED, help="embedded, or a model folder")
+    add(
+        "--first",
+        choices=("trl", "ours"),
+        default="trl",
+        help="the side trained first (two seeds at once, one thread each: one's TRL beside the other's ours)",
+    )
     args = parser.parse_args(argv)
     if not Path(args.trl_python).is_file():
         parser.error(f"--trl-python {args.trl_python}: no such file (make the venv as the docstring says)")
@@ -201,11 +208,19 @@ def side_points(args: argparse.Namespace, work: Path, model: str) -> dict[str, l
 
 
 def write_record(path: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Put ``record`` in the JSON list at ``path``, replacing the record of the same seed."""
-    records = json.loads(path.read_text()) if path.is_file() else []
-    records = sorted([r for r in records if r["seed"] != record["seed"]] + [record], key=lambda r: r["seed"])
+    """Put ``record`` in the JSON list at ``path``, replacing the record of the same seed. The file
+    is locked from reading to writing, so seeds run at once (one thread each) keep each other's."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(records, indent=2) + "\n")
+    with path.open("a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        records = json.loads(text) if text.strip() else []
+        records = [r for r in records if r["seed"] != record["seed"]] + [record]
+        records.sort(key=lambda r: r["seed"])
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(records, indent=2) + "\n")
     return records
 
 
@@ -219,13 +234,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         (work / side).mkdir(parents=True)
     prompts = write_prompts(settings, work / "prompts.jsonl")
     sides = commands(args, settings, model, work)
-    for name, command in sides.items():  # TRL first, then ours: back to back
-        run(command, args.threads, work / f"{name}.log")
+    order = ("trl", "ours") if args.first == "trl" else ("ours", "trl")
+    for name in order:  # back to back
+        run(sides[name], args.threads, work / f"{name}.log")
     points = side_points(args, work, model)
     record = {
         "seed": args.seed,
         "threads": args.threads,
         "budget_s": args.budget_s,
+        "first": args.first,
         **summarize(points["ours"], points["trl"]),
         "base_accuracy": points["ours"][0][1],
         "ours_points": points["ours"],

@@ -4,9 +4,11 @@ does, both sides get the config's settings and train part, and the record says w
 from __future__ import annotations
 
 import ast
+import fcntl
 import json
 import stat
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -160,6 +162,24 @@ def test_a_seeds_record_replaces_that_seeds_alone(tmp_path):
     )
 
 
+def test_a_record_waits_for_another_writer_of_the_file(tmp_path):
+    """Two seeds run at once write one file: a writer holding it (here the test) is waited for, and
+    its record kept. Without the lock the thread would write first and the test's write replace it."""
+    out = tmp_path / "tta.json"
+    out.write_text("")
+    with out.open("r+") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        writer = threading.Thread(target=time_to_accuracy.write_record, args=(out, {"seed": 42}))
+        writer.start()
+        writer.join(timeout=0.3)
+        assert writer.is_alive()  # waiting for the lock
+        other.write(json.dumps([{"seed": 7}]))
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_UN)
+    writer.join(timeout=10)
+    assert json.loads(out.read_text()) == [{"seed": 7}, {"seed": 42}]
+
+
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -281,10 +301,13 @@ def test_the_notebook_tables_each_seeds_record_and_its_goal(tmp_path, monkeypatc
     records = tmp_path / "tta.json"
     records.write_text(json.dumps([record]))
     monkeypatch.setenv("FORGE_TTA_RECORDS", str(records))
+    monkeypatch.setenv("FORGE_NOTEBOOK_FIGURES", str(tmp_path))  # its plot, not the committed one
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3").execute()
     cells = {cell.get("id"): cell for cell in notebook.cells}
     table = cells["records"].outputs[0]["data"]["text/markdown"].splitlines()
     row = [c.strip() for c in table[2].strip("|").split("|")]
     assert row[:9] == ["7", "2", "1800", "0.600", "0.500", "300", "900", "0.33", "yes"]
+    assert row[-1] == "trl"  # the side trained first: TRL's, unless the record says otherwise
     assert "--seed 7" in "".join(o.get("text", "") for o in cells["commands"].outputs)
+    assert (tmp_path / "time_to_accuracy.png").read_bytes().startswith(b"\x89PNG")
