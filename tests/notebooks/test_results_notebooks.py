@@ -442,3 +442,28 @@ def test_throughput_notebook_tables_the_correction_runs(tmp_path, monkeypatch):
             for line in (CORRECTION / f"{row[0]}.jsonl").read_text().splitlines()
         ]
         assert float(row[2]) == pytest.approx(sum(kl) / len(kl), rel=1e-2)
+
+
+@pytest.mark.integration
+def test_time_to_accuracy_notebook_tables_each_seeds_record(tmp_path, monkeypatch):
+    records = json.loads((NOTEBOOKS / "figures" / "time_to_accuracy.json").read_text())
+    cells = execute("time_to_accuracy.ipynb", monkeypatch, tmp_path)
+    [table] = tables(cells["records"])
+    header, rows = table[0], table[1:]
+    assert [int(row[0]) for row in rows] == [r["seed"] for r in records]
+    for row, record in zip(rows, records):
+        shown = dict(zip(header, row))
+        assert float(shown["ours_final"]) == pytest.approx(record["ours_final"], abs=5e-4)
+        assert float(shown["trl_final"]) == pytest.approx(record["trl_final"], abs=5e-4)
+        ours, trl = record["ours_time_to_trl_final_s"], record["trl_time_s"]
+        if ours is not None and trl:
+            assert float(shown["ratio"]) == pytest.approx(ours / trl, abs=5e-3)
+        # Each side's points: the untrained model at 0 s, then checkpoints in training time.
+        for side in ("ours_points", "trl_points"):
+            times = [t for t, _ in record[side]]
+            assert times[0] == 0 and times == sorted(times) and record[side][0][1] == record["base_accuracy"]
+    # Every point is the share of correct answers in its committed answers file.
+    [answers] = tables(cells["answers"])
+    assert len(answers) - 1 == sum(len(r["ours_points"]) + len(r["trl_points"]) for r in records)
+    assert "every point equals its answers file: True" in stdout(cells["answers"])
+    assert has_png(cells["plot"]) and (tmp_path / "time_to_accuracy.png").read_bytes().startswith(b"\x89PNG")
