@@ -37,7 +37,9 @@ class StopAtGoal(Callback):
     the module's step records carry them, read through ``ReportsSteps``). The goal's step is
     ``reached_step``; it is announced, and written to ``training_log.jsonl`` as a line
     ``{"step", "event": "goal", ...}``. The last ``window`` values are in the callback's state, so
-    a run resumed from ``last.ckpt`` stops where the uninterrupted one does.
+    a run resumed from ``last.ckpt`` stops where the uninterrupted one does. Under DDP or FSDP a
+    step's metrics are already its means reduced across ranks (``StepRecord.metrics``), so every
+    rank sees the same values and stops after the same step.
 
     Args:
         monitor: the metric watched, by its logged name.
