@@ -436,6 +436,16 @@ VARIANTS: dict[str, Variant] = {
         (("train", 800), ("dev", 200), ("heldout", 200)),
         train_extra=ONE_STEP,
     ),
+    # The same, its train part mixed with the one-step product and quotient shapes alone (2 of its
+    # 12 templates): no one-step sum or difference to reward adding the problem's first numbers,
+    # the habit seed 7 fell into on multistep_mixed. Tried as the recipe's chains stage with seed 7
+    # (notebooks/chains.ipynb, mul_chains_seed7): fewer rewards, completions ran on to the token cap.
+    "multistep_mul": Variant(
+        TWO_STEP + THREE_STEP,
+        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
+        (("train", 800), ("dev", 200), ("heldout", 200)),
+        train_extra=("mul_boxes", "div_share"),
+    ),
 }
 DEFAULT_VARIANT = "add_sub"
 

@@ -246,3 +246,13 @@ def test_multistep_mixed_trains_on_one_step_shapes_too_and_keeps_multisteps_eval
     evaluated = {p.key for part in ("dev", "heldout") for p in mixed[part]}
     assert not evaluated & {p.key for p in mixed["train"]}
     assert all(TEMPLATES[p.template].ops > 1 for part in ("dev", "heldout") for p in mixed[part])
+
+
+def test_multistep_mul_mixes_in_the_one_step_products_and_quotients_alone() -> None:
+    mul, plain = generate(seed=0, variant="multistep_mul"), generate(seed=0, variant="multistep")
+    assert mul["heldout"] == plain["heldout"] and mul["dev"] == plain["dev"]  # the same measure
+    one_step = [p.template for p in mul["train"] if TEMPLATES[p.template].ops == 1]
+    assert set(one_step) == {"mul_boxes", "div_share"}  # no one-step sum or difference
+    assert 0.1 < len(one_step) / len(mul["train"]) < 0.2  # 2 of the 12 templates take turns
+    evaluated = {p.key for part in ("dev", "heldout") for p in mul[part]}
+    assert len(mul["train"]) == 800 and not evaluated & {p.key for p in mul["train"]}
