@@ -440,6 +440,8 @@ VARIANTS: dict[str, Variant] = {
     # 12 templates): no one-step sum or difference to reward adding the problem's first numbers,
     # the habit seed 7 fell into on multistep_mixed. Tried as the recipe's chains stage with seed 7
     # (notebooks/chains.ipynb, mul_chains_seed7): fewer rewards, completions ran on to the token cap.
+    # The unseen part is drawn apart from multistep's and multistep_mixed's parts, not this train
+    # part's: one of its 800 problems has the shape and operands of an unseen problem.
     "multistep_mul": Variant(
         TWO_STEP + THREE_STEP,
         Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
