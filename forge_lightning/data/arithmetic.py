@@ -421,6 +421,15 @@ VARIANTS: dict[str, Variant] = {
         Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
         (("train", 600), ("dev", 200), ("heldout", 300)),
     ),
+    # The calc variant without its one-step sums and differences: the one-step products and
+    # quotients and the two-step shapes (7 templates). Tried as the recipe's first stage with seed 7
+    # (notebooks/chains.ipynb, calcprod_seed7), whose calc stage on `calc` leaves it adding the
+    # numbers of problems that need a product: no take-off in its first 12 steps (fewer rewards).
+    "calc_products": Variant(
+        ("mul_boxes", "div_share") + TWO_STEP,
+        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
+        (("train", 600), ("dev", 200), ("heldout", 300)),
+    ),
     # Chains for a calculator: every problem takes two or three results (the calc variant's
     # two-step shapes and five three-step ones) on its two-digit addends and factors 3-25.
     "multistep": Variant(

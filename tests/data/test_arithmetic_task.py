@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from forge_lightning.data import PromptDataModule, load_gsm8k, parse_reference
-from forge_lightning.data.arithmetic import PARTS, TEMPLATES, VARIANTS, generate, main, write_task
+from forge_lightning.data.arithmetic import PARTS, TEMPLATES, TWO_STEP, VARIANTS, generate, main, write_task
 
 SIZES = {"train": 300, "dev": 60, "heldout": 80}
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
@@ -256,3 +256,13 @@ def test_multistep_mul_mixes_in_the_one_step_products_and_quotients_alone() -> N
     assert 0.1 < len(one_step) / len(mul["train"]) < 0.2  # 2 of the 12 templates take turns
     evaluated = {p.key for part in ("dev", "heldout") for p in mul[part]}
     assert len(mul["train"]) == 800 and not evaluated & {p.key for p in mul["train"]}
+
+
+def test_calc_products_is_the_calc_variant_without_its_one_step_sums_and_differences() -> None:
+    parts = generate(seed=0, variant="calc_products")
+    sizes = {part: len(problems) for part, problems in parts.items()}
+    assert sizes == {"train": 600, "dev": 200, "heldout": 300}
+    templates = {p.template for problems in parts.values() for p in problems}
+    assert templates == {"mul_boxes", "div_share"} | set(TWO_STEP)
+    keys = [p.key for problems in parts.values() for p in problems]
+    assert len(keys) == len(set(keys))  # no problem in two parts
