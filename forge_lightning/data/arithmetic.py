@@ -391,6 +391,9 @@ ADD_SUB = ("add_more", "add_days", "sub_give", "sub_eat", "add_class", "add_earn
 ONE_STEP = ("add_more", "add_days", "sub_give", "sub_eat", "mul_boxes", "div_share")
 TWO_STEP = tuple(name for name, t in TEMPLATES.items() if t.ops == 2)
 THREE_STEP = tuple(name for name, t in TEMPLATES.items() if t.ops == 3)
+CALC_SCALE = Scale(max_term=99, max_factor=25, min_term=10, min_factor=3)
+"""The calculator variants' operands: two-digit addends, factors 3-25."""
+MULTISTEP_SIZES = (("train", 800), ("dev", 200), ("heldout", 200))
 
 
 @dataclass(frozen=True)
@@ -418,7 +421,7 @@ VARIANTS: dict[str, Variant] = {
     # two-step ones; a 135M model computes few of these right alone.
     "calc": Variant(
         ONE_STEP + TWO_STEP,
-        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
+        CALC_SCALE,
         (("train", 600), ("dev", 200), ("heldout", 300)),
     ),
     # The calc variant without its one-step sums and differences: the one-step products and
@@ -427,22 +430,22 @@ VARIANTS: dict[str, Variant] = {
     # numbers of problems that need a product: no take-off in its first 12 steps (fewer rewards).
     "calc_products": Variant(
         ("mul_boxes", "div_share") + TWO_STEP,
-        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
+        CALC_SCALE,
         (("train", 600), ("dev", 200), ("heldout", 300)),
     ),
     # Chains for a calculator: every problem takes two or three results (the calc variant's
     # two-step shapes and five three-step ones) on its two-digit addends and factors 3-25.
     "multistep": Variant(
         TWO_STEP + THREE_STEP,
-        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
-        (("train", 800), ("dev", 200), ("heldout", 200)),
+        CALC_SCALE,
+        MULTISTEP_SIZES,
     ),
     # multistep's dev and held-out parts, its train part mixed with the calc variant's one-step
     # shapes (6 of its 16 templates): one result is rewarded early, the rest needs chains.
     "multistep_mixed": Variant(
         TWO_STEP + THREE_STEP,
-        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
-        (("train", 800), ("dev", 200), ("heldout", 200)),
+        CALC_SCALE,
+        MULTISTEP_SIZES,
         train_extra=ONE_STEP,
     ),
     # The same, its train part mixed with the one-step product and quotient shapes alone (2 of its
@@ -453,8 +456,8 @@ VARIANTS: dict[str, Variant] = {
     # part's: one of its 800 problems has the shape and operands of an unseen problem.
     "multistep_mul": Variant(
         TWO_STEP + THREE_STEP,
-        Scale(max_term=99, max_factor=25, min_term=10, min_factor=3),
-        (("train", 800), ("dev", 200), ("heldout", 200)),
+        CALC_SCALE,
+        MULTISTEP_SIZES,
         train_extra=("mul_boxes", "div_share"),
     ),
 }
