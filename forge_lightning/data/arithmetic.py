@@ -477,9 +477,11 @@ class Problem:
         """What must never repeat across parts: the template and its operand tuple."""
         return self.template, self.operands
 
-    def sample(self) -> dict[str, str]:
-        """The datamodule's record: the formatted prompt and the reference answer."""
-        return {"prompt": format_prompt(self.question), "reference": str(self.answer)}
+    def sample(self, solution: bool = False) -> dict[str, str]:
+        """The datamodule's record: the formatted prompt and the reference answer; with
+        ``solution``, the worked solution too (``working``)."""
+        record = {"prompt": format_prompt(self.question), "reference": str(self.answer)}
+        return record | {"solution": self.working} if solution else record
 
     def gsm8k_row(self) -> dict[str, str]:
         """The GSM8K row format: worked answer ending in ``#### <number>``."""

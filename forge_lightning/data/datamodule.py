@@ -124,6 +124,9 @@ class PromptDataModule(L.LightningDataModule):
         val_part: with source="arithmetic", the part validation reads: "heldout" (measured once, at
             the end), "dev" (to choose settings on) or "unseen" (the multistep variants' trained
             shapes in wordings no train part uses, ``data/arithmetic_unseen.py``).
+        worked_solutions: with source="arithmetic", give the rewards each problem's worked
+            solution (one ``expression = result`` line a step) as ``solution``, for a reward that
+            credits the steps (``rewards.intermediate.IntermediateResultsReward``).
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class PromptDataModule(L.LightningDataModule):
         dataset: str | Dataset | DatasetDict | None = None,
         val_split: str = "test",
         task_variant: str = DEFAULT_VARIANT,
+        worked_solutions: bool = False,
     ) -> None:
         super().__init__()
         _validate(source, path, max_samples, val_max_samples, prompts_per_step, val_batch_size, num_workers)
@@ -161,6 +165,13 @@ class PromptDataModule(L.LightningDataModule):
         self.task_seed = task_seed
         self.val_part = val_part
         self.task_variant = task_variant
+        self.worked_solutions = worked_solutions
+        if worked_solutions and source != "arithmetic":
+            raise ValueError(
+                f"worked_solutions gives the arithmetic task's workings, not source={source!r}'s: "
+                "another dataset's rows give a solution column under its own name (prompt_field; "
+                "IntermediateResultsReward's solution_field names it)"
+            )
         arithmetic = (task_seed, val_part, task_variant) != (0, "heldout", DEFAULT_VARIANT)
         if source != "arithmetic" and arithmetic:
             # A config written for the arithmetic task (smoke.yaml) run with --data.source local:
@@ -204,7 +215,9 @@ class PromptDataModule(L.LightningDataModule):
             parts = generate(seed=self.task_seed, variant=self.task_variant)
             if self.val_part == "unseen":  # its own draw, apart from (and after) the other parts
                 parts = {**parts, "unseen": generate_unseen(self.task_seed, self.task_variant, parts)}
-            records = {part: [p.sample() for p in problems] for part, problems in parts.items()}
+            records = {
+                part: [p.sample(self.worked_solutions) for p in problems] for part, problems in parts.items()
+            }
             self._train = records["train"][: self.max_samples]
             self._val = records[self.val_part][: self.val_max_samples]
             return

@@ -1,0 +1,78 @@
+"""Credit for the steps of a worked solution: :class:`IntermediateResultsReward`.
+
+A correctness reward pays only for the final number. On a problem that takes several results (a
+product, then a sum), a completion that computes the first result right and then goes wrong earns
+the same 0 as one that never started, so a policy that rarely gets the whole chain right has
+nothing to climb. This reward reads the problem's worked solution, where each step is written
+``expression = result`` (the arithmetic task's ``working``; GSM8K's answers, ``<<48/2=24>>24``),
+and pays the share of its intermediate results (every result but the last, which is the answer)
+that the completion writes after an ``=`` of its own (a calculator's result, inline, is one).
+
+It is meant beside a correctness reward, in a :class:`~forge_lightning.rewards.CompositeReward`
+with the smaller weight: a solution of one step has no intermediate result, and the reward
+returns None for it (not applicable: the composite counts it 0); a completion that gets the answer
+without writing the steps (one compound expression) earns the correctness part alone.
+
+The arithmetic task gives each problem's working as ``solution`` with
+``--data.worked_solutions true``; rows of another dataset give it under their own field's name
+(``solution_field``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from forge_lightning.data.gsm8k import normalize_number
+from forge_lightning.rewards.calls import BaseReward, RewardOutput
+
+__all__ = ["IntermediateResultsReward", "intermediate_results", "results"]
+
+# A result: the number after an "=" (GSM8K's "$" and thousands commas allowed).
+_RESULT = re.compile(r"=\s*\$?\s*(-?[\d,]*\.?\d+)")
+
+
+def results(text: str) -> list[str]:
+    """The numbers ``text`` writes after an ``=``, normalized (``"1,200.0"`` -> ``"1200"``), in order."""
+    found = (normalize_number(match) for match in _RESULT.findall(text))
+    return [number for number in found if number is not None]
+
+
+def intermediate_results(solution: str) -> list[str]:
+    """A worked solution's results but its last (the answer), each once, in order; its text after a
+    GSM8K ``####`` (the answer line) is not read."""
+    steps = results(solution.split("####", 1)[0])
+    return list(dict.fromkeys(steps[:-1]))
+
+
+class IntermediateResultsReward(BaseReward):
+    """The share of a worked solution's intermediate results a completion writes after an ``=``.
+
+    Args:
+        solution_field: the batch column that holds each problem's worked solution ("solution":
+            the arithmetic task's, with ``--data.worked_solutions true``).
+    """
+
+    def __init__(self, solution_field: str = "solution") -> None:
+        if not isinstance(solution_field, str) or not solution_field.isidentifier():
+            raise ValueError(f"solution_field must be a column's name, got {solution_field!r}")
+        self.solution_field = solution_field
+        self.needs = (solution_field,)
+
+    def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
+        solutions = kwargs.get(self.solution_field)
+        if solutions is None or len(solutions) != len(responses):
+            got = "none" if solutions is None else len(solutions)
+            raise ValueError(
+                f"IntermediateResultsReward needs one {self.solution_field!r} per response, got {got} "
+                f"for {len(responses)}"
+            )
+        scores: list[float | None] = []
+        for solution, response in zip(solutions, responses):
+            wanted = intermediate_results(str(solution))
+            if not wanted:  # one step: nothing between the problem and its answer
+                scores.append(None)
+                continue
+            written = set(results(response))
+            scores.append(sum(value in written for value in wanted) / len(wanted))
+        return RewardOutput(scores=scores)

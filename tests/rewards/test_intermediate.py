@@ -1,0 +1,79 @@
+"""IntermediateResultsReward: the share of a worked solution's intermediate results a completion
+writes after an "=", and the arithmetic task's worked solutions that feed it."""
+
+import pytest
+
+from forge_lightning.data.arithmetic import generate
+from forge_lightning.data.datamodule import PromptDataModule
+from forge_lightning.rewards import CompositeReward, GSM8KAnswerReward
+from forge_lightning.rewards.intermediate import IntermediateResultsReward, intermediate_results, results
+from forge_lightning.rewards.library import missing_arguments
+
+pytestmark = pytest.mark.unit
+
+THREE_STEPS = "10 * 7 = 70\n70 + 56 = 126\n126 - 75 = 51"
+
+
+def test_results_are_the_numbers_after_an_equals_sign():
+    assert results("3 * 4 = 12 apples, then 12 + 1,200.0 = $1,212") == ["12", "1212"]
+    assert results("no calculation here: 5 and 7") == []
+
+
+def test_intermediates_are_every_result_but_the_answer():
+    assert intermediate_results(THREE_STEPS) == ["70", "126"]
+    assert intermediate_results("82 + 94 = 176") == []
+    # GSM8K's answers: the calculator annotations, the answer line after #### not read.
+    gsm8k = "She sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    assert intermediate_results(gsm8k) == ["24"]
+
+
+def test_the_share_of_the_steps_written():
+    reward = IntermediateResultsReward()
+    responses = [
+        "10 * 7 = 70\n70 + 56 = 126\n126 - 75 = 51\nAnswer: 51",  # every step
+        "10 * 7 = 70\n70 + 75 = 145\nAnswer: 145",  # the first step, then astray
+        "10 + 7 + 56 = 73\nAnswer: 73",  # no step of the solution
+        "Answer: 70 126",  # the numbers, not as results
+        "10 * 7 - 75 + 56 = 51\nAnswer: 51",  # right in one expression: no step written
+    ]
+    out = reward(["p"] * 5, responses, solution=[THREE_STEPS] * 5)
+    assert out.scores == [1.0, 0.5, 0.0, 0.0, 0.0]
+
+
+def test_a_one_step_solution_is_not_scored():
+    out = IntermediateResultsReward()(["p"], ["82 + 94 = 176"], solution=["82 + 94 = 176"])
+    assert out.scores == [None]
+
+
+def test_beside_correctness_in_a_composite():
+    composite = CompositeReward([(GSM8KAnswerReward(), 0.8), (IntermediateResultsReward(), 0.2)])
+    responses = ["10 * 7 = 70\n70 + 75 = 145\nAnswer: 145", "82 + 94 = 176\nAnswer: 176"]
+    out = composite(["p", "q"], responses, references=["51", "176"], solution=[THREE_STEPS, "82 + 94 = 176"])
+    assert out.scores == pytest.approx([0.2 * 0.5, 0.8])  # a one-step problem: correctness alone
+
+
+def test_the_solution_column_is_required_and_named():
+    reward = IntermediateResultsReward(solution_field="answer")
+    assert missing_arguments(reward, {"references"}) == {"IntermediateResultsReward": ["answer"]}
+    assert missing_arguments(reward, {"answer"}) == {}
+    with pytest.raises(ValueError, match="one 'answer' per response, got none"):
+        reward(["p"], ["r"])
+    with pytest.raises(ValueError, match="solution_field must be a column's name"):
+        IntermediateResultsReward(solution_field="not a name")
+
+
+def test_the_arithmetic_task_gives_its_workings_when_asked():
+    data = PromptDataModule(source="arithmetic", task_variant="multistep_mixed", worked_solutions=True)
+    data.setup()
+    problems = generate(seed=0, variant="multistep_mixed")
+    assert [r["solution"] for r in data._train] == [p.working for p in problems["train"]][: len(data._train)]
+    assert [r["solution"] for r in data._val] == [p.working for p in problems["heldout"]][: len(data._val)]
+    plain = PromptDataModule(source="arithmetic", task_variant="multistep_mixed")
+    plain.setup()
+    assert set(plain._train[0]) == {"prompt", "reference"}  # the records as before, unless asked
+    assert [{k: r[k] for k in ("prompt", "reference")} for r in data._train] == plain._train
+
+
+def test_worked_solutions_are_the_arithmetic_tasks_alone():
+    with pytest.raises(ValueError, match="worked_solutions gives the arithmetic task's workings"):
+        PromptDataModule(source="mock", worked_solutions=True)
