@@ -1,8 +1,8 @@
 """Rewards: the reward library (library.py), the call contract (calls.py), a trained reward model
 (reward_model.py), math-verify answers (math_verify_reward.py), an environment's score
 (environment.py), a scorer over HTTP (remote.py), an LLM judge (judge.py), the HTTP both use
-(http.py), credit for a worked solution's steps (intermediate.py), what a resume may change of a reward (resume_changes.py) and the scoring of a batch
-(batch_scoring.py).
+(http.py), credit for a worked solution's steps (intermediate.py), what a resume may change of a
+reward (resume_changes.py) and the scoring of a batch (batch_scoring.py).
 
 The library's names are offered here, the import path configs and checkpoints use
 (``forge_lightning.rewards.CompositeReward``)."""
