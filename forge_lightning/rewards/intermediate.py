@@ -6,7 +6,7 @@ the same 0 as one that never started, so a policy that rarely gets the whole cha
 nothing to climb. This reward reads the problem's worked solution, where each step is written
 ``expression = result`` (the arithmetic task's ``working``; GSM8K's answers, ``<<48/2=24>>24``),
 and pays the share of its intermediate results (every result but the last, which is the answer)
-that the completion writes after an ``=`` of its own (a calculator's result, inline, is one).
+that the completion writes after an ``=`` of its own (a tool's result written inline is one).
 
 It is meant beside a correctness reward, in a :class:`~forge_lightning.rewards.CompositeReward`
 with the smaller weight: a solution of one step has no intermediate result, and the reward
