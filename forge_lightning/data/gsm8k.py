@@ -27,6 +27,7 @@ from forge_lightning.data.readers import (
 __all__ = [
     "HUB_CONFIG",
     "HUB_DATASET",
+    "NUMBER",
     "extract_answer",
     "format_prompt",
     "in_memory_rows",
@@ -45,7 +46,7 @@ HUB_CONFIG = "main"
 # groups (so "1,2,3" reads as three numbers, not 123), optional decimals. The look-behind keeps
 # the minus of "10-3" from being read as a negative three.
 # A number in prose: "1,800", "18.5", "-3", "$4", and ".5" (a leading point, not after a word or digit).
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)")
+NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])\.\d+)")
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
 _ANSWER_LINE = re.compile(r"answer\s*:(.*)", re.IGNORECASE)
 _BOXED = "\\boxed{"
@@ -166,7 +167,7 @@ def normalize_number(text: str) -> str | None:
 
 
 def _last_number(text: str) -> str | None:
-    matches = _NUMBER.findall(text)
+    matches = NUMBER.findall(text)
     return normalize_number(matches[-1]) if matches else None
 
 
@@ -193,7 +194,7 @@ def extract_answer(text: str) -> str | None:
             return number
     answer_lines = _ANSWER_LINE.findall(text)
     if answer_lines:
-        first = _NUMBER.search(answer_lines[-1])
+        first = NUMBER.search(answer_lines[-1])
         if first is not None:
             return normalize_number(first.group())
     return _last_number(text)

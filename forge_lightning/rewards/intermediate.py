@@ -23,13 +23,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from forge_lightning.data.gsm8k import normalize_number
+from forge_lightning.data.gsm8k import NUMBER, normalize_number
 from forge_lightning.rewards.calls import BaseReward, RewardOutput
 
 __all__ = ["IntermediateResultsReward", "intermediate_results", "results"]
 
-# A result: the number after an "=" (GSM8K's "$" and thousands commas allowed).
-_RESULT = re.compile(r"=\s*\$?\s*(-?[\d,]*\.?\d+)")
+# A result: the number after an "=", read as the answer's number is (data/gsm8k.py's NUMBER: "$",
+# thousands groups, so "= 12,13" is 12, not 1213).
+_RESULT = re.compile(rf"=\s*({NUMBER.pattern})")
 
 
 def results(text: str) -> list[str]:

@@ -17,6 +17,7 @@ THREE_STEPS = "10 * 7 = 70\n70 + 56 = 126\n126 - 75 = 51"
 def test_results_are_the_numbers_after_an_equals_sign():
     assert results("3 * 4 = 12 apples, then 12 + 1,200.0 = $1,212") == ["12", "1212"]
     assert results("no calculation here: 5 and 7") == []
+    assert results("a list = 12,13 and = -4.50") == ["12", "-4.5"]  # numbers read as the answer's are
 
 
 def test_intermediates_are_every_result_but_the_answer():
