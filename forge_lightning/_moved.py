@@ -27,7 +27,7 @@ _P = "forge_lightning."
 
 # old module path -> its new home, or the homes its names now have (searched in order)
 MOVED: dict[str, str | tuple[str, ...]] = {
-    "async_rollout": "rollout.async_worker",
+    "async_rollout": "rollout.in_flight",
     "backward": "training.loss_passes",
     "bench_references": "bench.references",
     "checkpoint_io": ("run.checkpoint_io", "training.run_state"),
@@ -73,9 +73,11 @@ MOVED: dict[str, str | tuple[str, ...]] = {
     "validation": ("evaluation.validation", "callbacks.step_axis"),
     "validation_ranks": "evaluation.ranks",
     "vllm_backend": "rollout.engines.vllm",
-    "weight_ring": "rollout.engines.weight_ring",
-    # Moved within the layered layout: the worker runs episode runners, above the engines.
-    "rollout.engines.async_worker": "rollout.async_worker",
+    "weight_ring": "serving.devices",
+    # Moved within the layered layout; the in-process rollout worker became the local:1 server.
+    "rollout.engines.async_worker": "rollout.in_flight",
+    "rollout.async_worker": "rollout.in_flight",
+    "rollout.engines.weight_ring": "serving.devices",
     # The sandbox, a package of its own (it was half of run/).
     "run.episode_worker": "sandbox.episode_worker",
     "run.isolation": "sandbox.isolation",

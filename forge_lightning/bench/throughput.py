@@ -79,7 +79,7 @@ from forge_lightning.data import collate_records, load_gsm8k
 from forge_lightning.models.loading import load_model
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.reporting.profiler import PHASES, PhaseProfiler, synchronize
-from forge_lightning.rollout.async_worker import split_threads
+from forge_lightning.rollout.in_flight import split_threads
 from forge_lightning.rollout.sources import RolloutSource, TrainingBatch, TrainingLoop
 from forge_lightning.rollout.types import Rollout
 

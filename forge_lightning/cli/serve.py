@@ -29,8 +29,8 @@ from transformers import PreTrainedModel
 
 from forge_lightning.models.loading import ModelLoadError, load_model
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.rollout.engines.weight_ring import check_rollout_device
 from forge_lightning.serving.decode import DecodeLoop
+from forge_lightning.serving.devices import check_rollout_device
 from forge_lightning.serving.server import RolloutServer, secret_from
 from forge_lightning.serving.wire import SECRET_ENV
 

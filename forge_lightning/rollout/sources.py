@@ -2,9 +2,10 @@
 
 The module holds one source, chosen once from its settings, and asks it for the rollouts each
 training batch trains on. :class:`SyncRollouts` samples the batch now, in this process.
-:class:`AsyncRollouts` hands the batch to a worker process (rollout/async_worker.py) and gives back
-the rollouts due, at most ``staleness`` optimizer steps later; it keeps the batches in flight,
-their seeds, and their checkpoint state.
+:class:`AsyncRollouts` hands the batch to the rollout servers (serving/: a ``local:1`` server, a
+child process, where none are listed; serving/remote_sources.py gives it their engine) and gives
+back the rollouts due, at most ``staleness`` optimizer steps later; it keeps the batches in flight
+(rollout/in_flight.py), their seeds, and their checkpoint state.
 
 How one batch of prompts becomes a :class:`~forge_lightning.rollout.types.Rollout` is the *episode
 runner*'s (:class:`EpisodeRunner`; today a :class:`~forge_lightning.rollout.sampler.RolloutSampler`, one
@@ -24,16 +25,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from forge_lightning.rollout.async_worker import (
+from forge_lightning.rollout.engines.base import GenerationBackend, SamplingParams
+from forge_lightning.rollout.in_flight import (
+    Finished,
     InFlight,
-    RolloutWorker,
-    WorkerSettings,
     restored_in_flight,
     rollout_seed,
     saved_in_flight,
-    split_threads,
 )
-from forge_lightning.rollout.engines.base import GenerationBackend, SamplingParams
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.types import Rollout
 from forge_lightning.run.fit import FitShape
@@ -94,7 +93,7 @@ class RolloutSource:
         sampling: how training's completions are sampled.
         group_size: completions per prompt.
         engine: builds the engine for a module that was given none (None: the source is given
-            its engine, or, AsyncRollouts, builds its worker).
+            its engine: the servers', serving/remote_sources.py).
         engine_logprobs: whether the engine's scores are kept as the old policy's log-probs.
         correction: whether the engine's scores are kept as the sampling policy's, for the
             loss's correction of the gap between the engine and the trainer.
@@ -113,7 +112,7 @@ class RolloutSource:
         self.engine_logprobs, self.correction = engine_logprobs, correction
         self.runner: EpisodeRunner | None = None
         self.engine: GenerationBackend | None = None
-        self.tools: ToolRecipe | None = None  # the run's tools, for a worker that builds its own
+        self.tools: ToolRecipe | None = None  # the run's tools, for an engine that runs their loop
         self.prompt_format: PromptFormat | None = None
 
     def build_engine(
@@ -137,8 +136,7 @@ class RolloutSource:
         """Build the engine (unless one was set before: ``engine``) and the episode runner that
         samples with it, training's, validation's and prediction's: a :class:`RolloutSampler`,
         made what ``episodes`` makes of it (a tool-using runner when the run has tools, which
-        ``tools`` names for a rollout worker to build its own). The engine gets the weights
-        after each optimizer step."""
+        ``tools`` names). The engine gets the weights after each optimizer step."""
         self.tools, self.prompt_format = tools, prompts
         if self.engine is None:
             self.engine = self.build_engine(tokenizer, model, eos, scoring_temperature)
@@ -168,14 +166,15 @@ class RolloutSource:
     @property
     def calls_tools(self) -> bool:
         """Whether the episodes call tools (the rewards then get tool_calls, completions, environments)."""
-        from forge_lightning.rollout.agents.runner import AgentRunner  # noqa: PLC0415 (the worker needs neither)
+        from forge_lightning.rollout.agents.runner import AgentRunner  # noqa: PLC0415 (sampling alone needs neither)
         from forge_lightning.rollout.tool_sampler import ToolRolloutSampler  # noqa: PLC0415
 
         return isinstance(self.runner, ToolRolloutSampler | AgentRunner)
 
     @property
     def runs_a_worker(self) -> bool:
-        """Whether a worker process samples (a failed fit must stop it: callbacks/defaults.py)."""
+        """Whether processes of their own sample (the rollout servers: a failed fit must stop
+        those it started, callbacks/defaults.py; and none of the trainer's memory samples)."""
         return False
 
 
@@ -202,16 +201,37 @@ class SyncRollouts(RolloutSource):
         yield batch
 
 
+class AsyncEngine(Protocol):
+    """What :class:`AsyncRollouts` asks of its engine (serving/client.py's RemoteEngine): batches
+    handed over with a ticket and collected by it, sampled from weights at most the pipeline's
+    staleness behind ``version``, the newest version pushed."""
+
+    version: int
+
+    def submit(
+        self, prompt_ids: Any, prompt_mask: Any, group_size: int, params: SamplingParams, *, seed: int
+    ) -> int: ...
+
+    def submit_episodes(
+        self,
+        prompts: list[Any],
+        rows: dict[str, list[Any]],
+        group_size: int,
+        params: SamplingParams,
+        *,
+        seed: int,
+    ) -> int: ...
+
+    def collect(self, ticket: int) -> Finished: ...
+
+
 class AsyncRollouts(RolloutSource):
-    """Each batch handed to the rollout worker (the engine), trained ``staleness`` optimizer steps
-    later; the batches in flight are kept in checkpoints. With tools (``tools``: their recipe) the
-    worker runs their loop and sends the rollout back whole; validation's tool loop stays in this
-    process, each round a worker call.
+    """Each batch handed to the engine (the rollout servers: serving/remote_sources.py's
+    RemoteAsyncRollouts gives it), trained ``staleness`` optimizer steps later; the batches in
+    flight are kept in checkpoints. With tools the engine runs their loop (on this side, each round
+    a request to the servers) and gives the rollout back whole.
 
     Args (besides the source's):
-        worker: the worker's options (where it samples, in what precision, how it scores); what
-            the tokenizer, the prompts and the tools decide is filled in when it is built.
-        threads: the worker's CPU threads (None: half of the trainer's).
         accumulation: batches per optimizer step.
         staleness: the most optimizer steps a rollout may lag the weights it trains.
     """
@@ -220,54 +240,31 @@ class AsyncRollouts(RolloutSource):
         self,
         sampling: SamplingParams,
         group_size: int,
-        worker: WorkerSettings,
         *,
-        threads: int | None,
         accumulation: int,
         staleness: int,
         engine_logprobs: bool = False,
         correction: bool = False,
     ) -> None:
         super().__init__(sampling, group_size, engine_logprobs=engine_logprobs, correction=correction)
-        self.worker_options, self.threads = worker, threads
         self.accumulation, self.staleness = accumulation, staleness
-        # The batches handed to the worker and not trained yet, oldest first; how many were
-        # handed in the run (the index that seeds each one's sampling); the run's seed; the
-        # thread count the trainer had before the split.
+        # The batches handed to the engine and not trained yet, oldest first; how many were
+        # handed in the run (the index that seeds each one's sampling); the run's seed.
         self.in_flight: deque[InFlight] = deque()
         self.batches_handed = 0
         self.seed: int | None = None
-        self._threads_before: int | None = None
-
-    def build_engine(
-        self, tokenizer: Any, model: PreTrainedModel, eos: list[int], scoring_temperature: float
-    ) -> GenerationBackend:
-        worker = replace(
-            self.worker_options,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_ids=tuple(eos),
-            scoring_temperature=scoring_temperature,
-            threads=split_threads(torch.get_num_threads(), self.threads)[1],
-            tools=self.tools,
-            tokenizer=tokenizer if self.tools is not None else None,
-            prompts=self.prompt_format if self.tools is not None else None,
-        )
-        return RolloutWorker(worker, self.staleness)
-
-    @property
-    def worker(self) -> RolloutWorker:
-        return self.engine  # type: ignore[return-value]
 
     def rollouts(
         self, batch: TrainingBatch, loop: TrainingLoop, model: PreTrainedModel
     ) -> Iterator[TrainingBatch]:
-        """Hand ``batch`` to the worker, sampled from the newest weights with the seed of its
+        """Hand ``batch`` to the engine, sampled from the newest weights with the seed of its
         index in the run; then yield the rollouts due, oldest first. A rollout trains once the
         ``staleness x accumulation`` batches after it are handed, so it is at most ``staleness``
         optimizer steps old. One older than that (this cadence makes none;
         versions written from elsewhere could) is never trained on: it is sampled again from the
         newest weights, and counted. A batch that would train after ``max_steps`` is not handed."""
-        worker, device = self.worker, next(model.parameters()).device
+        engine: AsyncEngine = self.engine  # type: ignore[assignment]
+        device = next(model.parameters()).device
         last = fit_ends_with(loop, batch.batch_idx)  # an epoch's end carries them over
         accumulation = self.accumulation
         ahead = sum(
@@ -278,9 +275,9 @@ class AsyncRollouts(RolloutSource):
         with loop.profile("generate"):
             if handed:
                 item = InFlight(batch.prompts, batch.batch_kwargs, batch.batch_idx, index=self.batches_handed)
-                if self.tools is None:  # with tools the worker's encode the prompts (their schemas)
+                if self.tools is None:  # with tools their loop encodes the prompts (their schemas)
                     item.prompt_ids, item.prompt_mask = self.runner.encode(item.prompts, device)
-                item.ticket = self._hand_to_worker(item)
+                item.ticket = self._hand_over(item)
                 self.in_flight.append(item)
                 self.batches_handed += 1
         depth = self.staleness * accumulation
@@ -288,16 +285,16 @@ class AsyncRollouts(RolloutSource):
         for _ in range(min(due, len(self.in_flight))):
             item = self.in_flight.popleft()
             with loop.profile("generate"):
-                finished = item.finished or worker.collect(item.ticket)
+                finished = item.finished or engine.collect(item.ticket)
                 regenerated = 0
-                if worker.version - finished.version > self.staleness:  # never trained on
-                    finished, regenerated = worker.collect(self._hand_to_worker(item)), 1
-            lag = worker.version - finished.version
+                if engine.version - finished.version > self.staleness:  # never trained on
+                    finished, regenerated = engine.collect(self._hand_over(item)), 1
+            lag = engine.version - finished.version
             # At lag 0 the sampling weights are the trained ones: the loss is the synchronous
-            # one, unless rollout correction weighs the worker's scores against the trainer's;
+            # one, unless rollout correction weighs the servers' scores against the trainer's;
             # and with engine_logprobs the scores are the old policy's there, as a sync batch's.
             behav_logp = finished.behav_logp.to(device) if lag or self.correction else None
-            if finished.rollout is not None:  # a tool-using batch: the worker's tools made it
+            if finished.rollout is not None:  # a tool-using batch: its tool loop made it
                 rollout = on_device(finished.rollout, device, behav_logp)
             else:
                 trusted = self.engine_logprobs and not lag and finished.behav_logp is not None
@@ -321,38 +318,28 @@ class AsyncRollouts(RolloutSource):
             }
             yield TrainingBatch(item.prompts, item.batch_kwargs, item.batch_idx, rollout, metrics)
 
-    def _hand_to_worker(self, item: InFlight) -> int:
+    def _hand_over(self, item: InFlight) -> int:
         """Submit ``item``'s prompts, sampled from the newest weights with the seed of its index
-        in the run (the run's seed: Lightning's ``seed_everything``); the worker's ticket."""
+        in the run (the run's seed: Lightning's ``seed_everything``); the engine's ticket."""
         if self.seed is None:
             self.seed = int(os.environ.get("PL_GLOBAL_SEED", "0"))
         seed = rollout_seed(self.seed, item.index)
         group, sampling = self.group_size, self.sampling
         if self.tools is not None:
-            return self.worker.submit_episodes(item.prompts, item.batch_kwargs, group, sampling, seed=seed)
-        return self.worker.submit(item.prompt_ids, item.prompt_mask, group, sampling, seed=seed)
+            return self.engine.submit_episodes(item.prompts, item.batch_kwargs, group, sampling, seed=seed)
+        return self.engine.submit(item.prompt_ids, item.prompt_mask, group, sampling, seed=seed)
 
     def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
-        if fit.world_size > 1 or sharded:
-            raise ValueError(
-                "rollout_mode='async' runs on one device for now: it does not support DDP or FSDP "
-                f"(world_size {fit.world_size}); use rollout_mode='sync' with several devices"
-            )
         warn_when_the_end_drains_at_once(fit, self.staleness)
-        total = torch.get_num_threads()
-        trainer_threads, _ = split_threads(total, self.threads)
-        self._threads_before = total
-        torch.set_num_threads(trainer_threads)
-        self.worker.start(model, self.worker.version)
 
     def state_dict(self) -> dict[str, Any]:
         """The batches in flight, finished and kept: regenerating them after a resume would need
         the older weights that sampled them. The data position is Lightning's, the batch after the
         last one handed."""
         for item in self.in_flight:
-            item.finished = item.finished or self.worker.collect(item.ticket)
+            item.finished = item.finished or self.engine.collect(item.ticket)
         return {
-            "version": self.worker.version,
+            "version": self.engine.version,
             "batches_handed": self.batches_handed,
             "seed": self.seed,
             "in_flight": saved_in_flight(self.in_flight),
@@ -361,21 +348,15 @@ class AsyncRollouts(RolloutSource):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.engine is None:
             return
-        self.worker.version = state["version"]
+        self.engine.version = state["version"]
         self.batches_handed = state["batches_handed"]
         self.seed = state["seed"]
         self.in_flight = deque(restored_in_flight(state["in_flight"]))
 
     def close(self) -> None:
-        """Stop the worker, if one runs, and give the trainer its threads back."""
-        if isinstance(self.engine, RolloutWorker):
-            self.engine.close()
-        # What was in flight when a fit ended early (max_time, an error) is not trained: the
-        # checkpoint it resumes from holds its own in-flight rollouts.
+        """Forget the batches in flight: what was in flight when a fit ended early (max_time, an
+        error) is not trained, the checkpoint it resumes from holds its own."""
         self.in_flight.clear()
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
 
     @property
     def runs_a_worker(self) -> bool:
@@ -383,7 +364,7 @@ class AsyncRollouts(RolloutSource):
 
 
 def on_device(rollout: Rollout, device: torch.device, behav_logp: torch.Tensor | None) -> Rollout:
-    """A worker's tool-using ``rollout`` (on the CPU) on ``device``, with ``behav_logp``."""
+    """A tool-using ``rollout`` as the engine gives it back (on the CPU) on ``device``, with ``behav_logp``."""
     tensors = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated", "model_mask")
     moved = {
         name: None if getattr(rollout, name) is None else getattr(rollout, name).to(device)

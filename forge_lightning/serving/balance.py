@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from forge_lightning.rollout.async_worker import rollout_seed
+from forge_lightning.rollout.in_flight import rollout_seed
 
 
 def prompt_cost(prompt_length: int, longest_completion: int, completions: int) -> int:

@@ -28,13 +28,13 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from forge_lightning.models.sharding import is_sharded
-from forge_lightning.rollout.async_worker import Finished, rollout_seed
 from forge_lightning.rollout.engines.base import (
     Completions,
     EngineCapabilities,
     GenerationRequest,
     SamplingParams,
 )
+from forge_lightning.rollout.in_flight import Finished, rollout_seed
 from forge_lightning.serving.balance import balanced, prompt_cost, share_seed, stream_seed
 from forge_lightning.serving.connection import Connection, EventLoop, Server, ServerDown
 from forge_lightning.serving.placement import Placement

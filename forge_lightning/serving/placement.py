@@ -30,7 +30,6 @@ from typing import Any, Literal
 
 import torch
 
-from forge_lightning.rollout.engines.weight_ring import devices_of  # noqa: F401 (its old home)
 from forge_lightning.serving.processes import (
     ServeConfig,
     free_port,
@@ -91,11 +90,36 @@ def served_model(model: Any, tokenizer: Any, spec: str | None, folder: Path) -> 
     weights and tokenizer saved under ``folder`` (the servers get every push after anyway)."""
     if spec is not None:
         return spec
+    refuse_unloadable_class(model)
     target = folder / "model"
     if not (target / "config.json").is_file():
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
     return str(target)
+
+
+def refuse_unloadable_class(model: Any) -> None:
+    """A model object of a class of its own (a subclass with its own forward, say) would be served
+    as the class ``AutoModelForCausalLM`` builds from its config, silently another model: refused,
+    naming both, with what to do instead."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel  # noqa: PLC0415
+
+    if not isinstance(model, PreTrainedModel):
+        return  # a PEFT wrapper: its folder is the adapter's, loaded onto its base (models/loading.py)
+    try:
+        built = AutoModelForCausalLM._model_mapping[type(model.config)]
+    except KeyError:
+        built = None
+    if built is not type(model):
+        name = f"{type(model).__module__}.{type(model).__qualname__}"
+        instead = "no class" if built is None else f"{built.__module__}.{built.__qualname__}"
+        raise ValueError(
+            f"the rollout servers the trainer starts load the model from a folder with "
+            f"AutoModelForCausalLM, which builds {instead} from this model's config, not its class "
+            f"{name}: give the model as a spec its servers can load (a saved folder whose class "
+            "AutoModelForCausalLM builds, or one registered with AutoModelForCausalLM.register), or "
+            "start servers yourself and list them as host:port"
+        )
 
 
 @dataclass
@@ -122,6 +146,15 @@ class Placement:
             )
         # Servers the trainer starts share the user's secret where one is given, else a fresh one.
         self.secret = self.secret or given or secrets.token_urlsafe(32)
+
+    def cpu_threads_here(self) -> int:
+        """The CPU threads the ``local`` servers take on this machine (those on a GPU, none)."""
+        local = sum(e.count for e in self.parsed if e.kind == "local")
+        on_cpu = sum(
+            (self.config.device(i) or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+            for i in range(local)
+        )
+        return on_cpu * self.config.threads
 
     @property
     def remote(self) -> list[str]:

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from forge_lightning.rollout.async_worker import Finished
 from forge_lightning.rollout.engines.base import Completions, GenerationRequest, SamplingParams
+from forge_lightning.rollout.in_flight import Finished
 from forge_lightning.rollout.sources import on_device
 from forge_lightning.serving.balance import share_seed
 

@@ -2,7 +2,9 @@
 the synchronous and asynchronous sources of rollout/sources.py with a :class:`RemoteEngine` for
 their engine. They connect it when the fit starts (the servers get the weights the fit starts
 from, a resumed checkpoint's included), add each batch's ``server_failures`` to its metrics and
-end what was started when the fit ends, however it ends."""
+end what was started when the fit ends, however it ends. Async rollouts always run here: without
+``rollout_servers`` on one ``local:1`` server (settings/assembly.py), a child process beside the
+trainer that takes half of its CPU threads, as the in-process rollout worker it replaced did."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
+from forge_lightning.rollout.in_flight import split_threads
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.sources import (
     AsyncRollouts,
@@ -98,7 +102,10 @@ class RemoteAsyncRollouts(RemoteSource, AsyncRollouts):
     """Each batch handed to the servers, sampled from weights at most ``lag`` versions old and
     trained that many optimizer steps later (rollout/sources.py's pipeline). Every trainer rank
     runs its own pipeline, so DDP works as with one rank. A run with tools runs each batch's tool
-    loop here, in a thread, each round a request to the servers (remote_episodes.py)."""
+    loop here, in a thread, each round a request to the servers (remote_episodes.py). Servers
+    it starts on this machine's CPU take their threads from the trainer's (:meth:`on_fit_start`)."""
+
+    _threads_before: int | None = None
 
     def prepare(
         self,
@@ -117,8 +124,14 @@ class RemoteAsyncRollouts(RemoteSource, AsyncRollouts):
             self.remote.episodes = RemoteEpisodes(engine, runner, model)
 
     def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
-        # Not the worker's: no thread split (the servers have their own), DDP allowed.
         warn_when_the_end_drains_at_once(fit, self.remote.lag)
+        # The servers started on this machine's CPU sample while the trainer trains: the trainer
+        # keeps the threads they do not take (at least one).
+        beside = self.remote.placement.cpu_threads_here()
+        if beside:
+            total = torch.get_num_threads()
+            self._threads_before = total
+            torch.set_num_threads(split_threads(total, beside)[0])
         self.connect(fit, model, sharded)
 
     def rollouts(
@@ -129,3 +142,6 @@ class RemoteAsyncRollouts(RemoteSource, AsyncRollouts):
     def close(self) -> None:
         super().close()
         self.remote.close()
+        if self._threads_before is not None:  # the trainer's threads back
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None

@@ -8,7 +8,7 @@ plan, the metrics and their reporter, the sampled evaluation, the prompt format 
 The layers below (rollout/, training/, evaluation/, models/) cannot import the groups
 (tests/test_layers.py): each collaborator there takes the values it reads as its own arguments,
 under its own names, or the small typed objects of its layer (the engine's SamplingParams, the
-worker's WorkerSettings, how rewards are called: RewardCalls), made from the groups here; no
+servers' ServeConfig, how rewards are called: RewardCalls), made from the groups here; no
 collaborator re-declares a group's settings.
 """
 
@@ -18,6 +18,7 @@ import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from transformers import PreTrainedModel
 
 from forge_lightning.evaluation.evaluator import Evaluator
@@ -42,13 +43,13 @@ from forge_lightning.rewards.library import (
     share_policy_context,
 )
 from forge_lightning.rollout.agents.runner import AgentRunner, load_agent
-from forge_lightning.rollout.async_worker import WorkerSettings
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.engines.hf import eos_token_ids
 from forge_lightning.rollout.engines.registry import generation_backend
+from forge_lightning.rollout.in_flight import split_threads
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler, max_prompt_length
-from forge_lightning.rollout.sources import AsyncRollouts, RolloutSource, SyncRollouts
+from forge_lightning.rollout.sources import RolloutSource, SyncRollouts
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools.environments import factories_by_name
 from forge_lightning.rollout.tools.function_call import tool_text
@@ -56,10 +57,11 @@ from forge_lightning.rollout.tools.recipe import ToolRecipe
 from forge_lightning.rollout.tools.stored import StoredTools
 from forge_lightning.sandbox.pool import Sandbox, SandboxLimits
 from forge_lightning.serving.client import RemoteEngine
-from forge_lightning.serving.placement import devices_of
+from forge_lightning.serving.devices import devices_of
 from forge_lightning.serving.processes import ServeConfig
 from forge_lightning.serving.remote_sources import RemoteAsyncRollouts, RemoteSyncRollouts, remote_engine
 from forge_lightning.settings.groups import (
+    EngineSettings,
     GRPOSettings,
     OptimizerSettings,
     PromptSettings,
@@ -235,34 +237,27 @@ def optimizer_config(
 
 
 def rollout_source(settings: GRPOSettings, sampling: SamplingParams, model: Any) -> RolloutSource:
-    """Where and when training batches are sampled: now, by the engine the settings name, by the
-    rollout worker, or by the rollout servers (serving/); with what the rollouts must carry (the
-    engine's scores, for the loss). ``model``: the module's spec (or object), which servers the
-    trainer starts load."""
-    engine, off_policy, memory = settings.engine, settings.off_policy, settings.memory
+    """Where and when training batches are sampled: now, by the engine the settings name, or by the
+    rollout servers (serving/: those listed, or in async mode without a list one ``local:1``
+    server); with what the rollouts must carry (the engine's scores, for the loss). ``model``: the
+    module's spec (or object), which servers the trainer starts load."""
+    engine, off_policy = settings.engine, settings.off_policy
     group, scores = settings.sampling.group_size, off_policy.use_engine_logprobs
     correction = off_policy.rollout_correction is not None
-    remote = servers_engine(settings, model) if engine.rollout_servers else None
     if engine.rollout_mode == "async":
-        worker = WorkerSettings(
-            prefix_sharing=memory.prefix_sharing,
-            logprob_chunk_size=memory.logprob_chunk_size,
-            device=None if remote else engine.rollout_device,  # with servers: theirs (servers_engine)
-            memory_fraction=engine.rollout_memory_fraction,
-            precision=engine.rollout_precision,
+        remote = servers_engine(settings, model)
+        accumulation = settings.optimizer.gradient_accumulation_steps
+        return RemoteAsyncRollouts(
+            remote,
+            sampling,
+            group,
+            accumulation=accumulation,
+            staleness=engine.max_staleness,
+            engine_logprobs=scores,
+            correction=correction,
         )
-        args = (sampling, group, worker)
-        kwargs: dict[str, Any] = {
-            "threads": engine.rollout_worker_threads,
-            "accumulation": settings.optimizer.gradient_accumulation_steps,
-            "staleness": engine.max_staleness,
-            "engine_logprobs": scores,
-            "correction": correction,
-        }
-        if remote is not None:
-            return RemoteAsyncRollouts(remote, *args, **kwargs)
-        return AsyncRollouts(*args, **kwargs)
-    if remote is not None:
+    if engine.rollout_servers:
+        remote = servers_engine(settings, model)
         return RemoteSyncRollouts(remote, sampling, group, engine_logprobs=scores, correction=correction)
     backend = functools.partial(
         generation_backend,
@@ -273,11 +268,18 @@ def rollout_source(settings: GRPOSettings, sampling: SamplingParams, model: Any)
     return SyncRollouts(sampling, group, backend, engine_logprobs=scores, correction=correction)
 
 
+def served_entries(settings: EngineSettings) -> list[str]:
+    """The rollout servers of a run: those ``rollout_servers`` lists, or with async rollouts and
+    none listed, one server the trainer starts on this machine."""
+    return list(settings.rollout_servers or ["local:1"])
+
+
 def servers_engine(settings: GRPOSettings, model: Any) -> RemoteEngine:
-    """The engine of a run on ``rollout_servers`` (what they cannot do is refused with the other
+    """The engine of a run on rollout servers (what they cannot do is refused with the other
     settings: settings/checks.py): the servers the trainer starts run with the model settings here
-    (``model``: the spec, or an object, which they cannot load), on the devices ``rollout_device``
-    lists, dealt round-robin."""
+    (``model``: the spec, or an object, saved for them to load), on the devices ``rollout_device``
+    lists, dealt round-robin, each with ``rollout_worker_threads`` CPU threads (None: in async mode
+    half of the trainer's, which keeps the rest, as the in-process worker had; else one)."""
     engine, memory = settings.engine, settings.memory
     loading = {
         "model_dtype": memory.model_dtype,
@@ -285,12 +287,14 @@ def servers_engine(settings: GRPOSettings, model: Any) -> RemoteEngine:
         "rollout_precision": engine.rollout_precision,  # the servers sample with that copy
         "rollout_memory_fraction": engine.rollout_memory_fraction,  # each one's GPU share
     }
-    threads = engine.rollout_worker_threads or 1  # each started server's, one unless told
+    asynchronous = engine.rollout_mode == "async"
+    half = split_threads(torch.get_num_threads(), None)[1]
+    threads = engine.rollout_worker_threads or (half if asynchronous else 1)
     model_section = {name: value for name, value in loading.items() if value is not None}
     serve = ServeConfig(model_section, threads, tuple(devices_of(engine.rollout_device)))
     spec = model if isinstance(model, str) else None
-    lag = engine.max_staleness if engine.rollout_mode == "async" else 0
-    return remote_engine(engine.rollout_servers, serve, spec, engine.partial_rollouts, lag)
+    lag = engine.max_staleness if asynchronous else 0
+    return remote_engine(served_entries(engine), serve, spec, engine.partial_rollouts, lag)
 
 
 def step_plan_of(settings: GRPOSettings) -> StepPlan:

@@ -13,7 +13,7 @@ from typing import Any
 
 from forge_lightning.grpo import ADVANTAGE_ESTIMATORS, scales_itself
 from forge_lightning.rollout.engines.generation_settings import check_engine_logprob_kwargs
-from forge_lightning.rollout.engines.weight_ring import check_rollout_device, check_server_devices
+from forge_lightning.serving.devices import check_server_devices
 from forge_lightning.serving.placement import parse_entry
 from forge_lightning.serving.requests import not_built
 from forge_lightning.settings.declare import Rule, check_value
@@ -77,7 +77,7 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
             f"them (steps_per_generation={values['steps_per_generation']})"
         )
     _check_advantage_levers(values)
-    if values.get("rollout_servers"):
+    if values.get("rollout_servers") or values.get("rollout_mode") == "async":
         _check_servers(values)
     if _tool_mode(values) is not None:
         _check_tools(values)
@@ -87,8 +87,6 @@ def validate_hparams(values: Mapping[str, Any]) -> None:
         _check_engine_logprobs(values)
     if values.get("rollout_correction") is not None:
         _check_rollout_correction(values)
-    if values.get("rollout_mode") == "async" and not values.get("rollout_servers"):
-        _check_async(values)
     _check_rollout_device(values)
     if values.get("generation_kwargs") is not None or values.get("stop"):
         _check_generation(values)
@@ -109,25 +107,8 @@ def _check_advantage_levers(values: Mapping[str, Any]) -> None:
         )
 
 
-# Settings asynchronous rollouts do not take yet, each with the value they need.
-ASYNC_NEEDS = {
-    "top_p": 1.0,  # the worker's log-probs and the loss's must be of one distribution
-    "top_k": 0,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
-    "stop": None,  # the worker has no tokenizer to match strings with
-    "generation_kwargs": None,
-    "peft": None,
-    "generation_backend": "hf",
-    "use_engine_logprobs": False,
-    "dynamic_sampling": False,  # its steps depend on the rewards: no fixed version per batch
-    "num_iterations": 1,
-    "steps_per_generation": 1,  # a batch in flight is one optimizer step's
-}
-
-
-# Async rollouts, in the worker or on servers: a batch sampled by older weights trains with the
-# sampler's log-probs, which Forge's loss cannot weigh.
+# Async rollouts: a batch sampled by older weights trains with the sampler's log-probs, which
+# Forge's loss cannot weigh.
 STALE_BATCH_LOSS: tuple[Callable[[Mapping[str, Any]], bool], str] = (
     lambda v: v.get("loss_type") != "forge",
     "a batch sampled by older weights trains with the sampler's log-probs (grpo_loss's behav_logp), "
@@ -136,27 +117,9 @@ STALE_BATCH_LOSS: tuple[Callable[[Mapping[str, Any]], bool], str] = (
 )
 
 
-def _check_async(values: Mapping[str, Any]) -> None:
-    works, why = STALE_BATCH_LOSS  # the in-process worker's stale batches, as the servers'
-    if not works(values):
-        raise ValueError(f"rollout_mode='async' cannot take loss_type={values['loss_type']!r}: {why}")
-    wrong = [
-        f"{name}={values[name]!r}"
-        for name, need in ASYNC_NEEDS.items()
-        if name in values and values[name] != need
-    ]
-    if wrong:
-        needs = ", ".join(f"{name}={need!r}" for name, need in ASYNC_NEEDS.items())
-        raise ValueError(
-            f"rollout_mode='async' does not support {', '.join(wrong)} yet: it needs {needs} "
-            "(top_p/top_k/min_p/repetition_penalty so that the worker and the loss score the same "
-            "distribution); use "
-            "rollout_mode='sync' for the others"
-        )
-
-
-# With rollout_servers the servers sample (serving/), in either rollout mode, and in async mode
-# they take what ASYNC_NEEDS refuses the in-process worker, but for SERVERS_ASYNC_NEED:
+# With rollout_servers the servers sample (serving/), in either rollout mode; in async mode they
+# always do (one local:1 server where none are listed). They take every sampling setting but for
+# SERVERS_NEED, and in async mode SERVERS_ASYNC_NEED:
 # - top_p, top_k, min_p, repetition_penalty: a server's per-token log-probs are those of the
 #   distribution it sampled from, after the cuts and the penalty, at the sampling temperature (as HF
 #   generate's are in this process): the behaviour policy's. A batch sampled by older weights is
@@ -183,14 +146,14 @@ SERVERS_NEED: dict[str, ServerRule] = {
         "local:N and ray:N run hf), not this process's: leave generation_backend 'hf'",
     ),
     "rollout_device": (
-        lambda v: v.get("rollout_device") is None or _starts_servers(v["rollout_servers"]),
+        lambda v: v.get("rollout_device") is None or _starts_servers(v.get("rollout_servers") or ["local:1"]),
         "it lists the devices of the servers the trainer starts (local:N; ray:N take one GPU each "
         "from Ray where it names cuda), and these entries start none (host:port servers sample on "
         "the --device they were started with): leave rollout_device unset",
     ),
 }
 
-# The async pipeline (rollout/sources.py's AsyncRollouts, the worker's and the servers') fixes, when
+# The async pipeline (rollout/sources.py's AsyncRollouts) fixes, when
 # it hands a batch over, the optimizer step the batch trains in: what that cannot hold stays refused.
 _ONE_STEP_PER_BATCH = (
     "the async pipeline counts one optimizer step per batch it hands over, so a batch that feeds "
@@ -233,10 +196,11 @@ def _check_servers(values: Mapping[str, Any]) -> None:
     """Refuse by name, with the reason, what the rollout servers cannot do: SERVERS_NEED, and in
     async mode SERVERS_ASYNC_NEED; and generation_kwargs their decode loop builds no processor for."""
     asynchronous = values.get("rollout_mode") == "async"
-    where = f"rollout_servers={values['rollout_servers']!r}"
+    listed = values.get("rollout_servers")
+    where = f"rollout_servers={listed!r}" if listed else "rollout_mode='async' (on its local:1 server)"
     rules = [(where, SERVERS_NEED)]
     if asynchronous:
-        rules.append((f"{where} with rollout_mode='async'", SERVERS_ASYNC_NEED))
+        rules.append((f"{where} with rollout_mode='async'" if listed else where, SERVERS_ASYNC_NEED))
     for said, table in rules:
         for name, (works, why) in table.items():
             if not works(values):
@@ -264,16 +228,15 @@ def _check_generation(values: Mapping[str, Any]) -> None:
 
 def _check_rollout_device(values: Mapping[str, Any]) -> None:
     device, fraction = values.get("rollout_device"), values.get("rollout_memory_fraction")
-    if values.get("rollout_servers"):  # the devices of the servers the trainer starts: SERVERS_NEED
-        check_server_devices(device, fraction)
+    if values.get("rollout_servers") or values.get("rollout_mode") == "async":
+        check_server_devices(device, fraction)  # the started servers' devices (SERVERS_NEED)
         return
-    if (device is not None or fraction is not None) and values.get("rollout_mode", "sync") != "async":
+    if device is not None or fraction is not None:
         raise ValueError(
-            "rollout_device and rollout_memory_fraction place the asynchronous rollout worker: "
-            "set rollout_mode='async', or leave them unset (sync rollouts sample on the trainer's "
-            "device; with rollout_servers, rollout_device lists the started servers' devices)"
+            "rollout_device and rollout_memory_fraction place the rollout servers the trainer "
+            "starts: set rollout_mode='async' (its local:1 server) or rollout_servers, or leave "
+            "them unset (sync rollouts sample on the trainer's device)"
         )
-    check_rollout_device(device, fraction)
 
 
 def _tool_mode(values: Mapping[str, Any]) -> str | None:
@@ -298,42 +261,20 @@ def _tool_mode(values: Mapping[str, Any]) -> str | None:
 
 def _check_tools(values: Mapping[str, Any]) -> None:
     """Tool-using rollouts are several generate calls (rollout/tool_sampler.py: in this process on
-    HF generate or vLLM, or in the rollout worker; rollout/agents/runner.py: in this process on HF
-    generate only); an agent is an importable async function."""
+    HF generate or vLLM, or on the rollout servers; rollout/agents/runner.py: in this process on HF
+    generate, or on the servers in sync mode); an agent is an importable async function."""
     if values.get("agent") is not None:
         from forge_lightning.rollout.agents.runner import load_agent  # aiohttp: only with an agent
 
         load_agent(values["agent"])
     # Each setting tools do not work with yet: its value, the reason, and the value that works.
     refused: dict[str, tuple[Any, str, Any]] = {}
+    # (An agent's and an environment's refusals in async mode are the servers': SERVERS_ASYNC_NEED.)
     if values.get("agent") is not None:
-        refused["rollout_mode"] = (
-            "async",
-            "the agent's endpoint samples with the trainer's policy in this process, not in the "
-            "rollout worker",
-            "sync",
-        )
         refused["generation_backend"] = (
             "vllm",
             "an agent's endpoint samples with the policy's HF generate",
             "hf",
-        )
-    elif values.get("environment_factory") is not None:
-        refused["rollout_mode"] = (
-            "async",
-            "an environment lives in the rollout worker that ran its episode, and its reward would "
-            "need it in the trainer",
-            "sync",
-        )
-    elif (
-        values.get("sandbox") == "process"
-        and values.get("tools") is not None
-        and not values.get("rollout_servers")
-    ):
-        refused["rollout_mode"] = (
-            "async",
-            "the rollout worker runs the tools in its own process, not in sandbox='process' workers",
-            "sync",
         )
     for name, (value, why, works) in refused.items():
         if values.get(name) == value:

@@ -1,5 +1,5 @@
 """The groups of what rollout/ reads: how completions are sampled, how prompts are encoded, what
-samples them (the engine, the async worker), and the tools a completion may call."""
+samples them (the engine, the rollout servers), and the tools a completion may call."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from forge_lightning.rollout.engines.generation_settings import SAMPLING_RULES
 from forge_lightning.rollout.engines.registry import ENGINES
-from forge_lightning.rollout.engines.weight_ring import check_rollout_device, check_server_devices
+from forge_lightning.serving.devices import check_server_devices
 from forge_lightning.serving.placement import ENTRIES_RULE
 from forge_lightning.settings.declare import (
     POSITIVE,
@@ -96,7 +96,7 @@ class PromptSettings(Group):
 
 @dataclass(frozen=True)
 class EngineSettings(Group):
-    """What samples the rollouts, and where: the generation engine and the async rollout worker."""
+    """What samples the rollouts, and where: the generation engine and the rollout servers."""
 
     generation_backend: Literal["hf", "vllm"] = setting(
         "hf", check=(lambda v: v in ENGINES, lambda: " or ".join(map(repr, ENGINES)))
@@ -111,39 +111,38 @@ class EngineSettings(Group):
     remade after every optimizer step (rollout/engines/quantized.py; each timed against float32 in
     notebooks/throughput.ipynb); needs ``rollout_correction``. None: the policy itself."""
     rollout_mode: Literal["sync", "async"] = setting("sync", check=one_of("sync", "async"))
-    """``sync``, or ``async``: a worker process samples while the trainer trains."""
+    """``sync``, or ``async``: the rollout servers sample while the trainer trains (without
+    ``rollout_servers``, one ``local:1`` server: a child process beside the trainer)."""
     max_staleness: int = setting(1, check=count(0))
     """async: optimizer steps a rollout may lag the weights it trains (k >= 0)."""
     rollout_worker_threads: int | None = setting(None, check=maybe_count(1), resume=True)
-    """async: the worker's CPU threads, the trainer the rest; None: half. With ``rollout_servers``:
-    each server the trainer starts (``local:N``, ``ray:N``) runs this many; None: one."""
+    """the CPU threads of each rollout server the trainer starts (``local:N``, ``ray:N``, and async
+    mode's own ``local:1``); None: in async mode half of the trainer's, else one. The trainer keeps
+    the threads its servers on this machine's CPU do not take in async mode (at least one)."""
     rollout_device: str | None = setting(None, resume=True)
-    """async: the worker's device (None: the CPU). ``cuda:N`` is another GPU, ``cuda`` the
-    trainer's own (with ``rollout_memory_fraction``); the weights go device to device
-    (rollout/engines/weight_ring.py). With ``rollout_servers`` (either mode): the device of the
-    servers the trainer starts (``local:N``), or a comma-separated list dealt to them round-robin
-    (``cuda:1,cuda:2``), passed to ``forge-lightning serve --device``; ``ray:N`` servers ask Ray
-    for one GPU each where it names cuda (the one Ray gives), else sample on CPUs; None: each takes
-    cuda where there is one, else the CPU."""
+    """the device of the rollout servers the trainer starts (``local:N``, and async mode's own
+    ``local:1``), or a comma-separated list dealt to them round-robin (``cuda:1,cuda:2``), passed to
+    ``forge-lightning serve --device``: ``cuda:N`` another GPU, ``cuda`` the trainer's own (with
+    ``rollout_memory_fraction``); ``ray:N`` servers ask Ray for one GPU each where it names cuda
+    (the one Ray gives), else sample on CPUs; None: each takes cuda where there is one, else the
+    CPU (serving/devices.py)."""
     rollout_memory_fraction: float | None = setting(None, resume=True)
-    """async: the GPU memory share the worker may take. With ``rollout_servers``: each server the
-    trainer starts on the CUDA devices ``rollout_device`` lists (a GPU shared with the trainer)."""
+    """the GPU memory share each rollout server the trainer starts on the CUDA devices
+    ``rollout_device`` lists may take (a GPU shared with the trainer)."""
     rollout_servers: list[str] | None = setting(None, check=ENTRIES_RULE, resume=True)
     """rollout servers that sample instead of this process (serving/): ``local:N`` (N
     ``forge-lightning serve`` child processes), ``host:port`` (one you started; the trainer needs
     its ``FORGE_LIGHTNING_SERVE_SECRET``) or ``ray:N`` (N Ray actors), in any mix. Each optimizer
     step's weights are pushed to them; a server that dies is counted (``server_failures``) and its
-    prompts go to the others. None or empty: the engine in this process."""
+    prompts go to the others. None or empty: the engine in this process (sync), one ``local:1``
+    server (async)."""
     partial_rollouts: bool = setting(False)
-    """with ``rollout_servers`` and async rollouts: weights that arrive while a completion is
+    """with async rollouts: weights that arrive while a completion is
     sampled take over its next tokens (AReaL's interruptible generation), each token keeping the
     version and log-prob it was sampled with for the loss's correction."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.rollout_servers:
-            check_rollout_device(self.rollout_device, self.rollout_memory_fraction)
-            return
         check_server_devices(self.rollout_device, self.rollout_memory_fraction)  # the started servers'
 
 

@@ -1,214 +1,24 @@
-"""Asynchronous rollouts: the worker process, the weight ring, the module's pipeline, shutdown."""
+"""Asynchronous rollouts through the module: without ``rollout_servers`` one ``local:1`` rollout
+server (a ``forge-lightning serve`` child process) samples while the trainer trains; the pipeline
+(rollout/sources.py's AsyncRollouts) hands batches over, trains them at most ``max_staleness``
+steps later, samples a staler one again, keeps the trainer's threads apart from the server's, and
+stops the server when the fit ends, however it ends. The servers themselves are tested in
+tests/serving/."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers.models import make_model
 
 from forge_lightning.callbacks import RewardLogger
-from forge_lightning.rollout.async_worker import (
-    RolloutWorker,
-    WeightRing,
-    WorkerSettings,
-    rollout_seed,
-)
-from forge_lightning.rollout.engines.base import SamplingParams
-from forge_lightning.rollout.engines.weight_ring import check_rollout_device, resolved_rollout_device
-from forge_lightning.rollout.logprobs import LogProbScorer
-from forge_lightning.rollout.sampler import encode_prompts
-from forge_lightning.rollout.types import Rollout, completion_mask
-from forge_lightning.run.fit import FitShape
+from forge_lightning.rollout.in_flight import split_threads
+from forge_lightning.serving.client import RemoteEngine
 from forge_lightning.settings.checks import validate_hparams
-
-TEMPERATURE = 0.9
-
-TESTS = Path(__file__).resolve().parents[2]
-
-
-def worker_for(tokenizer, max_staleness: int = 1, **device_settings) -> RolloutWorker:
-    """A one-thread worker; ``device_settings``: WorkerSettings' ``device`` and ``memory_fraction``."""
-    settings = WorkerSettings(
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=(tokenizer.eos_token_id,),
-        scoring_temperature=TEMPERATURE,
-        prefix_sharing=True,
-        logprob_chunk_size=8,
-        threads=1,
-        **device_settings,
-    )
-    return RolloutWorker(settings, max_staleness)
-
-
-def log_probs(model, tokenizer, prompt_ids, prompt_mask, completion_ids, group_size) -> torch.Tensor:
-    mask = completion_mask(completion_ids, [tokenizer.eos_token_id])
-    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, mask, group_size, [])
-    return LogProbScorer(temperature=TEMPERATURE).log_probs_no_grad(model, rollout) * mask
-
-
-def test_the_ring_refuses_a_version_it_no_longer_holds(tiny_model):
-    ring = WeightRing(tiny_model, slots=2)
-    for version in range(3):
-        with torch.no_grad():
-            next(tiny_model.parameters()).fill_(float(version))
-        ring.write(tiny_model, version)
-    reader = make_model(tiny_model.config.vocab_size, seed=1)
-    ring.read_into(reader, 2)
-    assert float(next(reader.parameters()).detach().flatten()[0]) == 2.0
-    ring.read_into(reader, 1)
-    with pytest.raises(RuntimeError, match="version 0 is not in the ring"):
-        ring.read_into(reader, 0)  # slot 0 holds version 2 now
-    with pytest.raises(ValueError, match="at least 2 slots"):
-        WeightRing(tiny_model, slots=1)
-
-
-@pytest.mark.integration
-def test_each_rollout_is_sampled_from_the_version_asked_for_with_its_seed(tiny_model, tokenizer):
-    worker = worker_for(tokenizer)
-    params = SamplingParams(10, temperature=TEMPERATURE)
-    ids, mask = encode_prompts(tokenizer, ["abc", "de"], use_chat_template=False)
-    version0 = make_model(len(tokenizer))
-    version0.load_state_dict(tiny_model.state_dict())
-    try:
-        worker.start(tiny_model, version=0)
-        first = worker.collect(worker.submit(ids, mask, 4, params, seed=rollout_seed(7, 0)))
-        with torch.no_grad():
-            for p in tiny_model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        worker.sync_weights(tiny_model)  # version 1 in the other slot; version 0 stays whole
-        again = worker.collect(worker.submit(ids, mask, 4, params, seed=rollout_seed(7, 0), version=0))
-        newer = worker.collect(worker.submit(ids, mask, 4, params, seed=rollout_seed(7, 0)))
-        other_seed = worker.collect(worker.submit(ids, mask, 4, params, seed=rollout_seed(7, 1), version=0))
-    finally:
-        worker.close()
-    assert (first.version, again.version, newer.version) == (0, 0, 1)
-    torch.testing.assert_close(again.completion_ids, first.completion_ids, rtol=0, atol=0)
-    assert not torch.equal(other_seed.completion_ids, first.completion_ids)
-    # Each rollout's log-probs are those of the version that sampled it, not of the newest.
-    for done, weights in ((first, version0), (newer, tiny_model)):
-        expected = log_probs(weights, tokenizer, ids, mask, done.completion_ids, 4)
-        got = done.behav_logp * completion_mask(done.completion_ids, [tokenizer.eos_token_id])
-        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-    stale = log_probs(tiny_model, tokenizer, ids, mask, first.completion_ids, 4)
-    assert not torch.allclose(first.behav_logp * (stale != 0), stale, atol=1e-3)
-
-
-@pytest.mark.parametrize(
-    ("device", "fraction", "message"),
-    [
-        ("gpu0", None, "rollout_device='gpu0' is not a device torch understands"),
-        ("cuda:x", None, "rollout_device='cuda:x' is not a device torch understands"),
-        ("mps", None, "rollout_device='mps': the rollout worker samples on 'cpu' or 'cuda', not 'mps'"),
-        (0, None, "rollout_device must be a device string"),
-        ("cuda", 0.0, r"rollout_memory_fraction=0.0 must be in \(0, 1\)"),
-        ("cuda:1", 1.0, r"rollout_memory_fraction=1.0 must be in \(0, 1\)"),
-        (None, 0.3, "rollout_memory_fraction=0.3 caps a CUDA rollout worker's memory"),
-        ("cpu", 0.3, "rollout_memory_fraction=0.3 caps a CUDA rollout worker's memory"),
-    ],
-)
-def test_rollout_device_settings_are_refused_by_name(tokenizer, device, fraction, message):
-    with pytest.raises(ValueError, match=message):
-        check_rollout_device(device, fraction)
-    with pytest.raises(ValueError, match=message):  # the worker's settings check themselves
-        worker_for(tokenizer, device=device, memory_fraction=fraction)
-
-
-def test_a_cuda_device_setting_is_checked_without_a_gpu_and_resolved_against_the_machine(monkeypatch):
-    check_rollout_device("cuda:1", 0.3)  # a well-formed setting needs no GPU to pass the check
-    assert resolved_rollout_device(None, torch.device("cpu")) == torch.device("cpu")
-    assert resolved_rollout_device("cpu", torch.device("cpu")) == torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    # "cuda" without an index is the trainer's own GPU.
-    assert resolved_rollout_device("cuda", torch.device("cuda", 1)) == torch.device("cuda", 1)
-    assert resolved_rollout_device("cuda:0", torch.device("cuda", 1)) == torch.device("cuda", 0)
-    beyond = r"rollout_device='cuda:3' asks for GPU 3, but torch.cuda.device_count\(\) is 2"
-    with pytest.raises(ValueError, match=beyond):
-        resolved_rollout_device("cuda:3", torch.device("cpu"))
-
-
-def test_asking_for_a_gpu_this_machine_lacks_is_refused_before_a_worker_is_spawned(
-    monkeypatch, tiny_model, tokenizer
-):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    worker = worker_for(tokenizer, device="cuda", memory_fraction=0.3)
-    with pytest.raises(ValueError, match=r"rollout_device='cuda' asks for a CUDA GPU, but .*is False"):
-        worker.start(tiny_model)
-    assert not worker.running and worker.process is None
-
-
-@pytest.mark.integration
-def test_a_cpu_device_setting_samples_what_the_default_samples(tiny_model, tokenizer):
-    ids, mask = encode_prompts(tokenizer, ["abc", "de"], use_chat_template=False)
-    params = SamplingParams(8, temperature=TEMPERATURE)
-    workers = [worker_for(tokenizer), worker_for(tokenizer, device="cpu")]
-    try:
-        for worker in workers:  # both spawn before either is waited for
-            worker.start(tiny_model)
-        tickets = [worker.submit(ids, mask, 3, params, seed=rollout_seed(5, 0)) for worker in workers]
-        default, cpu = (worker.collect(ticket) for worker, ticket in zip(workers, tickets))
-    finally:
-        for worker in workers:
-            worker.close()
-    assert workers[1].device == torch.device("cpu")
-    torch.testing.assert_close(cpu.completion_ids, default.completion_ids, rtol=0, atol=0)
-    torch.testing.assert_close(cpu.behav_logp, default.behav_logp, rtol=0, atol=0)
-
-
-@pytest.mark.integration
-def test_a_worker_that_dies_is_an_error_that_names_it(tiny_model, tokenizer):
-    worker = worker_for(tokenizer)
-    ids, mask = encode_prompts(tokenizer, ["abc"], use_chat_template=False)
-    worker.start(tiny_model)
-    worker.collect(worker.submit(ids, mask, 2, SamplingParams(4), seed=1))  # up and running
-    os.kill(worker.process.pid, signal.SIGKILL)
-    ticket = worker.submit(ids, mask, 2, SamplingParams(4), seed=2)
-    with pytest.raises(RuntimeError, match=r"rollout worker process .* died with exit code -9"):
-        worker.collect(ticket)
-    assert not worker.running
-
-
-@pytest.mark.integration
-def test_a_failure_inside_the_worker_comes_back_with_its_traceback(tiny_model, tokenizer):
-    worker = worker_for(tokenizer)
-    worker.start(tiny_model)
-    too_big = torch.full((1, 3), tiny_model.config.vocab_size + 5)  # no such token
-    try:
-        with pytest.raises(RuntimeError, match=r"(?s)rollout worker failed on batch 1.*Traceback"):
-            worker.collect(worker.submit(too_big, torch.ones_like(too_big), 2, SamplingParams(4), seed=1))
-    finally:
-        worker.close()
-    assert not worker.running
-
-
-@pytest.mark.integration
-def test_the_worker_exits_when_its_trainer_is_killed(tmp_path):
-    script = tmp_path / "trainer.py"
-    script.write_text(
-        "import os, signal, sys\n"
-        f"sys.path[:0] = [{str(TESTS)!r}, {str(Path(__file__).resolve().parent)!r}]\n"
-        "from helpers.models import make_model, make_tokenizer\n"
-        "from test_async_rollout import worker_for\n"
-        "if __name__ == '__main__':\n"
-        "    tok = make_tokenizer()\n"
-        "    worker = worker_for(tok)\n"
-        "    worker.start(make_model(len(tok)))\n"
-        "    print(worker.process.pid, flush=True)\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-    )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == -9, done.stderr[-2000:]
-    pid = int(done.stdout.split()[0])
-    assert wait_until_gone(pid, seconds=30), f"worker {pid} outlived its killed trainer"
 
 
 def wait_until_gone(pid: int, seconds: float) -> bool:
@@ -225,6 +35,10 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].split()[0]
     except (OSError, IndexError):
         return "Z"
+
+
+def server_pids(grpo) -> list[int]:
+    return [process.pid for process in grpo.engine.placement.processes]
 
 
 # -- the module's pipeline ---------------------------------------------------------------------
@@ -247,15 +61,21 @@ def fit_async(tmp_path, module, trainer, loader):
 
 
 @pytest.mark.integration
-def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(fit_async):
+def test_async_trains_every_batch_once_one_step_behind_on_its_own_server_and_stops_it(fit_async):
     pids: list[int] = []
+    threads: list[int] = []
 
-    class WorkerPid(pl.Callback):
+    class ServerPid(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            pids.append(pl_module.engine.process.pid)
+            pids.extend(server_pids(pl_module))
+            threads.append(torch.get_num_threads())
 
+    before = torch.get_num_threads()
     with pytest.warns(UserWarning, match="no trainer.max_steps: the fit's last 2 optimizer steps"):
-        grpo, trainer, logged = fit_async(records=5, callbacks=[WorkerPid()])
+        grpo, trainer, logged = fit_async(records=5, callbacks=[ServerPid()])
+    assert isinstance(grpo.engine, RemoteEngine) and len(pids) == 1  # one local:1 server sampled
+    # The server takes half of the trainer's threads while the fit runs; the trainer gets them back.
+    assert threads == [split_threads(before, None)[0]] and torch.get_num_threads() == before
     assert trainer.global_step == 5  # the fit's last batch also trains the one still in flight
     assert [r["step"] for r in logged] == [1, 2, 3, 4, 5]
     # The first rollout is sampled by the weights it trains; every later one, one step older.
@@ -265,7 +85,7 @@ def test_async_trains_every_batch_once_one_step_behind_and_stops_its_worker(fit_
     assert sum(r["num_tokens"] > 0 for r in logged) == 5
     assert all(r["regenerated"] == 0 for r in logged)
     assert not grpo.engine.running
-    assert wait_until_gone(pids[0], seconds=10)
+    assert wait_until_gone(pids[0], seconds=15)
 
 
 @pytest.mark.integration
@@ -276,11 +96,11 @@ def test_stale_rollouts_are_sampled_again_and_counted(fit_async):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == 1:
-                worker = pl_module.engine
+                servers = pl_module.engine
                 for item in pl_module.rollout_source.in_flight:
-                    item.finished = item.finished or worker.collect(item.ticket)
-                worker.sync_weights(pl_module.model)
-                worker.sync_weights(pl_module.model)
+                    item.finished = item.finished or servers.collect(item.ticket)
+                servers.sync_weights(pl_module.model)
+                servers.sync_weights(pl_module.model)
 
     _, _, logged = fit_async(records=4, callbacks=[SkipVersions()])
     # Step 2 trains batch 1, handed before the extra versions: sampled again, from the newest.
@@ -290,29 +110,37 @@ def test_stale_rollouts_are_sampled_again_and_counted(fit_async):
 
 
 @pytest.mark.parametrize(
-    "setting",
+    ("setting", "reason"),
     [
-        {"top_p": 0.9},
-        {"top_k": 5},
-        {"generation_backend": "vllm"},
-        {"dynamic_sampling": True},
-        {"num_iterations": 2},
+        ({"generation_backend": "vllm"}, "the servers sample with the engine each was started with"),
+        ({"dynamic_sampling": True}, "a batch's step is known only from the rewards"),
+        ({"num_iterations": 2}, "one optimizer step per batch"),
+        ({"loss_type": "forge"}, "loss_type='forge' does not take"),
     ],
 )
-def test_async_refuses_what_it_does_not_support_yet(setting):
-    with pytest.raises(ValueError, match="rollout_mode='async' does not support"):
+def test_async_refuses_what_its_server_cannot_do_by_name_with_the_reason(setting, reason):
+    with pytest.raises(
+        ValueError, match=rf"rollout_mode='async' \(on its local:1 server\) cannot take .*{reason}"
+    ):
         validate_hparams({"rollout_mode": "async", **setting})
 
 
-def test_async_refuses_several_devices(module):
-    grpo = module(rollout_mode="async")
-    with pytest.raises(ValueError, match="one device for now: it does not support DDP or FSDP"):
-        grpo.rollout_source.on_fit_start(FitShape(world_size=2), grpo.model, sharded=False)
-    assert not grpo.engine or not grpo.engine.running
+def test_async_takes_what_the_in_process_worker_refused(module):
+    # The server samples with the cuts, stop strings and the penalty, and reports the log-probs of
+    # what it sampled from; a LoRA policy's weights reach it merged.
+    for setting in (
+        {"top_p": 0.9},
+        {"top_k": 5},
+        {"min_p": 0.1},
+        {"repetition_penalty": 1.2},
+        {"stop": ["\n"]},
+    ):
+        validate_hparams({"rollout_mode": "async", **setting})
+    validate_hparams({"rollout_mode": "async", "use_engine_logprobs": True})
 
 
 @pytest.mark.integration
-def test_a_failing_fit_stops_the_worker(tmp_path, module, trainer, loader):
+def test_a_failing_fit_stops_its_server(tmp_path, module, trainer, loader):
     calls = []
 
     def fails_on_second_call(prompts, responses):
@@ -324,14 +152,19 @@ def test_a_failing_fit_stops_the_worker(tmp_path, module, trainer, loader):
     grpo = module(
         rollout_mode="async", reward=fails_on_second_call, kl_beta=0.0, gradient_accumulation_steps=1
     )
+    pids: list[int] = []
+
+    class ServerPid(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pids.extend(server_pids(pl_module))
+
     with pytest.raises(Exception, match="reward exploded"):
-        trainer(tmp_path).fit(grpo, loader([{"prompt": f"q{i}"} for i in range(4)]))
-    assert not grpo.engine.running
+        trainer(tmp_path, callbacks=[ServerPid()]).fit(grpo, loader([{"prompt": f"q{i}"} for i in range(4)]))
+    assert not grpo.engine.running and len(pids) == 1
+    assert wait_until_gone(pids[0], seconds=15)
 
 
-def test_worker_threads_split_the_trainers(module):
-    from forge_lightning.rollout.async_worker import split_threads
-
+def test_the_servers_threads_split_the_trainers(module):
     assert split_threads(2, None) == (1, 1)
     assert split_threads(16, 4) == (12, 4)
     assert split_threads(1, None) == (1, 1)
@@ -363,8 +196,8 @@ def test_async_step_cadence_callbacks_see_every_step_across_an_epoch_boundary(
 
 
 @pytest.mark.integration
-def test_the_worker_samples_validation_from_the_batchs_seed(tmp_path, module, trainer, loader):
-    """Sampled validation goes through the worker, seeded from (seed, step, batch) as in-process
+def test_the_server_samples_validation_from_the_batchs_seed(tmp_path, module, trainer, loader):
+    """Sampled validation goes through the server, seeded from (seed, step, batch) as in-process
     sampling is: the same prompt in two batches gets two draws, and a second validation of the
     same weights repeats them whatever the global RNG holds."""
     records = [{"prompt": "1 + 2 =", "reference": "3"}] * 2  # one prompt, two batches
@@ -382,7 +215,7 @@ def test_the_worker_samples_validation_from_the_batchs_seed(tmp_path, module, tr
                     for line in path.read_text().splitlines()
                 ]
             )
-        assert isinstance(grpo.engine, RolloutWorker)  # the worker sampled them
+        assert isinstance(grpo.engine, RemoteEngine)  # the server sampled them
     finally:
         grpo.stop_rollout_worker()
     assert draws[0] == draws[1]
@@ -390,28 +223,7 @@ def test_the_worker_samples_validation_from_the_batchs_seed(tmp_path, module, tr
 
 
 @pytest.mark.integration
-def test_a_worker_with_a_precision_samples_with_a_copy_of_each_version(tiny_model, tokenizer):
-    worker = worker_for(tokenizer, precision="int8")
-    params = SamplingParams(8, temperature=TEMPERATURE)
-    ids, mask = encode_prompts(tokenizer, ["abc", "de"], use_chat_template=False)
-    try:
-        worker.start(tiny_model, version=0)
-        first = worker.collect(worker.submit(ids, mask, 3, params, seed=rollout_seed(7, 0)))
-        with torch.no_grad():
-            tiny_model.lm_head.weight.mul_(3.0)
-        worker.sync_weights(tiny_model)
-        newer = worker.collect(worker.submit(ids, mask, 3, params, seed=rollout_seed(7, 1)))
-    finally:
-        worker.close()
-    # The int8 copy's log-probs: near the version's own, not equal to them.
-    policy = log_probs(tiny_model, tokenizer, ids, mask, newer.completion_ids, 3)
-    gap = newer.behav_logp * (policy != 0) - policy
-    assert newer.version == 1 and 1e-4 < gap.abs().max() < 0.5
-    assert first.version == 0
-
-
-@pytest.mark.integration
 def test_async_with_an_int8_sampler_corrects_by_its_logprobs(fit_async):
     _, _, logged = fit_async(records=3, rollout_precision="int8", rollout_correction="truncate")
-    # The int8 copy's gap (about 3e-7 here); the worker's float32 policy's is about 1e-14.
+    # The server's int8 copy's gap (about 3e-7 here); a float32 server's is about 1e-14.
     assert len(logged) == 3 and all(r["sampler_kl"] > 1e-9 for r in logged)
