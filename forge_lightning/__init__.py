@@ -1,7 +1,7 @@
 """forge_lightning: GRPO fine-tuning of HuggingFace causal LMs with PyTorch Lightning.
 
-The names below are imported on first use, so that a process needing one submodule (the
-asynchronous rollout worker) does not pay for importing all of them.
+The names below are imported on first use, so that a process needing one submodule (a
+rollout server) does not pay for importing all of them.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class GRPOLightningModule(pl.LightningModule):
     # set before the fit (a custom engine, a wrapped runner) is the one it uses.
     @property
     def engine(self) -> GenerationBackend | None:
-        """The engine that samples the rollouts (the worker process under asynchronous rollouts)."""
+        """The engine that samples the rollouts (the rollout servers' under asynchronous rollouts)."""
         return self.rollout_source.engine
 
     @engine.setter
@@ -182,7 +182,7 @@ class GRPOLightningModule(pl.LightningModule):
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Train on the rollouts the source gives for this batch: the batch's own, sampled now
-        (sync), or those due from the worker (async; none while the pipeline fills)."""
+        (sync), or those due from the servers (async; none while the pipeline fills)."""
         prompts, batch_kwargs = split_batch(batch)
         if not self._rewards_checked:  # before the first generation, so a mismatch costs nothing
             require_arguments(self.reward, reward_arguments(batch_kwargs, self.rollout_source.calls_tools))
@@ -302,7 +302,7 @@ class GRPOLightningModule(pl.LightningModule):
         self.reporter.every = None  # the next fit's RewardLogger, if any, hands its own
 
     def stop_rollout_worker(self) -> None:
-        """Stop the asynchronous rollout worker, if one runs, and give the trainer its threads back."""
+        """Stop the rollout servers the trainer started, if any, and give the trainer its threads back."""
         self.rollout_source.close()
 
     @override

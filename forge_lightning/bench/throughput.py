@@ -17,17 +17,16 @@ timed step, two references are measured on the very sequences that step sampled:
 Exactly one JSON line goes to stdout (medians over the timed steps, peak memory during the
 steps, the settings); every log goes to stderr.
 
-``--rollout-mode async`` times asynchronous rollouts instead (rollout/async_worker.py: a
-worker process samples while the trainer trains; ``--threads`` is split between them by ``--worker-threads``):
-after the warm-up step, which also fills the pipeline, each timed step trains one rollout the
-worker sampled during the step before. The references are skipped; the line adds the trainer's
-and the worker's idle shares. ``--rollout-mode compare`` runs sync, then async, at the same
-settings, and prints both lines, the async one with ``vs_sync`` (its completion tokens/s over
-sync's). ``--sync-threads`` gives sync its own thread count there. ``--rollout-servers local:1``
-(with ``--rollout-mode async``) samples on rollout servers instead of the worker (serving/): the
-trainer keeps ``--threads``, each server it starts runs ``--worker-threads`` (one unless given);
-``trainer_wait_share`` is then the generate phase's share of the step (the servers report no
-waits). bench/servers.py drives it against sync, interleaved.
+``--rollout-mode async`` times asynchronous rollouts instead (rollout/sources.py's pipeline on
+rollout servers, serving/: ``--rollout-servers``, default ``local:1``, a child process that samples
+while the trainer trains; each server the trainer starts runs ``--worker-threads``, default half of
+``--threads``, and the trainer keeps the threads its CPU servers do not take): after the warm-up
+step, which also fills the pipeline, each timed step trains one rollout the servers sampled during
+the step before. The references are skipped; the line adds ``trainer_wait_share``, the generate
+phase's share of the step (handing a batch over, collecting the one due; the servers report no
+waits of theirs). ``--rollout-mode compare`` runs sync, then async, at the same settings, and prints
+both lines, the async one with ``vs_sync`` (its completion tokens/s over sync's). ``--sync-threads``
+gives sync its own thread count there. bench/servers.py drives it against sync, interleaved.
 
 ``--steps-per-generation S`` samples each generation for S optimizer steps of ``--prompts-per-step``
 prompts (a batch of S x P prompts; ``--steps`` then counts optimizer steps and must be a multiple
@@ -126,13 +125,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--rollout-mode", choices=ROLLOUT_MODES, default="sync", help="sync, async, or both (compare)")
     add("--max-staleness", type=int, default=1, help="async: optimizer steps a rollout may lag")
-    add("--worker-threads", type=int, default=None, help="async: the worker's threads (default: half)")
+    add("--worker-threads", type=int, default=None, help="async: each server's threads (default: half)")
     add("--sync-threads", type=int, default=None, help="compare: sync's threads (default: --threads)")
     add(
         "--rollout-servers",
         nargs="+",
         default=None,
-        help="async: sample on rollout servers (local:N, host:port, ray:N); --worker-threads each",
+        help="async: rollout servers (local:N, host:port, ray:N; default local:1); --worker-threads each",
     )
     add("--steps-per-generation", type=int, default=1, help="optimizer steps per generation (S)")
     add("--engine-logprobs", action="store_true", help="old-policy log-probs from generate's scores")
@@ -302,20 +301,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.phase_memory:  # each phase's own peak over the timed steps
         memory["phases"] = timer.phase_peaks
     result = _summary(args, steps, rollouts, timer.references, memory, device, dtype)
-    if asynchronous and args.rollout_servers:
+    if asynchronous:
         result["trainer_wait_share"] = _server_wait_share(steps)
-        # The trainer keeps its threads; each server it started runs --worker-threads (one unless given).
+        # Each server the trainer started runs --worker-threads (None: half of --threads); the
+        # trainer keeps the threads its servers on this machine's CPU do not take.
+        placement = module.engine.placement
         settings = result["settings"]
-        settings |= {"rollout_servers": args.rollout_servers, "trainer_threads": settings["threads"]}
-        settings["worker_threads"] = args.worker_threads or 1
-    elif asynchronous:
-        seconds = sum(s["seconds"] for s in steps)
-        waits = recording.waits[1:]
-        result["trainer_wait_share"] = sum(w["rollout_wait_s"] for w in waits) / seconds
-        result["worker_wait_share"] = sum(w["worker_wait_s"] for w in waits) / seconds
-        worker = module.engine.settings.threads
-        result["settings"]["trainer_threads"] = split_threads(result["settings"]["threads"], worker)[0]
-        result["settings"]["worker_threads"] = worker
+        settings["rollout_servers"] = args.rollout_servers or ["local:1"]
+        settings["trainer_threads"] = split_threads(settings["threads"], placement.cpu_threads_here())[0]
+        settings["worker_threads"] = placement.config.threads
     return result
 
 
@@ -327,18 +321,15 @@ def _server_wait_share(steps: list[dict[str, float]]) -> float:
 
 class RecordingRollouts:
     """The module's own rollout source (sync or async), also keeping each rollout it gives the
-    module to train (so the references can replay it) and, async, the waits on either side of it."""
+    module to train (so the references can replay it)."""
 
     def __init__(self, source: RolloutSource) -> None:
         self.source = source
         self.kept: list[Rollout] = []
-        self.waits: list[dict[str, float]] = []
 
     def rollouts(self, batch: TrainingBatch, loop: TrainingLoop, model: Any) -> Iterator[TrainingBatch]:
         for item in self.source.rollouts(batch, loop, model):
             self.kept.append(item.rollout)
-            if item.metrics:
-                self.waits.append(item.metrics)
             yield item
 
     def __getattr__(self, name: str) -> Any:  # every other call is the source's

@@ -33,7 +33,7 @@ def fit_callbacks(trainer: pl.Trainer | None, needs_reference: bool, worker: boo
 
 
 class StopWorkerOnError(pl.Callback):
-    """Stops the asynchronous rollout worker (or the rollout servers the trainer started) when a
+    """Stops the rollout servers the trainer started (async mode's own among them) when a
     fit fails (teardown stops it otherwise). A fit whose rollout servers are all dead saves
     ``last.ckpt`` first, to resume from once servers are back."""
 

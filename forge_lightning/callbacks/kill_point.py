@@ -7,7 +7,7 @@ and the runs that resume it (which leave it unset)::
     backward@2/2         after the first backward of the 2nd batch of optimizer step 2 (inside
                          an accumulated step: the 1st batch's gradient is held, no step taken)
     batch_end@2          as the batch that ends step 2 ends, before that step's checkpoint (an
-                         async run: the batches handed to the rollout worker are in flight)
+                         async run: the batches handed to the rollout servers are in flight)
     write@2/last.ckpt    while step 2's ``last.ckpt`` is written: after its temporary sibling is
                          whole, before the rename (any file or folder name a run writes atomically)
 """

@@ -9,7 +9,7 @@ The moments come after the first checkpoint, at step k (1, or with a generation 
 the optimizer steps a batch takes): inside step k + 1, after a backward (with gradient
 accumulation, in the step's last batch: the earlier batches' gradients held, no optimizer step
 yet); while the next checkpoint's ``last.ckpt`` is written; and for asynchronous rollouts as the
-batch of step k + 1 ends, with batches handed to the rollout worker and not trained yet.
+batch of step k + 1 ends, with batches handed to the rollout servers and not trained yet.
 """
 
 from __future__ import annotations

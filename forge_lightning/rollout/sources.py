@@ -364,7 +364,8 @@ class AsyncRollouts(RolloutSource):
 
 
 def on_device(rollout: Rollout, device: torch.device, behav_logp: torch.Tensor | None) -> Rollout:
-    """A tool-using ``rollout`` as the engine gives it back (on the CPU) on ``device``, with ``behav_logp``."""
+    """A tool-using ``rollout`` as the engine gives it back (on the CPU), on ``device``, with
+    ``behav_logp``."""
     tensors = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated", "model_mask")
     moved = {
         name: None if getattr(rollout, name) is None else getattr(rollout, name).to(device)

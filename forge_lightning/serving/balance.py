@@ -33,5 +33,6 @@ def stream_seed(run_seed: int, rank: int) -> int:
 
 def share_seed(request_seed: int, share: int) -> int:
     """The seed of the ``share``-th part of a request seeded ``request_seed``; the only part of a
-    request sent whole keeps the request's own seed, so one server samples as the worker does."""
+    request sent whole keeps the request's own seed, so one server samples as the trainer's own
+    engine would."""
     return request_seed if share == 0 else rollout_seed(request_seed, share)

@@ -306,7 +306,7 @@ class RemoteEngine:
         new, self._failures_taken = self.failures - self._failures_taken, self.failures
         return new
 
-    # -- the rollout worker's calls (sources.AsyncRollouts) ------------------------------------
+    # -- the async pipeline's calls (sources.AsyncRollouts) ------------------------------------
 
     def submit(
         self,

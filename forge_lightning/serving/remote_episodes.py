@@ -1,7 +1,6 @@
 """Tool episodes of asynchronous rollouts on the rollout servers.
 
-In async mode the in-process rollout worker runs a batch's tool loop in its own process
-(rollout/async_worker.py). With rollout servers the loop runs here, on the trainer's side, in a
+In async mode a batch's tool loop runs here, on the trainer's side, in a
 thread of its own while the trainer trains: each round of the loop is one request to the servers
 (:class:`EpisodeEngine`), and the calls are answered by the run's own tools, in this process or in
 its isolation workers, as in sync mode. So no tool's state, and no tool, goes to a server: a server samples
@@ -110,7 +109,7 @@ class RemoteEpisodes:
         params: SamplingParams,
         seed: int,
     ) -> Finished:
-        """One batch's tool loop: the rollout, on the CPU as the worker's comes back, with the
+        """One batch's tool loop: the rollout, on the CPU as the pipeline keeps it, with the
         servers' log-prob of each sampled token (0 on a tool's) as the sampling policy's."""
         self.engine.begin(seed)
         rollout = self.runner(self.model, prompts, params, group, engine_logprobs=True, rows=rows)

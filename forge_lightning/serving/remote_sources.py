@@ -2,8 +2,8 @@
 the synchronous and asynchronous sources of rollout/sources.py with a :class:`RemoteEngine` for
 their engine. They connect it when the fit starts (the servers get the weights the fit starts
 from, a resumed checkpoint's included), add each batch's ``server_failures`` to its metrics and
-end what was started when the fit ends, however it ends. Async rollouts always run here: without
-``rollout_servers`` on one ``local:1`` server (settings/assembly.py), a child process beside the
+end what was started when the fit ends, however it ends. Async rollouts always run here: with no
+servers listed, on one ``local:1`` server (settings/assembly.py), a child process beside the
 trainer that takes half of its CPU threads, as the in-process rollout worker it replaced did."""
 
 from __future__ import annotations

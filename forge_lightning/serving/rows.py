@@ -1,6 +1,6 @@
 """What comes back from the servers as rows: a request's prompts unpadded for the wire, the
 answers of its shares put back in the prompts' order, and the rows padded as an engine's
-``Completions`` (or the rollout worker's ``Finished``) hold them."""
+``Completions`` (or the async pipeline's ``Finished``) hold them."""
 
 from __future__ import annotations
 

@@ -279,7 +279,7 @@ def servers_engine(settings: GRPOSettings, model: Any) -> RemoteEngine:
     settings: settings/checks.py): the servers the trainer starts run with the model settings here
     (``model``: the spec, or an object, saved for them to load), on the devices ``rollout_device``
     lists, dealt round-robin, each with ``rollout_worker_threads`` CPU threads (None: in async mode
-    half of the trainer's, which keeps the rest, as the in-process worker had; else one)."""
+    half of the trainer's, which keeps the rest; else one)."""
     engine, memory = settings.engine, settings.memory
     loading = {
         "model_dtype": memory.model_dtype,

@@ -5,7 +5,7 @@ Two phases, each measured for its peak memory, in the order a step runs them:
 
 - the engine's: a generate of ``max_new_tokens`` tokens (forced: no EOS ends it early) for the
   batch's P x G rows at the longest prompt length L, through the rollout engine itself. Skipped
-  with asynchronous rollouts: the worker process samples, and its memory is not this one's.
+  with asynchronous rollouts: the rollout servers sample, and their memory is not this one's.
 - the training side's: one micro-batch of fake completions (P x G rows of L prompt and
   ``max_new_tokens`` completion tokens, all real, no padding, split into micro-batches as the
   step splits them) through the same loss passes
@@ -76,7 +76,7 @@ class PreflightReport:
 
     memory: str  # "CPU RSS" or "GPU allocated"
     baseline: int  # bytes before the preflight: the weights, the reference, the process
-    generation: Phase | None  # None: not measured here (an async worker samples)
+    generation: Phase | None  # None: not measured here (rollout servers sample)
     training: Phase
     rows: int  # completions in the micro-batch trained
     tokens: int  # tokens its forward ran (a shared prompt once per group)

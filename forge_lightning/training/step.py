@@ -50,7 +50,7 @@ class BatchTrainer:
         optimizer_step: normalise, clip, step and schedule; skip a non-finite gradient.
         reporter: each step's metrics and, at its cadence, the report for the loggers.
         metrics: the running training metrics the reporter reads.
-        rollouts: the rollout source, told when the weights changed (the async worker samples
+        rollouts: the rollout source, told when the weights changed (the rollout servers sample
             with the new ones).
         scale: the advantages' divisor: the group's std (``group``), the batch's, or ``none``.
         estimator: the advantages' baseline: ``grpo``, ``rloo`` or ``reinforce_pp``

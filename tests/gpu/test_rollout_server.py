@@ -63,6 +63,17 @@ def test_local_server_on_the_trainers_gpu(tmp_path, module, loader):
     assert "listening on" in (tmp_path / "servers" / "server-1.log").read_text()
 
 
+def test_async_mode_samples_on_its_own_server_with_a_share_of_the_trainers_gpu(tmp_path, module, loader):
+    """``rollout_mode: async`` without servers listed: its one ``local:1`` server on the trainer's
+    GPU (``rollout_device: cuda``), taking ``rollout_memory_fraction`` of its memory."""
+    on_gpu = dict(rollout_device="cuda", rollout_memory_fraction=0.3) if DEVICE == "cuda" else {}
+    grpo, log = fit_two_steps(module, loader, tmp_path, rollout_mode="async", kl_beta=0.0, **on_gpu)
+    assert [r["step"] for r in log] == [1, 2] and [r["staleness"] for r in log] == [0.0, 1.0]
+    assert all(r["server_failures"] == 0 and r["num_tokens"] > 0 for r in log)
+    assert "listening on" in (tmp_path / "servers" / "server-1.log").read_text()
+    assert not grpo.engine.running
+
+
 @pytest.mark.parametrize("server_device", [DEVICE, "cuda:1"])
 def test_a_server_started_apart_samples_a_fit_and_holds_its_trained_weights(
     tmp_path, monkeypatch, module, loader, server_device

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from forge_lightning.cli.serve import main as serve_main
-from forge_lightning.rollout.async_worker import Finished, InFlight, restored_in_flight, saved_in_flight
+from forge_lightning.rollout.in_flight import Finished, InFlight, restored_in_flight, saved_in_flight
 from forge_lightning.serving import placement as placement_module
 from forge_lightning.serving import ray_actors
 from forge_lightning.serving.placement import Placement
@@ -23,7 +23,8 @@ from forge_lightning.settings.checks import validate_hparams
 ASYNC = {"rollout_mode": "async"}
 SERVERS = {"rollout_servers": ["local:1"]}
 
-# Each setting the in-process worker refuses and the servers serve.
+# Each setting the in-process rollout worker refused and the servers serve (async mode's own
+# local:1 server too, now that no worker samples).
 LIFTED = [
     {"top_p": 0.9},
     {"top_k": 5},
@@ -37,10 +38,9 @@ LIFTED = [
 
 
 @pytest.mark.parametrize("setting", LIFTED, ids=lambda s: next(iter(s)))
-def test_what_the_servers_serve_is_taken_in_async_mode_and_still_refused_without_them(setting):
+def test_what_the_servers_serve_is_taken_in_async_mode_with_servers_listed_or_not(setting):
     validate_hparams({**ASYNC, **SERVERS, **setting})
-    with pytest.raises(ValueError, match="rollout_mode='async' does not support"):
-        validate_hparams({**ASYNC, **setting})
+    validate_hparams({**ASYNC, **setting})  # on its own local:1 server
 
 
 @pytest.mark.parametrize(
@@ -59,6 +59,8 @@ def test_what_async_rollouts_on_servers_cannot_do_is_refused_by_name_with_its_re
     name = next(iter(setting))
     with pytest.raises(ValueError, match=rf"with rollout_mode='async' cannot take {name}=.*: .*{reason}"):
         validate_hparams({**ASYNC, **SERVERS, **setting})
+    with pytest.raises(ValueError, match=rf"\(on its local:1 server\) cannot take {name}=.*: .*{reason}"):
+        validate_hparams({**ASYNC, **setting})
 
 
 @pytest.mark.parametrize(
@@ -72,11 +74,6 @@ def test_what_async_rollouts_on_servers_cannot_do_is_refused_by_name_with_its_re
 def test_what_no_server_does_is_refused_in_either_mode(setting, reason, mode):
     with pytest.raises(ValueError, match=rf"rollout_servers=\['local:1'\] cannot take .*: .*{reason}"):
         validate_hparams({"rollout_mode": mode, **SERVERS, **setting})
-
-
-def test_forges_loss_is_refused_in_async_mode_by_the_in_process_worker_as_by_the_servers():
-    with pytest.raises(ValueError, match="cannot take loss_type='forge': a batch sampled"):
-        validate_hparams({**ASYNC, "loss_type": "forge", "kl_beta": 0.04})
 
 
 @pytest.mark.parametrize(
@@ -106,7 +103,7 @@ def test_rollout_device_lists_the_started_servers_devices_in_either_mode(mode):
     validate_hparams(
         {"rollout_mode": mode, "rollout_servers": ["local:2"], "rollout_device": "cuda:0, cuda:1"}
     )
-    with pytest.raises(ValueError, match="'mps': the rollout worker samples on 'cpu' or 'cuda'"):
+    with pytest.raises(ValueError, match="'mps': a rollout server samples on 'cpu' or 'cuda'"):
         validate_hparams(
             {"rollout_mode": mode, "rollout_servers": ["local:2"], "rollout_device": "cuda:0,mps"}
         )
@@ -116,11 +113,14 @@ def test_rollout_device_lists_the_started_servers_devices_in_either_mode(mode):
         )
 
 
-def test_without_servers_rollout_device_still_places_the_async_worker_only():
-    with pytest.raises(ValueError, match="place the asynchronous rollout worker: set rollout_mode='async'"):
+def test_without_servers_rollout_device_places_async_modes_own_server_and_nothing_in_sync_mode():
+    with pytest.raises(
+        ValueError, match="place the rollout servers the trainer starts: set rollout_mode='async'"
+    ):
         validate_hparams({"rollout_device": "cuda:1"})
+    validate_hparams({**ASYNC, "rollout_device": "cuda:1", "rollout_memory_fraction": 0.4})
     with pytest.raises(ValueError, match="is not a device torch understands"):
-        validate_hparams({**ASYNC, "rollout_device": "cuda:0,cuda:1"})
+        validate_hparams({**ASYNC, "rollout_device": "cuda:0,cuda:x"})
 
 
 def test_the_local_servers_get_the_devices_round_robin_on_their_command_line(tmp_path, monkeypatch):
@@ -196,7 +196,7 @@ def test_a_gpu_share_goes_to_each_started_server_on_the_cuda_devices_listed(
     assert grpo.engine.placement.config.model["rollout_memory_fraction"] == 0.4
     with pytest.raises(ValueError, match="caps each started server's share of its GPU: set rollout_device"):
         validate_hparams({**SERVERS, "rollout_memory_fraction": 0.4})
-    with pytest.raises(ValueError, match="caps a CUDA rollout worker's memory, but rollout_device='cpu'"):
+    with pytest.raises(ValueError, match="caps a CUDA rollout server's memory, but rollout_device='cpu'"):
         validate_hparams({**SERVERS, "rollout_memory_fraction": 0.4, "rollout_device": "cpu"})
     # A server started by hand on the CPU with a share in its config refuses before it loads a model.
     monkeypatch.setenv(SECRET_ENV, "s")
@@ -204,13 +204,16 @@ def test_a_gpu_share_goes_to_each_started_server_on_the_cuda_devices_listed(
     config.write_text("model:\n  model: random:x\n  rollout_memory_fraction: 0.4\n")
     with pytest.raises(SystemExit):
         serve_main(["--config", str(config), "--port", "0", "--device", "cpu"])
-    assert "rollout_memory_fraction=0.4 caps a CUDA rollout worker's memory" in capsys.readouterr().err
+    assert "rollout_memory_fraction=0.4 caps a CUDA rollout server's memory" in capsys.readouterr().err
 
 
 def test_the_module_hands_rollout_device_to_the_servers_it_starts(module):
     grpo = module(rollout_servers=["local:2"], rollout_device="cuda:1,cuda:2", rollout_mode="async")
     assert grpo.engine.placement.config.devices == ("cuda:1", "cuda:2")
     assert module(rollout_servers=["local:1"]).engine.placement.config.devices == ()
+    own = module(rollout_mode="async", rollout_device="cuda", rollout_memory_fraction=0.3).engine.placement
+    assert own.entries == ["local:1"] and own.config.devices == ("cuda",)  # async mode's own server
+    assert own.config.model["rollout_memory_fraction"] == 0.3
 
 
 def test_a_batch_in_flight_keeps_where_the_servers_ended_its_rows_across_a_checkpoint():

@@ -87,14 +87,17 @@ def in_process_server(monkeypatch):
     server.stop()
 
 
-def test_async_rollouts_on_one_server_train_what_the_async_worker_trains(
+def test_async_modes_own_server_trains_what_a_server_listed_as_host_port_trains(
     tmp_path, fit_log, in_process_server
 ):
+    """Async mode with no servers listed starts its one local:1 server (the in-process rollout
+    worker's place): the same training log as a run on a server the user started."""
     async_settings = dict(rollout_mode="async", max_staleness=1, rollout_worker_threads=1)
-    worker = fit_log(tmp_path / "worker", **async_settings)
+    own = fit_log(tmp_path / "own", **async_settings)
     served = fit_log(tmp_path / "served", rollout_servers=[in_process_server], **async_settings)
     assert [r["staleness"] for r in served] == [0.0, 1.0, 1.0] and [r["step"] for r in served] == [1, 2, 3]
-    for mine, theirs in zip(worker, served):
+    assert (tmp_path / "own" / "servers" / "server-1.log").is_file()
+    for mine, theirs in zip(own, served):
         for key in ("reward", "reward_std", "num_tokens", "staleness", "regenerated"):
             assert theirs[key] == mine[key], key
         for key in ("loss", "kl", "grad_norm"):

@@ -1,7 +1,7 @@
 """What sampling is asked for and what an engine that samples offers: the request every engine's
 one ``generate`` takes, the completions it returns and the capabilities it declares; the types the
 rollout sampler (rollout/sampler.py), the engines (hf.py, vllm.py, chosen by name in registry.py)
-and the rollout worker share.
+and the rollout servers (serving/) share.
 
 It imports nothing of the package, so each of them can depend on it without depending on another.
 """

@@ -5,8 +5,8 @@ The copy's log-probs differ from the policy's, so a run needs the loss's rollout
 (settings/checks.py): the engine reports the copy's scores as the sampler's log-probs
 (``behav_logp``), the trainer scores the completions with the policy, and the correction weighs
 each token by the gap (``train/sampler_kl``). Validation samples with the copy too. With
-asynchronous rollouts the worker makes the copy of each weight version it loads
-(rollout/async_worker.py).
+rollout servers each server makes the copy of each weight version it loads
+(serving/decode.py).
 
 ``bf16``: the copy in bfloat16. ``int8``: that bfloat16 copy with every ``nn.Linear`` weight but
 the LM head's in int8, one scale per output channel (:class:`Int8Linear`; the head and the

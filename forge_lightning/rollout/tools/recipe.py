@@ -1,7 +1,7 @@
-"""What a run's tools are, as plain data another process can build them back from: the
-:class:`ToolRecipe` the module's settings make (settings/assembly.py), from which the trainer
-and the asynchronous rollout worker (rollout/async_worker.py) each build their own tool
-sampler. Its functions and factory travel by reference (their import paths), never with state."""
+"""What a run's tools are, as plain data: the :class:`ToolRecipe` the module's settings make
+(settings/assembly.py), from which the trainer builds its tool sampler (in either rollout mode:
+with rollout servers the tool loop runs on the trainer's side too). Its functions and factory are
+held by reference (their import paths), never with state."""
 
 from __future__ import annotations
 

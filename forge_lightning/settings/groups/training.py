@@ -113,7 +113,7 @@ class OffPolicySettings(Group):
     )
     """``mask`` (MIS) or ``truncate`` (TIS) by the sampler's log-probs; None: off. It corrects the
     loss for the sampler's log-probs differing from the trainer's (vLLM's kernels, top-p/top-k
-    cuts, the async worker): the engine's scores come with the rollout and weigh each token
+    cuts, async rollouts): the engine's scores come with the rollout and weigh each token
     (``token``) or completion (``sequence``) by ``w`` (the formula: grpo.grpo_loss), ``mask``
     dropping those above the cap, ``truncate`` capping them. Logs ``train/sampler_kl``,
     ``train/correction_weight_mean`` and ``train/correction_masked_fraction``."""
@@ -126,7 +126,7 @@ class OffPolicySettings(Group):
         "auto", check=(optional(lambda v: v == "auto" or v > 1), "'auto', None or > 1")
     )
     """the cap of the correction weight ``w`` (> 1; None: no cap). ``auto``: the mode's, TRL's 3
-    with ``rollout_correction`` set; without, AReaL's 5 for the async worker's default correction
+    with ``rollout_correction`` set; without, AReaL's 5 for async rollouts' default correction
     (a rollout sampled by older weights weighs each token by ``exp(old_logp - behav_logp)``,
     masked above the cap)."""
 
@@ -239,7 +239,7 @@ class PreflightSettings(Group):
 
 # The loss's settings, passed to grpo.LossSettings (which checks them) under the same names.
 LOSS_FIELDS = tuple(item.name for item in fields(LossGroup))
-# What rollout_correction_cap 'auto' stands for: AReaL's cap for the async worker's default
+# What rollout_correction_cap 'auto' stands for: AReaL's cap for async rollouts' default
 # correction (masked, token level, only for a rollout sampled by older weights), until a rollout
 # correction is named; then TRL's.
 ASYNC_CAP, CORRECTION_CAP = 5.0, 3.0

@@ -126,7 +126,7 @@ def test_an_agents_score_is_logged_under_the_agents_name(module):
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
-        ({"rollout_mode": "async"}, "does not work with rollout_mode='async'"),
+        ({"rollout_mode": "async"}, r"rollout_mode='async' \(on its local:1 server\) cannot take agent"),
         ({"generation_backend": "vllm"}, "endpoint samples with the policy's HF generate"),
         ({"calculator": "plain"}, "an agent runs its own tools"),
         ({"tools": ["forge_lightning.examples.calculator_agent.calculate"]}, "an agent runs its own tools"),

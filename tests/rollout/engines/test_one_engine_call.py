@@ -15,7 +15,6 @@ from helpers.import_graph import ROOT, import_graph
 from helpers.models import make_model, make_tokenizer, scripted
 from helpers.tools import GREEDY, tool_sampler
 
-from forge_lightning.rollout.async_worker import RolloutWorker
 from forge_lightning.rollout.engines.base import (
     Completions,
     EngineCapabilities,
@@ -27,6 +26,7 @@ from forge_lightning.rollout.engines.legacy import LegacyEngine, as_engine
 from forge_lightning.rollout.engines.quantized import QuantizedGenerate
 from forge_lightning.rollout.engines.vllm import VLLMGenerate
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
+from forge_lightning.serving.client import RemoteEngine
 from forge_lightning.testing import ScriptedEngine
 
 # The names of the old variants of generate and of its stop argument: only the adapter reads them.
@@ -106,7 +106,7 @@ def test_engines_import_nothing_of_rollout_but_their_shared_types():
         (HFGenerate, EngineCapabilities(logprobs=True, stop_strings=True, stop_rule=True, continues=True)),
         (QuantizedGenerate, HFGenerate.capabilities),
         (VLLMGenerate, EngineCapabilities(logprobs=True, stop_strings=True)),
-        (RolloutWorker, EngineCapabilities()),
+        (RemoteEngine, EngineCapabilities(logprobs=True, stop_strings=True)),
         (ScriptedEngine, EngineCapabilities()),
     ],
 )

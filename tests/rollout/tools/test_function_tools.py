@@ -297,7 +297,7 @@ def test_a_lambda_tool_is_refused():
         ({"calculator": "plain", "tools": ["m.f"]}, "two ways of calling tools"),
         (
             {"environment_factory": "m.E", "rollout_mode": "async"},
-            r"environment_factory='m.E' does not work with rollout_mode='async'",
+            r"rollout_mode='async' \(on its local:1 server\) cannot take environment_factory='m.E'",
         ),
     ],
 )

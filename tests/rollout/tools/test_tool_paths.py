@@ -1,7 +1,7 @@
 """Tool-using rollouts on more paths: the engine's log-probs (``use_engine_logprobs``,
-``rollout_correction``) on the policy's tokens only, ``steps_per_generation``, LoRA, and the
-asynchronous rollout worker running the tool loop with tools built from their recipe; one training
-batch each through training/step.py, without a Trainer. Tools on vLLM are tested in
+``rollout_correction``) on the policy's tokens only, ``steps_per_generation``, LoRA, and async
+rollouts on a rollout server with the tool loop on the trainer's side; one training batch each
+through training/step.py, without a Trainer. Tools on vLLM are tested in
 tests/rollout/engines/test_vllm_backend.py."""
 
 from __future__ import annotations
@@ -16,17 +16,22 @@ from helpers.engines import TurnEngine
 from helpers.models import ScriptedLlama, make_model, make_tokenizer, scripted
 from helpers.tools import GREEDY, CallsAtLengths, add, call, chat_tokenizer, tiny, tool_sampler
 
-from forge_lightning.rollout.async_worker import (
+from forge_lightning.rollout.engines.base import SamplingParams
+from forge_lightning.rollout.in_flight import (
     Finished,
     InFlight,
     restored_in_flight,
     saved_in_flight,
 )
-from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.sampler import PromptFormat, RolloutSampler
 from forge_lightning.rollout.sources import TrainingBatch
 from forge_lightning.rollout.tools.recipe import ToolRecipe
+from forge_lightning.run.fit import FitShape
+from forge_lightning.serving.decode import DecodeLoop
+from forge_lightning.serving.placement import refuse_unloadable_class
+from forge_lightning.serving.server import RolloutServer
+from forge_lightning.serving.wire import SECRET_ENV
 from forge_lightning.settings.checks import validate_hparams
 from forge_lightning.training.context import StepContext
 
@@ -136,11 +141,24 @@ def test_a_lora_policy_with_tools_trains_a_step(module):
     assert steps == 1 and any(".lora_" in n for n, _ in grpo.model.named_parameters())
 
 
-class CalculatorScript(ScriptedLlama):
-    """The scripted model as a class of its own, so that the rollout worker, which builds its model
-    from the class and config, writes the script too."""
+@pytest.fixture
+def scripted_server(monkeypatch):
+    """``scripted_server(precision)``: a rollout server in this process holding the scripted model
+    (its script in its forward, so the weights pushed into it keep it), sampling with a copy in
+    ``precision``; its host:port, behind a secret the trainer gets."""
+    servers = []
 
-    script = make_tokenizer()("Q:<<2*3=7>> ok", add_special_tokens=False)["input_ids"]
+    def start(precision=None):
+        monkeypatch.setenv(SECRET_ENV, "tools-secret")
+        tok = make_tokenizer()
+        model = scripted(tok, "Q:<<2*3=7>> ok", seed=2)
+        server = RolloutServer(model, tok, "tools-secret", loop=DecodeLoop(model, tok, precision=precision))
+        servers.append(server)
+        return server.start().removeprefix("http://")
+
+    yield start
+    for server in servers:
+        server.stop()
 
 
 @pytest.mark.integration
@@ -148,15 +166,19 @@ class CalculatorScript(ScriptedLlama):
     "setting",
     [{}, {"rollout_correction": "mask"}, {"rollout_correction": "truncate", "rollout_precision": "bf16"}],
 )
-def test_the_rollout_worker_runs_the_calculator_and_its_batch_trains_a_step(module, setting):
+def test_async_rollouts_run_the_calculator_on_the_trainers_side_and_the_batch_trains_a_step(
+    module, scripted_server, tmp_path, setting
+):
     validate_hparams({"calculator": "annotation", "rollout_mode": "async", **setting})
     tok = make_tokenizer()
     torch.manual_seed(0)
+    address = scripted_server(setting.get("rollout_precision"))
     grpo = module(
-        model=CalculatorScript(make_model(len(tok)).config),
+        model=scripted(tok, "Q:<<2*3=7>> ok"),
         tokenizer=tok,
         calculator="annotation",
         rollout_mode="async",
+        rollout_servers=[address],
         max_staleness=0,  # the batch handed is the batch trained
         group_size=2,
         max_new_tokens=16,
@@ -166,17 +188,17 @@ def test_the_rollout_worker_runs_the_calculator_and_its_batch_trains_a_step(modu
     )
     grpo.configure_model()
     source = grpo.rollout_source
-    source.worker.start(grpo.model)
+    source.on_fit_start(FitShape(max_steps=1, root_dir=str(tmp_path)), grpo.model, sharded=False)
     try:
         context = StepContext.one_process()
         [item] = source.rollouts(TrainingBatch(["Q:"], {}, 0), context, grpo.model)
         rollout = item.rollout
-        assert rollout.completions == ["<<2*3=6>> ok"] * 2  # the worker's calculator answered
-        assert rollout.tool_stats["tool_calls"].tolist() == [1, 1] and rollout.environments is None
+        assert rollout.completions == ["<<2*3=6>> ok"] * 2  # this process's calculator answered
+        assert rollout.tool_stats["tool_calls"].tolist() == [1, 1] and not any(rollout.environments or ())
         mask = rollout.loss_mask()
         tool = rollout.completion_mask.bool() & ~mask
         assert tool.sum() == 2 * 3  # "6>>", read but not trained on
-        if setting:  # the worker's log-probs of the policy's tokens: the trainer's own (a bf16 copy's: near)
+        if setting:  # the server's log-probs of the policy's tokens: the trainer's own (a bf16 copy's: near)
             trainer = grpo.scorer.log_probs_no_grad(grpo.model, rollout)
             close = 1e-2 if "rollout_precision" in setting else 1e-4
             torch.testing.assert_close(rollout.behav_logp[mask], trainer[mask], atol=close, rtol=close)
@@ -194,17 +216,24 @@ def test_the_rollout_worker_runs_the_calculator_and_its_batch_trains_a_step(modu
         source.close()
 
 
-@pytest.mark.parametrize(
-    ("settings", "reason"),
-    [
-        ({"environment_factory": "m.E"}, "an environment lives in the rollout worker"),
-        ({"tools": ["json.dumps"], "sandbox": "process"}, "not in sandbox='process' workers"),
-    ],
-)
-def test_tools_async_rollouts_cannot_run_yet_are_refused_by_name_with_the_reason(settings, reason):
-    with pytest.raises(ValueError, match=rf"does not work with rollout_mode='async': .*{reason}"):
-        validate_hparams({**settings, "rollout_mode": "async"})
+def test_a_model_of_a_class_of_its_own_is_refused_for_servers_the_trainer_starts():
+    """A subclass with its own forward would be served as the class AutoModelForCausalLM builds."""
+    tok = make_tokenizer()
+    with pytest.raises(
+        ValueError, match=r"builds .*LlamaForCausalLM from this model's config, not its class"
+    ):
+        refuse_unloadable_class(ScriptedLlama(make_model(len(tok)).config))
+    refuse_unloadable_class(make_model(len(tok)))
+
+
+def test_an_environment_in_async_mode_is_refused_by_name_with_the_reason_and_tools_are_taken():
+    with pytest.raises(
+        ValueError, match=r"cannot take environment_factory='m.E': an environment is an object"
+    ):
+        validate_hparams({"environment_factory": "m.E", "rollout_mode": "async"})
     validate_hparams({"tools": ["json.dumps"], "rollout_mode": "async", "rollout_correction": "mask"})
+    # The tools' loop runs on the trainer's side of its server, so in its sandbox too.
+    validate_hparams({"tools": ["json.dumps"], "sandbox": "process", "rollout_mode": "async"})
 
 
 def test_a_tool_rollout_in_flight_is_kept_in_a_checkpoint_and_comes_back_whole():
@@ -229,7 +258,7 @@ def test_a_tool_rollout_in_flight_is_kept_in_a_checkpoint_and_comes_back_whole()
 
 
 def test_function_tools_built_back_from_a_pickled_recipe_run_the_same_function():
-    # What the rollout worker gets: the recipe pickled, its functions by reference (import path).
+    # The recipe pickles with its functions by reference (import path): plain data.
     tok = chat_tokenizer()
     recipe = pickle.loads(pickle.dumps(ToolRecipe(functions=(add,), max_tool_calls=2)))
     assert recipe.functions == (add,)
