@@ -213,13 +213,7 @@ class AsyncEngine(Protocol):
     ) -> int: ...
 
     def submit_episodes(
-        self,
-        prompts: list[Any],
-        rows: dict[str, list[Any]],
-        group_size: int,
-        params: SamplingParams,
-        *,
-        seed: int,
+        self, prompts: list[Any], rows: dict[str, Any], group_size: int, params: SamplingParams, *, seed: int
     ) -> int: ...
 
     def collect(self, ticket: int) -> Finished: ...
