@@ -13,6 +13,11 @@ with the smaller weight: a solution of one step has no intermediate result, and 
 returns None for it (not applicable: the composite counts it 0); a completion that gets the answer
 without writing the steps (one compound expression) earns the correctness part alone.
 
+With ``past_the_steps`` a completion earns its steps' credit only when the answer it gives (read
+as the correctness check reads it) is none of the intermediate results: one that stops at a step
+(answers the sum the product should follow) earns nothing for the steps it wrote, so the credit
+does not pay for stopping early.
+
 The arithmetic task gives each problem's working as ``solution`` with
 ``--data.worked_solutions true``; rows of another dataset give it under their own field's name
 (``solution_field``).
@@ -23,7 +28,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from forge_lightning.data.gsm8k import NUMBER, normalize_number
+from forge_lightning.data.gsm8k import NUMBER, extract_answer, normalize_number
 from forge_lightning.rewards.calls import BaseReward, RewardOutput
 
 __all__ = ["IntermediateResultsReward", "intermediate_results", "results"]
@@ -52,12 +57,17 @@ class IntermediateResultsReward(BaseReward):
     Args:
         solution_field: the batch column that holds each problem's worked solution ("solution":
             the arithmetic task's, with ``--data.worked_solutions true``).
+        past_the_steps: credit the steps only of a completion whose answer is none of the
+            intermediate results (one that stopped at a step earns 0).
     """
 
-    def __init__(self, solution_field: str = "solution") -> None:
+    def __init__(self, solution_field: str = "solution", past_the_steps: bool = False) -> None:
         if not isinstance(solution_field, str) or not solution_field.isidentifier():
             raise ValueError(f"solution_field must be a column's name, got {solution_field!r}")
+        if not isinstance(past_the_steps, bool):
+            raise ValueError(f"past_the_steps must be true or false, got {past_the_steps!r}")
         self.solution_field = solution_field
+        self.past_the_steps = past_the_steps
         self.needs = (solution_field,)
 
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
@@ -73,6 +83,9 @@ class IntermediateResultsReward(BaseReward):
             wanted = intermediate_results(str(solution))
             if not wanted:  # one step: nothing between the problem and its answer
                 scores.append(None)
+                continue
+            if self.past_the_steps and extract_answer(response) in wanted:  # stopped at a step
+                scores.append(0.0)
                 continue
             written = set(results(response))
             scores.append(sum(value in written for value in wanted) / len(wanted))

@@ -167,9 +167,10 @@ _ENVIRONMENT_STATE = (
     "runs here, serving/remote_episodes.py)"
 )
 _AGENT_ENDPOINT = (
-    "an agent's episodes are its own code calling this process's endpoint turn by turn, in the "
-    "trainer's step, not yet a loop handed to the async pipeline: use rollout_mode='sync', where "
-    "the endpoint samples on the servers"
+    "a batch sampled by older weights trains with the log-probs its tokens were sampled with (the "
+    "decoupled loss), and an agent's endpoint reports none (as rollout_correction and "
+    "use_engine_logprobs are refused with an agent): use rollout_mode='sync', where the endpoint "
+    "samples on the servers"
 )
 
 # With rollout_mode='async'.

@@ -41,6 +41,21 @@ def test_the_share_of_the_steps_written():
     assert out.scores == [1.0, 0.5, 0.0, 0.0, 0.0]
 
 
+def test_past_the_steps_pays_nothing_for_stopping_at_one():
+    reward = IntermediateResultsReward(past_the_steps=True)
+    responses = [
+        "10 * 7 = 70\n70 + 56 = 126\nAnswer: 126",  # stopped at the second step
+        "10 * 7 = 70\nAnswer: 70",  # stopped at the first
+        "10 * 7 = 70\n70 + 56 = 126\n126 - 57 = 69\nAnswer: 69",  # past them, the last step wrong
+        "10 * 7 = 70\n70 + 75 = 145\nAnswer: 145",  # astray after the first: its credit kept
+    ]
+    out = reward(["p"] * 4, responses, solution=[THREE_STEPS] * 4)
+    assert out.scores == [0.0, 0.0, 1.0, 0.5]
+    assert IntermediateResultsReward()(["p"], responses[:1], solution=[THREE_STEPS]).scores == [1.0]
+    with pytest.raises(ValueError, match="past_the_steps must be true or false"):
+        IntermediateResultsReward(past_the_steps="yes")
+
+
 def test_a_one_step_solution_is_not_scored():
     out = IntermediateResultsReward()(["p"], ["82 + 94 = 176"], solution=["82 + 94 = 176"])
     assert out.scores == [None]

@@ -51,7 +51,7 @@ def test_what_the_servers_serve_is_taken_in_async_mode_with_servers_listed_or_no
         ({"steps_per_generation": 2}, "counts one optimizer step per batch it hands over"),
         ({"loss_type": "forge", "kl_beta": 0.04}, "which loss_type='forge' does not take"),
         ({"environment_factory": "mypkg.Env"}, "the batches in flight go into checkpoints"),
-        ({"agent": "forge_lightning.examples.calculator_agent.agent"}, "not yet a loop handed"),
+        ({"agent": "forge_lightning.examples.calculator_agent.agent"}, "an agent's endpoint reports none"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else "",
 )
