@@ -110,8 +110,10 @@ def refuse_unloadable_class(model: Any) -> None:
         built = AutoModelForCausalLM._model_mapping[type(model.config)]
     except KeyError:
         built = None
-    if built is not type(model):
-        name = f"{type(model).__module__}.{type(model).__qualname__}"
+    # The model's own class: FSDP2's fully_shard swaps in a subclass of torch's, which is not one.
+    own = next(c for c in type(model).__mro__ if not c.__module__.startswith("torch."))
+    if built is not own:
+        name = f"{own.__module__}.{own.__qualname__}"
         instead = "no class" if built is None else f"{built.__module__}.{built.__qualname__}"
         raise ValueError(
             f"the rollout servers the trainer starts load the model from a folder with "

@@ -15,6 +15,7 @@ import torch
 from helpers.engines import TurnEngine
 from helpers.models import ScriptedLlama, make_model, make_tokenizer, scripted
 from helpers.tools import GREEDY, CallsAtLengths, add, call, chat_tokenizer, tiny, tool_sampler
+from torch.distributed.fsdp import FSDPModule
 
 from forge_lightning.rollout.engines.base import SamplingParams
 from forge_lightning.rollout.in_flight import (
@@ -224,6 +225,11 @@ def test_a_model_of_a_class_of_its_own_is_refused_for_servers_the_trainer_starts
     ):
         refuse_unloadable_class(ScriptedLlama(make_model(len(tok)).config))
     refuse_unloadable_class(make_model(len(tok)))
+    # FSDP2's fully_shard swaps in a subclass of its own, made in torch: the model's class all the same.
+    llama = make_model(len(tok))
+    where = {"__module__": "torch.distributed.fsdp._fully_shard._fully_shard"}  # as fully_shard makes it
+    llama.__class__ = type("FSDPLlamaForCausalLM", (FSDPModule, type(llama)), where)
+    refuse_unloadable_class(llama)
 
 
 def test_an_environment_in_async_mode_is_refused_by_name_with_the_reason_and_tools_are_taken():
