@@ -49,7 +49,6 @@ ASYNC_JSONL_KEYS = (
     "staleness_max",
     "regenerated",
     "rollout_wait_s",
-    "worker_wait_s",
 )
 # Logged where the sampler's log-probs correct the loss (the rollout correction, async rollouts).
 CORRECTION_JSONL_KEYS = ("sampler_kl", "correction_weight_mean", "correction_masked_fraction")

@@ -60,15 +60,13 @@ TRAIN_KEYS = (
 # Maxima over the step's batches (and a report's steps).
 MAX_KEYS = ("staleness_max",)
 # Seconds per phase (from the PhaseProfiler) and completion tokens per second of those seconds.
-# With asynchronous rollouts, the seconds the trainer waited for a rollout (and the sampler for a batch,
-# where it reports it).
+# With asynchronous rollouts, the seconds the trainer waited for a rollout.
 # The share of the loss forwards' tokens that were padding (rollout/micro_batches.py).
 PERF_KEYS = (
     *(f"{phase}_s" for phase in PHASES),
     "step_s",
     "tokens_per_s",
     "rollout_wait_s",
-    "worker_wait_s",
     "padding_fraction",
 )
 # ``groups_filtered``: groups a loop hook dropped (training/loop_hooks.py), logged when one may.

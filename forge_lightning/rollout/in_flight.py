@@ -35,7 +35,6 @@ class Finished:
     completion_ids: Tensor  # (P*G, Lc)
     behav_logp: Tensor | None  # (P*G, Lc)
     version: int
-    worker_wait_s: float = 0.0  # the sampler idle before this batch reached it, where it says
     trainer_wait_s: float = 0.0  # the trainer blocked in collect for it
     # A tool-using batch's whole rollout as its tool loop made it (its prompts, model mask,
     # calls and transcripts), on the CPU, without log-probs or environments; None for the others.

@@ -308,7 +308,6 @@ class AsyncRollouts(RolloutSource):
                 "staleness_max": float(lag),
                 "regenerated": float(regenerated),
                 "rollout_wait_s": finished.trainer_wait_s,
-                "worker_wait_s": finished.worker_wait_s,
             }
             yield TrainingBatch(item.prompts, item.batch_kwargs, item.batch_idx, rollout, metrics)
 
