@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -132,7 +133,10 @@ class Placement:
     entries: Sequence[str]
     config: ServeConfig
     spec: str | None = None  # the module's model spec; None: the model was given as an object
-    folder: Path = field(default_factory=lambda: Path.cwd() / "servers")
+    # Where started servers' config, logs (and a model given as an object) go: the run folder's
+    # servers/ (RemoteSource.connect); None, as in a validate before any fit: a fresh temporary
+    # folder at the first start, never the working directory.
+    folder: Path | None = None
     secret: str = ""
     processes: list[subprocess.Popen] = field(default_factory=list)
     actors: list[Any] = field(default_factory=list)
@@ -167,6 +171,8 @@ class Placement:
         are) and wait until each answers; every server's ``(name, host:port)``."""
         started: list[tuple[str, str]] = []
         if torch_rank() == 0 and any(e.kind != "remote" for e in self.parsed):
+            if self.folder is None:
+                self.folder = Path(tempfile.mkdtemp(prefix="forge-lightning-servers-"))
             model_spec = served_model(model, tokenizer, self.spec, self.folder)
             self.config = replace(self.config, model={**self.config.model, "model": model_spec})
             started = self._start_children()

@@ -196,11 +196,13 @@ def test_async_step_cadence_callbacks_see_every_step_across_an_epoch_boundary(
 
 
 @pytest.mark.integration
-def test_the_server_samples_validation_from_the_batchs_seed(tmp_path, module, trainer, loader):
+def test_the_server_samples_validation_from_the_batchs_seed(tmp_path, module, trainer, loader, monkeypatch):
     """Sampled validation goes through the server, seeded from (seed, step, batch) as in-process
     sampling is: the same prompt in two batches gets two draws, and a second validation of the
     same weights repeats them whatever the global RNG holds."""
     records = [{"prompt": "1 + 2 =", "reference": "3"}] * 2  # one prompt, two batches
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     grpo = module(rollout_mode="async", val_num_generations=4, max_new_tokens=6)
     draws = []
     try:
@@ -216,6 +218,10 @@ def test_the_server_samples_validation_from_the_batchs_seed(tmp_path, module, tr
                 ]
             )
         assert isinstance(grpo.engine, RemoteEngine)  # the server sampled them
+        # No fit told it a run folder: its files went to a temporary folder, not the working directory.
+        folder = grpo.engine.placement.folder
+        assert (folder / "server-1.log").is_file() and not folder.is_relative_to(tmp_path)
+        assert not (tmp_path / "cwd" / "servers").exists()
     finally:
         grpo.stop_rollout_worker()
     assert draws[0] == draws[1]
