@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 from forge_lightning.models.loading import ModelLoadError, load_model
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.serving.decode import DecodeLoop
-from forge_lightning.serving.devices import check_rollout_device
+from forge_lightning.serving.devices import check_rollout_device, server_device
 from forge_lightning.serving.server import RolloutServer, secret_from
 from forge_lightning.serving.wire import SECRET_ENV
 
@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
     except ValueError as err:
         parser.exit(2, f"{PROG}: {err}\n")
     if settings["rollout_memory_fraction"] is not None and args.engine == "hf":
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = server_device(args.device)
         try:
             check_rollout_device(device, settings["rollout_memory_fraction"])
         except ValueError as err:
@@ -124,7 +124,7 @@ def sampler(
         from forge_lightning.serving.vllm_loop import VLLMLoop  # vLLM itself: on the first request
 
         return VLLMLoop(model, tokenizer, gpu_memory_utilization=settings["vllm_gpu_memory_utilization"])
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = server_device(args.device)
     share = settings["rollout_memory_fraction"]
     if share is not None:  # a GPU shared with the trainer (main checked it is a CUDA device)
         torch.cuda.set_per_process_memory_fraction(share, torch.device(device))

@@ -40,6 +40,11 @@ def check_rollout_device(device: str | None, memory_fraction: float | None) -> N
         )
 
 
+def server_device(device: str | None) -> str:
+    """The device a server samples on: the one it is given, else cuda where there is one, else the CPU."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def devices_of(text: Any) -> list[Any]:
     """The devices a comma-separated list names (``"cuda:0, cuda:1"``: ``["cuda:0", "cuda:1"]``),
     dealt round-robin to the rollout servers a trainer starts (serving/placement.py); none for

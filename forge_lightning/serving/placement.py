@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from forge_lightning.serving.devices import server_device
 from forge_lightning.serving.processes import (
     ServeConfig,
     free_port,
@@ -156,10 +157,7 @@ class Placement:
     def cpu_threads_here(self) -> int:
         """The CPU threads the ``local`` servers take on this machine (those on a GPU, none)."""
         local = sum(e.count for e in self.parsed if e.kind == "local")
-        on_cpu = sum(
-            (self.config.device(i) or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-            for i in range(local)
-        )
+        on_cpu = sum(server_device(self.config.device(i)).startswith("cpu") for i in range(local))
         return on_cpu * self.config.threads
 
     @property
