@@ -23,7 +23,6 @@ from forge_lightning.rollout.sources import (
     SyncRollouts,
     TrainingBatch,
     TrainingLoop,
-    warn_when_the_end_drains_at_once,
 )
 from forge_lightning.run.fit import FitShape
 from forge_lightning.serving.client import RemoteEngine
@@ -124,7 +123,7 @@ class RemoteAsyncRollouts(RemoteSource, AsyncRollouts):
             self.remote.episodes = RemoteEpisodes(engine, runner, model)
 
     def on_fit_start(self, fit: FitShape, model: PreTrainedModel, sharded: bool) -> None:
-        warn_when_the_end_drains_at_once(fit, self.remote.lag)
+        super().on_fit_start(fit, model, sharded)  # the pipeline's warning
         # The servers started on this machine's CPU sample while the trainer trains: the trainer
         # keeps the threads they do not take (at least one).
         beside = self.remote.placement.cpu_threads_here()
