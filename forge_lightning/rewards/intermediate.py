@@ -18,6 +18,12 @@ as the correctness check reads it) is none of the intermediate results: one that
 (answers the sum the product should follow) earns nothing for the steps it wrote, so the credit
 does not pay for stopping early.
 
+With ``right_takes_all`` a completion whose answer is the solution's (its last result) earns the
+whole credit, whatever it wrote on the way: one compound expression, the products in another
+order, the distributive form. Without it a right answer that does not write the solution's steps
+earns less than one that does, and the credit then pays for a form over a right answer; with it
+the credit pays only on the way to a right answer.
+
 The arithmetic task gives each problem's working as ``solution`` with
 ``--data.worked_solutions true``; rows of another dataset give it under their own field's name
 (``solution_field``).
@@ -59,15 +65,21 @@ class IntermediateResultsReward(BaseReward):
             the arithmetic task's, with ``--data.worked_solutions true``).
         past_the_steps: credit the steps only of a completion whose answer is none of the
             intermediate results (one that stopped at a step earns 0).
+        right_takes_all: a completion whose answer is the solution's last result earns 1,
+            whatever steps it wrote.
     """
 
-    def __init__(self, solution_field: str = "solution", past_the_steps: bool = False) -> None:
+    def __init__(
+        self, solution_field: str = "solution", past_the_steps: bool = False, right_takes_all: bool = False
+    ) -> None:
         if not isinstance(solution_field, str) or not solution_field.isidentifier():
             raise ValueError(f"solution_field must be a column's name, got {solution_field!r}")
-        if not isinstance(past_the_steps, bool):
-            raise ValueError(f"past_the_steps must be true or false, got {past_the_steps!r}")
+        for name, value in (("past_the_steps", past_the_steps), ("right_takes_all", right_takes_all)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
         self.solution_field = solution_field
         self.past_the_steps = past_the_steps
+        self.right_takes_all = right_takes_all
         self.needs = (solution_field,)
 
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
@@ -84,7 +96,11 @@ class IntermediateResultsReward(BaseReward):
             if not wanted:  # one step: nothing between the problem and its answer
                 scores.append(None)
                 continue
-            if self.past_the_steps and extract_answer(response) in wanted:  # stopped at a step
+            answer = extract_answer(response)
+            if self.right_takes_all and answer == results(str(solution).split("####", 1)[0])[-1]:
+                scores.append(1.0)
+                continue
+            if self.past_the_steps and answer in wanted:  # stopped at a step
                 scores.append(0.0)
                 continue
             written = set(results(response))

@@ -56,6 +56,29 @@ def test_past_the_steps_pays_nothing_for_stopping_at_one():
         IntermediateResultsReward(past_the_steps="yes")
 
 
+def test_right_takes_all_pays_a_right_answer_whatever_its_steps():
+    reward = IntermediateResultsReward(right_takes_all=True)
+    responses = [
+        "10 * 7 - 75 + 56 = 51\nAnswer: 51",  # right in one expression: no step written
+        "56 - 75 + 10 * 7 = 51\nAnswer: 51",  # right, another order
+        "10 * 7 = 70\n70 + 75 = 145\nAnswer: 145",  # wrong: the share of the steps, as without it
+        "10 * 7 = 70\n70 + 56 = 126\nAnswer: 126",  # stopped at a step: its share too
+        "10 + 7 + 56 = 73\nAnswer: 73",
+    ]
+    out = reward(["p"] * 5, responses, solution=[THREE_STEPS] * 5)
+    assert out.scores == [1.0, 1.0, 0.5, 1.0, 0.0]
+    gated = IntermediateResultsReward(past_the_steps=True, right_takes_all=True)
+    assert gated(["p"] * 5, responses, solution=[THREE_STEPS] * 5).scores == [1.0, 1.0, 0.5, 0.0, 0.0]
+    assert IntermediateResultsReward()(["p"], responses[:1], solution=[THREE_STEPS]).scores == [0.0]
+    gsm8k = "She sold 48/2 = <<48/2=24>>24 clips.\nIn all 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    assert reward(["p"], ["48 * 1.5 = 72\nAnswer: 72"], solution=[gsm8k]).scores == [1.0]
+    composite = CompositeReward([(GSM8KAnswerReward(), 0.8), (reward, 0.2)])
+    out = composite(["p"] * 2, responses[:2], references=["51"] * 2, solution=[THREE_STEPS] * 2)
+    assert out.scores == pytest.approx([1.0, 1.0])  # the compound answer no longer 0.8 beside the chain's 1.0
+    with pytest.raises(ValueError, match="right_takes_all must be true or false"):
+        IntermediateResultsReward(right_takes_all=1)
+
+
 def test_a_one_step_solution_is_not_scored():
     out = IntermediateResultsReward()(["p"], ["82 + 94 = 176"], solution=["82 + 94 = 176"])
     assert out.scores == [None]
