@@ -50,11 +50,15 @@ def results(text: str) -> list[str]:
     return [number for number in found if number is not None]
 
 
+def worked_results(solution: str) -> list[str]:
+    """A worked solution's results in order, the last its answer; its text after a GSM8K ``####``
+    (the answer line) is not read."""
+    return results(solution.split("####", 1)[0])
+
+
 def intermediate_results(solution: str) -> list[str]:
-    """A worked solution's results but its last (the answer), each once, in order; its text after a
-    GSM8K ``####`` (the answer line) is not read."""
-    steps = results(solution.split("####", 1)[0])
-    return list(dict.fromkeys(steps[:-1]))
+    """A worked solution's results but its last (the answer), each once, in order."""
+    return list(dict.fromkeys(worked_results(solution)[:-1]))
 
 
 class IntermediateResultsReward(BaseReward):
@@ -92,12 +96,13 @@ class IntermediateResultsReward(BaseReward):
             )
         scores: list[float | None] = []
         for solution, response in zip(solutions, responses):
-            wanted = intermediate_results(str(solution))
+            steps = worked_results(str(solution))
+            wanted = list(dict.fromkeys(steps[:-1]))
             if not wanted:  # one step: nothing between the problem and its answer
                 scores.append(None)
                 continue
             answer = extract_answer(response)
-            if self.right_takes_all and answer == results(str(solution).split("####", 1)[0])[-1]:
+            if self.right_takes_all and answer == steps[-1]:
                 scores.append(1.0)
                 continue
             if self.past_the_steps and answer in wanted:  # stopped at a step
