@@ -8,6 +8,10 @@ import os
 # No test may reach the network: the hub client fails at once instead of retrying for a minute.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# README's test command runs the suite as two pytest-xdist workers side by side (pytest -n 2):
+# one torch thread each, which the processes a test starts inherit, as two processes on two cores should.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import functools  # noqa: E402
 import json  # noqa: E402
