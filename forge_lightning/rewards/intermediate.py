@@ -24,6 +24,11 @@ order, the distributive form. Without it a right answer that does not write the 
 earns less than one that does, and the credit then pays for a form over a right answer; with it
 the credit pays only on the way to a right answer.
 
+With ``fade_steps`` the credit falls in a straight line from its whole at the run's first step to
+nothing at optimizer step ``fade_steps`` (the ``trainer_state.global_step`` every reward call is
+given), after which correctness alone is paid: a credit to find the chains with that is gone before
+the late steps, where a policy with little entropy left drifts to what the credit pays for.
+
 The arithmetic task gives each problem's working as ``solution`` with
 ``--data.worked_solutions true``; rows of another dataset give it under their own field's name
 (``solution_field``).
@@ -71,19 +76,31 @@ class IntermediateResultsReward(BaseReward):
             intermediate results (one that stopped at a step earns 0).
         right_takes_all: a completion whose answer is the solution's last result earns 1,
             whatever steps it wrote.
+        fade_steps: scale the credit by ``1 - step / fade_steps`` (0 from step ``fade_steps`` on),
+            the step read from the call's ``trainer_state.global_step``; None: the whole credit
+            at every step.
     """
 
     def __init__(
-        self, solution_field: str = "solution", past_the_steps: bool = False, right_takes_all: bool = False
+        self,
+        solution_field: str = "solution",
+        past_the_steps: bool = False,
+        right_takes_all: bool = False,
+        fade_steps: int | None = None,
     ) -> None:
         if not isinstance(solution_field, str) or not solution_field.isidentifier():
             raise ValueError(f"solution_field must be a column's name, got {solution_field!r}")
         for name, value in (("past_the_steps", past_the_steps), ("right_takes_all", right_takes_all)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
+        if fade_steps is not None and (
+            isinstance(fade_steps, bool) or not isinstance(fade_steps, int) or fade_steps < 1
+        ):
+            raise ValueError(f"fade_steps must be a whole number of steps >= 1 or None, got {fade_steps!r}")
         self.solution_field = solution_field
         self.past_the_steps = past_the_steps
         self.right_takes_all = right_takes_all
+        self.fade_steps = fade_steps
         self.needs = (solution_field,)
 
     def __call__(self, prompts: list[str], responses: list[str], **kwargs: Any) -> RewardOutput:
@@ -94,6 +111,7 @@ class IntermediateResultsReward(BaseReward):
                 f"IntermediateResultsReward needs one {self.solution_field!r} per response, got {got} "
                 f"for {len(responses)}"
             )
+        scale = self._scale(kwargs.get("trainer_state"))
         scores: list[float | None] = []
         for solution, response in zip(solutions, responses):
             steps = worked_results(str(solution))
@@ -103,11 +121,22 @@ class IntermediateResultsReward(BaseReward):
                 continue
             answer = extract_answer(response)
             if self.right_takes_all and answer == steps[-1]:
-                scores.append(1.0)
+                scores.append(scale)
                 continue
             if self.past_the_steps and answer in wanted:  # stopped at a step
                 scores.append(0.0)
                 continue
             written = set(results(response))
-            scores.append(sum(value in written for value in wanted) / len(wanted))
+            scores.append(scale * sum(value in written for value in wanted) / len(wanted))
         return RewardOutput(scores=scores)
+
+    def _scale(self, trainer_state: Any) -> float:
+        """The share of the credit paid at this call's step (1 without ``fade_steps``)."""
+        if self.fade_steps is None:
+            return 1.0
+        if trainer_state is None:
+            raise ValueError(
+                "IntermediateResultsReward(fade_steps=...) reads the step from trainer_state, which this "
+                "call was not given (the trainer gives it to every reward call)"
+            )
+        return max(0.0, 1.0 - trainer_state.global_step / self.fade_steps)

@@ -6,8 +6,10 @@ import pytest
 from forge_lightning.data.arithmetic import generate
 from forge_lightning.data.datamodule import PromptDataModule
 from forge_lightning.rewards import CompositeReward, GSM8KAnswerReward
+from forge_lightning.rewards.extras import RewardState
 from forge_lightning.rewards.intermediate import IntermediateResultsReward, intermediate_results, results
 from forge_lightning.rewards.library import missing_arguments
+from forge_lightning.testing import scripted_rollout
 
 pytestmark = pytest.mark.unit
 
@@ -77,6 +79,37 @@ def test_right_takes_all_pays_a_right_answer_whatever_its_steps():
     assert out.scores == pytest.approx([1.0, 1.0])  # the compound answer no longer 0.8 beside the chain's 1.0
     with pytest.raises(ValueError, match="right_takes_all must be true or false"):
         IntermediateResultsReward(right_takes_all=1)
+
+
+def test_fade_steps_scales_the_credit_down_to_nothing_at_that_step():
+    reward = IntermediateResultsReward(fade_steps=20)
+    responses = ["10 * 7 = 70\n70 + 75 = 145\nAnswer: 145", "10 * 7 - 75 + 56 = 51\nAnswer: 51"]
+
+    def at(step, scored=reward):
+        state = RewardState(global_step=step, epoch=0.0, max_steps=60)
+        return scored(["p"] * 2, responses, solution=[THREE_STEPS] * 2, trainer_state=state).scores
+
+    assert at(0) == [0.5, 0.0]
+    assert at(5) == pytest.approx([0.5 * 0.75, 0.0])
+    assert at(20) == at(45) == [0.0, 0.0]
+    assert at(5, IntermediateResultsReward(right_takes_all=True, fade_steps=20)) == pytest.approx(
+        [0.375, 0.75]
+    )
+    assert at(5, IntermediateResultsReward()) == [0.5, 0.0]  # no fade: the step is not read
+    with pytest.raises(ValueError, match="reads the step from trainer_state"):
+        reward(["p"], responses[:1], solution=[THREE_STEPS])
+    for wrong in (0, -3, 2.5, True, "10"):
+        with pytest.raises(ValueError, match="fade_steps must be a whole number of steps >= 1 or None"):
+            IntermediateResultsReward(fade_steps=wrong)
+
+
+def test_the_scoring_path_gives_the_fading_credit_its_step_inside_a_composite():
+    """Every reward call is given trainer_state (the test kit's scoring path: step 0), the parts of
+    a CompositeReward too: the credit is paid whole there, not refused."""
+    reward = CompositeReward([(GSM8KAnswerReward(), 0.8), (IntermediateResultsReward(fade_steps=10), 0.2)])
+    row = {"prompt": "p", "reference": "51", "solution": THREE_STEPS}
+    out = scripted_rollout([row], ["10 * 7 = 70\n70 + 75 = 145\nAnswer: 145"], reward=reward)
+    assert out.rewards == pytest.approx([0.2 * 0.5])
 
 
 def test_a_one_step_solution_is_not_scored():
