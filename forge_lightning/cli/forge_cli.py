@@ -35,6 +35,7 @@ from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rewards.resume_changes import reward_on_resume
 from forge_lightning.run.folder import RunFolder, RunFolderError, remove_untracked_checkpoints
+from forge_lightning.run.process_group import release_process_group
 from forge_lightning.run.resume import check_resume_settings
 from forge_lightning.run.signals import EXIT_CODE
 from forge_lightning.settings.groups import CHANGEABLE_ON_RESUME, current_names
@@ -616,6 +617,7 @@ def main(argv: list[str] | None = None) -> None:
             # Lightning's own stop on SIGTERM (e.g. during validation) exits 0; a pre-empted run
             # is not a finished one.
             raise SystemExit(stop.code if stop.code not in (None, 0) else EXIT_CODE) from None
+        release_process_group()  # a rank that exits with it up may abort (run/process_group.py)
 
 
 if __name__ == "__main__":

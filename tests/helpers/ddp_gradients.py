@@ -32,6 +32,7 @@ from forge_lightning.callbacks.settled_prompt_filter import SettledPromptFilter,
 from forge_lightning.data.datamodule import collate_records
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.rollout.sources import TrainingBatch
+from forge_lightning.run.process_group import release_process_group
 from helpers.engines import CalculatorCalls, FixedCompletions
 from helpers.gradients import exact_settings, gradient_spy, other_reference
 
@@ -121,3 +122,4 @@ def solved_first_prompt() -> SettledPromptFilter:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:])
+    release_process_group()  # else a rank may abort at exit (run/process_group.py)

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from forge_lightning.callbacks import RewardLogger
 from forge_lightning.data.datamodule import collate_records
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.run.process_group import release_process_group
 
 PROMPTS = [f"q{i} a" for i in range(12)]  # 12 prompts: 3 steps of 2 per rank
 GROUP_SIZE = 3
@@ -81,3 +82,4 @@ def main(out: Path, model_dir: str, servers: list[str], kill: int) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), int(sys.argv[4]))
+    release_process_group()  # else a rank may abort at exit (run/process_group.py)

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from forge_lightning.callbacks import RewardLogger
 from forge_lightning.data.datamodule import collate_records
 from forge_lightning.module import GRPOLightningModule
+from forge_lightning.run.process_group import release_process_group
 from helpers.engines import ScriptedAnswers
 from helpers.models import make_model, make_tokenizer
 from helpers.rewards import count_a
@@ -63,3 +64,4 @@ def validate(out: Path, devices: int) -> dict[str, float]:
 
 if __name__ == "__main__":
     validate(Path(sys.argv[1]), devices=2)
+    release_process_group()  # else a rank may abort at exit (run/process_group.py)
