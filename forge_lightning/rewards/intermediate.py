@@ -29,6 +29,12 @@ nothing at optimizer step ``fade_steps`` (the ``trainer_state.global_step`` ever
 given), after which correctness alone is paid: a credit to find the chains with that is gone before
 the late steps, where a policy with little entropy left drifts to what the credit pays for.
 
+With ``within_expressions`` a result also counts as written when an expression the completion
+writes before an ``=`` computes it on the way (``50 * 23 + 88 * 23 =`` computes 1150 and 2024, read
+as the calculator reads a call, never run): the credit then pays for the steps' quantities in
+whichever form they are computed, a chain of calls or one compound expression, and not for the
+form.
+
 The arithmetic task gives each problem's working as ``solution`` with
 ``--data.worked_solutions true``; rows of another dataset give it under their own field's name
 (``solution_field``).
@@ -41,8 +47,9 @@ from typing import Any
 
 from forge_lightning.data.gsm8k import NUMBER, extract_answer, normalize_number
 from forge_lightning.rewards.calls import BaseReward, RewardOutput
+from forge_lightning.rollout.tools.calculator import InlineCalculator, format_number, operation_values
 
-__all__ = ["IntermediateResultsReward", "intermediate_results", "results"]
+__all__ = ["IntermediateResultsReward", "computed_results", "intermediate_results", "results"]
 
 # A result: the number after an "=", read as the answer's number is (data/gsm8k.py's NUMBER: "$",
 # thousands groups, so "= 12,13" is 12, not 1213).
@@ -53,6 +60,19 @@ def results(text: str) -> list[str]:
     """The numbers ``text`` writes after an ``=``, normalized (``"1,200.0"`` -> ``"1200"``), in order."""
     found = (normalize_number(match) for match in _RESULT.findall(text))
     return [number for number in found if number is not None]
+
+
+def computed_results(text: str) -> list[str]:
+    """The values of the operations of each expression ``text`` writes before an ``=`` (as the
+    plain-style calculator finds a call's expression there), normalized, in order."""
+    calculator = InlineCalculator("plain")
+    found: list[str] = []
+    for equals in re.finditer("=", text):
+        expression = calculator.trigger(text[: equals.end()])
+        if expression is not None:
+            values = (normalize_number(format_number(value)) for value in operation_values(expression))
+            found.extend(value for value in values if value is not None)
+    return found
 
 
 def worked_results(solution: str) -> list[str]:
@@ -76,6 +96,8 @@ class IntermediateResultsReward(BaseReward):
             intermediate results (one that stopped at a step earns 0).
         right_takes_all: a completion whose answer is the solution's last result earns 1,
             whatever steps it wrote.
+        within_expressions: a result computed inside an expression written before an ``=``
+            counts as written (one compound expression earns the steps it computes).
         fade_steps: scale the credit by ``1 - step / fade_steps`` (0 from step ``fade_steps`` on),
             the step read from the call's ``trainer_state.global_step``; None: the whole credit
             at every step.
@@ -86,11 +108,17 @@ class IntermediateResultsReward(BaseReward):
         solution_field: str = "solution",
         past_the_steps: bool = False,
         right_takes_all: bool = False,
+        within_expressions: bool = False,
         fade_steps: int | None = None,
     ) -> None:
         if not isinstance(solution_field, str) or not solution_field.isidentifier():
             raise ValueError(f"solution_field must be a column's name, got {solution_field!r}")
-        for name, value in (("past_the_steps", past_the_steps), ("right_takes_all", right_takes_all)):
+        flags = (
+            ("past_the_steps", past_the_steps),
+            ("right_takes_all", right_takes_all),
+            ("within_expressions", within_expressions),
+        )
+        for name, value in flags:
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
         if fade_steps is not None and (
@@ -100,6 +128,7 @@ class IntermediateResultsReward(BaseReward):
         self.solution_field = solution_field
         self.past_the_steps = past_the_steps
         self.right_takes_all = right_takes_all
+        self.within_expressions = within_expressions
         self.fade_steps = fade_steps
         self.needs = (solution_field,)
 
@@ -127,6 +156,8 @@ class IntermediateResultsReward(BaseReward):
                 scores.append(0.0)
                 continue
             written = set(results(response))
+            if self.within_expressions:
+                written.update(computed_results(response))
             scores.append(scale * sum(value in written for value in wanted) / len(wanted))
         return RewardOutput(scores=scores)
 

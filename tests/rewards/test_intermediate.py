@@ -81,6 +81,31 @@ def test_right_takes_all_pays_a_right_answer_whatever_its_steps():
         IntermediateResultsReward(right_takes_all=1)
 
 
+def test_within_expressions_counts_the_steps_an_expression_computes():
+    reward = IntermediateResultsReward(within_expressions=True)
+    responses = [
+        "10 * 7 + 56 - 57 = 69\nAnswer: 69",  # both steps computed in one expression, the last wrong
+        "10 * 7 - 75 + 56 = 51\nAnswer: 51",  # another order: 70 on the way, not 126
+        "10 * 7 = 70\n70 + 75 = 145\nAnswer: 145",  # a chain: as without it
+        "10 + 7 + 56 = 73\nAnswer: 73",  # no step's quantity
+        "10 * 7 + 56 makes 126\nAnswer: 126",  # no "=": no expression read
+    ]
+    out = reward(["p"] * 5, responses, solution=[THREE_STEPS] * 5)
+    assert out.scores == [1.0, 0.5, 0.5, 0.0, 0.0]
+    assert IntermediateResultsReward()(["p"] * 2, responses[:2], solution=[THREE_STEPS] * 2).scores == [
+        0.0,
+        0.0,
+    ]
+    # Stopping at a step in one expression is stopping at it: past_the_steps pays nothing.
+    gated = IntermediateResultsReward(past_the_steps=True, within_expressions=True)
+    assert gated(["p"], ["10 * 7 + 56 = 126\nAnswer: 126"], solution=[THREE_STEPS]).scores == [0.0]
+    products = "22 * 11 = 242\n3 * 21 = 63\n242 + 63 = 305"
+    written = ["22 x 11 + 3 * 21 = 300\nAnswer: 300", "22 + 3 = 25\nAnswer: 25"]
+    assert reward(["p"] * 2, written, solution=[products] * 2).scores == [1.0, 0.0]
+    with pytest.raises(ValueError, match="within_expressions must be true or false"):
+        IntermediateResultsReward(within_expressions="on")
+
+
 def test_fade_steps_scales_the_credit_down_to_nothing_at_that_step():
     reward = IntermediateResultsReward(fade_steps=20)
     responses = ["10 * 7 = 70\n70 + 75 = 145\nAnswer: 145", "10 * 7 - 75 + 56 = 51\nAnswer: 51"]

@@ -53,14 +53,41 @@ def safe_eval(expr: str) -> int | float:
     decimals. Raises :class:`CalculatorError` for anything outside the grammar, a division by zero,
     an expression over 100 characters, or a number (given or intermediate) over 1e12 in magnitude.
     A number may group its thousands with commas (``80,000 * 1.5``); any other comma is refused."""
+    return _number(_value(_parse(expr)))
+
+
+def operation_values(expr: str) -> list[int | float]:
+    """The value of each operation of an expression the calculator accepts, inner ones first:
+    ``2 * 3 + 4`` gives ``[6, 10]``; one it refuses gives none."""
+    try:
+        tree = _parse(expr)
+        _value(tree)  # refused whole if any part is
+        return [_number(_value(node)) for node in _operations(tree)]
+    except CalculatorError:
+        return []
+
+
+def _operations(node: ast.AST) -> list[ast.AST]:
+    """The binary operations under ``node``, each after the ones it is made of."""
+    if isinstance(node, ast.BinOp):
+        return [*_operations(node.left), *_operations(node.right), node]
+    if isinstance(node, ast.UnaryOp):
+        return _operations(node.operand)
+    return []
+
+
+def _parse(expr: str) -> ast.AST:
     if len(expr) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
         ungrouped = _GROUPED.sub(lambda m: m.group().replace(",", ""), _TIMES.sub("*", expr.strip()))
-        tree = ast.parse(ungrouped, mode="eval")
+        return ast.parse(ungrouped, mode="eval").body
     except SyntaxError:
         raise CalculatorError("malformed expression") from None
-    value = _value(tree.body)
+
+
+def _number(value: Fraction) -> int | float:
+    """An int when it is whole, else a float rounded to 6 decimals."""
     if value.denominator == 1:
         return int(value)
     return round(float(value), 6)

@@ -23,7 +23,7 @@ from forge_lightning.rollout.engines.base import (
 from forge_lightning.rollout.engines.hf import HFGenerate
 from forge_lightning.rollout.tool_sampler import ToolRolloutSampler
 from forge_lightning.rollout.tools import CalculatorError, InlineCalculator, safe_eval
-from forge_lightning.rollout.tools.calculator import CalculatorStop, CalculatorTail
+from forge_lightning.rollout.tools.calculator import CalculatorStop, CalculatorTail, operation_values
 
 GREEDY = SamplingParams(max_new_tokens=40, greedy=True)
 
@@ -46,6 +46,16 @@ def test_safe_eval_computes_arithmetic(expr, value):
 def test_safe_eval_refuses_what_is_not_small_arithmetic(expr):
     with pytest.raises(CalculatorError):
         safe_eval(expr)
+
+
+def test_operation_values_are_each_operations_value_inner_first():
+    assert operation_values("50 * 23 + 88 * 23") == [1150, 2024, 3174]
+    assert operation_values("(50 + 88) x 23") == [138, 3174]
+    assert operation_values("-(7 / 2) + 1,000") == [3.5, 996.5]
+    assert operation_values("42") == []  # no operation
+    # Refused whole, as safe_eval refuses it: nothing of it is read.
+    assert operation_values("6 * 7 + 1/0") == [] and operation_values("2**3 + 1") == []
+    assert operation_values("__import__('os') * 2") == []
 
 
 @pytest.mark.parametrize("expr", ["1234,567 * 2", "1,2", "1,234,56 + 1", "(1, 2)"])
