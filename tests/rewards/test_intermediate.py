@@ -92,10 +92,8 @@ def test_within_expressions_counts_the_steps_an_expression_computes():
     ]
     out = reward(["p"] * 5, responses, solution=[THREE_STEPS] * 5)
     assert out.scores == [1.0, 0.5, 0.5, 0.0, 0.0]
-    assert IntermediateResultsReward()(["p"] * 2, responses[:2], solution=[THREE_STEPS] * 2).scores == [
-        0.0,
-        0.0,
-    ]
+    without = IntermediateResultsReward()  # the compound answers' steps, unread
+    assert without(["p"] * 2, responses[:2], solution=[THREE_STEPS] * 2).scores == [0.0, 0.0]
     # Stopping at a step in one expression is stopping at it: past_the_steps pays nothing.
     gated = IntermediateResultsReward(past_the_steps=True, within_expressions=True)
     assert gated(["p"], ["10 * 7 + 56 = 126\nAnswer: 126"], solution=[THREE_STEPS]).scores == [0.0]
