@@ -37,7 +37,7 @@ from forge_lightning.rollout.engines.base import (
 from forge_lightning.rollout.in_flight import Finished, rollout_seed
 from forge_lightning.serving.balance import balanced, prompt_cost, share_seed, stream_seed
 from forge_lightning.serving.connection import Connection, EventLoop, Server, ServerDown
-from forge_lightning.serving.placement import Placement
+from forge_lightning.serving.placement import Placement, trainer_rank
 from forge_lightning.serving.pusher import WeightPusher, walk_in_step
 from forge_lightning.serving.rows import Sampled, joined, padded, rows_by_prompt, unpadded_prompts
 from forge_lightning.serving.served_weights import served_tensors
@@ -49,12 +49,6 @@ from forge_lightning.serving.wire import (
     encode_rng_state,
     fingerprint,
 )
-
-
-def trainer_rank() -> int:
-    """This process's rank among the trainer's (0 outside torch.distributed)."""
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class NoServerLeft(RuntimeError):

@@ -168,7 +168,7 @@ class Placement:
         """Start the ``local`` and ``ray`` servers (rank 0; the other ranks are told where they
         are) and wait until each answers; every server's ``(name, host:port)``."""
         started: list[tuple[str, str]] = []
-        if torch_rank() == 0 and any(e.kind != "remote" for e in self.parsed):
+        if trainer_rank() == 0 and any(e.kind != "remote" for e in self.parsed):
             if self.folder is None:
                 self.folder = Path(tempfile.mkdtemp(prefix="forge-lightning-servers-"))
             model_spec = served_model(model, tokenizer, self.spec, self.folder)
@@ -219,7 +219,8 @@ class Placement:
         self.processes, self.actors, self._by_address = [], [], {}
 
 
-def torch_rank() -> int:
+def trainer_rank() -> int:
+    """This process's rank among the trainer's (0 outside torch.distributed)."""
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
