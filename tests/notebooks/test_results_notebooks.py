@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -311,8 +313,10 @@ def test_chains_notebook_tables_every_evaluation_and_attempt_from_its_files(tmp_
     for cell, problems in (("heldout", "200"), ("gsm8k", "200")):
         [held] = tables(cells[cell])
         assert len(held) > 2
+        recorded = {e["label"]: shlex.split(e["command"]) for e in evals.values()}
         for row in held[1:]:
-            label = next(e for e in evals.values() if f"`{e['command']}`" == row[-1])["label"]
+            words = shell_words(row[-1].strip("`"))  # the command as shown, run as bash would
+            label = next(label for label, command in recorded.items() if command == words)
             answers = [
                 json.loads(line) for line in (multistep / "evals" / f"{label}.jsonl").read_text().splitlines()
             ]
@@ -338,6 +342,13 @@ def test_chains_notebook_tables_every_evaluation_and_attempt_from_its_files(tmp_
         log = (multistep / "training" / row[1] / "training_log.jsonl").read_text().splitlines()
         assert int(row[6]) == json.loads(log[-1])["step"]
     assert has_png(cells["curves"]) and (tmp_path / "chains_curves.png").is_file()
+
+
+def shell_words(command: str) -> list[str]:
+    """The words bash makes of a command shown in a table (a system message in $'...' quoting included)."""
+    script = f"set -f; printf '%s\\0' {command}"
+    shown = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    return shown.stdout.split("\0")[:-1]
 
 
 def plain_vote(samples: list[dict]) -> float:
