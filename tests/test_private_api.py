@@ -20,7 +20,8 @@ from lightning.pytorch.cli import LightningCLI
 from forge_lightning.callbacks.preemption import hide_sigterm
 from forge_lightning.callbacks.step_boundary import mark_saved
 from forge_lightning.callbacks.trainer_view import max_time_set
-from forge_lightning.cli.forge_cli import ForgeCLI, option, parse_unvalidated, parts, read_as_string
+from forge_lightning.cli.forge_cli import ForgeCLI
+from forge_lightning.cli.parser_internals import option, parse_unvalidated, parts, read_as_string
 from forge_lightning.data.datamodule import fingerprint
 from forge_lightning.run.fit import FitShape
 from forge_lightning.training.optim import set_last_lr, total_optimizer_steps
@@ -48,7 +49,7 @@ def test_lightning_cli_still_builds_subcommand_parsers_through_the_overridden_me
 
 
 def test_jsonargparse_still_orders_a_unions_types_for_a_value_in_one_function():
-    # nested_flags_keep_single_values (cli/forge_cli.py) wraps it while the CLI parses.
+    # nested_flags_keep_single_values (cli/parser_internals.py) wraps it while the CLI parses.
     from jsonargparse import _typehints
 
     parameters = inspect.signature(_typehints.sort_subtypes_for_union).parameters

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import inspect
-import re
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +17,6 @@ from lightning.pytorch.callbacks import (
     Callback,
     ModelCheckpoint,
     ProgressBar,
-    RichProgressBar,
-    TQDMProgressBar,
 )
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -30,6 +25,9 @@ from typing_extensions import override
 
 from forge_lightning.callbacks import HFCheckpoint, RewardLogger, SignalGuard, SignalGuardError
 from forge_lightning.callbacks.defaults import refuse_automatic_optimization_settings
+from forge_lightning.cli.help_text import one_line_error, shorten_help
+from forge_lightning.cli.parser_internals import option, parse_unvalidated, read_as_string
+from forge_lightning.cli.progress import default_progress_bar
 from forge_lightning.cli.stages import run_stages, staged_config, without_stages
 from forge_lightning.data import PromptDataModule
 from forge_lightning.module import GRPOLightningModule
@@ -120,7 +118,8 @@ class ForgeCLI(LightningCLI):
         # add_arguments_to_parser runs before ckpt_path is added). Checked on lightning 2.4.0 and
         # 2.6.6; tests/test_private_api.py fails if LightningCLI renames it.
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
-        _shorten_help(parser)  # after the subcommand's own arguments (ckpt_path, ...) are added
+        # after the subcommand's own arguments (ckpt_path, ...) are added
+        shorten_help(parser, CALLBACK_GROUPS)
         return parser
 
     @override
@@ -315,172 +314,6 @@ class ForgeCLI(LightningCLI):
         return trainer
 
 
-# jsonargparse's error for a value no type of a Union setting takes (model.reward, data): the
-# subtypes, each one's error, and the value, in 10 to 40 lines.
-_UNION_ERROR = "Does not validate against any of the Union subtypes"
-
-
-def one_line_error(message: str) -> str:
-    """``message``, or where it is jsonargparse's Union error whose only error that is not a type
-    mismatch is one line (what a class named in the config refused, e.g. RewardModel's), that line."""
-    if not message.startswith(_UNION_ERROR):
-        return message
-    lines = message.splitlines()
-    errors = [(k, line[len("  - ") :]) for k, line in enumerate(lines) if line.startswith("  - ")]
-    said = [(k, text) for k, text in errors if not text.startswith("Expected a ")]
-    if len(said) != 1:
-        return message
-    k, text = said[0]
-    continued = k + 1 < len(lines) and lines[k + 1].startswith("    ")
-    return message if continued else text
-
-
-_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")  # :class:`~a.b.C` and friends
-
-
-def _plain(text: str) -> str:
-    """A docstring fragment as plain text: no reST roles or double backquotes, one line."""
-    text = _ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1] if "~" in m.group(0) else m.group(1), text)
-    return " ".join(text.replace("``", "").split())
-
-
-_SENTENCE_END = re.compile(r"(?<=\.)\s+(?=[A-Z])")
-_CLASS_PATH = re.compile(r"\b(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)")
-
-
-def _first_sentence(text: str) -> str:
-    """The first sentence of ``text``, in plain text, and a next one that says what None means
-    (``None trains every weight.``): what a null setting does is part of what the setting is."""
-    first, *rest = _SENTENCE_END.split(_plain(text))
-    if rest and rest[0].startswith("None"):
-        first = f"{first} {rest[0]}"
-    return first
-
-
-def _group_headings(parser: LightningArgumentParser) -> None:
-    """A heading of whole sentences for each group that takes a class (``--data`` and the callback
-    groups), saying how to list its settings: those of a class chosen by ``--<group> CLASS`` are
-    not in this help."""
-    titles = {
-        "data": "The datamodule: PromptDataModule unless --data names another LightningDataModule",
-        "checkpoint": "Lightning's ModelCheckpoint: the training state that --ckpt_path last resumes",
-    }
-    for key in ("data", *CALLBACK_GROUPS):
-        group = parser.groups.get(key)
-        if group is None:
-            continue
-        kind = CALLBACK_GROUPS.get(key)
-        if kind is None:
-            group.description = (
-                f"Its settings (--{key}.<setting>): --{key}.help forge_lightning.data.PromptDataModule"
-            )
-        else:
-            summary = _first_sentence(inspect.getdoc(kind).split("\n\n")[0]).rstrip(".")
-            titles.setdefault(key, summary)
-            group.description = (
-                f"Its settings (--{key}.<setting>): --{key}.help {kind.__name__}; off with --{key} null"
-            )
-        group.title = titles[key]
-
-
-def _short_subclass_list(action: argparse.Action) -> None:
-    """The "known subclasses" jsonargparse lists after a class option, by class name (which the
-    option accepts too), not by dotted path: the Trainer's callbacks and plugins alone took 60 lines."""
-    extra_help = getattr(action, "extra_help", None)
-    if extra_help is not None:
-        action.extra_help = lambda: _CLASS_PATH.sub(r"\1", extra_help())
-
-
-def _shorten_help(parser: LightningArgumentParser) -> None:
-    """Help that fits a screen: every option's text cut to its first sentence (and what None means),
-    in plain text (the type and default jsonargparse adds stay), group headings of whole sentences,
-    and a one-line usage instead of every flag."""
-    actions, groups = parts(parser)
-    for action in actions:
-        if action.help and action.help is not argparse.SUPPRESS:
-            action.help = _first_sentence(action.help)
-        _short_subclass_list(action)
-    for group in groups:
-        group.title = group.title and _plain(group.title)
-        group.description = group.description and _plain(group.description)
-    _group_headings(parser)
-    parser.usage = (
-        "%(prog)s [-h] [-c CONFIG] [--print_config] [--trainer.<setting> VALUE ...] "
-        "[--model.<setting> VALUE ...] [--data.<setting> VALUE ...] [--ckpt_path CKPT_PATH]"
-    )
-
-
-# -- the parser internals the help and the model option need ------------------------------------
-# argparse and jsonargparse have no public way to list a parser's actions, to find the action of
-# an option string, to change the type of an option already added, or to parse without
-# validating. Each private use is one function below, checked on jsonargparse 4.40.0 and 4.53.0
-# (argparse of Python 3.11); tests/test_private_api.py fails if one moves.
-
-
-def option(parser: argparse.ArgumentParser, name: str) -> argparse.Action | None:
-    """The action of option string ``name`` (``--model.model``), None where the parser has none."""
-    return parser._option_string_actions.get(name)
-
-
-def parts(parser: argparse.ArgumentParser) -> tuple[list[argparse.Action], list[Any]]:
-    """The parser's actions and its argument groups (argparse's ``_actions``, ``_action_groups``)."""
-    return parser._actions, parser._action_groups
-
-
-def read_as_string(action: argparse.Action) -> bool:
-    """Make jsonargparse take ``action``'s value as a plain string, never a path it would open and
-    read as YAML. False where the action is not jsonargparse's type-hint action (as in older ones)."""
-    if not hasattr(action, "_enable_path"):
-        return False
-    action._enable_path = False
-    action._typehint = str
-    return True
-
-
-def parse_unvalidated(parser: LightningArgumentParser, args: Any, defaults: bool = True) -> Any:
-    """``parse_args`` without the validation (jsonargparse's private ``_skip_validation`` keyword),
-    for a config that is validated once the loggers have their folders; ``defaults=False``: only
-    what the config files and the command line set. A nested flag changes a single value in place
-    (:func:`nested_flags_keep_single_values`)."""
-    with nested_flags_keep_single_values():
-        return parser.parse_args(args, defaults=defaults, _skip_validation=True)
-
-
-@contextlib.contextmanager
-def nested_flags_keep_single_values() -> Iterator[None]:
-    """While parsing, a nested flag (``--model.reward.init_args.url X``) on a setting that is one
-    class (not a list) sets that class's argument. For a ``list[X] | X`` setting (``model.reward``)
-    jsonargparse tries the list first, and its list takes a nested flag by wrapping the value in a
-    list of one: another setting, which a resume refuses. Its private ``sort_subtypes_for_union``
-    moves the list types first for a list's nested flag; here they go last for any other value's.
-    Checked on jsonargparse 4.53.0; nothing changes where jsonargparse has no such function, or one
-    of another signature (4.40's takes no ``append``)."""
-    from jsonargparse import _typehints
-
-    original = getattr(_typehints, "sort_subtypes_for_union", None)
-    if original is None or list(inspect.signature(original).parameters) != [
-        "subtypes",
-        "val",
-        "prev_val",
-        "append",
-    ]:
-        yield
-        return
-
-    def ordered(subtypes: Any, val: Any, prev_val: Any, append: bool) -> Any:
-        subtypes = original(subtypes, val, prev_val, append)
-        if isinstance(val, _typehints.NestedArg) and not append and not isinstance(prev_val, list | None):
-            sequences = _typehints.sequence_origin_types
-            subtypes = sorted(subtypes, key=lambda t: _typehints.get_typehint_origin(t) in sequences)
-        return subtypes
-
-    _typehints.sort_subtypes_for_union = ordered
-    try:
-        yield
-    finally:
-        _typehints.sort_subtypes_for_union = original
-
-
 _UNSET = object()
 
 
@@ -495,32 +328,6 @@ def _overlay(config: Namespace, given: Namespace) -> None:
             _overlay(inner, value)
         else:
             config[key] = value
-
-
-class _WithoutVersion:
-    """A progress bar without the logger's version number (``v_num``), which says nothing about
-    training; the reward and kl the module puts on the bar stay."""
-
-    def get_metrics(self, trainer: Trainer, pl_module: Any) -> dict[str, Any]:
-        metrics = super().get_metrics(trainer, pl_module)  # type: ignore[misc]
-        metrics.pop("v_num", None)
-        return metrics
-
-
-class _RichBar(_WithoutVersion, RichProgressBar):
-    pass
-
-
-class _TQDMBar(_WithoutVersion, TQDMProgressBar):
-    pass
-
-
-def default_progress_bar() -> ProgressBar:
-    """Rich's progress bar (reward and kl beside it) when ``rich`` imports, else Lightning's TQDM one."""
-    try:
-        return _RichBar()
-    except ModuleNotFoundError:
-        return _TQDMBar()
 
 
 # Lightning's ModelCheckpoint warning under manual optimization with every_n_train_steps.

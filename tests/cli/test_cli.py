@@ -291,7 +291,7 @@ def test_the_progress_bar_shows_no_logger_version(tmp_path):
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import CSVLogger
 
-    from forge_lightning.cli.forge_cli import default_progress_bar
+    from forge_lightning.cli.progress import default_progress_bar
 
     trainer = Trainer(logger=CSVLogger(tmp_path), default_root_dir=tmp_path, enable_checkpointing=False)
     assert "v_num" not in default_progress_bar().get_metrics(trainer, None)

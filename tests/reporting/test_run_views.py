@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgre
 from lightning.pytorch.callbacks.progress import rich_progress
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from forge_lightning.cli.forge_cli import build_cli, default_progress_bar
+from forge_lightning.cli.forge_cli import build_cli
+from forge_lightning.cli.progress import default_progress_bar
 
 
 def run_args(model_dir: Path, out: Path, *extra: str) -> list[str]:
