@@ -672,13 +672,19 @@ def test_a_signal_during_a_tool_call_still_stops_the_run(timeout):
     from forge_lightning.run.signals import sigterm_interrupts
 
     tok = chat_tokenizer()
-    for name, stop in (("ctrl_c", KeyboardInterrupt), ("sigterm", SIGTERMException)):
-        engine = TurnEngine(tok, [call(name, x=1), "sorry."])
-        run = sampler(tok, [ctrl_c, sigterm], engine, timeout=timeout)
-        with sigterm_interrupts(), pytest.raises(stop) as stopped:
-            run(tiny(tok), ["Q"], GREEDY, 1)
-        assert type(stopped.value) is stop
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    # Python's own Ctrl-C handler, as in a terminal: a process started in the background (nohup ... &)
+    # inherits SIGINT ignored, and Python then leaves it so.
+    started_with = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for name, stop in (("ctrl_c", KeyboardInterrupt), ("sigterm", SIGTERMException)):
+            engine = TurnEngine(tok, [call(name, x=1), "sorry."])
+            run = sampler(tok, [ctrl_c, sigterm], engine, timeout=timeout)
+            with sigterm_interrupts(), pytest.raises(stop) as stopped:
+                run(tiny(tok), ["Q"], GREEDY, 1)
+            assert type(stopped.value) is stop
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    finally:
+        signal.signal(signal.SIGINT, started_with)
 
 
 def test_get_reward_is_the_environments_reward_never_a_tool_and_a_factory_function_works():
