@@ -10,7 +10,6 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-# -- the parser internals the help and the model option need ------------------------------------
 # argparse and jsonargparse have no public way to list a parser's actions, to find the action of
 # an option string, to change the type of an option already added, or to parse without
 # validating. Each private use is one function below, checked on jsonargparse 4.40.0 and 4.53.0

@@ -310,10 +310,10 @@ def test_chains_notebook_tables_every_evaluation_and_attempt_from_its_files(tmp_
     cells = execute("chains.ipynb", monkeypatch, tmp_path)
 
     # Every figure of the held-out and GSM8K tables is its answers file's, as evaluate.py recorded it.
+    recorded = {e["label"]: shlex.split(e["command"]) for e in evals.values()}
     for cell, problems in (("heldout", "200"), ("gsm8k", "200")):
         [held] = tables(cells[cell])
         assert len(held) > 2
-        recorded = {e["label"]: shlex.split(e["command"]) for e in evals.values()}
         for row in held[1:]:
             words = shell_words(row[-1].strip("`"))  # the command as shown, run as bash would
             label = next(label for label, command in recorded.items() if command == words)
