@@ -26,7 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from forge_lightning.data.arithmetic import _NAMES, TEMPLATES, VARIANTS, Problem, Template, generate
+from forge_lightning.data.arithmetic import VARIANTS, generate
+from forge_lightning.data.arithmetic_templates import NAMES, TEMPLATES, Problem, Template
 from forge_lightning.run.fileio import write_atomically
 
 UNSEEN_VARIANTS = ("multistep", "multistep_mixed")
@@ -148,7 +149,7 @@ def generate_unseen(
                 raise ValueError(f"the operand space of {variant!r} is too small for the unseen part")
             continue
         taken.add((template.name, operands))
-        problems.append(template.problem(operands, *_NAMES[rng.randrange(len(_NAMES))]))
+        problems.append(template.problem(operands, *NAMES[rng.randrange(len(NAMES))]))
     return problems
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from forge_lightning.data import PromptDataModule, load_gsm8k, parse_reference
-from forge_lightning.data.arithmetic import PARTS, TEMPLATES, TWO_STEP, VARIANTS, generate, main, write_task
+from forge_lightning.data.arithmetic import PARTS, VARIANTS, generate, main, write_task
+from forge_lightning.data.arithmetic_templates import TEMPLATES, TWO_STEP
 
 SIZES = {"train": 300, "dev": 60, "heldout": 80}
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from forge_lightning.data import PromptDataModule
-from forge_lightning.data.arithmetic import TEMPLATES, VARIANTS, generate, write_task
+from forge_lightning.data.arithmetic import VARIANTS, generate, write_task
+from forge_lightning.data.arithmetic_templates import TEMPLATES
 from forge_lightning.data.arithmetic_unseen import (
     RETELLS,
     UNSEEN_SIZE,
