@@ -57,29 +57,24 @@ import argparse
 import contextlib
 import json
 import logging
-import os
-import re
-import resource
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
-from typing_extensions import override
 
-from forge_lightning.bench.references import plain_generate_seconds, straightforward_update_seconds
+from forge_lightning.bench.peak_memory import PeakPhaseProfiler, current_rss_mb
+from forge_lightning.bench.step_timer import RecordingRollouts, StepTimer
 from forge_lightning.data import collate_records, load_gsm8k
 from forge_lightning.models.loading import load_model
 from forge_lightning.module import GRPOLightningModule
-from forge_lightning.reporting.profiler import PHASES, PhaseProfiler, synchronize
+from forge_lightning.reporting.profiler import PHASES, PhaseProfiler
 from forge_lightning.rollout.in_flight import split_threads
-from forge_lightning.rollout.sources import RolloutSource, TrainingBatch, TrainingLoop
 from forge_lightning.rollout.types import Rollout
 
 log = logging.getLogger("forge_lightning.bench")
@@ -276,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         system_prompt=args.system_prompt,
     )
     recording = module.rollout_source = RecordingRollouts(module.rollout_source)
-    setup_rss = _current_rss_mb()
+    setup_rss = current_rss_mb()
     timer = StepTimer(args)
     with tempfile.TemporaryDirectory(prefix="forge-bench-") as root:
         trainer = pl.Trainer(
@@ -317,92 +312,6 @@ def _server_wait_share(steps: list[dict[str, float]]) -> float:
     """The share of the timed seconds the trainer waited for rollout servers: its generate phase
     (handing each batch over, collecting the one due), as the servers report no waits of theirs."""
     return sum(s["generate"] for s in steps) / sum(s["seconds"] for s in steps)
-
-
-class RecordingRollouts:
-    """The module's own rollout source (sync or async), also keeping each rollout it gives the
-    module to train (so the references can replay it)."""
-
-    def __init__(self, source: RolloutSource) -> None:
-        self.source = source
-        self.kept: list[Rollout] = []
-
-    def rollouts(self, batch: TrainingBatch, loop: TrainingLoop, model: Any) -> Iterator[TrainingBatch]:
-        for item in self.source.rollouts(batch, loop, model):
-            self.kept.append(item.rollout)
-            yield item
-
-    def __getattr__(self, name: str) -> Any:  # every other call is the source's
-        if name == "source":  # not set yet (a copy being built)
-            raise AttributeError(name)
-        return getattr(self.source, name)
-
-
-class StepTimer(pl.Callback):
-    """Times every training step, takes its peak memory, and runs the references after it.
-
-    The references of a timed step are measured right after that step, so on a shared machine
-    both sides of each ratio see about the same load. The memory peak is taken inside the steps
-    only: the references' own (larger) allocations do not count toward ``peak_rss_mb``.
-    """
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.steps: list[dict[str, float]] = []
-        self.references: list[dict[str, float]] = []
-        self.peak_rss_mb = 0.0
-        self.peak_gpu_mb: float | None = None
-        self._peak_rss = _PeakRss()
-        self._start = 0.0
-        self.phase_peaks: dict[str, float] = {}  # --phase-memory: each phase's peak, timed steps
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._peak_rss.start()
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
-        synchronize()
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        synchronize()
-        seconds = time.perf_counter() - self._start
-        profiler = trainer.profiler
-        if isinstance(profiler, PeakPhaseProfiler):  # the phases reset the high-water mark
-            self.peak_rss_mb = max(self.peak_rss_mb, *profiler.peaks.values(), 0.0)
-            if any(s["trained"] for s in self.steps):  # the warm-up's peaks are left out
-                for phase, peak in profiler.peaks.items():
-                    self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0.0), peak)
-            profiler.peaks = {}
-        else:
-            self.peak_rss_mb = max(self.peak_rss_mb, self._peak_rss.stop())
-        if pl_module.device.type == "cuda":
-            gpu = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
-            self.peak_gpu_mb = max(self.peak_gpu_mb or 0.0, gpu)
-        records = pl_module.batch_records  # none while an async run fills its pipeline
-        phases = {phase: records[-1].phases.get(phase, 0.0) if records else 0.0 for phase in PHASES}
-        self.steps.append({"seconds": seconds, "trained": len(records), **phases})
-        kept = pl_module.rollout_source.kept
-        tokens = int(kept[-1].completion_mask.sum()) if records else 0
-        log.info(
-            "step %d: %.2f s, %d completion tokens, peak RSS %.0f MB, %s",
-            *(len(self.steps) - 1, seconds, tokens, self.peak_rss_mb, _rounded(phases)),
-        )
-        trained = [s for s in self.steps if s["trained"]]
-        timed = len(trained) > 1 and records  # the first step that trains is the warm-up
-        routes = self.args.tools or self.args.agent  # no plain generate to hold them against
-        if timed and not self.args.no_references and self.args.rollout_mode == "sync" and not routes:
-            self.references.append(_references(pl_module, kept[-1], self.args))
-
-
-def _references(module: GRPOLightningModule, rollout: Rollout, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of plain generate, and of the straightforward training step, on one rollout."""
-    generate = plain_generate_seconds(module.model, module.tokenizer, rollout, args.temperature)
-    reference = module.reference.model if module.needs_reference else None
-    train = straightforward_update_seconds(module.model, reference, rollout, args)
-    log.info("references: generate %.2f s, straightforward %.2f s", generate, generate + train)
-    return {"generate": generate, "straightforward": generate + train}
 
 
 def _summary(
@@ -479,65 +388,7 @@ def _prompts(path: str, count: int) -> list[dict[str, str]]:
     return [rows[i % len(rows)] for i in range(count)]
 
 
-def _current_rss_mb() -> float:
-    try:
-        import psutil
-    except ImportError:  # Linux without psutil: the kernel's resident page count
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    return psutil.Process().memory_info().rss / 2**20
-
-
 def _head_chunks(size: int | None) -> dict[str, int | None]:
     """The module's ``lm_head_chunk_size`` as ``--lm-head-chunk-size`` gives it: its default when
     not given, None (the full logits) for 0."""
     return {} if size is None else {"lm_head_chunk_size": size or None}
-
-
-class PeakPhaseProfiler(PhaseProfiler):
-    """A :class:`PhaseProfiler` that also takes each phase's peak resident memory (MiB): the kernel's
-    high-water mark (``_PeakRss``), reset as a phase starts and read as it stops, the largest of
-    the phase's runs since ``peaks`` was emptied (the step timer empties it after each step)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.peaks: dict[str, float] = {}
-        self._rss = _PeakRss()
-
-    @override
-    def start(self, action_name: str) -> None:
-        super().start(action_name)
-        if action_name in self.phases:
-            self._rss.start()
-
-    @override
-    def stop(self, action_name: str) -> None:
-        super().stop(action_name)
-        if action_name in self.phases:
-            self.peaks[action_name] = max(self.peaks.get(action_name, 0.0), self._rss.stop())
-
-
-class _PeakRss:
-    """Peak resident memory between ``start()`` and ``stop()``, in MiB.
-
-    Linux keeps a high-water mark that writing 5 to ``/proc/self/clear_refs`` resets: it costs
-    nothing while the step runs (a thread polling the RSS every 5 ms slowed generation by 10-20%
-    on 2 cores). Where it cannot be reset, the mark covers the whole process so far, references
-    included.
-    """
-
-    def start(self) -> None:
-        with contextlib.suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")
-
-    def stop(self) -> float:
-        with contextlib.suppress(OSError, AttributeError):
-            status = Path("/proc/self/status").read_text()
-            return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 2**10
-        # ru_maxrss is in KiB on Linux, bytes on macOS.
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-
-
-def _rounded(values: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 3) for k, v in values.items()}
