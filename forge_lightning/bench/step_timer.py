@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from forge_lightning.bench.peak_memory import PeakPhaseProfiler, PeakRss
+from forge_lightning.bench.peak_rss import PeakPhaseProfiler, PeakRss
 from forge_lightning.bench.references import plain_generate_seconds, straightforward_update_seconds
 from forge_lightning.module import GRPOLightningModule
 from forge_lightning.reporting.profiler import PHASES, synchronize
@@ -50,8 +50,9 @@ class StepTimer(pl.Callback):
     only: the references' own (larger) allocations do not count toward ``peak_rss_mb``.
     """
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, with_references: bool) -> None:
         self.args = args
+        self.with_references = with_references  # the references after each timed step
         self.steps: list[dict[str, float]] = []
         self.references: list[dict[str, float]] = []
         self.peak_rss_mb = 0.0
@@ -61,7 +62,7 @@ class StepTimer(pl.Callback):
         self.phase_peaks: dict[str, float] = {}  # --phase-memory: each phase's peak, timed steps
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._peak_rss.start()
+        self._peak_rss.reset()
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         synchronize()
@@ -80,7 +81,7 @@ class StepTimer(pl.Callback):
                     self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0.0), peak)
             profiler.peaks = {}
         else:
-            self.peak_rss_mb = max(self.peak_rss_mb, self._peak_rss.stop())
+            self.peak_rss_mb = max(self.peak_rss_mb, self._peak_rss.peak())
         if pl_module.device.type == "cuda":
             gpu = torch.cuda.max_memory_allocated(pl_module.device) / 2**20
             self.peak_gpu_mb = max(self.peak_gpu_mb or 0.0, gpu)
@@ -95,8 +96,7 @@ class StepTimer(pl.Callback):
         )
         trained = [s for s in self.steps if s["trained"]]
         timed = len(trained) > 1 and records  # the first step that trains is the warm-up
-        routes = self.args.tools or self.args.agent  # no plain generate to hold them against
-        if timed and not self.args.no_references and self.args.rollout_mode == "sync" and not routes:
+        if timed and self.with_references:
             self.references.append(measure_references(pl_module, kept[-1], self.args))
 
 

@@ -68,7 +68,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from forge_lightning.bench.peak_memory import PeakPhaseProfiler, current_rss_mb
+from forge_lightning.bench.peak_rss import PeakPhaseProfiler, current_rss_mb
 from forge_lightning.bench.step_timer import RecordingRollouts, StepTimer
 from forge_lightning.data import collate_records, load_gsm8k
 from forge_lightning.models.loading import load_model
@@ -272,7 +272,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     recording = module.rollout_source = RecordingRollouts(module.rollout_source)
     setup_rss = current_rss_mb()
-    timer = StepTimer(args)
+    routes = args.tools or args.agent  # no plain generate to hold them against
+    timer = StepTimer(
+        args, with_references=not args.no_references and args.rollout_mode == "sync" and not routes
+    )
     with tempfile.TemporaryDirectory(prefix="forge-bench-") as root:
         trainer = pl.Trainer(
             accelerator="gpu" if device.type == "cuda" else "cpu",

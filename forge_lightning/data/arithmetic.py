@@ -34,7 +34,6 @@ from typing import Any
 
 from forge_lightning.data.arithmetic_templates import (
     ADD_SUB,
-    CALC_SCALE,
     NAMES,
     ONE_STEP,
     TEMPLATES,
@@ -51,6 +50,8 @@ PARTS = ("train", "dev", "heldout")
 # File stem each part is written under; "test" is the split PromptDataModule validates on.
 _FILE_STEM = {"train": "train", "dev": "dev", "heldout": "test"}
 
+CALC_SCALE = Scale(max_term=99, max_factor=25, min_term=10, min_factor=3)
+"""The calculator variants' operands: two-digit addends, factors 3-25."""
 MULTISTEP_SIZES = (("train", 800), ("dev", 200), ("heldout", 200))
 
 

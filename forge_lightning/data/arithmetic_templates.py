@@ -362,8 +362,6 @@ ADD_SUB = ("add_more", "add_days", "sub_give", "sub_eat", "add_class", "add_earn
 ONE_STEP = ("add_more", "add_days", "sub_give", "sub_eat", "mul_boxes", "div_share")
 TWO_STEP = tuple(name for name, t in TEMPLATES.items() if t.ops == 2)
 THREE_STEP = tuple(name for name, t in TEMPLATES.items() if t.ops == 3)
-CALC_SCALE = Scale(max_term=99, max_factor=25, min_term=10, min_factor=3)
-"""The calculator variants' operands: two-digit addends, factors 3-25."""
 
 
 @dataclass(frozen=True)

@@ -38,17 +38,17 @@ class PeakPhaseProfiler(PhaseProfiler):
     def start(self, action_name: str) -> None:
         super().start(action_name)
         if action_name in self.phases:
-            self._rss.start()
+            self._rss.reset()
 
     @override
     def stop(self, action_name: str) -> None:
         super().stop(action_name)
         if action_name in self.phases:
-            self.peaks[action_name] = max(self.peaks.get(action_name, 0.0), self._rss.stop())
+            self.peaks[action_name] = max(self.peaks.get(action_name, 0.0), self._rss.peak())
 
 
 class PeakRss:
-    """Peak resident memory between ``start()`` and ``stop()``, in MiB.
+    """Peak resident memory between ``reset()`` and ``peak()``, in MiB.
 
     Linux keeps a high-water mark that writing 5 to ``/proc/self/clear_refs`` resets: it costs
     nothing while the step runs (a thread polling the RSS every 5 ms slowed generation by 10-20%
@@ -56,11 +56,11 @@ class PeakRss:
     included.
     """
 
-    def start(self) -> None:
+    def reset(self) -> None:
         with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
 
-    def stop(self) -> float:
+    def peak(self) -> float:
         with contextlib.suppress(OSError, AttributeError):
             status = Path("/proc/self/status").read_text()
             return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 2**10
