@@ -18,8 +18,9 @@ from forge_lightning.rollout.tools.call_loop import CallLoop
 from forge_lightning.rollout.tools.function_call import Job, Outcome
 from forge_lightning.run.user_code import warn_thread_abandoned
 
-NAPS: list[tuple[float, float]] = []
-"""When each nap began and ended (time.monotonic): which calls ran at once, on a machine however busy."""
+NAPS: list[tuple[float, float, float]] = []
+"""When each nap began and ended (time.monotonic), and how long it was asked to sleep: which calls ran
+at once, on a machine however busy (where a short nap may take as long as a long one)."""
 
 
 def nap(seconds: float, tag: str) -> str:
@@ -31,7 +32,7 @@ def nap(seconds: float, tag: str) -> str:
     """
     began = time.monotonic()
     time.sleep(seconds)
-    NAPS.append((began, time.monotonic()))
+    NAPS.append((began, time.monotonic(), seconds))
     return tag
 
 
@@ -44,7 +45,7 @@ async def async_nap(seconds: float, tag: str) -> str:
     """
     began = time.monotonic()
     await asyncio.sleep(seconds)
-    NAPS.append((began, time.monotonic()))
+    NAPS.append((began, time.monotonic(), seconds))
     return tag
 
 
@@ -63,10 +64,11 @@ def test_calls_of_all_rows_and_of_one_turn_take_the_longest_not_the_sum(tool):
     run = sampler(tok, [tool], engine, max_parallel=8, call_format="llama3_json")
     NAPS.clear()
     rollout = run(tiny(tok), ["Q", "R"], GREEDY, 2)  # 4 rows x 2 calls: 1.4 s one after another
-    slow_ends = [ended for began, ended in NAPS if ended - began >= 0.3]  # each row's first call
-    assert len(NAPS) == 8 and len(slow_ends) == 4
-    # every call began before any slow one ended: one after another, the rows' slow calls could not overlap
-    assert max(began for began, _ in NAPS) < min(slow_ends), "the calls ran one after another"
+    assert len(NAPS) == 8 and sorted(asked for _, _, asked in NAPS) == [0.05] * 4 + [0.3] * 4
+    # how many calls ran at each call's start: one after another, never more than one; at once, all
+    # eight, or (where a busy machine starts their threads late) at least half of them at some point
+    at_once = [sum(b <= began < e for b, e, _ in NAPS) for began, _, _ in NAPS]
+    assert max(at_once) >= 4, f"the calls ran one after another: {at_once}"
     for log in rollout.facts()["tool_calls"]:
         assert [entry["result"] for entry in log] == ["first", "second"]  # the order written
     assert rollout.tool_stats["tool_calls"].tolist() == [2] * 4
@@ -105,7 +107,7 @@ def test_at_most_max_parallel_calls_run_at_once():
     outcomes = CallLoop(max_parallel=2, timeout=5.0).run(jobs)
     assert [outcome.text for outcome in outcomes] == ["0", "1", "2", "3", "4", "5"]
     # how many naps ran at each nap's start: never more than two, and two at some point
-    at_once = [sum(b <= began < e for b, e in NAPS) for began, _ in NAPS]
+    at_once = [sum(b <= began < e for b, e, _ in NAPS) for began, _, _ in NAPS]
     assert len(NAPS) == 6 and max(at_once) == 2, at_once
 
 
