@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+from helpers.spans import running_at_each_start
 
 from forge_lightning.rewards.batch_scoring import ScoredRewards, score
 from forge_lightning.rewards.environment import EnvironmentReward, with_environment_score
@@ -587,7 +588,7 @@ def test_async_rewards_are_awaited_at_once_and_their_scores_come_back_in_order()
     assert scored.components == {f"r{k}": [float(k)] for k in range(4)}
     # how many rewards slept at each one's start: one after another, one; at once, all four, or
     # (where a busy machine starts them late) at least three at some point
-    at_once = [sum(b <= began < e for b, e in slept) for began, _ in slept]
+    at_once = running_at_each_start(slept)
     assert len(slept) == 4 and max(at_once) >= 3, f"the rewards were awaited one after another: {at_once}"
 
 

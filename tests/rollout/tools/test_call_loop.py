@@ -10,6 +10,7 @@ import time
 
 import pytest
 from helpers.engines import TurnEngine
+from helpers.spans import running_at_each_start
 from helpers.tools import GREEDY, call, chat_tokenizer, sampler, tiny
 
 from forge_lightning.module import GRPOLightningModule
@@ -67,7 +68,7 @@ def test_calls_of_all_rows_and_of_one_turn_take_the_longest_not_the_sum(tool):
     assert len(NAPS) == 8 and sorted(asked for _, _, asked in NAPS) == [0.05] * 4 + [0.3] * 4
     # how many calls ran at each call's start: one after another, never more than one; at once, all
     # eight, or (where a busy machine starts their threads late) at least half of them at some point
-    at_once = [sum(b <= began < e for b, e, _ in NAPS) for began, _, _ in NAPS]
+    at_once = running_at_each_start(NAPS)
     assert max(at_once) >= 4, f"the calls ran one after another: {at_once}"
     for log in rollout.facts()["tool_calls"]:
         assert [entry["result"] for entry in log] == ["first", "second"]  # the order written
@@ -107,7 +108,7 @@ def test_at_most_max_parallel_calls_run_at_once():
     outcomes = CallLoop(max_parallel=2, timeout=5.0).run(jobs)
     assert [outcome.text for outcome in outcomes] == ["0", "1", "2", "3", "4", "5"]
     # how many naps ran at each nap's start: never more than two, and two at some point
-    at_once = [sum(b <= began < e for b, e, _ in NAPS) for began, _, _ in NAPS]
+    at_once = running_at_each_start(NAPS)
     assert len(NAPS) == 6 and max(at_once) == 2, at_once
 
 
