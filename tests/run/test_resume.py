@@ -125,7 +125,8 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     assert crash.returncode == -9
     assert [r["step"] for r in records(killed)] == [1, 2, 3]
-    assert no_process_with(tag, seconds=30), "a process of the killed run outlived it (the rollout worker?)"
+    outlived = no_process_with(tag, seconds=30)
+    assert not outlived, f"processes of the killed run outlived it by 30 s: {outlived}"
 
     resumed = fit(killed_cfg, {"FORGE_CALLS": str(tmp_path / "calls_c")}, "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -150,25 +151,26 @@ def test_resume_after_sigkill_continues_exactly_where_it_stopped(request, tmp_pa
         torch.testing.assert_close(reference[key], value)
 
 
-def no_process_with(tag: str, seconds: float) -> bool:
-    """Whether, within ``seconds``, no live process has ``FORGE_TEST_TAG={tag}`` in its environment."""
+def no_process_with(tag: str, seconds: float) -> list[str]:
+    """The live processes that, after ``seconds``, still have ``FORGE_TEST_TAG={tag}`` in their
+    environment (each as its pid, state and command line); empty as soon as none has."""
     import time
 
     needle = f"FORGE_TEST_TAG={tag}".encode()
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while True:
         alive = []
         for proc in Path("/proc").iterdir():
             try:
                 if proc.name.isdigit() and needle in (proc / "environ").read_bytes():
                     state = (proc / "stat").read_text().split(") ")[1].split()[0]
-                    alive += [] if state == "Z" else [proc.name]
+                    command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    alive += [] if state == "Z" else [f"{proc.name} ({state}): {command.strip()}"]
             except (OSError, IndexError):
                 continue
-        if not alive:
-            return True
+        if not alive or time.monotonic() >= deadline:
+            return alive
         time.sleep(0.3)
-    return False
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
