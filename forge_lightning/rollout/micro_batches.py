@@ -13,8 +13,11 @@ run each group's prompt once, and so does one that holds part of a single group 
 smaller than the group: a group of 16 in micro-batches of 8 runs its prompt twice, not 16 times);
 one across the border of two groups runs each row's own. A token budget packs whole groups, each prompt
 running once for its G completions (a group over the budget by itself split into its rows), or
-single rows, each with its prompt, whichever runs fewer tokens in all: sharing saves the prompts'
-tokens, single rows the padding of a group's short completions to its longest.
+single rows, each with its prompt, or cuts each group, longest first, into runs of like lengths
+that each run the group's prompt once (a micro-batch each: a group of 16 with two completions cut
+at 64 tokens and fourteen of 20-30 runs as the two and the fourteen), whichever runs fewer tokens
+in all: sharing saves the prompts' tokens, single rows and runs the padding of a group's short
+completions to its longest.
 """
 
 from __future__ import annotations
@@ -155,8 +158,34 @@ def plan_micro_batches(
     # Whole groups share their prompt but pad their completions to the group's longest; single
     # rows pack by length: whichever runs fewer tokens in all.
     plans = [_packed(_units(lengths, tokens, s), tokens, size) for s in dict.fromkeys([shared, False])]
+    if shared:  # each group's runs of like lengths, a micro-batch each
+        plans.append([[run] for run in _group_runs(lengths, tokens, size)])
     best = min(plans, key=lambda bins: sum(_merged(b).tokens for b in bins))  # the first on a tie
     return [_batch(b, rollout) for b in best]
+
+
+def _group_runs(lengths: _Lengths, tokens: int, size: int | None) -> list[_Unit]:
+    """Each group's rows, longest first, cut into runs that each run the group's prompt once, at
+    the cuts that run the fewest tokens in all (a run: the prompt, and its rows padded to its
+    longest); no run of several rows over ``tokens`` tokens or ``size`` rows."""
+    group, runs = lengths.group, []
+    for p, prompt in enumerate(lengths.prompt):
+        rows = sorted(range(p * group, (p + 1) * group), key=lambda r: -lengths.completion[r])
+        # fewest[j]: the fewest tokens that run rows[:j]; start[j]: where its last run starts
+        fewest, start = [0] + [-1] * group, [0] * (group + 1)
+        for j in range(1, group + 1):
+            for i in range(j):  # the run rows[i:j], padded to rows[i]'s length
+                run = prompt + (j - i) * lengths.completion[rows[i]]
+                if j - i > 1 and (run > tokens or (size is not None and j - i > size)):
+                    continue
+                if fewest[j] < 0 or fewest[i] + run < fewest[j]:
+                    fewest[j], start[j] = fewest[i] + run, i
+        cuts, j = [], group
+        while j:
+            cuts.append(tuple(sorted(rows[start[j] : j])))
+            j = start[j]
+        runs += [_shared_unit(run, lengths) for run in reversed(cuts)]
+    return runs
 
 
 def _packed(units: list[_Unit], tokens: int, size: int | None) -> list[list[_Unit]]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 from helpers.rollouts import mixed_rollout
 
@@ -67,6 +70,45 @@ def test_single_rows_replace_shared_groups_where_they_run_fewer_tokens():
     batches = plan_micro_batches(rollout, tokens=20, shared=True)
     assert rows_of(batches) == [[0, 2], [1, 3]] and not any(b.shared for b in batches)
     assert padding_fraction(batches, rollout) == 0.0
+
+
+def test_a_token_budget_cuts_a_group_into_runs_of_like_lengths_each_running_its_prompt_once():
+    # Two groups of 6 (prompts of 6 and 4 tokens), each with long completions (12) among short
+    # ones (2-3): the long ones run apart from the short, each run with its group's prompt once.
+    rollout = mixed_rollout(20, [12, 2, 12, 3, 2, 3, 12, 2, 3, 2, 2, 3], [6, 4], group_size=6)
+    batches = plan_micro_batches(rollout, tokens=200, shared=True)
+    assert rows_of(batches) == [[0, 2], [1, 3, 4, 5], [6], [7, 8, 9, 10, 11]]
+    assert [b.share for b in batches] == [2, 4, 1, 5]
+    assert [(b.prompt_width, b.completion_width) for b in batches] == [(6, 12), (6, 3), (4, 12), (4, 3)]
+    # 6 + 2 x 12 + 6 + 4 x 3 + 4 + 12 + 4 + 5 x 3 = 83 tokens; whole groups 154, single rows 144.
+    assert sum(b.tokens for b in batches) == 83
+    assert sum(b.tokens for b in plan_micro_batches(rollout, size=6, shared=True)) == 154
+    assert sum(b.tokens for b in plan_micro_batches(rollout, tokens=200)) == 144
+    assert padding_fraction(batches, rollout) == pytest.approx(1 - 78 / 83)
+    # A row cap cuts the runs too: at most 3 rows each.
+    assert max(len(b.rows) for b in plan_micro_batches(rollout, size=3, tokens=200, shared=True)) == 3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_runs_are_the_cuts_of_the_longest_first_rows_that_run_the_fewest_tokens(seed):
+    # Against every way of cutting each group's rows, longest first, into consecutive runs.
+    chance = random.Random(seed)
+    ends = [chance.choice([1, 2, 3, 5, 8, 13, 20]) for _ in range(14)] + [20, 20]
+    rollout = mixed_rollout(30, ends, [7, 3], group_size=8)
+    planned = sum(b.tokens for b in plan_micro_batches(rollout, tokens=10_000, shared=True))
+    lengths = rollout.completion_mask.sum(1).tolist()
+
+    def fewest(rows: list[int], prompt: int) -> int:
+        widths = sorted((lengths[r] for r in rows), reverse=True)
+        best = prompt + len(widths) * widths[0]  # no cut
+        for cuts in range(1, len(widths)):
+            for at in itertools.combinations(range(1, len(widths)), cuts):
+                edges = (0, *at, len(widths))
+                best = min(best, sum(prompt + (b - a) * widths[a] for a, b in itertools.pairwise(edges)))
+        return best
+
+    # (Whole groups, 330 tokens or more, and single rows, 432, never run fewer here.)
+    assert planned == fewest(list(range(8)), 7) + fewest(list(range(8, 16)), 3)
 
 
 def test_by_count_micro_batches_are_consecutive_and_shared_when_they_hold_whole_groups():

@@ -60,6 +60,23 @@ def test_a_token_budget_gives_the_whole_rollouts_loss_and_gradient_with_less_pad
     assert packed["padding_fraction"] < whole["padding_fraction"]
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_runs_of_like_lengths_cut_from_a_group_give_the_whole_groups_loss_and_gradient(loss_type):
+    # Each group of 6 holds long completions among short ones: its long rows and its short rows run
+    # apart, each run with the group's prompt once (rollout/micro_batches.py).
+    model = make_model(VOCAB)
+    rollout = mixed_rollout(VOCAB, [12, 2, 12, 3, 2, 3, 12, 2, 3, 2, 2, 3], [6, 4], group_size=6)
+    whole, whole_grads, whole_count, _ = one_pass(model, rollout, loss_type, micro_batch_size=6)
+    runs, grads, count, micro = one_pass(model, rollout, loss_type, micro_batch_tokens=200)
+    assert micro == 4
+    for key in ("loss", "policy_loss", "kl", "entropy"):
+        torch.testing.assert_close(runs[key], whole[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(count, whole_count)
+    for a, b in zip(grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert runs["padding_fraction"] < whole["padding_fraction"] / 5
+
+
 def test_with_a_token_budget_a_rank_adds_zero_weight_backwards_up_to_the_most_micro_batches():
     def other_rank_has_seven(tensor: torch.Tensor, op: str) -> torch.Tensor:
         return torch.maximum(tensor, torch.tensor(7.0)) if op == "max" else tensor

@@ -185,9 +185,10 @@ class MemorySettings(Group):
     train_micro_batch_tokens: int | None = setting(None, check=maybe_count(1))
     """the most tokens per forward/backward of the loss, padding included (None: by
     ``train_micro_batch_size``). The completions, longest first, are packed into balanced
-    micro-batches under it, with prefix sharing as whole groups or single rows, whichever runs
-    fewer tokens (rollout/micro_batches.py), each of at most ``train_micro_batch_size`` rows when
-    that is set. Same gradient, fewer padded tokens (``perf/padding_fraction``)."""
+    micro-batches under it, with prefix sharing as whole groups, single rows, or each group cut into
+    runs of like lengths that run its prompt once, whichever runs fewer tokens
+    (rollout/micro_batches.py), each of at most ``train_micro_batch_size`` rows when that is set.
+    Same gradient, fewer padded tokens (``perf/padding_fraction``)."""
     prefix_sharing: bool = setting(True, resume=True)
     """each prompt's forward once per group, its keys/values shared by the G completions."""
     logprob_chunk_size: int | None = setting(8, check=maybe_count(1), resume=True)
