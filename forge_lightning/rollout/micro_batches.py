@@ -14,10 +14,10 @@ smaller than the group: a group of 16 in micro-batches of 8 runs its prompt twic
 one across the border of two groups runs each row's own. A token budget packs whole groups, each prompt
 running once for its G completions (a group over the budget by itself split into its rows), or
 single rows, each with its prompt, or cuts each group, longest first, into runs of like lengths
-that each run the group's prompt once (a micro-batch each: a group of 16 with two completions cut
-at 64 tokens and fourteen of 20-30 runs as the two and the fourteen), whichever runs fewer tokens
-in all: sharing saves the prompts' tokens, single rows and runs the padding of a group's short
-completions to its longest.
+that each run the group's prompt once (a micro-batch each: a group of 16 with a prompt of 150
+tokens, two completions cut at 64 and fourteen of 20-30 runs as the two and the fourteen),
+whichever runs fewer tokens in all: sharing saves the prompts' tokens, single rows and runs the
+padding of a group's short completions to its longest.
 """
 
 from __future__ import annotations
