@@ -225,12 +225,15 @@ def test_ddp_step_gradient_equals_one_process_holding_both_ranks_rollouts(tmp_pa
         for a, b in zip(within, one):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-12)
         if loss_type == "grpo":
-            # Token-budget micro-batches, 2 on rank 0 and 4 on rank 1: rank 0 adds two
-            # zero-weight backwards, so that both join DDP's all-reduce of each. (Sums in another
-            # order: float64 agrees to about 1e-6 of an element.)
+            # Token-budget micro-batches, 2 on rank 0 and 3 on rank 1 (its two long rows apart, its
+            # short ones a run that shares their prompt): rank 0 adds a zero-weight backward, so
+            # that both join DDP's all-reduce of each. Other micro-batches than the one process's
+            # agree only to float32's precision, even in float64: transformers' LlamaRMSNorm
+            # computes in float32 (kept in float64, any two micro-batchings of a float64 model agree
+            # to 1e-15), so an element is within about 1e-8 of the largest, 0.57 here.
             packed = torch.load(tmp_path / "tokens-grpo.pt")
             for a, b in zip(packed, one):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.integration
