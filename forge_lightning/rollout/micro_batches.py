@@ -175,7 +175,7 @@ def _group_runs(lengths: _Lengths, tokens: int, size: int | None) -> list[_Unit]
         fewest, start = [0] + [-1] * group, [0] * (group + 1)
         for j in range(1, group + 1):
             for i in range(j):  # the run rows[i:j], padded to rows[i]'s length
-                run = prompt + (j - i) * lengths.completion[rows[i]]
+                run = _Bin(1, j - i, prompt, lengths.completion[rows[i]], True).tokens
                 if j - i > 1 and (run > tokens or (size is not None and j - i > size)):
                     continue
                 if fewest[j] < 0 or fewest[i] + run < fewest[j]:
