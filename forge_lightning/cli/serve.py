@@ -39,6 +39,8 @@ PROG = "forge-lightning serve"
 USED = ("model", "model_dtype", "attn_implementation")
 # ...and those of its engine (--engine vllm).
 ENGINE_USED = ("vllm_gpu_memory_utilization", "rollout_precision", "rollout_memory_fraction")
+# Seconds a stopping server gives its requests under way, then its decode loop's step, to finish.
+STOP_GRACE_S = 5.0
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -108,7 +110,8 @@ def main(argv: list[str]) -> None:
         signal.signal(sig, lambda *_: server.stop_soon())
     print(f"{PROG}: listening on {url}", flush=True)
     server.wait()
-    server.stop()
+    # A signal's stop: a request under way for a trainer that died is not waited on for long.
+    server.stop(grace_s=STOP_GRACE_S)
     # Nothing is left to finish: leave now, not through the interpreter's teardown of torch and
     # Lightning (seconds on a busy machine), so that a server whose trainer died is gone at once.
     sys.stdout.flush()

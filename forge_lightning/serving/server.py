@@ -113,16 +113,21 @@ class RolloutServer:
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
 
-    def stop(self) -> None:
-        """Stop listening and stop the decode loop."""
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Stop listening and stop the decode loop, giving requests under way and the loop's step
+        up to ``grace_s`` each to finish (a request whose client died may never finish)."""
         self._stop.set()
         with self.loop.lock:  # wake the loop if it waits for work
             self.loop.lock.notify_all()
         if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._events).result(timeout=30)
+            cleanup = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._events)
+            try:
+                cleanup.result(timeout=grace_s)
+            except TimeoutError:
+                log.warning("requests still under way after %.0f s: stopping without them", grace_s)
         self._events.call_soon_threadsafe(self._events.stop)
         if self._decode_thread.is_alive():
-            self._decode_thread.join(timeout=30)
+            self._decode_thread.join(timeout=grace_s)
 
     def stop_soon(self) -> None:
         """Make :meth:`wait` return (all a signal handler may do)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -113,3 +114,18 @@ def test_a_weight_update_from_a_folder(served, tmp_path):
     assert status == 500 and "index.json not found" in body["error"]
     status, body = call(url, "/weights/update", UpdateCall(4).to_json())
     assert status == 400 and "POST /weights/group before" in body["error"]
+
+
+def test_a_stop_gives_a_request_whose_trainer_died_its_grace_not_more():
+    # forge-lightning serve stopping on a signal (cli/serve.py): a request under way, here a weight
+    # group that no trainer joins, holds the stop for grace_s, not for the group's 60 s.
+    policy = tiny_policy(seed=0, max_position_embeddings=256)
+    server = RolloutServer(policy.model, policy.tokenizer, SECRET)
+    url = server.start()
+    store = weights.open_store("127.0.0.1", 0, master=True, timeout_s=60)
+    body = GroupCall("127.0.0.1", store.port, "s0", 60).to_json()
+    threading.Thread(target=call, args=(url, "/weights/group", body), daemon=True).start()
+    time.sleep(1.0)  # the request is under way
+    started = time.monotonic()
+    server.stop(grace_s=1.0)
+    assert time.monotonic() - started < 20  # two graces and the loop's wake-up; 30 s and an error before
