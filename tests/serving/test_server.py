@@ -1,5 +1,5 @@
 """The rollout server over HTTP, in this process (serving/server.py, serving/weights.py): the door,
-/info, /health, /generate, and weight updates over a real gloo group and from a folder."""
+/info, /health, /generate, weight updates over a real gloo group and from a folder, and a stop's grace."""
 
 from __future__ import annotations
 
