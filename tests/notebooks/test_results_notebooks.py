@@ -342,6 +342,33 @@ def test_chains_notebook_tables_every_evaluation_and_attempt_from_its_files(tmp_
         log = (multistep / "training" / row[1] / "training_log.jsonl").read_text().splitlines()
         assert int(row[6]) == json.loads(log[-1])["step"]
     assert has_png(cells["curves"]) and (tmp_path / "chains_curves.png").is_file()
+    # The shape probe: a row a line of its file, and the chains steps at which the recipe's chains stage
+    # meets that template, as its data module draws the prompts.
+    import inspect
+
+    import yaml
+
+    from forge_lightning.data import GSM8KDataModule
+    from forge_lightning.data.arithmetic import generate
+    from forge_lightning.data.epoch_sampler import EpochShuffleSampler
+
+    [probe] = tables(cells["shape-probe"])
+    lines = [json.loads(line) for line in (multistep / "shape_probe.jsonl").read_text().splitlines()]
+    assert len(probe) - 1 == len(lines) >= 2
+    config = yaml.safe_load((NOTEBOOKS.parent / "configs" / "multistep_cpu.yaml").read_text())
+    [chains] = [stage for stage in config["stages"] if stage["name"] == "chains"]
+    per_step, steps = config["data"]["prompts_per_step"], chains["trainer"]["max_steps"]
+    data_seed = inspect.signature(GSM8KDataModule).parameters["seed"].default
+    assert "seed" not in config["data"] and "seed" not in chains.get("data", {})
+    variant = chains.get("data", {}).get("task_variant", config["data"]["task_variant"])
+    train = generate(seed=0, variant=variant)["train"]
+    order = list(EpochShuffleSampler(len(train), seed=data_seed, shuffle=True))[: per_step * steps]
+    for row, line in zip(probe[1:], lines):
+        met = [i // per_step + 1 for i, j in enumerate(order) if train[j].template == line["template"]]
+        assert row[2] == ", ".join(map(str, met)) == ", ".join(map(str, line["chains_steps"]))
+        assert row[3] == " ".join(map(str, line["right_per_problem"]))
+        assert len(line["right_per_problem"]) == len(met)
+        assert row[4] == f"{sum(r > 0 for r in line['right_per_problem'])} / {len(met)}"
 
 
 def shell_words(command: str) -> list[str]:
