@@ -203,6 +203,14 @@ class LossSettings:
         """Whether the loss reads reference log-probs (a KL term, or Forge's ratio)."""
         return self.kl_beta > 0 or _KINDS[self.loss_type].ratio_against_reference
 
+    @property
+    def advantage_weighted(self) -> bool:
+        """Whether every term of the loss is a completion's advantage times something: no KL term
+        in the loss (``kl_beta`` 0, or the KL in the reward), no entropy bonus, not ``forge``. A
+        completion whose advantage is 0 then adds exactly nothing to the gradient."""
+        in_loss_kl = self.kl_beta > 0 and not self.kl_in_reward
+        return not (in_loss_kl or self.entropy_coef > 0 or _KINDS[self.loss_type].ratio_against_reference)
+
     def scoring_temperature(self, sampling_temperature: float) -> float:
         """The temperature completions are scored at: the sampling one, or 1 for ``forge``."""
         return sampling_temperature if _KINDS[self.loss_type].at_sampling_temperature else 1.0

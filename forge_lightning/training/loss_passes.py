@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -100,10 +101,27 @@ class LossPasses:
     def micro_batches(self, rollout: Rollout, model: PreTrainedModel) -> list[MicroBatch]:
         return self.scorer.micro_batches(rollout, model)
 
+    def learns(self, advantages: Tensor) -> bool:
+        """Whether a micro-batch whose rows have ``advantages`` needs its backward: not where the
+        loss is advantage-weighted (LossSettings.advantage_weighted) and every advantage is 0 (a
+        group whose rewards are all equal), whose gradient is exactly 0. Its forward still runs,
+        without gradients, for the metrics (the entropy, the loss's statistics)."""
+        return not self.loss.advantage_weighted or bool(advantages.ne(0).any())
+
+    def backward_calls(self, rollout: Rollout, advantages: Tensor, model: PreTrainedModel) -> int:
+        """The backward calls a pass over ``rollout`` makes: one per micro-batch that
+        :meth:`learns`, and one zero-weight call where none does (the gradient then exists, zero,
+        as the micro-batches' own backwards would have left it: AdamW's moments still move)."""
+        batches = self.micro_batches(rollout, model)
+        learning = sum(self.learns(advantages[batch.rows]) for batch in batches)
+        return max(learning, 1) if batches else 0
+
     def backward_calls_missing(self, made: int, context: StepContext) -> int:
         """Zero-weight backward calls this rank must add to match the others' all-reduces: with a
-        token budget each rank packs its rollout into its own number of micro-batches."""
-        if self.scorer.micro_batch_tokens is None or context.world_size == 1:
+        token budget each rank packs its rollout into its own number of micro-batches, and with an
+        advantage-weighted loss each skips the backward of its own zero-advantage micro-batches."""
+        differs = self.scorer.micro_batch_tokens is not None or self.loss.advantage_weighted
+        if not differs or context.world_size == 1:
             return 0
         return SamplingRounds.backward_calls_missing(made, context.reduce, context.device)
 
@@ -125,9 +143,11 @@ class LossPasses:
         mask = rollout.loss_mask(self.mask_truncated)  # (P*G, Lc)
         totals: dict[str, Tensor] = {}
         batches = self.scorer.micro_batches(rollout, model)
+        learned = 0
         for batch in batches:
             rows = batch.rows
-            with profile("logprob"):
+            learns = self.learns(advantages[rows])
+            with profile("logprob"), (contextlib.nullcontext() if learns else torch.no_grad()):
                 logp, entropy = self.scorer.log_probs_and_entropy(
                     model, rollout, batch, entropy_grad=self.loss.entropy_coef > 0
                 )
@@ -141,12 +161,16 @@ class LossPasses:
                     behav_logp=_rows(rollout.behav_logp, rows),
                 )
                 loss = loss - entropy_bonus(entropy, mask[rows], self.loss)
-            weight = backward_weight(self.loss, mask[rows], mask).to(loss.device)
-            with profile("backward"):
-                backward(loss * weight)
+            if learns:
+                weight = backward_weight(self.loss, mask[rows], mask).to(loss.device)
+                with profile("backward"):
+                    backward(loss * weight)
+                learned += 1
             metrics["entropy"] = masked_mean(entropy.detach(), mask[rows])
             share = micro_batch_weight(self.loss, mask[rows], mask).to(loss.device)
             add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
+        if batches and not learned:  # see backward_calls
+            extra += 1
         if extra:
             params = [p for p in model.parameters() if p.requires_grad]
             for _ in range(extra):

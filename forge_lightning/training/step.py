@@ -115,7 +115,7 @@ class BatchTrainer:
         pass_stats = []
         for part in plan.passes:  # the whole rollout, or one share of its generation
             share, share_advantages, old, ref = take_share(part, trained, plan.advantages, old_logp, ref_logp)
-            extra = self.backward_calls_missing(share, model, context)
+            extra = self.backward_calls_missing(share, share_advantages, model, context)
             pass_stats.append(
                 self.loss_passes.backward(
                     model, share, share_advantages, old, ref, context.backward, profile, extra
@@ -144,12 +144,15 @@ class BatchTrainer:
             self.metrics.add({"groups_filtered": 0.0 if keep is None else float((~keep).sum())})
         return keep
 
-    def backward_calls_missing(self, share: Rollout, model: PreTrainedModel, context: StepContext) -> int:
+    def backward_calls_missing(
+        self, share: Rollout, advantages: Tensor, model: PreTrainedModel, context: StepContext
+    ) -> int:
         """Zero-weight backward calls this rank adds to a pass over ``share`` to make as many as
         the busiest rank: DDP all-reduces in each one. Asked before any backward of the pass, of
-        the plan (dynamic sampling), the loss passes (a token budget) and, when the hooks filter,
-        of every rank (each kept its own number of groups)."""
-        made = len(self.loss_passes.micro_batches(share, model))
+        the plan (dynamic sampling), the loss passes (a token budget, zero-advantage micro-batches
+        without a backward) and, when the hooks filter, of every rank (each kept its own number of
+        groups)."""
+        made = self.loss_passes.backward_calls(share, advantages, model)
         missing = self.plan.backward_calls_missing(made, context)
         missing = max(missing, self.loss_passes.backward_calls_missing(made, context))
         if context.hooks.filters and context.world_size > 1:

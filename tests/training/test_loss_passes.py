@@ -135,3 +135,90 @@ def test_micro_batches_smaller_than_a_group_share_its_prompt_and_give_the_whole_
         torch.testing.assert_close(count, whole_count)
         for a, b in zip(grads, whole_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+class EveryBackward(LossPasses):
+    """The loss passes as they were: every micro-batch's backward, whatever its advantages."""
+
+    def learns(self, advantages: torch.Tensor) -> bool:
+        return True
+
+
+def counted_pass(passes: LossPasses, model, rollout, advantages) -> tuple[dict, list, int]:
+    """One pass from no gradient: its statistics, the gradient (None where none) and its backward calls."""
+    model.zero_grad(set_to_none=True)
+    calls = []
+
+    def backward(loss: torch.Tensor) -> None:
+        calls.append(float(loss.detach()))
+        loss.backward()
+
+    stats = passes.backward(model, rollout, advantages, None, None, backward, lambda phase: nullcontext())
+    return stats, [None if p.grad is None else p.grad.clone() for p in model.parameters()], len(calls)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
+@pytest.mark.parametrize("scorer", [{"micro_batch_size": 3}, {"micro_batch_tokens": 40}])
+def test_zero_advantage_micro_batches_skip_their_backward_with_the_same_gradient_and_statistics(loss_type, scorer):
+    # Groups 0 and 2 of 4 have equal rewards (advantage 0 on every row): their backward adds nothing.
+    model = make_model(VOCAB)
+    rollout = mixed_rollout(VOCAB, ENDS, PROMPTS, group_size=3)
+    advantages = torch.tensor([0.0, 0, 0, 0.5, -1, 0.5, 0, 0, 0, -0.3, 0.6, -0.3])
+    loss = LossSettings(loss_type=loss_type, kl_beta=0.0)
+    every = EveryBackward(LogProbScorer(temperature=0.7, **scorer), loss, False)
+    skips = LossPasses(LogProbScorer(temperature=0.7, **scorer), loss, False)
+    made = len(skips.micro_batches(rollout, model))
+    learning = skips.backward_calls(rollout, advantages, model)
+    assert 0 < learning < made
+    want, want_grads, want_calls = counted_pass(every, model, rollout, advantages)
+    got, grads, calls = counted_pass(skips, model, rollout, advantages)
+    assert (want_calls, calls) == (made, learning)
+    for a, b in zip(grads, want_grads):
+        assert torch.equal(a, b)  # bit for bit: the skipped backwards added exact zeros
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    torch.testing.assert_close(skips.take_count(), every.take_count())
+
+
+def test_a_pass_whose_advantages_are_all_zero_leaves_a_zero_gradient_as_before():
+    # Not None: AdamW still steps its moments on a zero gradient, as it did on the backwards' zeros.
+    model = make_model(VOCAB)
+    rollout = mixed_rollout(VOCAB, ENDS, PROMPTS, group_size=3)
+    advantages = torch.zeros(len(ENDS))
+    loss = LossSettings(kl_beta=0.0)
+    skips = LossPasses(LogProbScorer(micro_batch_size=3), loss, False)
+    assert skips.backward_calls(rollout, advantages, model) == 1
+    want, want_grads, want_calls = counted_pass(EveryBackward(LogProbScorer(micro_batch_size=3), loss, False),
+                                                model, rollout, advantages)
+    got, grads, calls = counted_pass(skips, model, rollout, advantages)
+    assert (want_calls, calls) == (4, 1)
+    assert all(g is not None and not g.any() for g in grads)
+    for a, b in zip(grads, want_grads):
+        assert torch.equal(a, b)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"kl_beta": 0.04}, {"kl_beta": 0.0, "entropy_coef": 0.01}, {"loss_type": "forge", "kl_beta": 0.0}],
+)
+def test_a_loss_with_a_term_beside_the_advantage_runs_every_backward(settings):
+    # A KL term or an entropy bonus has a gradient where the advantage is 0; forge's ratio is against the reference.
+    loss = LossSettings(**settings)
+    assert not loss.advantage_weighted
+    passes = LossPasses(LogProbScorer(micro_batch_size=3), loss, False)
+    rollout = mixed_rollout(VOCAB, ENDS, PROMPTS, group_size=3)
+    assert passes.backward_calls(rollout, torch.zeros(len(ENDS)), make_model(VOCAB)) == 4
+    assert LossSettings(kl_beta=0.04, kl_in_reward=True).advantage_weighted  # the KL is in the advantage then
+
+
+def test_where_ranks_skip_their_own_zero_advantage_backwards_each_adds_up_to_the_busiest():
+    def other_rank_has_four(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        return torch.maximum(tensor, torch.tensor(4.0)) if op == "max" else tensor
+
+    two_ranks = StepContext.one_process(world_size=2, reduce=other_rank_has_four)
+    by_count = LossPasses(LogProbScorer(micro_batch_size=3), LossSettings(kl_beta=0.0), False)
+    assert by_count.backward_calls_missing(1, two_ranks) == 3
+    assert by_count.backward_calls_missing(1, StepContext.one_process()) == 0
