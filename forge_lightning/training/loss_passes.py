@@ -147,7 +147,7 @@ class LossPasses:
         for batch in batches:
             rows = batch.rows
             learns = self.learns(advantages[rows])
-            with profile("logprob"), (contextlib.nullcontext() if learns else torch.no_grad()):
+            with profile("logprob"), contextlib.nullcontext() if learns else torch.no_grad():
                 logp, entropy = self.scorer.log_probs_and_entropy(
                     model, rollout, batch, entropy_grad=self.loss.entropy_coef > 0
                 )

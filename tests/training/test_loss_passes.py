@@ -159,7 +159,9 @@ def counted_pass(passes: LossPasses, model, rollout, advantages) -> tuple[dict, 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
 @pytest.mark.parametrize("scorer", [{"micro_batch_size": 3}, {"micro_batch_tokens": 40}])
-def test_zero_advantage_micro_batches_skip_their_backward_with_the_same_gradient_and_statistics(loss_type, scorer):
+def test_zero_advantage_micro_batches_skip_their_backward_with_the_same_gradient_and_statistics(
+    loss_type, scorer
+):
     # Groups 0 and 2 of 4 have equal rewards (advantage 0 on every row): their backward adds nothing.
     model = make_model(VOCAB)
     rollout = mixed_rollout(VOCAB, ENDS, PROMPTS, group_size=3)
@@ -189,8 +191,9 @@ def test_a_pass_whose_advantages_are_all_zero_leaves_a_zero_gradient_as_before()
     loss = LossSettings(kl_beta=0.0)
     skips = LossPasses(LogProbScorer(micro_batch_size=3), loss, False)
     assert skips.backward_calls(rollout, advantages, model) == 1
-    want, want_grads, want_calls = counted_pass(EveryBackward(LogProbScorer(micro_batch_size=3), loss, False),
-                                                model, rollout, advantages)
+    want, want_grads, want_calls = counted_pass(
+        EveryBackward(LogProbScorer(micro_batch_size=3), loss, False), model, rollout, advantages
+    )
     got, grads, calls = counted_pass(skips, model, rollout, advantages)
     assert (want_calls, calls) == (4, 1)
     assert all(g is not None and not g.any() for g in grads)
@@ -205,7 +208,8 @@ def test_a_pass_whose_advantages_are_all_zero_leaves_a_zero_gradient_as_before()
     [{"kl_beta": 0.04}, {"kl_beta": 0.0, "entropy_coef": 0.01}, {"loss_type": "forge", "kl_beta": 0.0}],
 )
 def test_a_loss_with_a_term_beside_the_advantage_runs_every_backward(settings):
-    # A KL term or an entropy bonus has a gradient where the advantage is 0; forge's ratio is against the reference.
+    # A KL term or an entropy bonus has a gradient where the advantage is 0; forge's ratio is against
+    # the reference.
     loss = LossSettings(**settings)
     assert not loss.advantage_weighted
     passes = LossPasses(LogProbScorer(micro_batch_size=3), loss, False)
