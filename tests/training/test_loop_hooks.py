@@ -99,11 +99,21 @@ def test_a_rank_whose_groups_are_all_dropped_joins_the_busiest_ranks_backwards_a
     context = StepContext.one_process(backward=backward, world_size=2, reduce=busiest_has_three, hooks=hooks)
     grpo.step.train(a_batch(), grpo.model, None, *optimizer_of(grpo.model), context)
     assert calls == [0.0, 0.0, 0.0]  # no micro-batch of its own; the busiest rank's three all-reduces joined
-    # Without a filter every rank trains its whole batch: no backward added.
+    # Without a filter, under a loss with a term beside the advantage (an entropy bonus), every rank runs the
+    # backward of its whole batch: no backward added.
     calls.clear()
     plain = StepContext.one_process(backward=backward, world_size=2, reduce=busiest_has_three)
-    grpo.step.train(a_batch(), grpo.model, None, *optimizer_of(grpo.model), plain)
+    bonus = module(
+        reward=count_a, group_size=2, gradient_accumulation_steps=1, kl_beta=0.0, entropy_coef=0.01
+    )
+    bonus.configure_model()
+    bonus.step.train(a_batch(), bonus.model, None, *optimizer_of(bonus.model), plain)
     assert len(calls) == 1
+    # An advantage-weighted loss: each rank skips its own zero-advantage micro-batches, so it joins the
+    # busiest rank's calls.
+    calls.clear()
+    grpo.step.train(a_batch(), grpo.model, None, *optimizer_of(grpo.model), plain)
+    assert len(calls) == 3 and calls[1:] == [0.0, 0.0]
 
 
 def test_a_keep_mask_of_the_wrong_shape_or_dtype_is_refused(module, count_a):
