@@ -21,6 +21,7 @@ from forge_lightning.grpo import (
     micro_batch_weight,
     step_count,
 )
+from forge_lightning.models.sharding import is_sharded
 from forge_lightning.reporting.metrics import LOSS_STATS, add_micro_batch
 from forge_lightning.rollout.logprobs import LogProbScorer
 from forge_lightning.rollout.micro_batches import MicroBatch, padding_fraction
@@ -101,19 +102,23 @@ class LossPasses:
     def micro_batches(self, rollout: Rollout, model: PreTrainedModel) -> list[MicroBatch]:
         return self.scorer.micro_batches(rollout, model)
 
-    def learns(self, advantages: Tensor) -> bool:
+    def learns(self, advantages: Tensor, model: PreTrainedModel) -> bool:
         """Whether a micro-batch whose rows have ``advantages`` needs its backward: not where the
         loss is advantage-weighted (LossSettings.advantage_weighted) and every advantage is 0 (a
         group whose rewards are all equal), whose gradient is exactly 0. Its forward still runs,
-        without gradients, for the metrics (the entropy, the loss's statistics)."""
-        return not self.loss.advantage_weighted or bool(advantages.ne(0).any())
+        without gradients, for the metrics (the entropy, the loss's statistics). A sharded model
+        (FSDP2) runs every backward: its forwards and backwards gather the weights, in the same
+        order on every rank."""
+        if not self.loss.advantage_weighted or is_sharded(model):
+            return True
+        return bool(advantages.ne(0).any())
 
     def backward_calls(self, rollout: Rollout, advantages: Tensor, model: PreTrainedModel) -> int:
         """The backward calls a pass over ``rollout`` makes: one per micro-batch that
         :meth:`learns`, and one zero-weight call where none does (the gradient then exists, zero,
         as the micro-batches' own backwards would have left it: AdamW's moments still move)."""
         batches = self.micro_batches(rollout, model)
-        learning = sum(self.learns(advantages[batch.rows]) for batch in batches)
+        learning = sum(self.learns(advantages[batch.rows], model) for batch in batches)
         return max(learning, 1) if batches else 0
 
     def backward_calls_missing(self, made: int, context: StepContext) -> int:
@@ -146,7 +151,7 @@ class LossPasses:
         learned = 0
         for batch in batches:
             rows = batch.rows
-            learns = self.learns(advantages[rows])
+            learns = self.learns(advantages[rows], model)
             with profile("logprob"), contextlib.nullcontext() if learns else torch.no_grad():
                 logp, entropy = self.scorer.log_probs_and_entropy(
                     model, rollout, batch, entropy_grad=self.loss.entropy_coef > 0

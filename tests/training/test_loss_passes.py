@@ -140,7 +140,7 @@ def test_micro_batches_smaller_than_a_group_share_its_prompt_and_give_the_whole_
 class EveryBackward(LossPasses):
     """The loss passes as they were: every micro-batch's backward, whatever its advantages."""
 
-    def learns(self, advantages: torch.Tensor) -> bool:
+    def learns(self, advantages: torch.Tensor, model) -> bool:
         return True
 
 
@@ -226,3 +226,14 @@ def test_where_ranks_skip_their_own_zero_advantage_backwards_each_adds_up_to_the
     by_count = LossPasses(LogProbScorer(micro_batch_size=3), LossSettings(kl_beta=0.0), False)
     assert by_count.backward_calls_missing(1, two_ranks) == 3
     assert by_count.backward_calls_missing(1, StepContext.one_process()) == 0
+
+
+def test_a_sharded_model_runs_every_backward(monkeypatch):
+    # FSDP2 gathers the weights in each forward and backward, so every rank keeps them in one order.
+    import forge_lightning.training.loss_passes as loss_passes
+
+    passes = LossPasses(LogProbScorer(micro_batch_size=3), LossSettings(kl_beta=0.0), False)
+    rollout, model = mixed_rollout(VOCAB, ENDS, PROMPTS, group_size=3), make_model(VOCAB)
+    assert passes.backward_calls(rollout, torch.zeros(len(ENDS)), model) == 1
+    monkeypatch.setattr(loss_passes, "is_sharded", lambda model: True)
+    assert passes.backward_calls(rollout, torch.zeros(len(ENDS)), model) == 4
