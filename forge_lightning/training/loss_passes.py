@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -119,7 +118,7 @@ class LossPasses:
         as the micro-batches' own backwards would have left it: AdamW's moments still move)."""
         batches = self.micro_batches(rollout, model)
         learning = sum(self.learns(advantages[batch.rows], model) for batch in batches)
-        return max(learning, 1) if batches else 0
+        return learning + _zero_gradient_call(batches, learning)
 
     def backward_calls_missing(self, made: int, context: StepContext) -> int:
         """Zero-weight backward calls this rank must add to match the others' all-reduces: with a
@@ -152,7 +151,7 @@ class LossPasses:
         for batch in batches:
             rows = batch.rows
             learns = self.learns(advantages[rows], model)
-            with profile("logprob"), contextlib.nullcontext() if learns else torch.no_grad():
+            with profile("logprob"), nullcontext() if learns else torch.no_grad():
                 logp, entropy = self.scorer.log_probs_and_entropy(
                     model, rollout, batch, entropy_grad=self.loss.entropy_coef > 0
                 )
@@ -174,8 +173,7 @@ class LossPasses:
             metrics["entropy"] = masked_mean(entropy.detach(), mask[rows])
             share = micro_batch_weight(self.loss, mask[rows], mask).to(loss.device)
             add_micro_batch(totals, loss, metrics, share, mask[rows].sum() / mask.sum().clamp(min=1))
-        if batches and not learned:  # see backward_calls
-            extra += 1
+        extra += _zero_gradient_call(batches, learned)
         if extra:
             params = [p for p in model.parameters() if p.requires_grad]
             for _ in range(extra):
@@ -185,6 +183,12 @@ class LossPasses:
             # (each key still updated, empty, so that every rank joins each metric's reduction)
             return {key: torch.zeros(0) for key in (*LOSS_STATS, "padding_fraction")}
         return {**totals, "padding_fraction": torch.tensor(padding_fraction(batches, rollout))}
+
+
+def _zero_gradient_call(batches: list[MicroBatch], learning: int) -> int:
+    """The zero-weight backward a pass adds where it has micro-batches but none learns (1, else 0):
+    the gradient then exists, zero, as their own backwards would have left it."""
+    return 1 if batches and not learning else 0
 
 
 def _rows(values: Tensor | None, rows: Tensor) -> Tensor | None:
